@@ -1,0 +1,78 @@
+"""jaxdist: tf.distribute's programming model on JAX.
+
+Example:
+    >>> import jaxdist
+    >>> strategy = jaxdist.MirroredStrategy()
+    >>> with strategy.scope():
+    ...     params = init_params()
+    >>> out = strategy.run(step, args=(params, batch))
+"""
+
+from jaxdist import cluster_resolver, tpu
+from jaxdist.input import (
+    AutoShardPolicy,
+    Dataset,
+    DistributedDataset,
+    DistributedIterator,
+    InputContext,
+    InputOptions,
+)
+from jaxdist.strategies import (
+    CentralStorageStrategy,
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    MirroredStrategy,
+    NcclAllReduce,
+    OneDeviceStrategy,
+    PerReplica,
+    ReduceOp,
+    ReductionToOneDevice,
+    ReplicaContext,
+    Strategy,
+    StrategyExtended,
+    TPUStrategy,
+    ValueContext,
+    compute_average_loss,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+    scale_regularization_loss,
+)
+from jaxdist.strategies.context import get_cross_replica_context
+from jaxdist.strategies.tpu import experimental_connect_to_cluster
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoShardPolicy",
+    "CentralStorageStrategy",
+    "CrossDeviceOps",
+    "Dataset",
+    "DistributedDataset",
+    "DistributedIterator",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "TPUStrategy",
+    "ValueContext",
+    "cluster_resolver",
+    "compute_average_loss",
+    "experimental_connect_to_cluster",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+    "tpu",
+]

@@ -1,0 +1,98 @@
+"""``InputOptions`` and ``InputContext`` (tf.distribute's input configuration objects)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class AutoShardPolicy(enum.Enum):
+    """How a multi-worker dataset is split across input pipelines (``tf.data``'s names)."""
+
+    OFF = "OFF"
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    HINT = "HINT"
+
+
+_PARTIAL = ("error", "drop", "pad")
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """Options for distributed datasets (``tf.distribute.InputOptions``).
+
+    Args:
+        experimental_fetch_to_device: copy each batch to the replicas' devices in the background
+            (default True); False leaves batches in host memory until ``run`` needs them.
+        experimental_per_replica_buffer_size: how many batches are prefetched ahead.
+        experimental_replication_mode: accepted for compatibility (per-worker only).
+        experimental_place_dataset_on_device: accepted for compatibility.
+        partial_batch: what to do with a global batch whose size does not divide by the replica
+            count: ``"error"`` (default), ``"drop"`` it, or ``"pad"`` it with zeros and yield
+            ``(batch, mask)`` pairs where ``mask`` is 1.0 for real rows and 0.0 for padding.
+
+    Example:
+        >>> opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2,
+        ...                             partial_batch="pad")
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_per_replica_buffer_size: int = 1
+    experimental_replication_mode: str = "PER_WORKER"
+    experimental_place_dataset_on_device: bool = False
+    partial_batch: str = "error"
+
+    def __post_init__(self):
+        if self.partial_batch not in _PARTIAL:
+            raise ValueError(
+                f"InputOptions.partial_batch={self.partial_batch!r}: expected one of {_PARTIAL}"
+            )
+        if self.experimental_per_replica_buffer_size < 0:
+            raise ValueError(
+                "InputOptions.experimental_per_replica_buffer_size must be >= 0, got "
+                f"{self.experimental_per_replica_buffer_size}"
+            )
+
+
+class InputContext:
+    """What ``distribute_datasets_from_function`` passes to the dataset function.
+
+    Args:
+        num_input_pipelines: how many input pipelines (processes) there are.
+        input_pipeline_id: this pipeline's index in ``[0, num_input_pipelines)``.
+        num_replicas_in_sync: the total number of replicas.
+
+    Example:
+        >>> ctx = jaxdist.InputContext(num_input_pipelines=2, input_pipeline_id=0,
+        ...                            num_replicas_in_sync=8)
+        >>> ctx.get_per_replica_batch_size(64)
+        8
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        if not 0 <= input_pipeline_id < num_input_pipelines:
+            raise ValueError(
+                f"input_pipeline_id={input_pipeline_id} is not in [0, {num_input_pipelines})"
+            )
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size // num_replicas_in_sync``; an error if it does not divide."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"The global batch size {global_batch_size} is not divisible by "
+                f"num_replicas_in_sync {self.num_replicas_in_sync}"
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+            f"input_pipeline_id={self.input_pipeline_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )

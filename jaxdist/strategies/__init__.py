@@ -1,0 +1,56 @@
+"""Distribution strategies, their context stack, cross-device ops and distributed values."""
+
+from jaxdist.strategies.central_storage import CentralStorageStrategy
+from jaxdist.strategies.context import (
+    get_cross_replica_context,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from jaxdist.strategies.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from jaxdist.strategies.default import DefaultStrategy, get_default_strategy
+from jaxdist.strategies.devices import resolve_device, resolve_devices
+from jaxdist.strategies.inflight import StepThrottle
+from jaxdist.strategies.losses import compute_average_loss, scale_regularization_loss
+from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.one_device import OneDeviceStrategy
+from jaxdist.strategies.reduce_util import ReduceOp
+from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.strategy import Strategy, StrategyExtended, ValueContext
+from jaxdist.strategies.tpu import TPUStrategy
+from jaxdist.strategies.values import PerReplica
+
+__all__ = [
+    "CentralStorageStrategy",
+    "CrossDeviceOps",
+    "DefaultStrategy",
+    "HierarchicalCopyAllReduce",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "StepThrottle",
+    "Strategy",
+    "StrategyExtended",
+    "TPUStrategy",
+    "ValueContext",
+    "compute_average_loss",
+    "get_cross_replica_context",
+    "get_default_strategy",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "resolve_device",
+    "resolve_devices",
+    "scale_regularization_loss",
+]

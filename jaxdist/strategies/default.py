@@ -1,0 +1,81 @@
+"""The default strategy: what ``get_strategy()`` returns outside every scope (a pass-through)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.strategies.reduce_util import ReduceOp
+from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.strategy import Strategy, StrategyExtended
+
+
+class _DefaultExtended(StrategyExtended):
+    def __init__(self, strategy):
+        super().__init__(strategy, (jax.local_devices()[0],))
+
+    def _placement_mesh(self):
+        return None
+
+    def place(self, tree):
+        return tree
+
+    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+        return fn(*args, **(kwargs or {}))
+
+    def _reduce_leaf(self, op, v, axis):
+        if axis is None:
+            return v
+        return jnp.mean(v, axis=axis) if op is ReduceOp.MEAN else jnp.sum(v, axis=axis)
+
+    def reduce_to(self, reduce_op, value, destinations=None, options=None):
+        ReduceOp.from_value(reduce_op)
+        return self._to_destination(value, destinations)
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        return fn(var, *args, **(kwargs or {}))
+
+
+class DefaultStrategy(Strategy):
+    """The strategy in effect outside every ``scope()``: one replica, ``run(fn)`` calls ``fn``.
+
+    Example:
+        >>> jaxdist.get_strategy().run(lambda x: x + 1, args=(1,))
+        2
+    """
+
+    def __init__(self):
+        super().__init__(_DefaultExtended(self))
+        self._default_replica_context = ReplicaContext(self, None)
+
+    def experimental_local_results(self, value):
+        return (value,)
+
+    def gather(self, value, axis):
+        return value
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        from jaxdist.strategies.strategy import ValueContext
+
+        return value_fn(ValueContext(0, 1))
+
+    def __repr__(self) -> str:
+        return "DefaultStrategy()"
+
+
+_default: DefaultStrategy | None = None
+_lock = threading.Lock()
+
+
+def get_default_strategy() -> DefaultStrategy:
+    """The process-wide default strategy singleton."""
+    global _default
+    if _default is None:
+        with _lock:
+            if _default is None:
+                _default = DefaultStrategy()
+    return _default

@@ -1,0 +1,62 @@
+"""Bounding the number of dispatched-but-unfinished steps.
+
+With more forced CPU devices than cores, dispatching many steps that contain cross-device
+collectives without waiting lets XLA's CPU collective rendezvous time out and abort the process.
+Waiting on step ``k - max_in_flight`` before dispatching step ``k`` avoids it; on accelerators
+two steps in flight are enough to hide the dispatch latency.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import jax
+
+
+def _wait(leaves: list[Any]) -> None:
+    for x in leaves:
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.block_until_ready()
+
+
+class StepThrottle:
+    """Keeps at most ``max_in_flight`` steps dispatched and not finished.
+
+    Example:
+        >>> throttle = StepThrottle(2)
+        >>> for batch in data:
+        ...     throttle.before_dispatch()
+        ...     out = step(batch)
+        ...     throttle.after_dispatch(out)
+    """
+
+    def __init__(self, max_in_flight: int = 2):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self._pending: collections.deque[list[Any]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def before_dispatch(self) -> None:
+        """Waits until fewer than ``max_in_flight`` steps are pending."""
+        while True:
+            with self._lock:
+                if len(self._pending) < self.max_in_flight:
+                    return
+                oldest = self._pending.popleft()
+            _wait(oldest)
+
+    def after_dispatch(self, outputs: Any) -> None:
+        """Records the outputs of a step just dispatched."""
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        with self._lock:
+            self._pending.append(leaves)
+
+    def wait_all(self) -> None:
+        """Waits for every pending step."""
+        with self._lock:
+            pending, self._pending = list(self._pending), collections.deque()
+        for leaves in pending:
+            _wait(leaves)

@@ -1,0 +1,690 @@
+"""``Strategy`` and ``StrategyExtended``: the API every strategy shares, and the ``run`` engine.
+
+A strategy owns a mesh of replicas. ``run(fn, args)`` compiles ``jit(shard_map(fn))`` over that
+mesh: ``PerReplica`` inputs are split one entry per replica, everything else is passed whole,
+outputs that are identical on every replica (JAX's shard_map types say which) come back as one
+replicated array, and outputs that vary come back as ``PerReplica``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.strategies import context as ctx_lib
+from jaxdist.strategies.cross_device_ops import (
+    CrossDeviceOps,
+    NcclAllReduce,
+    all_gather_invariant,
+    varying_axes,
+)
+from jaxdist.strategies.inflight import StepThrottle
+from jaxdist.strategies.reduce_util import ReduceOp
+from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.values import PerReplica, is_per_replica, local_components
+
+_SCALAR_TYPES = (int, float, bool, complex)
+_RUN_CACHE_SIZE = 128
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` passes to its function.
+
+    Attributes:
+        replica_id_in_sync_group: the replica the value is for.
+        num_replicas_in_sync: the total number of replicas.
+    """
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, *_SCALAR_TYPES)) or hasattr(
+        x, "__jax_array__"
+    )
+
+
+class StrategyExtended:
+    """Strategy internals with TF's ``extended`` names (``reduce_to``, ``update``, ...).
+
+    Args:
+        strategy: the owning strategy.
+        devices: compute devices, in replica order.
+        cross_device_ops: how replicas reduce (default ``NcclAllReduce()``).
+        max_steps_in_flight: bound on dispatched-but-unfinished ``run`` calls (see
+            ``StepThrottle``).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        devices: Sequence[Any],
+        cross_device_ops: CrossDeviceOps | None = None,
+        max_steps_in_flight: int = 2,
+    ):
+        self._container_strategy = strategy
+        self._devices = tuple(devices)
+        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        if not isinstance(self._cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                f"cross_device_ops must be a jaxdist.CrossDeviceOps (NcclAllReduce, "
+                f"HierarchicalCopyAllReduce, ReductionToOneDevice), got {cross_device_ops!r}"
+            )
+        self._cross_device_ops.bind(self._devices)
+        shape, axes = self._cross_device_ops.mesh_layout(len(self._devices))
+        self._axes: tuple[str, ...] = tuple(axes)
+        self._mesh = jax.make_mesh(
+            shape,
+            self._axes,
+            axis_types=(AxisType.Explicit,) * len(axes),
+            devices=list(self._devices),
+        )
+        self._mesh_devices = frozenset(self._devices)
+        self._replicated = NamedSharding(self._mesh, P())
+        self._data_sharding = NamedSharding(self._mesh, P(self._axes))
+        self._throttle = StepThrottle(max_steps_in_flight)
+        self._run_cache: collections.OrderedDict = collections.OrderedDict()
+        self._reduce_cache: dict = {}
+        self._cache_lock = threading.Lock()
+        self._colocation: list[Any] = []
+
+    # ------------------------------------------------------------------ placement
+    @property
+    def worker_devices(self) -> tuple[Any, ...]:
+        """The compute devices, in replica order."""
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple[Any, ...]:
+        """Where state lives (all compute devices for mirrored strategies)."""
+        return self._devices
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The replica mesh ``run`` maps over."""
+        return self._mesh
+
+    @property
+    def replica_axis_names(self) -> tuple[str, ...]:
+        """Mesh axis names the replicas span (use them for direct ``jax.lax`` collectives)."""
+        return self._axes
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        """The sharding state created under ``scope()`` gets."""
+        return self._replicated
+
+    @property
+    def experimental_max_steps_in_flight(self) -> int:
+        return self._throttle.max_in_flight
+
+    @experimental_max_steps_in_flight.setter
+    def experimental_max_steps_in_flight(self, value: int) -> None:
+        self._throttle = StepThrottle(value)
+
+    def _placement_mesh(self) -> jax.sharding.Mesh:
+        return self._mesh
+
+    def _state_needs_move(self, x: Any) -> bool:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return False
+        sh = x.sharding
+        return sh != self.state_sharding and not (
+            sh.device_set == self.state_sharding.device_set and sh.is_fully_replicated
+        )
+
+    def place(self, tree: Any) -> Any:
+        """Places every array leaf of ``tree`` as this strategy keeps state."""
+
+        def put(x):
+            if isinstance(x, PerReplica) or not _is_dynamic(x):
+                return x
+            if isinstance(x, jax.Array) and not self._state_needs_move(x):
+                return x
+            return jax.device_put(x, self.state_sharding)
+
+        return jax.tree.map(put, tree, is_leaf=is_per_replica)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """State created in this context is placed with ``colocate_with_variable``.
+
+        Mirrored strategies keep every variable on every replica, so this only records the
+        request (the parameter-server strategy uses it to keep variables on one ps task).
+        """
+        self._colocation.append(colocate_with_variable)
+        try:
+            yield
+        finally:
+            self._colocation.pop()
+
+    # ------------------------------------------------------------------ run
+    @property
+    def _num_replicas(self) -> int:
+        return len(self._devices)
+
+    def call_for_each_replica(self, fn: Callable, args=(), kwargs=None) -> Any:
+        """compat.v1 name for ``Strategy.run``."""
+        return self._run(fn, args, kwargs)
+
+    def _prepare_leaf(self, leaf: Any, kind: str) -> Any:
+        if kind == "pr":
+            x = leaf.stacked
+            if isinstance(x, jax.core.Tracer):
+                return x
+            if not isinstance(x, jax.Array) or x.sharding != self._data_sharding:
+                x = jax.device_put(x, self._data_sharding)
+            return x
+        if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, _SCALAR_TYPES):
+            return leaf
+        if isinstance(leaf, jax.Array):
+            sh = leaf.sharding
+            if sh == self._replicated or (
+                sh.device_set == self._mesh_devices and sh.is_fully_replicated
+            ):
+                return leaf
+        return jax.device_put(leaf, self._replicated)
+
+    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+        if not callable(fn):
+            raise TypeError(f"strategy.run expects a callable, got {fn!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list, got {type(args).__name__}: {args!r}")
+        kwargs = dict(kwargs or {})
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
+        n = self._num_replicas
+        kinds: list[str] = []
+        statics: list[Any] = []
+        dyn: list[Any] = []
+        tracing = False
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica):
+                if leaf.stacked.shape[0] != n:
+                    raise ValueError(
+                        f"PerReplica value has {leaf.stacked.shape[0]} replicas, but "
+                        f"{self._container_strategy!r} has {n}"
+                    )
+                kinds.append("pr")
+                tracing |= isinstance(leaf.stacked, jax.core.Tracer)
+                dyn.append(leaf)
+            elif _is_dynamic(leaf):
+                kinds.append("arr")
+                tracing |= isinstance(leaf, jax.core.Tracer)
+                dyn.append(leaf)
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise TypeError(
+                        f"strategy.run argument leaf {leaf!r} of type {type(leaf).__name__} is "
+                        f"neither an array nor hashable; pass arrays, numbers or hashable "
+                        f"constants"
+                    ) from None
+                kinds.append("static")
+                statics.append(leaf)
+        key = (fn, treedef, tuple(kinds), tuple(statics))
+        compiled = self._lookup(key, fn, treedef, kinds, statics)
+        dyn_kinds = [k for k in kinds if k != "static"]
+        dyn = [self._prepare_leaf(x, k) for x, k in zip(dyn, dyn_kinds)]
+        if tracing:
+            return compiled.raw(*dyn)
+        self._throttle.before_dispatch()
+        out = compiled.jitted(*dyn)
+        self._throttle.after_dispatch(out)
+        return self._post_run(out)
+
+    def _post_run(self, out: Any) -> Any:
+        return out
+
+    def _lookup(self, key, fn, treedef, kinds, statics):
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        with self._cache_lock:
+            if key is not None and key in self._run_cache:
+                self._run_cache.move_to_end(key)
+                return self._run_cache[key]
+        compiled = _CompiledRun(self, fn, treedef, kinds, statics)
+        if key is not None:
+            with self._cache_lock:
+                self._run_cache[key] = compiled
+                while len(self._run_cache) > _RUN_CACHE_SIZE:
+                    self._run_cache.popitem(last=False)
+        return compiled
+
+    # ------------------------------------------------------------------ reductions
+    def _is_mirrored(self, x: Any) -> bool:
+        return (
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and x.sharding.device_set == self._mesh_devices
+            and x.sharding.is_fully_replicated
+        )
+
+    def _reduce_fn(self, op: ReduceOp, axis: int | None, ndim: int):
+        key = (op, axis, ndim)
+        if key in self._reduce_cache:
+            return self._reduce_cache[key]
+        axes, n, cdo = self._axes, self._num_replicas, self._cross_device_ops
+
+        def body(x):
+            x = x[0]
+            count = 1
+            if axis is not None:
+                count = x.shape[axis]
+                x = jnp.sum(x, axis=axis)
+            total = cdo.all_reduce(ReduceOp.SUM, x, axes, n)
+            if op is ReduceOp.MEAN:
+                total = total / (count * n)
+            return total
+
+        f = jax.jit(
+            jax.shard_map(body, mesh=self._mesh, in_specs=P(axes), out_specs=P()),
+        )
+        self._reduce_cache[key] = f
+        return f
+
+    def _gather_fn(self, axis: int):
+        key = ("gather", axis)
+        if key not in self._reduce_cache:
+
+            axes = self._axes
+
+            def body(x):
+                return all_gather_invariant(x[0], axes, axis=axis)
+
+            self._reduce_cache[key] = jax.jit(
+                jax.shard_map(body, mesh=self._mesh, in_specs=P(axes), out_specs=P())
+            )
+        return self._reduce_cache[key]
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None,
+                  options: Any = None) -> Any:
+        """Reduces ``value`` (a pytree of ``PerReplica`` or mirrored arrays) across replicas.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or their names.
+            value: the values to reduce.
+            destinations: where the result goes: ``None`` (replicated over the replicas), a
+                device, a TF device string, or a ``jax.sharding.Sharding``.
+            options: accepted for TF compatibility.
+        """
+        del options
+        op = ReduceOp.from_value(reduce_op)
+        out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
+        return self._to_destination(out, destinations)
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str,
+                        value_destination_pairs: Sequence[tuple[Any, Any]],
+                        options: Any = None) -> list[Any]:
+        """``reduce_to`` for a list of ``(value, destinations)`` pairs."""
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+    def _to_destination(self, tree: Any, destinations: Any) -> Any:
+        if destinations is None:
+            return tree
+        from jaxdist.strategies.devices import resolve_device
+
+        if isinstance(destinations, jax.sharding.Sharding):
+            target = destinations
+        elif isinstance(destinations, jax.Array):
+            target = destinations.sharding
+        else:
+            target = jax.sharding.SingleDeviceSharding(resolve_device(destinations))
+        return jax.device_put(tree, target)
+
+    def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
+        n = self._num_replicas
+        if isinstance(v, PerReplica):
+            stacked = self._prepare_leaf(v, "pr")
+            if axis is not None and not -v.stacked.ndim + 1 <= axis < v.stacked.ndim - 1:
+                raise ValueError(
+                    f"axis {axis} is out of range for per-replica values of shape {v.shape}"
+                )
+            ax = None if axis is None else axis % (v.stacked.ndim - 1)
+            return self._reduce_fn(op, ax, stacked.ndim)(stacked)
+        if self._is_mirrored(v):
+            x = v
+            if axis is not None:
+                x = jnp.mean(x, axis=axis) if op is ReduceOp.MEAN else jnp.sum(x, axis=axis)
+            return x * n if op is ReduceOp.SUM else x
+        # A value that is not distributed: TF's reduce_non_distributed_value rules.
+        x = v
+        if axis is not None:
+            x = jnp.mean(x, axis=axis) if op is ReduceOp.MEAN else jnp.sum(x, axis=axis)
+        if op is ReduceOp.MEAN or n == 1:
+            return x
+        if not isinstance(v, jax.Array) and np.all(np.asarray(v) == 0):
+            return x
+        raise ValueError(
+            f"A non-distributed value {v!r} cannot be reduced with {op} across {n} replicas: "
+            f"pass a PerReplica value (from strategy.run) or state placed by the strategy"
+        )
+
+    def update(self, var: Any, fn: Callable, args=(), kwargs=None, group: bool = True) -> Any:
+        """Returns ``fn(var, *args, **kwargs)`` computed where ``var`` lives (functional update).
+
+        ``var`` and the result are pytrees placed as the strategy keeps state; inputs that are
+        ``PerReplica`` are not allowed (reduce them first).
+        """
+        del group
+        leaves = jax.tree.leaves((args, kwargs or {}), is_leaf=is_per_replica)
+        if any(isinstance(x, PerReplica) for x in leaves):
+            raise ValueError(
+                "extended.update got a PerReplica argument: reduce it first "
+                "(strategy.extended.reduce_to) so the update is the same on every copy"
+            )
+        var = self.place(var)
+        args, kwargs = self.place((tuple(args), dict(kwargs or {})))
+        return _jit_update(fn)(var, *args, **kwargs)
+
+    def value_container(self, value: Any) -> Any:
+        return value
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any):
+        from jaxdist.input.dataset import Dataset
+
+        return Dataset.from_tensor_slices(numpy_input)
+
+    def non_slot_devices(self, var_list: Any) -> tuple[Any, ...]:
+        return self.parameter_devices
+
+
+_UPDATE_CACHE: dict = {}
+
+
+def _jit_update(fn: Callable) -> Callable:
+    try:
+        return _UPDATE_CACHE[fn]
+    except (KeyError, TypeError):
+        pass
+    jitted = jax.jit(fn)
+    try:
+        _UPDATE_CACHE[fn] = jitted
+    except TypeError:
+        pass
+    return jitted
+
+
+class _CompiledRun:
+    """One replica function compiled for one argument structure."""
+
+    def __init__(self, extended: StrategyExtended, fn: Callable, treedef, kinds, statics):
+        self.extended = extended
+        self.fn = fn
+        self.treedef = treedef
+        self.kinds = tuple(kinds)
+        self.statics = tuple(statics)
+        self.traces = 0
+        self.jitted = jax.jit(self.raw)
+
+    def _args(self, dyn: Sequence[Any]):
+        it_dyn, it_static = iter(dyn), iter(self.statics)
+        leaves = []
+        for k in self.kinds:
+            if k == "static":
+                leaves.append(next(it_static))
+            elif k == "pr":
+                leaves.append(next(it_dyn)[0])
+            else:
+                leaves.append(next(it_dyn))
+        return self.treedef.unflatten(leaves)
+
+    def _call_fn(self, dyn):
+        ext = self.extended
+        args, kwargs = self._args(dyn)
+        rctx = ReplicaContext(ext._container_strategy, ext._axes)
+        with ctx_lib.enter_replica(ext._container_strategy, rctx):
+            self.traces += 1
+            return self.fn(*args, **kwargs)
+
+    def raw(self, *dyn):
+        ext = self.extended
+        axes, mesh = ext._axes, ext._mesh
+        dyn_kinds = [k for k in self.kinds if k != "static"]
+        dyn = [x.stacked if isinstance(x, PerReplica) else x for x in dyn]
+        in_specs = tuple(P(axes) if k == "pr" else P() for k in dyn_kinds)
+        record: dict[str, Any] = {}
+
+        def probe(*xs):
+            out = self._call_fn(xs)
+            flat, tree = jax.tree.flatten(out)
+            flat = [_as_output(x) for x in flat]
+            record["tree"] = tree
+            record["varying"] = [bool(set(axes) & varying_axes(x)) for x in flat]
+            return [x[None] for x in flat]
+
+        jax.eval_shape(
+            jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes)), *dyn
+        )
+        varying, tree = record["varying"], record["tree"]
+
+        def body(*xs):
+            flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs))]
+            return tuple(x[None] if v else x for x, v in zip(flat, varying))
+
+        out_specs = tuple(P(axes) if v else P() for v in varying)
+        flat = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*dyn)
+        flat = [PerReplica(x) if v else x for x, v in zip(flat, varying)]
+        return tree.unflatten(flat)
+
+
+def _as_output(x: Any) -> Any:
+    if isinstance(x, PerReplica):
+        raise TypeError("a replica function must return arrays, not PerReplica values")
+    try:
+        return jnp.asarray(x)
+    except TypeError:
+        raise TypeError(
+            f"a replica function returned {x!r} of type {type(x).__name__}; "
+            f"return arrays (or pytrees of arrays)"
+        ) from None
+
+
+class Strategy:
+    """The API shared by every distribution strategy (``tf.distribute.Strategy``).
+
+    Example:
+        >>> strategy = jaxdist.MirroredStrategy()
+        >>> with strategy.scope():
+        ...     params = {"w": jnp.zeros((3,))}          # replicated on every device
+        >>> def step(params, x):
+        ...     return jaxdist.get_replica_context().all_reduce("SUM", x.sum())
+        >>> total = strategy.run(step, args=(params, dist_x))
+    """
+
+    def __init__(self, extended: StrategyExtended):
+        self._extended = extended
+
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas that run each step in lock-step."""
+        return self._extended._num_replicas
+
+    @property
+    def cluster_resolver(self) -> Any:
+        """The cluster resolver (``None`` for single-host strategies)."""
+        return None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Makes this the current strategy; arrays created inside are placed as it keeps state.
+
+        Raises:
+            ValueError: another strategy's scope is already entered.
+        """
+        with ctx_lib.enter_scope(self):
+            mesh = self._extended._placement_mesh()
+            if mesh is None:
+                yield self
+            else:
+                with jax.set_mesh(mesh):
+                    yield self
+
+    def run(self, fn: Callable, args=(), kwargs=None, options: Any = None) -> Any:
+        """Runs ``fn`` once per replica and returns its (per-replica or replicated) outputs.
+
+        Args:
+            fn: a function of arrays; inside it ``jaxdist.get_replica_context()`` gives the
+                replica's context.
+            args: positional arguments; ``PerReplica`` leaves are split, one entry per replica,
+                other arrays are passed whole to every replica.
+            kwargs: keyword arguments, treated like ``args``.
+            options: accepted for TF compatibility.
+
+        Returns:
+            ``fn``'s outputs: a leaf identical on every replica is one replicated array, a leaf
+            that varies is a ``PerReplica``.
+        """
+        del options
+        return self._extended._run(fn, args, kwargs)
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
+
+        Example:
+            >>> strategy.reduce("SUM", per_replica_losses, axis=None)
+        """
+        op = ReduceOp.from_value(reduce_op)
+        return jax.tree.map(
+            lambda v: self._extended._reduce_leaf(op, v, axis), value, is_leaf=is_per_replica
+        )
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the per-replica values of ``value`` along ``axis`` (replica order)."""
+
+        ext = self._extended
+
+        def one(v):
+            if isinstance(v, PerReplica):
+                stacked = ext._prepare_leaf(v, "pr")
+            elif ext._is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):
+                host = np.asarray(jax.device_get(v))
+                stacked = jax.device_put(
+                    np.broadcast_to(host, (ext._num_replicas, *host.shape)), ext._data_sharding
+                )
+            else:
+                raise TypeError(f"gather expects PerReplica values or arrays, got {v!r}")
+            if stacked.ndim < 2:
+                raise ValueError(
+                    f"gather needs per-replica values of rank >= 1 to concatenate along axis "
+                    f"{axis}, got per-replica shape {tuple(stacked.shape[1:])}"
+                )
+            if not -(stacked.ndim - 1) <= axis < stacked.ndim - 1:
+                raise ValueError(
+                    f"axis {axis} is out of range for per-replica shape {tuple(stacked.shape[1:])}"
+                )
+            return ext._gather_fn(axis % (stacked.ndim - 1))(stacked)
+
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values on this process's replicas, as a tuple (one entry per replica)."""
+        leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+        per_leaf = []
+        for leaf in leaves:
+            if isinstance(leaf, PerReplica):
+                per_leaf.append(leaf.values)
+            elif self._extended._is_mirrored(leaf):
+                by_dev = {s.device: s.data for s in leaf.addressable_shards}
+                per_leaf.append(tuple(by_dev[d] for d in self._extended._devices if d in by_dev))
+            else:
+                per_leaf.append((leaf,))
+        if not leaves:
+            return (value,)
+        width = max(len(p) for p in per_leaf)
+        return tuple(
+            treedef.unflatten([p[i] if len(p) == width else p[0] for p in per_leaf])
+            for i in range(width)
+        )
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
+        """Calls ``value_fn(ValueContext)`` for each replica; returns the values as ``PerReplica``.
+
+        Example:
+            >>> v = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: jnp.array([ctx.replica_id_in_sync_group]))
+        """
+        ext = self._extended
+        n = ext._num_replicas
+        values = [value_fn(ValueContext(i, n)) for i in range(n)]
+        return stack_per_replica(values, ext._data_sharding)
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None):
+        """Splits each global batch of ``dataset`` across the replicas (rows in order).
+
+        Args:
+            dataset: any iterable of batches (numpy / jax arrays, tuples, dicts), a
+                ``jaxdist.Dataset``, or a ``tf.data.Dataset`` if TensorFlow is installed.
+            options: ``jaxdist.InputOptions``.
+        """
+        from jaxdist.input.distributed import DistributedDataset
+
+        return DistributedDataset(self._extended, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options: Any = None):
+        """Calls ``dataset_fn(InputContext)`` per input pipeline; each element feeds one replica."""
+        from jaxdist.input.distributed import DistributedDatasetsFromFunction
+
+        return DistributedDatasetsFromFunction(self._extended, dataset_fn, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any):
+        """A ``jaxdist.Dataset`` of the slices of ``numpy_input`` (batch it yourself)."""
+        return self._extended.experimental_make_numpy_dataset(numpy_input)
+
+    def place(self, tree: Any) -> Any:
+        """Places state made outside ``scope()`` as this strategy keeps state (one call)."""
+        return self._extended.place(tree)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+
+def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
+    """Builds a pytree of ``PerReplica`` from one pytree per replica, each on its device."""
+    n = len(values)
+    leaves_per = [jax.tree.leaves(v) for v in values]
+    treedef = jax.tree.structure(values[0])
+    out = []
+    for j in range(treedef.num_leaves):
+        parts = [np.asarray(jax.device_get(leaves_per[i][j])) for i in range(n)]
+        stacked_shape = (n, *parts[0].shape)
+        for i, p in enumerate(parts):
+            if p.shape != parts[0].shape:
+                raise ValueError(
+                    f"per-replica values must have the same shape: replica 0 has "
+                    f"{parts[0].shape}, replica {i} has {p.shape}"
+                )
+        idx_map = sharding.addressable_devices_indices_map(stacked_shape)
+        arrays = []
+        for dev, idx in idx_map.items():
+            arrays.append(jax.device_put(np.stack(parts)[idx], dev))
+        out.append(
+            PerReplica(jax.make_array_from_single_device_arrays(stacked_shape, sharding, arrays))
+        )
+    return treedef.unflatten(out)
+
+
+__all__ = ["Strategy", "StrategyExtended", "ValueContext", "local_components"]
