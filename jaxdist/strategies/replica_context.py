@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.strategies.cross_device_ops import all_gather_invariant
+from jaxdist.strategies.cross_device_ops import all_gather_invariant, varying_axes
 from jaxdist.strategies.reduce_util import ReduceOp
 
 if TYPE_CHECKING:
@@ -48,6 +48,30 @@ class ReplicaContext:
         if self._axes is None:
             return jnp.int32(0)
         return lax.axis_index(self._axes)
+
+    def local(self, value: Any) -> Any:
+        """This replica's own copy of mirrored state (typed as varying across replicas).
+
+        JAX differentiates replicated state as one value: ``jax.grad`` of a per-replica loss
+        with respect to it already sums the gradient over the replicas (shard_map inserts the
+        all-reduce). To get per-replica gradients, as ``tf.GradientTape`` gives, and reduce them
+        with the strategy's cross-device op, differentiate with respect to ``ctx.local(params)``
+        and call ``all_reduce``:
+
+        Example:
+            >>> ctx = jaxdist.get_replica_context()
+            >>> grads = jax.grad(loss_fn)(ctx.local(params), batch)   # per replica
+            >>> grads = ctx.all_reduce("SUM", grads)                  # NcclAllReduce, ...
+        """
+        if self._axes is None:
+            return value
+
+        def cast(x):
+            x = jnp.asarray(x)
+            missing = tuple(a for a in self._axes if a not in varying_axes(x))
+            return lax.pcast(x, missing, to="varying") if missing else x
+
+        return jax.tree.map(cast, value)
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Reduces ``value`` (a pytree) across replicas with the strategy's cross-device op.
