@@ -73,15 +73,17 @@ class TPUClusterResolver:
             )
         return [d for d in tpus if d.process_index == jax.process_index()]
 
-    def master(self, task_type: str | None = None, task_id: int | None = None,
-               rpc_layer: str | None = None) -> str:
+    def master(
+        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
+    ) -> str:
         return ""
 
     def cluster_spec(self) -> dict[str, list[str]]:
         return {self.task_type: ["localhost:8470"]}
 
-    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
-                         config_proto: Any = None) -> dict[str, int]:
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: Any = None
+    ) -> dict[str, int]:
         try:
             return {"TPU": len(self.devices())}
         except TPUNotFoundError:

@@ -84,8 +84,9 @@ class Dataset:
 
         return Dataset(it, self._cardinality)
 
-    def shuffle(self, buffer_size: int, seed: int | None = None,
-                reshuffle_each_iteration: bool = True) -> Dataset:
+    def shuffle(
+        self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
+    ) -> Dataset:
         """Shuffles with a buffer of ``buffer_size`` elements; seeded runs are repeatable."""
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")

@@ -182,8 +182,7 @@ class _Prefetcher:
 class DistributedIterator:
     """Iterator over per-replica batches (``tf.distribute.DistributedIterator``)."""
 
-    def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any],
-                 options: InputOptions):
+    def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], options: InputOptions):
         buffer = options.experimental_per_replica_buffer_size
         self._produce = produce
         self._source = source
@@ -234,8 +233,9 @@ class DistributedDataset:
         ...     strategy.run(step, args=(state, xb, yb))
     """
 
-    def __init__(self, extended: StrategyExtended, dataset: Any,
-                 options: InputOptions | None = None):
+    def __init__(
+        self, extended: StrategyExtended, dataset: Any, options: InputOptions | None = None
+    ):
         self._ext = extended
         self._dataset = dataset
         self._options = options or InputOptions()
@@ -259,8 +259,12 @@ class DistributedDataset:
 class DistributedDatasetsFromFunction:
     """Per-pipeline datasets from ``dataset_fn(InputContext)``; each element feeds one replica."""
 
-    def __init__(self, extended: StrategyExtended, dataset_fn: Callable[[InputContext], Any],
-                 options: InputOptions | None = None):
+    def __init__(
+        self,
+        extended: StrategyExtended,
+        dataset_fn: Callable[[InputContext], Any],
+        options: InputOptions | None = None,
+    ):
         self._ext = extended
         self._options = options or InputOptions()
         self._sharder = _Sharder(extended, self._options)

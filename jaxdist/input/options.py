@@ -71,8 +71,12 @@ class InputContext:
         8
     """
 
-    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
-                 num_replicas_in_sync: int = 1):
+    def __init__(
+        self,
+        num_input_pipelines: int = 1,
+        input_pipeline_id: int = 0,
+        num_replicas_in_sync: int = 1,
+    ):
         if not 0 <= input_pipeline_id < num_input_pipelines:
             raise ValueError(
                 f"input_pipeline_id={input_pipeline_id} is not in [0, {num_input_pipelines})"

@@ -89,10 +89,7 @@ class CrossDeviceOps:
             for i, s in zip(varying, summed):
                 out[i] = s
         if op is ReduceOp.MEAN:
-            out = [
-                (x / n).astype(x.dtype) if i in varying else x
-                for i, x in enumerate(out)
-            ]
+            out = [(x / n).astype(x.dtype) if i in varying else x for i, x in enumerate(out)]
         return treedef.unflatten(out)
 
     def __repr__(self) -> str:

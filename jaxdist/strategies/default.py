@@ -52,6 +52,17 @@ class DefaultStrategy(Strategy):
         super().__init__(_DefaultExtended(self))
         self._default_replica_context = ReplicaContext(self, None)
 
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """The default strategy distributes nothing: the dataset is returned as it is."""
+        del options
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        from jaxdist.input.options import InputContext
+
+        del options
+        return dataset_fn(InputContext())
+
     def experimental_local_results(self, value):
         return (value,)
 

@@ -246,9 +246,9 @@ class StrategyExtended:
         if tracing:
             return compiled.raw(*dyn)
         self._throttle.before_dispatch()
-        out = compiled.jitted(*dyn)
+        out = self._post_run(compiled.jitted(*dyn))
         self._throttle.after_dispatch(out)
-        return self._post_run(out)
+        return out
 
     def _post_run(self, out: Any) -> Any:
         return out
@@ -305,7 +305,6 @@ class StrategyExtended:
     def _gather_fn(self, axis: int):
         key = ("gather", axis)
         if key not in self._reduce_cache:
-
             axes = self._axes
 
             def body(x):
@@ -316,8 +315,9 @@ class StrategyExtended:
             )
         return self._reduce_cache[key]
 
-    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None,
-                  options: Any = None) -> Any:
+    def reduce_to(
+        self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None
+    ) -> Any:
         """Reduces ``value`` (a pytree of ``PerReplica`` or mirrored arrays) across replicas.
 
         Args:
@@ -332,9 +332,12 @@ class StrategyExtended:
         out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
         return self._to_destination(out, destinations)
 
-    def batch_reduce_to(self, reduce_op: ReduceOp | str,
-                        value_destination_pairs: Sequence[tuple[Any, Any]],
-                        options: Any = None) -> list[Any]:
+    def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: Any = None,
+    ) -> list[Any]:
         """``reduce_to`` for a list of ``(value, destinations)`` pairs."""
         return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
 
@@ -472,9 +475,7 @@ class _CompiledRun:
             record["varying"] = [bool(set(axes) & varying_axes(x)) for x in flat]
             return [x[None] for x in flat]
 
-        jax.eval_shape(
-            jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes)), *dyn
-        )
+        jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes)), *dyn)
         varying, tree = record["varying"], record["tree"]
 
         def body(*xs):

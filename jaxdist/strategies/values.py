@@ -61,8 +61,7 @@ class PerReplica:
 
     def __repr__(self) -> str:
         return (
-            f"PerReplica(num_replicas={self.num_replicas}, shape={self.shape}, "
-            f"dtype={self.dtype})"
+            f"PerReplica(num_replicas={self.num_replicas}, shape={self.shape}, dtype={self.dtype})"
         )
 
 

@@ -1,0 +1,100 @@
+"""Context stack: get_strategy, has_strategy, replica / cross-replica contexts, scopes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxdist
+from jaxdist.strategies.default import DefaultStrategy
+
+
+def test_default_strategy_outside_scope():
+    s = jaxdist.get_strategy()
+    assert isinstance(s, DefaultStrategy)
+    assert s is jaxdist.get_strategy(), "default strategy must be a singleton"
+    assert not jaxdist.has_strategy()
+    assert not jaxdist.in_cross_replica_context()
+    rctx = jaxdist.get_replica_context()
+    assert rctx is not None and rctx.num_replicas_in_sync == 1
+    assert s.num_replicas_in_sync == 1
+    assert s.cluster_resolver is None
+
+
+def test_default_strategy_run_is_pass_through():
+    s = jaxdist.get_strategy()
+    calls = []
+
+    def fn(x, y=0):
+        calls.append(type(x))
+        return x + y
+
+    assert s.run(fn, args=(1,), kwargs={"y": 2}) == 3
+    assert calls == [int], "the default strategy must call fn directly, untraced"
+    assert s.reduce("SUM", 5.0, axis=None) == 5.0
+    assert s.experimental_local_results(7) == (7,)
+
+
+def test_scope_sets_strategy_and_cross_replica_context():
+    s = jaxdist.MirroredStrategy()
+    with s.scope() as entered:
+        assert entered is s
+        assert jaxdist.get_strategy() is s
+        assert jaxdist.has_strategy()
+        assert jaxdist.in_cross_replica_context()
+        assert jaxdist.get_replica_context() is None
+        assert jaxdist.get_cross_replica_context() is s
+    assert not jaxdist.has_strategy()
+
+
+def test_replica_context_inside_run():
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+    seen = {}
+
+    def fn():
+        rctx = jaxdist.get_replica_context()
+        seen["rctx"] = rctx
+        seen["cross"] = jaxdist.in_cross_replica_context()
+        seen["strategy"] = jaxdist.get_strategy()
+        return rctx.replica_id_in_sync_group
+
+    out = s.run(fn)
+    assert seen["rctx"] is not None and seen["rctx"].num_replicas_in_sync == 4
+    assert seen["cross"] is False
+    assert seen["strategy"] is s
+    ids = [int(v) for v in s.experimental_local_results(out)]
+    assert ids == [0, 1, 2, 3]
+
+
+def test_same_strategy_scope_reentrant():
+    s = jaxdist.MirroredStrategy()
+    with s.scope(), s.scope():
+        assert jaxdist.get_strategy() is s
+
+
+def test_mixing_strategies_is_an_error():
+    a = jaxdist.MirroredStrategy()
+    b = jaxdist.OneDeviceStrategy("/cpu:0")
+    with a.scope():
+        with pytest.raises(ValueError, match="Mixing different distribution strategies"):
+            with b.scope():
+                pass
+        assert jaxdist.get_strategy() is a
+
+
+def test_scope_is_thread_local():
+    import threading
+
+    s = jaxdist.MirroredStrategy()
+    seen = []
+    with s.scope():
+        t = threading.Thread(target=lambda: seen.append(jaxdist.has_strategy()))
+        t.start()
+        t.join(5)
+    assert seen == [False]
+
+
+def test_default_strategy_replica_context_reductions_identity():
+    rctx = jaxdist.get_replica_context()
+    x = jnp.arange(3.0)
+    assert (rctx.all_reduce("SUM", x) == x).all()
+    assert (rctx.all_gather(x, 0) == x).all()

@@ -1,0 +1,70 @@
+"""Steps in flight are bounded: 500 collective steps dispatched without waiting finish."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdist
+from jaxdist.strategies.inflight import StepThrottle
+
+
+def test_500_steps_without_waiting_on_8_devices(devices):
+    s = jaxdist.MirroredStrategy()
+    assert s.num_replicas_in_sync == 8
+    tx = optax.sgd(0.01)
+    with s.scope():
+        params = {"w": jnp.zeros((16, 4)), "b": jnp.zeros(4)}
+        opt_state = tx.init(params)
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, 16).astype(np.float32), rng.randn(64, 4).astype(np.float32)
+    xd, yd = next(iter(s.experimental_distribute_dataset([(x, y)])))
+
+    def step(params, opt_state, xb, yb):
+        ctx = jaxdist.get_replica_context()
+
+        def loss_fn(p):
+            return jaxdist.compute_average_loss(jnp.sum((xb @ p["w"] + p["b"] - yb) ** 2, -1))
+
+        loss, grads = jax.value_and_grad(loss_fn)(ctx.local(params))
+        grads = ctx.all_reduce("SUM", grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ctx.all_reduce("SUM", loss)
+
+    start = time.monotonic()
+    losses = []
+    for _ in range(500):  # the loop never waits; the strategy bounds steps in flight
+        params, opt_state, loss = s.run(step, args=(params, opt_state, xd, yd))
+        losses.append(loss)
+    jax.block_until_ready(losses)
+    assert time.monotonic() - start < 120
+    assert float(losses[-1]) < float(losses[0])
+
+
+def test_throttle_bounds_pending():
+    t = StepThrottle(2)
+    waited = []
+
+    class Fake:
+        pass
+
+    for i in range(5):
+        t.before_dispatch()
+        assert len(t._pending) < 2
+        t.after_dispatch([jnp.float32(i)])
+        waited.append(len(t._pending))
+    assert max(waited) == 2
+    t.wait_all()
+    assert not t._pending
+    with pytest.raises(ValueError, match="max_in_flight must be >= 1, got 0"):
+        StepThrottle(0)
+
+
+def test_max_steps_in_flight_is_configurable():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    assert s.extended.experimental_max_steps_in_flight == 2
+    s.extended.experimental_max_steps_in_flight = 4
+    assert s.extended._throttle.max_in_flight == 4

@@ -1,0 +1,186 @@
+"""Distributed input: splitting in order, structures, partial batches, prefetch, contexts."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist import Dataset, InputContext, InputOptions, PerReplica
+
+
+@pytest.fixture
+def strategy():
+    return jaxdist.MirroredStrategy(jax.devices()[:4])
+
+
+def _rows(strategy, v):
+    return [np.asarray(p) for p in strategy.experimental_local_results(v)]
+
+
+def test_global_batch_split_in_order(strategy):
+    x = np.arange(16 * 2).reshape(16, 2)
+    (xd,) = list(strategy.experimental_distribute_dataset([x]))
+    assert isinstance(xd, PerReplica) and xd.shape == (4, 2)
+    parts = _rows(strategy, xd)
+    for i, p in enumerate(parts):  # replica i gets rows i*b .. (i+1)*b - 1
+        np.testing.assert_array_equal(p, x[4 * i : 4 * (i + 1)])
+    devs = [list(p.devices())[0] for p in strategy.experimental_local_results(xd)]
+    assert devs == list(strategy.extended.worker_devices)
+
+
+def test_tuples_dicts_and_generators(strategy):
+    def gen():
+        for k in range(3):
+            yield {"x": np.full((8, 3), k, np.float32), "y": (np.arange(8), np.ones(8))}
+
+    out = list(strategy.experimental_distribute_dataset(gen()))
+    assert len(out) == 3
+    assert isinstance(out[2]["x"], PerReplica) and out[2]["x"].shape == (2, 3)
+    assert isinstance(out[0]["y"][0], PerReplica)
+    np.testing.assert_array_equal(_rows(strategy, out[1]["y"][0])[3], [6, 7])
+
+
+def test_dataset_pipeline_and_make_numpy_dataset(strategy):
+    x = np.arange(20, dtype=np.float32)
+    ds = strategy.experimental_make_numpy_dataset(x).batch(8, drop_remainder=True)
+    assert ds.cardinality() == 2
+    out = list(strategy.experimental_distribute_dataset(ds))
+    assert len(out) == 2
+    np.testing.assert_array_equal(np.concatenate(_rows(strategy, out[1])), x[8:16])
+
+
+def test_dataset_shuffle_is_deterministic_and_reshuffles_per_epoch():
+    ds = Dataset.from_tensor_slices(np.arange(50)).shuffle(50, seed=3).batch(10)
+    a = np.concatenate(list(ds))
+    b = np.concatenate(list(ds))
+    again = np.concatenate(
+        list(Dataset.from_tensor_slices(np.arange(50)).shuffle(50, seed=3).batch(10))
+    )
+    assert sorted(a) == list(range(50)) and not np.array_equal(a, np.arange(50))
+    assert not np.array_equal(a, b), "each epoch reshuffles"
+    np.testing.assert_array_equal(a, again)
+    rep = Dataset.from_tensor_slices(np.arange(4)).repeat(2).map(lambda v: v * 10).skip(1).take(5)
+    assert [int(v) for v in rep] == [10, 20, 30, 0, 10]
+
+
+def test_indivisible_batch_is_an_error_by_default(strategy):
+    with pytest.raises(ValueError, match="6 rows does not divide across 4 replicas"):
+        list(strategy.experimental_distribute_dataset([np.zeros((6, 2))]))
+
+
+def test_partial_batch_drop_and_pad(strategy):
+    batches = [np.ones((8, 2)), np.full((6, 2), 2.0)]
+    dropped = list(
+        strategy.experimental_distribute_dataset(batches, InputOptions(partial_batch="drop"))
+    )
+    assert len(dropped) == 1
+    padded = list(
+        strategy.experimental_distribute_dataset(batches, InputOptions(partial_batch="pad"))
+    )
+    (full, full_mask), (part, mask) = padded
+    assert part.shape == (2, 2)
+    rows = np.concatenate(_rows(strategy, part))
+    m = np.concatenate(_rows(strategy, mask))
+    np.testing.assert_array_equal(m, [1, 1, 1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(rows[:6], 2.0)
+    np.testing.assert_array_equal(rows[6:], 0.0)
+    assert np.concatenate(_rows(strategy, full_mask)).min() == 1.0
+    with pytest.raises(ValueError, match="partial_batch='keep'"):
+        InputOptions(partial_batch="keep")
+
+
+def test_masked_loss_with_padding_matches_unpadded(strategy):
+    x = np.arange(6, dtype=np.float32)
+    ((xd, md),) = list(
+        strategy.experimental_distribute_dataset([x], InputOptions(partial_batch="pad"))
+    )
+
+    def fn(xb, m):
+        per = xb**2
+        return jaxdist.get_replica_context().all_reduce(
+            "SUM", jaxdist.compute_average_loss(per, sample_weight=m, global_batch_size=6)
+        )
+
+    np.testing.assert_allclose(strategy.run(fn, args=(xd, md)), np.mean(x**2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("buffer", [0, 1, 3])
+def test_prefetch_buffer_sizes(strategy, buffer):
+    batches = [np.full((4, 1), i) for i in range(7)]
+    opts = InputOptions(experimental_per_replica_buffer_size=buffer)
+    out = [
+        int(_rows(strategy, b)[0][0, 0])
+        for b in strategy.experimental_distribute_dataset(batches, opts)
+    ]
+    assert out == list(range(7))
+
+
+def test_errors_from_the_source_reach_the_consumer(strategy):
+    def bad():
+        yield np.zeros((4, 1))
+        raise RuntimeError("source broke at batch 2")
+
+    it = iter(strategy.experimental_distribute_dataset(bad()))
+    next(it)
+    with pytest.raises(RuntimeError, match="source broke"):
+        next(it)
+
+
+def test_fetch_to_device_false_keeps_host_batches(strategy):
+    opts = InputOptions(experimental_fetch_to_device=False)
+    (xd,) = list(strategy.experimental_distribute_dataset([np.arange(8.0)], opts))
+    assert isinstance(xd.stacked, np.ndarray)
+    out = strategy.run(
+        lambda x: jaxdist.get_replica_context().all_reduce("SUM", x.sum()), args=(xd,)
+    )
+    assert float(out) == 28.0
+
+
+def test_bad_dataset_types(strategy):
+    with pytest.raises(TypeError, match="from_tensor_slices"):
+        strategy.experimental_distribute_dataset({"x": np.zeros((4, 1))})
+    with pytest.raises(TypeError, match="iterable of batches"):
+        iter(strategy.experimental_distribute_dataset(42))
+    with pytest.raises(ValueError, match="different batch sizes"):
+        list(strategy.experimental_distribute_dataset([(np.zeros((4, 1)), np.zeros((8, 1)))]))
+
+
+def test_distribute_datasets_from_function(strategy):
+    seen = []
+
+    def dataset_fn(ctx: InputContext):
+        seen.append(ctx)
+        b = ctx.get_per_replica_batch_size(8)
+        return Dataset.from_tensor_slices(np.arange(32)).batch(b)
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    ctx = seen[0]
+    assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 4)
+    batches = list(dist)
+    assert len(batches) == 4
+    # each replica gets its own element of the per-pipeline dataset
+    np.testing.assert_array_equal(np.stack(_rows(strategy, batches[0])), np.arange(8).reshape(4, 2))
+
+
+def test_input_context_batch_size_errors():
+    ctx = InputContext(1, 0, 4)
+    assert ctx.get_per_replica_batch_size(16) == 4
+    with pytest.raises(ValueError, match="10 is not divisible by num_replicas_in_sync 4"):
+        ctx.get_per_replica_batch_size(10)
+    with pytest.raises(ValueError, match="input_pipeline_id=2"):
+        InputContext(2, 2, 4)
+
+
+def test_default_strategy_passes_datasets_through():
+    s = jaxdist.get_strategy()
+    data = [np.ones((3, 2))]
+    out = list(s.experimental_distribute_dataset(data))
+    assert out[0].shape == (3, 2)
+    assert s.run(lambda x: x.sum(), args=(out[0],)) == 6.0
+
+
+def test_tf_data_dataset_if_tensorflow_installed(strategy):
+    tf = pytest.importorskip("tensorflow")
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(16, dtype=np.float32)).batch(8)
+    out = list(strategy.experimental_distribute_dataset(ds))
+    assert len(out) == 2 and out[0].shape == (2,)

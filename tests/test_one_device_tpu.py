@@ -1,0 +1,54 @@
+"""OneDeviceStrategy, TPUStrategy (on CPU devices), TPU entry points."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist.cluster_resolver import TPUClusterResolver, TPUNotFoundError
+
+
+def test_one_device_places_state_and_runs():
+    s = jaxdist.OneDeviceStrategy("/cpu:3")
+    assert s.num_replicas_in_sync == 1
+    with s.scope():
+        w = jnp.ones(3)
+    assert w.devices() == {jax.devices()[3]}
+    xd = next(iter(s.experimental_distribute_dataset([np.ones((4, 3), np.float32)])))
+    out = s.run(lambda w, x: x @ w, args=(w, xd))
+    np.testing.assert_allclose(
+        np.concatenate([np.asarray(p) for p in s.experimental_local_results(out)]), 3.0
+    )
+    assert float(s.reduce("SUM", out, axis=0)) == 12.0
+
+
+def test_one_device_unknown_device():
+    with pytest.raises(ValueError, match="Available devices"):
+        jaxdist.OneDeviceStrategy("/gpu:0")
+
+
+def test_tpu_strategy_without_tpu_says_what_was_found():
+    with pytest.raises(TPUNotFoundError) as e:
+        jaxdist.TPUStrategy()
+    assert "No TPU found" in str(e.value) and "cpu" in str(e.value)
+    with pytest.raises(TPUNotFoundError):
+        jaxdist.tpu.initialize_tpu_system()
+    with pytest.raises(TPUNotFoundError):
+        jaxdist.experimental_connect_to_cluster(TPUClusterResolver(tpu="local"))
+    assert TPUClusterResolver().num_accelerators() == {}
+
+
+def test_tpu_strategy_on_cpu_devices():
+    resolver = TPUClusterResolver(tpu="local")
+    s = jaxdist.TPUStrategy(resolver, devices=jax.devices()[:4])
+    assert s.cluster_resolver is resolver
+    assert s.num_replicas_in_sync == 4
+    with s.scope():
+        w = jnp.ones(2)
+    assert w.sharding.is_fully_replicated and len(w.addressable_shards) == 4
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.float32(c.replica_id_in_sync_group)
+    )
+    total = s.run(lambda v: jaxdist.get_replica_context().all_reduce("SUM", v), args=(v,))
+    assert float(total) == 6.0

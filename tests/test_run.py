@@ -1,0 +1,200 @@
+"""strategy.run semantics: splitting, replicated state, output types, caching, jit, grad."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdist
+from jaxdist import PerReplica
+
+
+@pytest.fixture
+def strategy():
+    return jaxdist.MirroredStrategy(jax.devices()[:4])
+
+
+def _dist(strategy, rows=8, cols=3):
+    x = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    return x, next(iter(strategy.experimental_distribute_dataset([x])))
+
+
+def test_per_replica_inputs_are_split_state_passed_whole(strategy):
+    x, xd = _dist(strategy)
+    with strategy.scope():
+        w = jnp.arange(3.0)
+
+    def fn(w, xb):
+        assert xb.shape == (2, 3), xb.shape  # one quarter of the global batch
+        assert w.shape == (3,)
+        return xb @ w
+
+    out = strategy.run(fn, args=(w, xd))
+    assert isinstance(out, PerReplica)
+    parts = strategy.experimental_local_results(out)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in parts]), x @ np.arange(3.0))
+
+
+def test_identical_output_is_one_replicated_array(strategy):
+    _, xd = _dist(strategy)
+    with strategy.scope():
+        w = jnp.ones((3,))
+
+    def fn(w, xb):
+        total = jaxdist.get_replica_context().all_reduce("SUM", jnp.sum(xb))
+        return w + total, w  # both identical on every replica
+
+    new_w, same_w = strategy.run(fn, args=(w, xd))
+    for out in (new_w, same_w):
+        assert isinstance(out, jax.Array) and not isinstance(out, PerReplica)
+        assert out.shape == (3,), "never N stacked copies of mirrored state"
+        assert out.sharding.is_fully_replicated
+        assert out.sharding.device_set == set(strategy.extended.worker_devices)
+    np.testing.assert_allclose(new_w, 1 + np.arange(24.0).sum())
+
+
+def test_varying_output_is_per_replica_with_replica_ids(strategy):
+    out = strategy.run(lambda: jaxdist.get_replica_context().replica_id_in_sync_group)
+    assert isinstance(out, PerReplica) and out.num_replicas == 4
+    assert [int(v) for v in out.values] == [0, 1, 2, 3]
+
+
+def test_nested_outputs_and_kwargs(strategy):
+    _, xd = _dist(strategy)
+
+    def fn(xb, scale=1.0):
+        rctx = jaxdist.get_replica_context()
+        return {"local": xb * scale, "mean": rctx.all_reduce("MEAN", xb.mean()), "n": 3}
+
+    out = strategy.run(fn, args=(xd,), kwargs={"scale": 2.0})
+    assert isinstance(out["local"], PerReplica)
+    assert isinstance(out["mean"], jax.Array) and out["mean"].shape == ()
+    assert int(out["n"]) == 3
+    np.testing.assert_allclose(out["mean"], np.arange(24.0).mean(), rtol=1e-6)
+
+
+def test_grad_inside_run_matches_single_device(strategy):
+    rng = np.random.RandomState(0)
+    x = rng.randn(16, 5).astype(np.float32)
+    y = rng.randint(0, 3, 16)
+    params = {"w": rng.randn(5, 3).astype(np.float32), "b": np.zeros(3, np.float32)}
+
+    def loss_fn(p, xb, yb):
+        per = optax.softmax_cross_entropy_with_integer_labels(xb @ p["w"] + p["b"], yb)
+        return jaxdist.compute_average_loss(per, global_batch_size=16)
+
+    ref = jax.grad(loss_fn)(params, x, y)
+    xd, yd = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    placed = strategy.place(params)
+
+    # JAX-native: gradients of replicated state are already summed over replicas.
+    g = strategy.run(lambda p, xb, yb: jax.grad(loss_fn)(p, xb, yb), args=(placed, xd, yd))
+
+    # TF-style: per-replica gradients reduced with the cross-device op.
+    def tf_style(p, xb, yb):
+        ctx = jaxdist.get_replica_context()
+        return ctx.all_reduce("SUM", jax.grad(loss_fn)(ctx.local(p), xb, yb))
+
+    g2 = strategy.run(tf_style, args=(placed, xd, yd))
+    for got in (g, g2):
+        for k in ref:
+            assert isinstance(got[k], jax.Array) and not isinstance(got[k], PerReplica)
+            np.testing.assert_allclose(got[k], ref[k], atol=1e-6)
+
+
+def test_second_call_same_shapes_does_not_recompile(strategy):
+    traces = []
+
+    def fn(w, xb):
+        traces.append(1)
+        return jaxdist.get_replica_context().all_reduce("SUM", xb.sum()) + w
+
+    _, xd = _dist(strategy)
+    w = strategy.place(jnp.float32(1.0))
+    with jax.log_compiles(True):
+        strategy.run(fn, args=(w, xd))
+        n_traces = len(traces)
+        compiled = strategy.extended._run_cache[next(reversed(strategy.extended._run_cache))]
+        size_before = compiled.jitted._cache_size()
+        strategy.run(fn, args=(w, xd))
+        strategy.run(fn, args=(w + 1, xd))
+    assert len(traces) == n_traces, "the second call with the same shapes retraced fn"
+    assert compiled.jitted._cache_size() == size_before == 1
+    # A new shape compiles once more.
+    _, xd2 = _dist(strategy, rows=16)
+    strategy.run(fn, args=(w, xd2))
+    assert compiled.jitted._cache_size() == 2
+
+
+def test_run_inside_user_jit(strategy):
+    _, xd = _dist(strategy)
+    w = strategy.place(jnp.ones((3,)))
+
+    @jax.jit
+    def outer(w, xd):
+        out = strategy.run(
+            lambda w, xb: (w * jaxdist.get_replica_context().all_reduce("SUM", xb.sum()), xb),
+            args=(w, xd),
+        )
+        return out
+
+    new_w, xb = outer(w, xd)
+    assert isinstance(new_w, jax.Array) and new_w.shape == (3,)
+    assert isinstance(xb, PerReplica)
+    np.testing.assert_allclose(new_w, np.full(3, np.arange(24.0).sum()))
+
+
+def test_nnx_module_and_optax_state_created_under_scope_are_replicated(strategy):
+    with strategy.scope():
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        opt_state = optax.adam(1e-3).init(params)
+    for leaf in jax.tree.leaves((params, opt_state)):
+        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.device_set == set(strategy.extended.worker_devices)
+        assert len(leaf.addressable_shards) == 4
+
+
+def test_place_state_made_elsewhere(strategy):
+    tree = {"a": np.ones((2, 2), np.float32), "b": jnp.zeros(3)}
+    placed = strategy.place(tree)
+    for leaf in jax.tree.leaves(placed):
+        assert leaf.sharding.is_fully_replicated
+        assert leaf.sharding.device_set == set(strategy.extended.worker_devices)
+
+
+def test_run_moves_state_from_another_device(strategy):
+    w = jax.device_put(jnp.ones(3), jax.devices()[7])  # outside the strategy's devices
+    out = strategy.run(lambda w: w * 2, args=(w,))
+    np.testing.assert_allclose(out, 2 * np.ones(3))
+
+
+class _Unhashable:
+    __hash__ = None
+
+
+def test_errors(strategy):
+    with pytest.raises(TypeError, match="callable"):
+        strategy.run(42)
+    bad = PerReplica(jnp.zeros((3, 2)))
+    with pytest.raises(ValueError, match="3 replicas"):
+        strategy.run(lambda x: x, args=(bad,))
+    with pytest.raises(TypeError, match="neither an array nor hashable"):
+        strategy.run(lambda x: x, args=({"k": _Unhashable()},))
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        strategy.run(lambda x: x, args=jnp.ones(2))
+
+
+def test_python_scalars_are_traced_not_static(strategy):
+    traces = []
+
+    def fn(lr):
+        traces.append(1)
+        return lr * 2
+
+    for lr in (0.1, 0.2, 0.3):
+        out = strategy.run(fn, args=(lr,))
+    assert len(traces) <= 2  # probe + real trace, once
+    np.testing.assert_allclose(out, 0.6, rtol=1e-6)
