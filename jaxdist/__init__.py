@@ -44,6 +44,16 @@ from jaxdist.strategies.tpu import experimental_connect_to_cluster
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # jaxdist.Trainer is imported on first use, so `import jaxdist` stays free of flax/optax.
+    if name == "Trainer":
+        from jaxdist.train.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+
+
 __all__ = [
     "AutoShardPolicy",
     "CentralStorageStrategy",
@@ -64,6 +74,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "TPUStrategy",
+    "Trainer",
     "ValueContext",
     "cluster_resolver",
     "compute_average_loss",

@@ -1,0 +1,89 @@
+"""``python -m jaxdist.train --config configs/default.yaml [--set section.key=value ...]``.
+
+Exit status: 0 when training finishes, 2 for a bad config (or command line), 1 when training
+fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+_PROG = "python -m jaxdist.train"
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jaxdist.train.config import schema_help
+
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Train a model with a jaxdist strategy, as a YAML config describes.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (section.key, type, default):\n" + schema_help() + "\n\n"
+               "exit status: 0 done, 1 training failed, 2 bad config, 130 interrupted.\n"
+               "docs: docs/trainer.md",
+    )
+    p.add_argument("--config", "-c", required=True, metavar="FILE",
+                   help="YAML config, e.g. configs/default.yaml")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   dest="overrides",
+                   help="override a config value (YAML syntax), e.g. --set train.epochs=5; "
+                        "repeatable")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated config (defaults filled in) and exit")
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status."""
+    from jaxdist.train.config import ConfigError, dump, load_config
+
+    args = _parser().parse_args(argv)
+    err = sys.stderr
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"{_PROG}: config error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
+    if args.print_config:
+        print(dump(cfg), end="")
+        return EXIT_OK
+
+    from jaxdist.cluster_resolver import TPUNotFoundError
+    from jaxdist.train.data import DataError
+    from jaxdist.train.job import run_job
+    from jaxdist.train.trainer import NaNLossError
+
+    try:
+        run_job(cfg)
+    except ConfigError as e:
+        print(f"{_PROG}: config error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
+    except NaNLossError as e:
+        print(f"{_PROG}: training stopped: {_one_line(e)}", file=err)
+        return EXIT_FAILED
+    except DataError as e:
+        print(f"{_PROG}: data error: {_one_line(e)}", file=err)
+        return EXIT_FAILED
+    except TPUNotFoundError as e:
+        print(f"{_PROG}: no TPU: {_one_line(e)} (use configs/mirrored.yaml, or set "
+              f"strategy.devices)", file=err)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=err)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - one line, then a non-zero exit
+        print(f"{_PROG}: training failed: {type(e).__name__}: {_one_line(e)}", file=err)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Checkpoints with orbax-checkpoint: atomic, the last K kept, resumable (TF's BackupAndRestore).
+
+A checkpoint holds the training state (model parameters, other model state, optimizer state) and
+a small JSON record of where training was: the global step, the epoch and the step inside it
+(the data position), and the seed. orbax writes each checkpoint to a temporary directory and
+renames it when complete, so a process killed mid-save leaves the previous checkpoint intact.
+
+Example:
+    >>> ckpt = Checkpointer("/tmp/run/ckpt", keep=3)
+    >>> ckpt.save(100, state, {"epoch": 1, "step_in_epoch": 78})
+    >>> state, meta = ckpt.restore_latest(like=state)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+
+class Checkpointer:
+    """Saves and restores the training state in one directory.
+
+    Args:
+        directory: where the numbered checkpoint directories go (created if missing).
+        keep: how many of the newest checkpoints to keep.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or ``None``."""
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
+        """Writes a checkpoint for ``step`` (synchronously; atomic) and prunes old ones."""
+        ocp = self._ocp
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
+        """Reads checkpoint ``step``.
+
+        Args:
+            step: which checkpoint.
+            like: a pytree with the structure, shapes and placements to restore into (e.g.
+                the current state); ``None`` gives nested dicts of arrays as stored.
+
+        Returns:
+            ``(state, meta)``.
+        """
+        ocp = self._ocp
+        target = None
+        if like is not None:
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+            )
+        out = self._manager.restore(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return out.state, dict(out.meta)
+
+    def restore_latest(self, like: Any = None) -> tuple[Any, dict[str, Any]] | None:
+        """``restore(latest_step())``, or ``None`` when the directory has no checkpoint."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        return self.restore(step, like)
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,106 @@
+"""A training job from a validated config: strategy, data, model, optimizer, ``Trainer.fit``.
+
+Example:
+    >>> from jaxdist.train.config import load_config
+    >>> history = run_job(load_config("configs/default.yaml"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxdist.train.config import ConfigError, check_replicas
+
+
+def optimizer_from_config(section: Mapping[str, Any]) -> Any:
+    """The optax optimizer a validated ``optimizer`` section names."""
+    import optax
+
+    name, lr = section["name"], section["learning_rate"]
+    if name == "sgd":
+        tx = optax.sgd(lr, momentum=section["momentum"] or None)
+    elif name == "adam":
+        tx = optax.adam(lr)
+    elif name == "adamw":
+        tx = optax.adamw(lr, weight_decay=section["weight_decay"])
+    else:
+        tx = optax.rmsprop(lr, momentum=section["momentum"])
+    if section["clipnorm"] is not None:
+        tx = optax.chain(optax.clip_by_global_norm(section["clipnorm"]), tx)
+    return tx
+
+
+def build_strategy(cfg: Mapping[str, Any]) -> Any:
+    """Builds the configured strategy and checks the batch divides across its replicas.
+
+    Raises:
+        ConfigError: an unknown device, or a batch size that does not divide.
+    """
+    from jaxdist.train.strategy_registry import build_strategy as _build
+
+    try:
+        strategy = _build(cfg["strategy"])
+    except (ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
+                          f"{dict(cfg['strategy'])!r}: {first}") from None
+    check_replicas(cfg, strategy.num_replicas_in_sync)
+    return strategy
+
+
+def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
+    """Trains as ``cfg`` says and returns the ``History``.
+
+    Args:
+        cfg: a config from ``load_config``.
+        strategy: use this strategy instead of building the configured one.
+    """
+    from jaxdist.train import data as data_lib
+    from jaxdist.train import models
+    from jaxdist.train.trainer import Trainer
+
+    if strategy is None:
+        strategy = build_strategy(cfg)
+    else:
+        check_replicas(cfg, strategy.num_replicas_in_sync)
+    train, val = data_lib.from_config(cfg["data"])
+    num_classes = cfg["model"]["num_classes"]
+    if num_classes is None:
+        num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
+    tcfg, ccfg, lcfg = cfg["train"], cfg["checkpoint"], cfg["logging"]
+    with strategy.scope():
+        model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
+        trainer = Trainer(
+            model,
+            optimizer_from_config(cfg["optimizer"]),
+            tcfg["loss"],
+            global_batch_size=tcfg["global_batch_size"],
+            strategy=strategy,
+            steps_per_execution=tcfg["steps_per_execution"],
+            seed=cfg["seed"],
+            shuffle=cfg["data"]["shuffle"],
+            checkpoint_dir=ccfg["dir"],
+            checkpoint_every_steps=ccfg["every_steps"],
+            keep_checkpoints=ccfg["keep"],
+            resume=ccfg["resume"],
+            log_dir=lcfg["dir"],
+            log_every_steps=lcfg["every_steps"],
+            tensorboard=lcfg["tensorboard"],
+            progress_bar=lcfg["progress_bar"],
+            halt_on_nan=tcfg["halt_on_nan"],
+        )
+    if lcfg["dir"] is not None and trainer.should_save_summary:
+        from jaxdist.train.config import dump
+
+        os.makedirs(lcfg["dir"], exist_ok=True)
+        with open(os.path.join(lcfg["dir"], "config.yaml"), "w") as f:
+            f.write(dump(cfg))
+    return trainer.fit(
+        (train.x, train.y),
+        epochs=tcfg["epochs"] if tcfg["steps"] is None else None,
+        steps=tcfg["steps"],
+        validation_data=None if val is None else (val.x, val.y),
+        validation_freq=tcfg["validation_freq"],
+    )

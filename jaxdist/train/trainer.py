@@ -1,0 +1,553 @@
+"""``Trainer``: Keras' ``Model.fit`` / ``evaluate`` / ``predict`` for a flax nnx model under any
+strategy.
+
+Each global batch is split across the replicas (``experimental_distribute_dataset``); each
+replica computes the gradient of ``compute_average_loss(per_example_loss, global_batch_size)``
+on its rows, and the gradients are summed with the strategy's cross-device op
+(``ReplicaContext.all_reduce``), so a step gives the same result as a single-device step on the
+whole global batch. ``steps_per_execution=k`` folds ``k`` steps into one compiled dispatch (a
+``lax.scan`` over ``k`` batches inside the replica function).
+
+Example:
+    >>> strategy = jaxdist.MirroredStrategy()
+    >>> with strategy.scope():
+    ...     model = MLP(64, [128], 10, rngs=nnx.Rngs(0))
+    ...     trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64)
+    >>> history = trainer.fit((x, y), epochs=5, validation_data=(x_val, y_val))
+    >>> trainer.evaluate((x_val, y_val))["accuracy"]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+
+import jaxdist
+from jaxdist.train import data as data_lib
+from jaxdist.train.checkpoint import Checkpointer
+from jaxdist.train.metrics import MetricsLogger
+
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class NaNLossError(RuntimeError):
+    """The loss became NaN or infinite (with ``halt_on_nan``)."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: int | None):
+        super().__init__(message)
+        self.step = step
+        self.last_checkpoint = last_checkpoint
+
+
+def sparse_categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example cross-entropy of integer ``labels`` under ``logits`` (Keras' name)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
+
+
+LOSSES: dict[str, LossFn] = {"sparse_categorical_crossentropy": sparse_categorical_crossentropy}
+
+
+class History:
+    """What ``fit`` returns: per-epoch metrics, as Keras' ``History.history``.
+
+    Attributes:
+        history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``, one entry
+            per completed epoch (validation entries for epochs that were validated).
+        records: every metrics record written during ``fit``.
+    """
+
+    def __init__(self):
+        self.history: dict[str, list[float]] = {}
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, prefix: str, values: Mapping[str, float]) -> None:
+        for k, v in values.items():
+            self.history.setdefault(prefix + k, []).append(float(v))
+
+
+def _default_strategy() -> jaxdist.Strategy:
+    if jaxdist.has_strategy():
+        return jaxdist.get_strategy()
+    return jaxdist.OneDeviceStrategy(jax.local_devices()[0])
+
+
+class Trainer:
+    """Trains a flax nnx model with an optax optimizer under a distribution strategy.
+
+    Args:
+        model: a flax ``nnx.Module`` mapping a batch of examples to logits. Its ``nnx.Param``
+            variables are trained; its other variables are carried along unchanged.
+        optimizer: an ``optax.GradientTransformation``.
+        loss: a name in ``LOSSES`` or ``fn(logits, labels) -> per-example loss``.
+        global_batch_size: examples per step over all replicas.
+        strategy: the strategy (default: the current ``strategy.scope()``, else one device).
+        steps_per_execution: steps per compiled dispatch (TF's ``steps_per_execution``).
+        seed: seed of the data order.
+        shuffle: reshuffle the training data every epoch.
+        checkpoint_dir: where checkpoints go; on ``fit`` the trainer resumes from the latest
+            one there (TF's ``BackupAndRestore``). ``None``: no checkpoints.
+        checkpoint_every_steps: save every this many steps (and at the end of ``fit``).
+        keep_checkpoints: keep the newest K checkpoints.
+        resume: resume from ``checkpoint_dir`` at the start of ``fit``.
+        log_dir: where ``metrics.jsonl`` and TensorBoard events go (``None``: console only).
+        log_every_steps: training metrics are logged every this many steps.
+        tensorboard: write TensorBoard event files into ``log_dir``.
+        progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
+        halt_on_nan: raise ``NaNLossError`` when the loss is NaN or inf (no checkpoint is written
+            from the bad state).
+        accuracy: compute accuracy (argmax of the logits against integer labels).
+
+    Raises:
+        ValueError: ``global_batch_size`` does not divide across the replicas.
+
+    Example:
+        >>> trainer = jaxdist.Trainer(model, optax.sgd(0.1), global_batch_size=32,
+        ...                           strategy=jaxdist.MirroredStrategy())
+        >>> trainer.fit((x, y), steps=100)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        loss: str | LossFn = "sparse_categorical_crossentropy",
+        *,
+        global_batch_size: int,
+        strategy: jaxdist.Strategy | None = None,
+        steps_per_execution: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_steps: int = 100,
+        keep_checkpoints: int = 3,
+        resume: bool = True,
+        log_dir: str | None = None,
+        log_every_steps: int = 10,
+        tensorboard: bool = True,
+        progress_bar: str = "auto",
+        halt_on_nan: bool = True,
+        accuracy: bool = True,
+    ):
+        self.strategy = strategy or _default_strategy()
+        n = self.strategy.num_replicas_in_sync
+        if global_batch_size < 1 or global_batch_size % n:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} does not divide across the {n} replicas "
+                f"of {self.strategy!r}; expected a positive multiple of {n}"
+            )
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
+        if isinstance(loss, str):
+            if loss not in LOSSES:
+                raise ValueError(f"loss={loss!r} is not known; expected one of "
+                                 f"{sorted(LOSSES)} or a function (logits, labels) -> "
+                                 f"per-example loss")
+            loss = LOSSES[loss]
+        self.loss_fn: LossFn = loss
+        self.optimizer = optimizer
+        self.global_batch_size = int(global_batch_size)
+        self.steps_per_execution = int(steps_per_execution)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.keep_checkpoints = keep_checkpoints
+        self.resume = resume
+        self.log_dir = log_dir
+        self.log_every_steps = log_every_steps
+        self.tensorboard = tensorboard
+        self.progress_bar = progress_bar
+        self.halt_on_nan = halt_on_nan
+        self.accuracy = accuracy
+
+        ext = self.strategy.extended
+        self.should_checkpoint = bool(getattr(ext, "should_checkpoint", True))
+        self.should_save_summary = bool(getattr(ext, "should_save_summary", True))
+        devices = list(ext.worker_devices)
+        me = jax.process_index()
+        self._local_replicas = [i for i, d in enumerate(devices) if d.process_index == me]
+
+        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        with self.strategy.scope():
+            self.params = self.strategy.place(params)
+            self.rest = self.strategy.place(rest)
+            self.opt_state = self.strategy.place(optimizer.init(self.params))
+        self.step = 0
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.last_checkpoint: int | None = None
+        self._checkpointer: Checkpointer | None = None
+        # One function object each, so strategy.run reuses its compiled steps.
+        self._train_replica = self._make_train_replica()
+        self._eval_replica = self._make_eval_replica()
+        self._predict_replica = self._make_predict_replica()
+
+    # ------------------------------------------------------------------ replica functions
+    def _apply(self, params: Any, rest: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(self._graphdef, params, rest)(x)
+
+    def _make_train_replica(self) -> Callable:
+        gbs, tx, loss_fn, apply = self.global_batch_size, self.optimizer, self.loss_fn, self._apply
+
+        per_replica = gbs // self.strategy.num_replicas_in_sync
+
+        def train_replica(params, rest, opt_state, x, y):
+            ctx = jaxdist.get_replica_context()
+            num_steps = x.shape[0] // per_replica
+            xs = x.reshape(num_steps, -1, *x.shape[1:])
+            ys = y.reshape(num_steps, -1, *y.shape[1:])
+
+            def one_step(carry, batch):
+                params, opt_state = carry
+                xb, yb = batch
+
+                def objective(p):
+                    logits = apply(p, rest, xb)
+                    per_example = loss_fn(logits, yb)
+                    return jaxdist.compute_average_loss(per_example, global_batch_size=gbs), logits
+
+                (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(
+                    ctx.local(params)
+                )
+                grads = ctx.all_reduce("SUM", grads)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                stats = {"loss": loss, "correct": _correct(logits, yb)}
+                return (params, opt_state), ctx.all_reduce("SUM", stats)
+
+            (params, opt_state), stats = lax.scan(one_step, (params, opt_state), (xs, ys))
+            return params, opt_state, stats
+
+        return train_replica
+
+    def _make_eval_replica(self) -> Callable:
+        loss_fn, apply = self.loss_fn, self._apply
+
+        def eval_replica(params, rest, x, y, mask):
+            logits = apply(params, rest, x)
+            per_example = loss_fn(logits, y)
+            stats = {
+                "loss": jnp.sum(per_example * mask),
+                "correct": jnp.sum(_correct_per_example(logits, y) * mask),
+                "count": jnp.sum(mask),
+            }
+            return jaxdist.get_replica_context().all_reduce("SUM", stats)
+
+        return eval_replica
+
+    def _make_predict_replica(self) -> Callable:
+        apply = self._apply
+
+        def predict_replica(params, rest, x):
+            return apply(params, rest, x)
+
+        return predict_replica
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def model(self) -> nnx.Module:
+        """The model with the current parameters."""
+        return nnx.merge(self._graphdef, self.params, self.rest)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The training state: ``{"params", "rest", "opt_state"}``."""
+        return {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
+
+    def fit(self, train_data: Any, epochs: int | None = None, steps: int | None = None,
+            validation_data: Any = None, validation_freq: int = 1) -> History:
+        """Trains for ``epochs`` passes over ``train_data`` (or exactly ``steps`` steps).
+
+        With a ``checkpoint_dir``, training resumes from the latest checkpoint there: the
+        model, optimizer state, step and data position are restored, and the counts include
+        the steps already done (as with TF's ``BackupAndRestore``).
+
+        Args:
+            train_data: an ``(x, y)`` pair of arrays (or ``ArrayData``).
+            epochs: number of epochs (default 1 when ``steps`` is not given).
+            steps: total number of steps, instead of ``epochs``.
+            validation_data: an ``(x, y)`` pair evaluated every ``validation_freq`` epochs and
+                at the end.
+            validation_freq: validate every this many epochs (0: only at the end).
+
+        Returns:
+            A ``History``.
+
+        Raises:
+            DataError: the data does not fit the model or the batch size.
+            NaNLossError: ``halt_on_nan`` and the loss became NaN or inf.
+        """
+        train = data_lib.as_array_data(train_data, "train_data")
+        val = None if validation_data is None else data_lib.as_array_data(
+            validation_data, "validation_data")
+        b = self.global_batch_size
+        spe = data_lib.steps_per_epoch(len(train), b)
+        if spe == 0:
+            raise data_lib.DataError(f"train_data has {len(train)} examples, fewer than one "
+                                     f"global batch of {b}")
+        self._check_shapes(train, "train_data")
+        if val is not None:
+            self._check_shapes(val, "validation_data")
+        if steps is None:
+            total = (epochs if epochs is not None else 1) * spe
+        else:
+            total = steps
+        self._maybe_resume()
+        history = History()
+        logger = MetricsLogger(
+            self.log_dir, total_steps=total, initial_step=self.step,
+            tensorboard=self.tensorboard, progress_bar=self.progress_bar,
+            enabled=self.should_save_summary,
+        )
+        if self.last_checkpoint is not None and self.step > 0:
+            logger.message(f"Resumed from checkpoint at step {self.step} (epoch {self.epoch}, "
+                           f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
+        try:
+            self._fit_loop(train, val, total, spe, validation_freq, logger, history)
+        finally:
+            logger.close()
+        return history
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Mean loss and accuracy over every example of ``data`` (an ``(x, y)`` pair)."""
+        d = data_lib.as_array_data(data, "evaluate data")
+        if len(d) == 0:
+            raise data_lib.DataError("evaluate data has no examples")
+        self._check_shapes(d, "evaluate data")
+        dist = self.strategy.experimental_distribute_dataset(
+            (self._local_rows(x, 1), self._local_rows(y, 1), self._local_rows(m, 1))
+            for x, y, m in data_lib.eval_batches(d, self.global_batch_size)
+        )
+        totals: list[Any] = []
+        for xb, yb, mb in dist:
+            totals.append(self.strategy.run(self._eval_replica,
+                                            args=(self.params, self.rest, xb, yb, mb)))
+        fetched = jax.device_get(totals)
+        loss = sum(float(t["loss"]) for t in fetched)
+        correct = sum(float(t["correct"]) for t in fetched)
+        count = sum(float(t["count"]) for t in fetched)
+        out = {"loss": loss / count}
+        if self.accuracy:
+            out["accuracy"] = correct / count
+        return out
+
+    def predict(self, x: Any) -> np.ndarray:
+        """The model's outputs for every row of ``x``, batched by ``global_batch_size``."""
+        x = np.asarray(x, np.float32)
+        n, b = x.shape[0], self.global_batch_size
+        dummy = np.zeros((n,), np.int32)
+        outs = []
+        dist = self.strategy.experimental_distribute_dataset(
+            (self._local_rows(xb, 1),) for xb, _, _ in data_lib.eval_batches(
+                data_lib.ArrayData(x, dummy), b)
+        )
+        for (xb,) in dist:
+            out = self.strategy.run(self._predict_replica, args=(self.params, self.rest, xb))
+            outs.append(np.asarray(self.strategy.gather(out, axis=0)))
+        if not outs:
+            return np.zeros((0,), np.float32)
+        return np.concatenate(outs)[:n]
+
+    # ------------------------------------------------------------------ internals
+    def _check_shapes(self, d: data_lib.ArrayData, what: str) -> None:
+        example = jax.ShapeDtypeStruct((self.global_batch_size, *d.x.shape[1:]), jnp.float32)
+        try:
+            out = jax.eval_shape(
+                lambda p, r, x: self._apply(p, r, x), self.params, self.rest, example
+            )
+        except Exception as e:  # noqa: BLE001 - any shape error becomes one clear line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise data_lib.DataError(
+                f"{what}: the model cannot take examples of shape {tuple(d.x.shape[1:])}: "
+                f"{first}"
+            ) from None
+        if self.accuracy and d.y.ndim == 1 and out.ndim == 2:
+            bad = (d.y < 0) | (d.y >= out.shape[-1])
+            if np.issubdtype(d.y.dtype, np.integer) and bad.any():
+                raise data_lib.DataError(
+                    f"{what}: label {d.y[bad][0]} is out of range for a model with "
+                    f"{out.shape[-1]} outputs; expected labels in [0, {out.shape[-1]})"
+                )
+
+    def _local_rows(self, x: np.ndarray, num_steps: int) -> np.ndarray:
+        """Orders ``num_steps`` global batches so that each local replica gets its rows.
+
+        ``x`` holds ``num_steps`` consecutive global batches. Replica ``r`` must see rows
+        ``[r*B/N, (r+1)*B/N)`` of every one of them, in step order; the distributed dataset
+        splits its input into equal consecutive parts, one per local replica.
+        """
+        n = self.strategy.num_replicas_in_sync
+        per = self.global_batch_size // n
+        x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
+        x = np.swapaxes(x, 0, 1)
+        return x.reshape(len(self._local_replicas) * num_steps * per, *x.shape[3:])
+
+    def _checkpointer_or_none(self) -> Checkpointer | None:
+        if self.checkpoint_dir is None:
+            return None
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints)
+        return self._checkpointer
+
+    def _maybe_resume(self) -> None:
+        ckpt = self._checkpointer_or_none()
+        if ckpt is None or not self.resume:
+            return
+        restored = ckpt.restore_latest(like=self.state)
+        if restored is None:
+            return
+        state, meta = restored
+        self.params, self.rest = state["params"], state["rest"]
+        self.opt_state = state["opt_state"]
+        self.step = int(meta["step"])
+        self.epoch = int(meta["epoch"])
+        self.step_in_epoch = int(meta["step_in_epoch"])
+        self.last_checkpoint = self.step
+
+    def save_checkpoint(self) -> None:
+        """Writes a checkpoint of the current state and data position (chief only)."""
+        ckpt = self._checkpointer_or_none()
+        if ckpt is None or not self.should_checkpoint:
+            return
+        meta = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "seed": self.seed, "global_batch_size": self.global_batch_size}
+        ckpt.save(self.step, self.state, meta)
+        self.last_checkpoint = self.step
+
+    def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
+                     chunks: Sequence[tuple[int, int]]):
+        b = self.global_batch_size
+        for start, k in chunks:
+            idx = order[start * b:(start + k) * b]
+            yield self._local_rows(train.x[idx], k), self._local_rows(train.y[idx], k)
+
+    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history) -> None:
+        b, k = self.global_batch_size, self.steps_per_execution
+        window: list[tuple[Any, int]] = []     # stats of the current logging interval
+        epoch_stats: list[tuple[Any, int]] = []
+        unchecked: list[tuple[Any, int]] = []  # stats not yet checked for NaN
+        last_log_step, last_log_time = self.step, time.perf_counter()
+        last_val_step = -1
+        last_train: dict[str, float] = {}
+
+        def check_nan(keep_last: int = 0) -> None:
+            while len(unchecked) > keep_last:
+                stats, end_step = unchecked.pop(0)
+                losses = np.asarray(jax.device_get(stats["loss"]))
+                bad = np.flatnonzero(~np.isfinite(losses))
+                if bad.size:
+                    step = end_step - len(losses) + int(bad[0]) + 1
+                    where = (f"the last good checkpoint is step {self.last_checkpoint} in "
+                             f"{self.checkpoint_dir}" if self.last_checkpoint is not None
+                             else "no checkpoint was written")
+                    raise NaNLossError(
+                        f"loss is {losses[bad[0]]} at step {step} (halt_on_nan); {where}",
+                        step, self.last_checkpoint)
+
+        def summarize(items: list[tuple[Any, int]]) -> dict[str, float]:
+            fetched = jax.device_get([s for s, _ in items])
+            losses = np.concatenate([np.asarray(f["loss"]).reshape(-1) for f in fetched])
+            correct = np.concatenate([np.asarray(f["correct"]).reshape(-1) for f in fetched])
+            out = {"loss": float(np.mean(losses))}
+            if self.accuracy:
+                out["accuracy"] = float(np.sum(correct) / (losses.size * b))
+            return out
+
+        def log_train() -> None:
+            nonlocal last_log_step, last_log_time, last_train
+            if not window:
+                return
+            values = summarize(window)
+            now = time.perf_counter()
+            n_steps = self.step - last_log_step
+            dt = max(now - last_log_time, 1e-9)
+            values["examples_per_sec"] = n_steps * b / dt
+            values["step_time_ms"] = 1000.0 * dt / max(n_steps, 1)
+            last_train = values
+            history.records.append(logger.write("train", self.step, epoch=self.epoch, **values))
+            window.clear()
+            last_log_step, last_log_time = self.step, time.perf_counter()
+
+        def validate() -> None:
+            nonlocal last_val_step, last_log_time
+            values = self.evaluate(val)
+            history.add("val_", values)
+            history.records.append(logger.write("validation", self.step, epoch=self.epoch,
+                                                **values))
+            last_val_step = self.step
+            last_log_time = time.perf_counter()  # evaluation time is not training time
+
+        opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
+        while self.step < total:
+            order = data_lib.epoch_order(len(train), self.epoch, self.seed, self.shuffle)
+            start = self.step_in_epoch
+            stop = min(spe, start + (total - self.step))
+            chunks = [(s, min(k, stop - s)) for s in range(start, stop, k)]
+            dist = self.strategy.experimental_distribute_dataset(
+                self._host_chunks(train, order, chunks), options=opts)
+            iterator = iter(dist)
+            try:
+                for (s, kk), (xb, yb) in zip(chunks, iterator):
+                    self.params, self.opt_state, stats = self.strategy.run(
+                        self._train_replica,
+                        args=(self.params, self.rest, self.opt_state, xb, yb))
+                    before = self.step
+                    self.step += kk
+                    self.step_in_epoch = s + kk
+                    if self.step_in_epoch >= spe:
+                        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+                    item = (stats, self.step)
+                    window.append(item)
+                    epoch_stats.append(item)
+                    if self.halt_on_nan:
+                        unchecked.append(item)
+                        check_nan(keep_last=1)
+                    logger.advance(kk)
+                    crossed = lambda every: self.step // every > before // every  # noqa: B023
+                    if crossed(self.log_every_steps) or self.step >= total:
+                        if self.halt_on_nan:
+                            check_nan()
+                        log_train()
+                    if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
+                        if self.halt_on_nan:
+                            check_nan()
+                        self.save_checkpoint()
+            finally:
+                iterator.close()
+            if self.halt_on_nan:
+                check_nan()
+            if self.step_in_epoch == 0 and epoch_stats:  # an epoch just ended
+                history.add("", summarize(epoch_stats))
+                epoch_stats.clear()
+                if val is not None and validation_freq and self.epoch % validation_freq == 0:
+                    validate()
+        log_train()
+        if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
+            self.save_checkpoint()
+        if val is not None and last_val_step != self.step:
+            validate()
+        end = {"epoch": self.epoch, **{f"final_{k2}": v for k2, v in last_train.items()
+                                       if k2 in ("loss", "accuracy")}}
+        if val is not None and history.history.get("val_loss"):
+            end["val_loss"] = history.history["val_loss"][-1]
+            if "val_accuracy" in history.history:
+                end["val_accuracy"] = history.history["val_accuracy"][-1]
+        history.records.append(logger.write("end", self.step, **end))
+
+
+def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    if logits.ndim != labels.ndim + 1:
+        return jnp.zeros(labels.shape[:1], jnp.float32)
+    return (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+
+
+def _correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.sum(_correct_per_example(logits, labels))
