@@ -85,7 +85,11 @@ class CrossDeviceOps:
                 # The same value on every replica: the sum is n times it (no communication).
                 out[i] = x * n
         if varying:
-            summed = self._sum_varying([leaves[i] for i in varying], axes, n)
+            chosen = [leaves[i] for i in varying]
+            if n == 1:  # one replica: a plain psum types the result, XLA elides it
+                summed = [lax.psum(x, axes) for x in chosen]
+            else:
+                summed = self._sum_varying(chosen, axes, n)
             for i, s in zip(varying, summed):
                 out[i] = s
         if op is ReduceOp.MEAN:

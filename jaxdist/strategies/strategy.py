@@ -451,10 +451,10 @@ class _CompiledRun:
                 leaves.append(next(it_dyn))
         return self.treedef.unflatten(leaves)
 
-    def _call_fn(self, dyn):
+    def _call_fn(self, dyn, axes=None):
         ext = self.extended
         args, kwargs = self._args(dyn)
-        rctx = ReplicaContext(ext._container_strategy, ext._axes)
+        rctx = ReplicaContext(ext._container_strategy, axes)
         with ctx_lib.enter_replica(ext._container_strategy, rctx):
             self.traces += 1
             return self.fn(*args, **kwargs)
@@ -464,11 +464,15 @@ class _CompiledRun:
         axes, mesh = ext._axes, ext._mesh
         dyn_kinds = [k for k in self.kinds if k != "static"]
         dyn = [x.stacked if isinstance(x, PerReplica) else x for x in dyn]
+        if ext._num_replicas == 1:
+            # One replica: no mesh program needed. Every output is trivially the same on all
+            # replicas, so it comes back as a plain array (TF's regroup of one value).
+            return self._call_fn(dyn)
         in_specs = tuple(P(axes) if k == "pr" else P() for k in dyn_kinds)
         record: dict[str, Any] = {}
 
         def probe(*xs):
-            out = self._call_fn(xs)
+            out = self._call_fn(xs, axes)
             flat, tree = jax.tree.flatten(out)
             flat = [_as_output(x) for x in flat]
             record["tree"] = tree
@@ -479,7 +483,7 @@ class _CompiledRun:
         varying, tree = record["varying"], record["tree"]
 
         def body(*xs):
-            flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs))]
+            flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs, axes))]
             return tuple(x[None] if v else x for x, v in zip(flat, varying))
 
         out_specs = tuple(P(axes) if v else P() for v in varying)
