@@ -17,6 +17,15 @@ from jaxdist.input import (
     InputContext,
     InputOptions,
 )
+from jaxdist.ps import (
+    FixedShardsPartitioner,
+    GreedyLoadBalancingStrategy,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    byte_size_load_fn,
+    replica_device_setter,
+)
+from jaxdist.ps.task import Server
 from jaxdist.strategies import (
     CentralStorageStrategy,
     CrossDeviceOps,
@@ -40,6 +49,7 @@ from jaxdist.strategies import (
     scale_regularization_loss,
 )
 from jaxdist.strategies.context import get_cross_replica_context
+from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
 
 __version__ = "0.1.0"
@@ -61,21 +71,28 @@ __all__ = [
     "Dataset",
     "DistributedDataset",
     "DistributedIterator",
+    "FixedShardsPartitioner",
+    "GreedyLoadBalancingStrategy",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
     "MirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Server",
     "Strategy",
     "StrategyExtended",
     "TPUStrategy",
     "Trainer",
     "ValueContext",
+    "byte_size_load_fn",
     "cluster_resolver",
     "compute_average_loss",
     "experimental_connect_to_cluster",
@@ -84,6 +101,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "replica_device_setter",
     "scale_regularization_loss",
     "tpu",
 ]

@@ -20,6 +20,7 @@ from jaxdist.strategies.inflight import StepThrottle
 from jaxdist.strategies.losses import compute_average_loss, scale_regularization_loss
 from jaxdist.strategies.mirrored import MirroredStrategy
 from jaxdist.strategies.one_device import OneDeviceStrategy
+from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
 from jaxdist.strategies.strategy import Strategy, StrategyExtended, ValueContext
@@ -34,6 +35,7 @@ __all__ = [
     "MirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",

@@ -1,0 +1,126 @@
+"""The ps RPC methods: each maps a request ``(meta, arrays)`` to a response ``(meta, arrays)``.
+
+One table serves both transports: ``jaxdist.ps.server`` decodes gRPC chunks into
+``(meta, arrays)`` and calls ``handle``; ``jaxdist.ps.client.LocalClient`` calls ``handle``
+directly. Requests and responses are JSON metadata plus named arrays (see ``jaxdist.ps.wire``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxdist.ps.service import ParameterService
+
+SERVICE_NAME = "jaxdist.ps.ParameterService"
+TOKEN_METADATA_KEY = "x-jaxdist-token"
+
+Message = tuple[dict[str, Any], dict[str, np.ndarray]]
+
+# Methods that may be retried after a lost connection (a retry changes nothing).
+IDEMPOTENT = frozenset(
+    {"Create", "Pull", "PullRows", "Status", "SetMarker", "Clock", "Save", "Restore", "Ping"}
+)
+
+
+def _create(svc: ParameterService, meta, arrays) -> Message:
+    return {"versions": svc.create(arrays, meta.get("specs", {}))}, {}
+
+
+def _pull(svc, meta, arrays) -> Message:
+    got = svc.pull(list(meta["keys"]))
+    return {"versions": {k: v for k, (_, v) in got.items()}}, {k: a for k, (a, _) in got.items()}
+
+
+def _pull_rows(svc, meta, arrays) -> Message:
+    versions, out = {}, {}
+    for key in meta["keys"]:
+        rows, version = svc.pull_rows(key, arrays[f"ids/{key}"])
+        versions[key] = version
+        out[f"rows/{key}"] = rows
+    return {"versions": versions}, out
+
+
+def _push(svc, meta, arrays) -> Message:
+    return {"results": svc.push(arrays, meta.get("versions", {}), meta.get("worker", 0))}, {}
+
+
+def _push_rows(svc, meta, arrays) -> Message:
+    results = {}
+    for key, version in meta["versions"].items():
+        results[key] = svc.push_rows(
+            key, arrays[f"ids/{key}"], arrays[f"grads/{key}"], version, meta.get("worker", 0)
+        )
+    return {"results": results}, {}
+
+
+def _status(svc, meta, arrays) -> Message:
+    return svc.status(), {}
+
+
+def _ping(svc, meta, arrays) -> Message:
+    return {"task": svc.task, "incarnation": svc.incarnation}, {}
+
+
+def _set_marker(svc, meta, arrays) -> Message:
+    svc.set_marker(meta["name"])
+    return {}, {}
+
+
+def _clock(svc, meta, arrays) -> Message:
+    clock = meta.get("clock")
+    return svc.clock(
+        int(meta["worker"]),
+        float("inf") if clock is None else float(clock),
+        int(meta["num_workers"]),
+        meta.get("max_staleness"),
+        float(meta.get("wait_s", 1.0)),
+    ), {}
+
+
+def _save(svc, meta, arrays) -> Message:
+    return {"path": svc.save(meta.get("directory"), int(meta["step"]))}, {}
+
+
+def _restore(svc, meta, arrays) -> Message:
+    return {"step": svc.restore(meta.get("directory"), meta.get("step"))}, {}
+
+
+def _stop(svc, meta, arrays) -> Message:
+    svc.stopped.set()
+    return {}, {}
+
+
+METHODS: dict[str, Callable[[ParameterService, dict, dict], Message]] = {
+    "Create": _create,
+    "Pull": _pull,
+    "PullRows": _pull_rows,
+    "Push": _push,
+    "PushRows": _push_rows,
+    "Status": _status,
+    "Ping": _ping,
+    "SetMarker": _set_marker,
+    "Clock": _clock,
+    "Save": _save,
+    "Restore": _restore,
+    "Stop": _stop,
+}
+
+
+def handle(svc: ParameterService, method: str, meta: dict, arrays: dict) -> Message:
+    """Runs ``method`` on ``svc``.
+
+    Raises:
+        KeyError: unknown method.
+    """
+    return METHODS[method](svc, meta, arrays)
+
+
+def method_path(method: str) -> str:
+    """The gRPC path of a method, e.g. ``/jaxdist.ps.ParameterService/Pull``."""
+    return f"/{SERVICE_NAME}/{method}"
+
+
+__all__ = ["IDEMPOTENT", "METHODS", "SERVICE_NAME", "TOKEN_METADATA_KEY", "handle", "method_path"]

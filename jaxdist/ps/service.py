@@ -1,0 +1,436 @@
+"""``ParameterService``: the state one ps task holds, and every operation on it.
+
+The service is plain Python over numpy arrays; ``jaxdist.ps.server`` puts it behind gRPC and
+``jaxdist.ps.client.LocalClient`` calls it in-process (the no-cluster mode of
+``ParameterServerStrategy``). Every variable (a shard of a user's leaf) has a version: the number
+of updates applied to it. A push says which version its gradient was computed from; the service
+records the staleness (versions applied since) and applies the optax update.
+
+Example:
+    >>> svc = ParameterService("ps:0")
+    >>> svc.create({"w": np.zeros(3, np.float32)}, {"w": {"optimizer": sgd(0.1).to_json()}})
+    {'w': 0}
+    >>> svc.push({"w": np.ones(3, np.float32)}, {"w": 0}, worker=0)["w"]["version"]
+    1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxdist.ps import wire
+from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.optimizers import OptimizerSpec
+
+CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
+
+_TX_CACHE: dict[str, tuple[optax.GradientTransformation, Any, Any]] = {}
+_TX_LOCK = threading.Lock()
+
+
+def _transform(spec_json: dict[str, Any] | None):
+    """(tx, jitted dense update, jitted row update) for a ps-side optimizer spec (cached)."""
+    key = json.dumps(spec_json, sort_keys=True)
+    with _TX_LOCK:
+        if key in _TX_CACHE:
+            return _TX_CACHE[key]
+    spec = OptimizerSpec.from_json(spec_json)
+    if not spec.elementwise:
+        raise PSInvalidArgumentError(
+            f"optimizer {spec.name!r} is not elementwise and cannot run on a ps; split it with "
+            f"OptimizerSpec.split() and apply the worker part before pushing"
+        )
+    tx = spec.build()
+
+    def dense(param, grad, state):
+        updates, state = tx.update(grad.astype(param.dtype), state, param)
+        return optax.apply_updates(param, updates), state
+
+    entry = (tx, jax.jit(dense), jax.jit(dense))
+    with _TX_LOCK:
+        _TX_CACHE[key] = entry
+    return entry
+
+
+@dataclass
+class _Var:
+    key: str
+    value: np.ndarray
+    kind: str = "dense"  # "dense": whole-tensor pushes; "rows": row-sparse pushes
+    optimizer: dict[str, Any] | None = None
+    opt_state: Any = None
+    version: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stale_max: int = 0
+    stale_sum: int = 0
+    pushes: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "shape": list(self.value.shape),
+            "dtype": wire.dtype_name(self.value.dtype),
+            "kind": self.kind,
+            "pushes": self.pushes,
+            "staleness_max": self.stale_max,
+            "staleness_mean": self.stale_sum / self.pushes if self.pushes else 0.0,
+        }
+
+
+def _writable(state: Any) -> Any:
+    return jax.tree.map(lambda x: np.array(x), state)
+
+
+class ParameterService:
+    """The variables, optimizer state, versions and SSP clock of one ps task.
+
+    Args:
+        task: the task's name for messages, e.g. ``"ps:0"``.
+        checkpoint_dir: where ``save`` writes by default and where the service restores from
+            at start (if a checkpoint exists there).
+    """
+
+    def __init__(self, task: str = "ps:0", checkpoint_dir: str | None = None):
+        self.task = task
+        self.incarnation = uuid.uuid4().hex
+        self.checkpoint_dir = checkpoint_dir
+        self._vars: dict[str, _Var] = {}
+        self._vars_lock = threading.Lock()
+        self._markers: set[str] = set()
+        self._clock_cond = threading.Condition()
+        self._clocks: dict[int, float] = {}
+        self.stopped = threading.Event()
+        self.restored_step: int | None = None
+        if checkpoint_dir and latest_step(checkpoint_dir, task) is not None:
+            self.restore(checkpoint_dir)
+
+    # ------------------------------------------------------------------ variables
+    def _get(self, key: str) -> _Var:
+        try:
+            return self._vars[key]
+        except KeyError:
+            raise PSNotFoundError(
+                f"{self.task} holds no variable {key!r} (it holds {len(self._vars)}: "
+                f"{sorted(self._vars)[:8]}...); was it created by the chief?",
+                task=self.task,
+            ) from None
+
+    def create(self, values: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]) -> dict:
+        """Creates variables that do not exist yet; returns ``{key: version}`` for all of them.
+
+        Args:
+            values: key -> initial value.
+            specs: key -> ``{"optimizer": spec JSON or None, "kind": "dense" | "rows"}``.
+
+        Raises:
+            PSInvalidArgumentError: a key exists with another shape or dtype.
+        """
+        out = {}
+        for key, value in values.items():
+            spec = specs.get(key, {})
+            value = np.array(value)  # own, writable copy
+            with self._vars_lock:
+                var = self._vars.get(key)
+                if var is not None:
+                    if var.value.shape != value.shape or var.value.dtype != value.dtype:
+                        raise PSInvalidArgumentError(
+                            f"{self.task}: variable {key!r} exists with shape "
+                            f"{var.value.shape} {var.value.dtype}, creation asked for "
+                            f"{value.shape} {value.dtype}",
+                            task=self.task,
+                        )
+                    out[key] = var.version
+                    continue
+                kind = spec.get("kind", "dense")
+                if kind not in ("dense", "rows"):
+                    raise PSInvalidArgumentError(f"variable kind {kind!r}: expected dense/rows")
+                opt = spec.get("optimizer")
+                state = None
+                if opt is not None:
+                    tx, _, _ = _transform(opt)
+                    state = _writable(tx.init(jnp.asarray(value)))
+                self._vars[key] = _Var(key, value, kind, opt, state)
+                out[key] = 0
+        return out
+
+    def pull(self, keys: list[str]) -> dict[str, tuple[np.ndarray, int]]:
+        """Current value and version of each key."""
+        out = {}
+        for key in keys:
+            var = self._get(key)
+            with var.lock:
+                value = var.value.copy() if var.kind == "rows" else var.value
+                out[key] = (value, var.version)
+        return out
+
+    def pull_rows(self, key: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows ``ids`` (local row indices) of a variable, and its version."""
+        var = self._get(key)
+        ids = self._check_ids(var, ids)
+        with var.lock:
+            return var.value[ids], var.version
+
+    def _check_ids(self, var: _Var, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids).reshape(-1).astype(np.int64)
+        n = var.value.shape[0] if var.value.ndim else 0
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = ids[(ids < 0) | (ids >= n)][0]
+            raise PSInvalidArgumentError(
+                f"{self.task}: row id {int(bad)} out of range for {var.key!r} with {n} rows",
+                task=self.task,
+            )
+        return ids
+
+    def _record(self, var: _Var, version: int) -> int:
+        stale = max(0, var.version - int(version))
+        var.stale_max = max(var.stale_max, stale)
+        var.stale_sum += stale
+        var.pushes += 1
+        return stale
+
+    def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0):
+        """Applies each gradient with the variable's optimizer; returns new versions/staleness.
+
+        A variable without optimizer gets ``value += grad`` (an ``assign_add``).
+        """
+        out = {}
+        for key, grad in grads.items():
+            var = self._get(key)
+            if grad.shape != var.value.shape:
+                raise PSInvalidArgumentError(
+                    f"{self.task}: gradient for {key!r} has shape {grad.shape}, the variable "
+                    f"has {var.value.shape}",
+                    task=self.task,
+                )
+            with var.lock:
+                stale = self._record(var, versions.get(key, var.version))
+                if var.optimizer is None:
+                    var.value = (var.value + grad.astype(var.value.dtype)).astype(var.value.dtype)
+                else:
+                    _, dense, _ = _transform(var.optimizer)
+                    new, state = dense(var.value, grad, var.opt_state)
+                    var.value = np.asarray(new)
+                    var.opt_state = state
+                var.version += 1
+                out[key] = {"version": var.version, "staleness": stale}
+        return out
+
+    def push_rows(self, key: str, ids: np.ndarray, grads: np.ndarray, version: int,
+                  worker: int = 0) -> dict[str, int]:
+        """Row-sparse update: only rows ``ids`` (duplicates summed) and their optimizer state.
+
+        Optimizer state leaves shaped like the variable are gathered and scattered by row (lazy
+        row-wise sgd / adagrad / adam); scalar leaves (step counts) are shared by the table.
+        """
+        var = self._get(key)
+        ids = self._check_ids(var, ids)
+        grads = np.asarray(grads)
+        if grads.shape != (ids.size, *var.value.shape[1:]):
+            raise PSInvalidArgumentError(
+                f"{self.task}: row gradients for {key!r} have shape {grads.shape}, expected "
+                f"{(ids.size, *var.value.shape[1:])} for {ids.size} ids",
+                task=self.task,
+            )
+        uniq, inv = np.unique(ids, return_inverse=True)
+        if uniq.size != ids.size:
+            summed = np.zeros((uniq.size, *grads.shape[1:]), grads.dtype)
+            np.add.at(summed, inv, grads)
+            ids, grads = uniq, summed
+        with var.lock:
+            stale = self._record(var, version)
+            if var.optimizer is None:
+                var.value[ids] += grads.astype(var.value.dtype)
+            else:
+                _, _, rowfn = _transform(var.optimizer)
+                shape = var.value.shape
+                rows_state = jax.tree.map(
+                    lambda s: s[ids] if np.shape(s) == shape else s, var.opt_state
+                )
+                new_rows, new_state = rowfn(var.value[ids], grads, rows_state)
+                var.value[ids] = np.asarray(new_rows)
+
+                def put(full, part):
+                    if np.shape(full) == shape:
+                        full[ids] = np.asarray(part)
+                        return full
+                    return np.array(part)
+
+                var.opt_state = jax.tree.map(put, var.opt_state, new_state)
+            var.version += 1
+            return {"version": var.version, "staleness": stale}
+
+    # ------------------------------------------------------------------ status / markers
+    def set_marker(self, name: str) -> None:
+        """Records a marker (the chief sets ``ready/<collection>`` after creating it)."""
+        with self._vars_lock:
+            self._markers.add(name)
+
+    def status(self) -> dict[str, Any]:
+        """Variables (version, shape, dtype, staleness stats), markers, incarnation."""
+        with self._vars_lock:
+            variables = {k: v.stats() for k, v in self._vars.items()}
+            markers = sorted(self._markers)
+        with self._clock_cond:
+            clocks = {str(k): v for k, v in self._clocks.items()}
+        return {
+            "task": self.task,
+            "incarnation": self.incarnation,
+            "variables": variables,
+            "markers": markers,
+            "clocks": clocks,
+            "restored_step": self.restored_step,
+        }
+
+    # ------------------------------------------------------------------ SSP clock
+    def clock(self, worker: int, clock: float, num_workers: int, max_staleness: int | None,
+              wait_s: float) -> dict[str, Any]:
+        """Records that ``worker`` starts step ``clock``; waits (up to ``wait_s``) until it is at
+        most ``max_staleness`` steps ahead of the slowest of ``num_workers`` workers.
+
+        ``clock = inf`` marks a worker as finished (it no longer holds others back).
+        """
+        deadline = time.monotonic() + wait_s
+        with self._clock_cond:
+            self._clocks[worker] = max(self._clocks.get(worker, 0), clock)
+            self._clock_cond.notify_all()
+
+            def slowest():
+                return min(
+                    ((self._clocks.get(w, 0), w) for w in range(num_workers)),
+                    default=(clock, worker),
+                )
+
+            if max_staleness is None or clock == float("inf"):
+                return {"ok": True, "slowest": list(slowest())}
+            while True:
+                low, who = slowest()
+                if clock - low <= max_staleness:
+                    return {"ok": True, "slowest": [low, who]}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"ok": False, "slowest": [low, who]}
+                self._clock_cond.wait(left)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str | None, step: int) -> str:
+        """Writes every variable, its optimizer state and version to
+        ``<directory>/<task>/ckpt-<step>`` atomically (temp dir, then rename); returns the path.
+        """
+        directory = directory or self.checkpoint_dir
+        if not directory:
+            raise PSInvalidArgumentError(
+                f"{self.task}: save needs a directory (none given, and the server was started "
+                f"without checkpoint_dir)",
+                task=self.task,
+            )
+        task_dir = os.path.join(directory, self.task.replace(":", "-"))
+        os.makedirs(task_dir, exist_ok=True)
+        final = os.path.join(task_dir, f"ckpt-{int(step)}")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+        meta: dict[str, Any] = {"step": int(step), "task": self.task, "variables": {},
+                                "markers": sorted(self._markers)}
+        arrays: dict[str, np.ndarray] = {}
+        with self._vars_lock:
+            items = list(self._vars.items())
+        for key, var in items:
+            with var.lock:
+                state_leaves = jax.tree.leaves(var.opt_state) if var.opt_state is not None else []
+                meta["variables"][key] = {
+                    "kind": var.kind,
+                    "optimizer": var.optimizer,
+                    "version": var.version,
+                    "num_state": len(state_leaves),
+                }
+                arrays[f"v/{key}"] = np.array(var.value)
+                for i, leaf in enumerate(state_leaves):
+                    arrays[f"s/{key}/{i}"] = np.array(leaf)
+        with open(os.path.join(tmp, "state.jdw"), "wb") as f:
+            for chunk in wire.encode(meta, arrays):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
+        return final
+
+    def restore(self, directory: str | None = None, step: int | None = None) -> int:
+        """Replaces all state with checkpoint ``step`` (default: the latest); returns the step."""
+        directory = directory or self.checkpoint_dir
+        if step is None:
+            step = latest_step(directory, self.task) if directory else None
+        if step is None:
+            raise PSNotFoundError(
+                f"{self.task}: no checkpoint under {directory!r}", task=self.task
+            )
+        path = os.path.join(directory, self.task.replace(":", "-"), f"ckpt-{int(step)}",
+                            "state.jdw")
+        if not os.path.exists(path):
+            raise PSNotFoundError(f"{self.task}: checkpoint {path} does not exist", task=self.task)
+        with open(path, "rb") as f:
+            meta, arrays = wire.decode([f.read()])
+        new_vars = {}
+        for key, info in meta["variables"].items():
+            value = np.array(arrays[f"v/{key}"])
+            state = None
+            if info["optimizer"] is not None:
+                tx, _, _ = _transform(info["optimizer"])
+                template = tx.init(jnp.asarray(value))
+                leaves = [np.array(arrays[f"s/{key}/{i}"]) for i in range(info["num_state"])]
+                state = jax.tree.unflatten(jax.tree.structure(template), leaves)
+            new_vars[key] = _Var(key, value, info["kind"], info["optimizer"], state,
+                                 version=int(info["version"]))
+        with self._vars_lock:
+            self._vars = new_vars
+            self._markers = set(meta.get("markers", []))
+        self.restored_step = int(step)
+        return int(step)
+
+
+def latest_step(directory: str, task: str) -> int | None:
+    """The step to restore: the chief's pointer (every ps saved it) else this task's latest."""
+    for path in (
+        os.path.join(directory, CHECKPOINT_POINTER),
+        os.path.join(directory, task.replace(":", "-"), "latest"),
+    ):
+        try:
+            with open(path) as f:
+                step = int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        ckpt = os.path.join(directory, task.replace(":", "-"), f"ckpt-{step}")
+        if os.path.isdir(ckpt):
+            return step
+    return None
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint_pointer(directory: str, step: int) -> None:
+    """Marks ``step`` as complete on every ps (the chief calls it after all saves succeed)."""
+    os.makedirs(directory, exist_ok=True)
+    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER), json.dumps({"step": int(step)}))
+
+
+__all__ = ["ParameterService", "latest_step", "write_checkpoint_pointer"]

@@ -1,0 +1,136 @@
+"""``jaxdist.Server``: run a ps task (``tf.distribute.Server``), and ``python -m jaxdist.server``.
+
+A ps task serves its variables over gRPC on the address the cluster spec gives it, checks the
+cluster token on every request, and runs until told to stop (a ``Stop`` RPC, ``stop()``,
+SIGTERM or SIGINT). With ``checkpoint_dir`` it restores the latest checkpoint at start.
+
+Example:
+    $ TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]},
+    ...           "task": {"type": "ps", "index": 0}, "token": "s3cret"}' \\
+    ...   python -m jaxdist.server --checkpoint_dir /tmp/ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from jaxdist.ps.cluster import task_info
+from jaxdist.ps.server import ParameterServer
+from jaxdist.ps.service import ParameterService
+
+log = logging.getLogger("jaxdist.server")
+
+
+class Server:
+    """A ps task of a cluster (``tf.distribute.Server`` for the ``ps`` job).
+
+    Args:
+        cluster_resolver: a resolver, a ClusterSpec / dict, or ``None`` (read ``TF_CONFIG``).
+        job_name: the job (default: the resolver's ``task_type``); must be ``"ps"``.
+        task_index: the task (default: the resolver's ``task_id``).
+        protocol: ``"grpc"`` (the only one).
+        start: start serving now.
+        token: the cluster token (default: the resolver's, else ``$JAXDIST_CLUSTER_TOKEN``).
+        checkpoint_dir: restore the latest checkpoint from here at start; default save
+            directory.
+
+    Raises:
+        ValueError: not a ps task, no token, or the cluster has no such task.
+
+    Example:
+        >>> server = jaxdist.Server(jaxdist.cluster.TFConfigClusterResolver())
+        >>> server.join()          # until stopped
+    """
+
+    def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,
+                 task_index: int | None = None, protocol: str = "grpc", start: bool = True,
+                 *, token: str | None = None, checkpoint_dir: str | None = None):
+        if protocol != "grpc":
+            raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
+        if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
+            from jaxdist.ps.cluster import TaskInfo
+
+            info = TaskInfo({k: list(v) for k, v in cluster_resolver.items()}, job_name,
+                            task_index or 0, token)
+        else:
+            info = task_info(cluster_resolver)
+        job = job_name or info.task_type
+        index = info.task_id if task_index is None else int(task_index)
+        if job != "ps":
+            raise ValueError(
+                f"jaxdist.Server serves parameter-server tasks: job_name must be 'ps', got "
+                f"{job!r} (workers and the chief run ParameterServerStrategy instead)"
+            )
+        addresses = info.cluster.get("ps", [])
+        if not 0 <= index < len(addresses):
+            raise ValueError(
+                f"task ps:{index} is not in the cluster: its ps job has {len(addresses)} tasks "
+                f"{addresses}"
+            )
+        self.task = f"ps:{index}"
+        self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
+        self._server = ParameterServer(self.service, addresses[index], token or info.token)
+        if start:
+            self.start()
+
+    @property
+    def target(self) -> str:
+        """``grpc://host:port`` of this server."""
+        return f"grpc://{self._server.address}"
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    def start(self) -> None:
+        self._server.start()
+        log.info("%s serving on %s", self.task, self._server.address)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Blocks until the server stops; returns False if ``timeout`` passed first."""
+        return self._server.wait_for_stop(timeout)
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdist.server",
+        description="Run a jaxdist parameter-server task (cluster from TF_CONFIG).",
+    )
+    parser.add_argument("--checkpoint_dir", default=None,
+                        help="restore the latest checkpoint from here at start")
+    parser.add_argument("--task_index", type=int, default=None,
+                        help="override TF_CONFIG's task index")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        server = Server(None, task_index=args.task_index, start=False,
+                        checkpoint_dir=args.checkpoint_dir)
+    except (ValueError, OSError) as e:
+        print(f"jaxdist.server: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        server.service.stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(f"jaxdist.server {server.task} listening on {server.address}", flush=True)
+    while not server.join(timeout=0.5):
+        pass
+    server.stop()
+    print(f"jaxdist.server {server.task} stopped", flush=True)
+    return 0
+
+
+__all__ = ["Server", "main"]

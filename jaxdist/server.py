@@ -1,0 +1,17 @@
+"""``python -m jaxdist.server``: run a parameter-server task until it is told to stop.
+
+The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``), the token from
+``TF_CONFIG["token"]`` or ``$JAXDIST_CLUSTER_TOKEN``. SIGTERM or SIGINT stop it cleanly.
+
+Example:
+    $ python -m jaxdist.server --checkpoint_dir /tmp/ckpt
+"""
+
+import sys
+
+from jaxdist.ps.task import Server, main
+
+__all__ = ["Server", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
