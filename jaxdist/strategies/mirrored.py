@@ -22,8 +22,9 @@ class MirroredStrategy(Strategy):
     Args:
         devices: JAX devices or TF device strings (``"/gpu:0"``, ``"/cpu:1"``, ...). ``None``:
             every local device of the default backend.
-        cross_device_ops: ``NcclAllReduce()`` (default), ``HierarchicalCopyAllReduce()`` or
-            ``ReductionToOneDevice()``.
+        cross_device_ops: ``NcclAllReduce()``, ``HierarchicalCopyAllReduce()`` or
+            ``ReductionToOneDevice()``. Default: ``NcclAllReduce(num_packs=0)`` (one all-reduce
+            per value, which XLA's all-reduce combiner batches).
 
     Example:
         >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])
