@@ -1,0 +1,163 @@
+"""``python -m jaxdist.train`` end to end, in subprocesses (CPU, 2 forced devices)."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _env(devices: int = 2) -> dict:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _cmd(config: str, *overrides: str) -> list:
+    cmd = [sys.executable, "-m", "jaxdist.train", "--config", str(ROOT / "configs" / config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _run(config: str, *overrides: str, devices: int = 2, timeout: float = 120):
+    return subprocess.run(_cmd(config, *overrides), env=_env(devices), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _records(log_dir) -> list:
+    with open(pathlib.Path(log_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_help_lists_the_options():
+    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--help"], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for word in ("--config", "--set", "global_batch_size", "steps_per_execution",
+                 "central_storage", "cross_device_ops", "halt_on_nan", "every_steps"):
+        assert word in out.stdout
+
+
+@pytest.mark.slow
+def test_default_config_reaches_95_percent(tmp_path):
+    start = time.time()
+    out = _run("default.yaml", f"logging.dir={tmp_path}")
+    wall = time.time() - start
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = _records(tmp_path)
+    end = [r for r in records if r["event"] == "end"][-1]
+    assert end["val_accuracy"] >= 0.95, end
+    train = [r for r in records if r["event"] == "train"]
+    assert {"loss", "accuracy", "examples_per_sec", "step_time_ms"} <= set(train[-1])
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    assert "[validation]" in out.stdout  # plain log lines when stdout is not a terminal
+    assert wall < 60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, devices, message", [
+    (["train.epochs=ten"], 2, "train.epochs: 'ten' (str) is not an int"),
+    (["strategy.name=multi_gpu"], 2, "strategy.name: 'multi_gpu' is not a known strategy"),
+    (["model.name=transformer"], 2, "model.name: 'transformer' is not valid"),
+    (["train.global_batch_size=30"], 4,
+     "train.global_batch_size: 30 does not divide across the 4 replicas"),
+    (["strategy.devices=[/cpu:9]"], 2, "strategy: 'mirrored' cannot be built"),
+    (["optimiser.name=sgd"], 2, "optimiser: unknown key"),
+])
+def test_bad_config_exits_2(overrides, devices, message, tmp_path):
+    out = _run("default.yaml", f"logging.dir={tmp_path}", *overrides, devices=devices)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
+
+
+@pytest.mark.slow
+def test_missing_config_file_exits_2():
+    out = _run("no_such.yaml")
+    assert out.returncode == 2 and "no such file" in out.stderr
+
+
+def _final_params(ckpt_dir, step):
+    from jaxdist.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(ckpt_dir)
+    assert ckpt.latest_step() == step
+    state, meta = ckpt.restore(step)
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(state)], meta
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_equals_uninterrupted(tmp_path):
+    common = ["data.name=synthetic", "data.num_examples=2000", "data.num_features=16",
+              "model.hidden_sizes=[32]", "train.global_batch_size=16", "train.steps=500",
+              "train.validation_freq=0", "checkpoint.every_steps=10", "checkpoint.keep=2",
+              "logging.every_steps=50"]
+    straight = tmp_path / "straight"
+    out = _run("mirrored.yaml", *common, f"checkpoint.dir={straight / 'ckpt'}",
+               f"logging.dir={straight}")
+    assert out.returncode == 0, out.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    ckpt = killed / "ckpt"
+    cmd = _cmd("mirrored.yaml", *common, f"checkpoint.dir={ckpt}", f"logging.dir={killed}")
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            done = [p for p in ckpt.glob("*") if p.name.isdigit()] if ckpt.exists() else []
+            if any(int(p.name) >= 30 for p in done):
+                break
+            assert proc.poll() is None, "training ended before it could be killed"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    steps = sorted(int(p.name) for p in ckpt.glob("*") if p.name.isdigit())
+    assert steps and steps[-1] < 500, steps
+
+    out = _run("mirrored.yaml", *common, f"checkpoint.dir={ckpt}", f"logging.dir={killed}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"Resumed from checkpoint at step {steps[-1]}" in out.stdout
+
+    a, meta_a = _final_params(straight / "ckpt", 500)
+    b, meta_b = _final_params(ckpt, 500)
+    assert meta_a == meta_b
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_nan_loss_exits_nonzero_and_keeps_last_good_checkpoint(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    x[96:] = np.nan  # with shuffle off, steps 1-6 are fine and step 7 sees NaN
+    path = tmp_path / "data.npz"
+    np.savez(path, x=x, y=y, x_val=x[:32], y_val=y[:32])
+    out = _run("one_device.yaml", "data.name=npz", f"data.path={path}", "data.shuffle=false",
+               "model.name=mlp", "model.hidden_sizes=[8]", "train.global_batch_size=16",
+               "train.epochs=3", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path / 'c'}",
+               f"logging.dir={tmp_path}")
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "loss is nan at step 7 (halt_on_nan); the last good checkpoint is step 6" in lines[0]
+    params, meta = _final_params(tmp_path / "c", 6)
+    assert meta["step"] == 6 and all(np.isfinite(p).all() for p in params)

@@ -1,0 +1,85 @@
+"""Job configs: every shipped config validates; bad configs give one clear ConfigError."""
+
+import pathlib
+
+import pytest
+
+from jaxdist.train import strategy_registry
+from jaxdist.train.config import ConfigError, Field, check_replicas, load_config, schema_help
+
+CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+TRAIN_CONFIGS = [p for p in CONFIGS
+                 if p.stem in ("default", "one_device", "mirrored", "central_storage", "tpu")]
+
+
+def test_the_five_configs_exist():
+    assert {p.stem for p in TRAIN_CONFIGS} == {
+        "default", "one_device", "mirrored", "central_storage", "tpu"}
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg["strategy"]["name"] in strategy_registry.registered_strategies()
+    assert cfg["train"]["global_batch_size"] % 8 == 0  # fits 1, 2, 4 and 8 devices
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(raw={}, overrides=["train.epochs=3", "optimizer.learning_rate=1e-2",
+                                         "model.hidden_sizes=[8, 8]", "checkpoint.dir=null",
+                                         "strategy.name=one_device", "strategy.device=/cpu:0"])
+    assert cfg["train"]["epochs"] == 3
+    assert cfg["optimizer"]["learning_rate"] == pytest.approx(0.01)  # "1e-2" read as a number
+    assert cfg["model"]["hidden_sizes"] == [8, 8]
+    assert cfg["checkpoint"]["dir"] is None
+    assert cfg["strategy"] == {"name": "one_device", "device": "/cpu:0"}
+    assert cfg["data"]["name"] == "digits"
+
+
+@pytest.mark.parametrize("raw, overrides, message", [
+    ({"train": {"epoch": 3}}, [], "train.epoch: unknown key; valid keys: .*epochs"),
+    ({"trian": {}}, [], "trian: unknown key; valid keys: checkpoint, data"),
+    ({}, ["train.epochs=three"], r"train.epochs: 'three' \(str\) is not an int"),
+    ({}, ["train.epochs=0"], r"train.epochs: 0 is too small; expected >= 1"),
+    ({}, ["train.halt_on_nan=maybe"], "train.halt_on_nan: 'maybe' .* expected true or false"),
+    ({}, ["strategy.name=mirored"],
+     "strategy.name: 'mirored' is not a known strategy; expected one of: central_storage, "
+     "mirrored, one_device, tpu"),
+    ({}, ["strategy.name=one_device", "strategy.devices=[/cpu:0]"],
+     "strategy.devices: unknown key for strategy 'one_device'; valid keys: device, name"),
+    ({}, ["model.name=resnet"], "model.name: 'resnet' is not valid; expected one of: mlp, cnn"),
+    ({}, ["optimizer.learning_rate=fast"], "optimizer.learning_rate: 'fast' .* not a number"),
+    ({}, ["data.name=npz"], "data.path: null is not allowed when data.name is 'npz'"),
+    ({}, ["train.epochs"], "expected section.key=value"),
+    ({}, ["train.epochs.x=1"], r"train.epochs: {'x': 1} \(dict\) is not an int"),
+    ({"train": {"epochs": 2}}, ["train.epochs.x=1"], "train.epochs is a value, not a section"),
+    ({"train": [1, 2]}, [], r"train: \[1, 2\] \(list\) is not a mapping"),
+])
+def test_bad_configs(raw, overrides, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(raw=raw, overrides=overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_batch_must_divide_across_replicas():
+    cfg = load_config(raw={"train": {"global_batch_size": 30}})
+    with pytest.raises(ConfigError, match="train.global_batch_size: 30 does not divide across "
+                                          "the 4 replicas.*multiple of 4 .e.g. 28 or 32"):
+        check_replicas(cfg, 4)
+    check_replicas(cfg, 3)
+
+
+def test_register_strategy_plugs_in_a_new_name():
+    built = []
+    strategy_registry.register_strategy(
+        "test_plugin", lambda section: built.append(dict(section)) or "strategy",
+        {"workers": Field(int, 2, "how many", minimum=1)}, help="a test strategy")
+    try:
+        cfg = load_config(raw={"strategy": {"name": "test_plugin", "workers": 3}})
+        assert strategy_registry.build_strategy(cfg["strategy"]) == "strategy"
+        assert built == [{"name": "test_plugin", "workers": 3}]
+        assert "test_plugin" in schema_help()
+        with pytest.raises(ConfigError, match="strategy.workers: 0 is too small"):
+            load_config(raw={"strategy": {"name": "test_plugin", "workers": 0}})
+    finally:
+        strategy_registry._REGISTRY.pop("test_plugin")
