@@ -1,0 +1,126 @@
+"""The parameter service in-process: ps-side optimizers, versions/staleness, rows, checkpoints."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from jaxdist.ps import optimizers as O
+from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
+
+
+@pytest.mark.parametrize("spec", [O.sgd(0.1), O.momentum(0.1, 0.9), O.adam(0.01),
+                                  O.adagrad(0.1), O.rmsprop(0.01), O.adamw(0.01), O.clip(0.5)],
+                         ids=lambda s: s.name)
+def test_elementwise_optimizer_per_shard_matches_whole(spec):
+    """Applying the optimizer to two row shards equals applying optax to the whole leaf."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    svc = ParameterService("ps:0")
+    svc.create({"a": w[:4], "b": w[4:]}, {k: {"optimizer": spec.to_json()} for k in "ab"})
+    tx = spec.build()
+    ref, state = jnp.asarray(w), tx.init(jnp.asarray(w))
+    for step in range(5):
+        g = rng.normal(size=w.shape).astype(np.float32)
+        svc.push({"a": g[:4], "b": g[4:]}, {"a": step, "b": step})
+        upd, state = tx.update(jnp.asarray(g), state, ref)
+        ref = optax.apply_updates(ref, upd)
+    got = svc.pull(["a", "b"])
+    np.testing.assert_allclose(np.concatenate([got["a"][0], got["b"][0]]), ref, rtol=1e-5,
+                               atol=1e-6)
+    assert got["a"][1] == 5
+
+
+def test_optimizer_split_rules():
+    spec = O.chain(O.clip_by_global_norm(1.0), O.adam(1e-3))
+    worker, ps = spec.split()
+    assert worker.name == "clip_by_global_norm" and ps.name == "adam"
+    with pytest.raises(ValueError, match="'clip_by_global_norm' follows 'sgd'"):
+        O.chain(O.sgd(0.1), O.clip_by_global_norm(1.0))
+    with pytest.raises(ValueError, match="raw optax GradientTransformation"):
+        O.as_spec(optax.adam(1e-3))
+    with pytest.raises(ValueError, match="'lamb' cannot run on a parameter server"):
+        O.OptimizerSpec("lamb", {"learning_rate": 0.1})
+    assert O.OptimizerSpec.from_json(spec.to_json()) == spec
+
+
+def test_staleness_and_versions_recorded():
+    svc = ParameterService("ps:0")
+    svc.create({"w": np.zeros(2, np.float32)}, {"w": {"optimizer": O.sgd(1.0).to_json()}})
+    assert svc.push({"w": np.ones(2, np.float32)}, {"w": 0})["w"] == {"version": 1,
+                                                                       "staleness": 0}
+    # two workers computed from version 1; the second push is one version stale
+    svc.push({"w": np.ones(2, np.float32)}, {"w": 1}, worker=0)
+    r = svc.push({"w": np.ones(2, np.float32)}, {"w": 1}, worker=1)
+    assert r["w"] == {"version": 3, "staleness": 1}
+    stats = svc.status()["variables"]["w"]
+    assert stats["staleness_max"] == 1 and stats["pushes"] == 3
+    np.testing.assert_array_equal(svc.pull(["w"])["w"][0], [-3, -3])
+
+
+def test_errors_name_the_variable():
+    svc = ParameterService("ps:3")
+    svc.create({"w": np.zeros((2, 2), np.float32)}, {})
+    with pytest.raises(PSNotFoundError, match="ps:3 holds no variable 'nope'"):
+        svc.pull(["nope"])
+    with pytest.raises(PSInvalidArgumentError, match=r"gradient for 'w' has shape \(3,\)"):
+        svc.push({"w": np.zeros(3, np.float32)}, {})
+    with pytest.raises(PSInvalidArgumentError, match="exists with shape"):
+        svc.create({"w": np.zeros((3,), np.float32)}, {})
+    with pytest.raises(PSInvalidArgumentError, match="row id 5 out of range"):
+        svc.pull_rows("w", np.array([5]))
+
+
+def test_push_rows_sums_duplicates_rowwise_adagrad():
+    table = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    spec = O.adagrad(0.5)
+    svc = ParameterService("ps:0")
+    svc.create({"t": table}, {"t": {"optimizer": spec.to_json(), "kind": "rows"}})
+    ids = np.array([2, 7, 2, 2])
+    g = np.arange(12, dtype=np.float32).reshape(4, 3)
+    svc.push_rows("t", ids, g, version=0)
+    dense_g = np.zeros_like(table)
+    np.add.at(dense_g, ids, g)
+    tx = spec.build()
+    upd, _ = tx.update(jnp.asarray(dense_g), tx.init(jnp.asarray(table)), jnp.asarray(table))
+    ref = np.asarray(optax.apply_updates(jnp.asarray(table), upd))
+    got = svc.pull(["t"])["t"][0]
+    for r in range(10):
+        np.testing.assert_allclose(got[r], ref[r], rtol=1e-6, err_msg=f"row {r}")
+
+
+def test_checkpoint_round_trip(tmp_path):
+    svc = ParameterService("ps:1")
+    svc.create({"w": np.ones(3, np.float32), "h": np.ones(2, ml_dtypes.bfloat16)},
+               {"w": {"optimizer": O.adam(0.1).to_json()}})
+    svc.push({"w": np.ones(3, np.float32)}, {"w": 0})
+    svc.set_marker("ready/m")
+    svc.save(str(tmp_path), step=7)
+    write_checkpoint_pointer(str(tmp_path), 7)
+    before = svc.pull(["w", "h"])
+    svc.push({"w": np.ones(3, np.float32)}, {"w": 1})
+    restored = ParameterService("ps:1", checkpoint_dir=str(tmp_path))
+    assert restored.restored_step == 7 and "ready/m" in restored.status()["markers"]
+    after = restored.pull(["w", "h"])
+    for k in ("w", "h"):
+        assert after[k][1] == before[k][1]
+        assert after[k][0].tobytes() == before[k][0].tobytes()
+    # optimizer state came back too: the next update equals the original service's
+    a = restored.push({"w": np.ones(3, np.float32)}, {"w": 1})
+    np.testing.assert_allclose(restored.pull(["w"])["w"][0], svc.pull(["w"])["w"][0])
+    assert a["w"]["version"] == 2
+    assert not list(tmp_path.glob("ps-1/*.tmp-*"))
+
+
+def test_ssp_clock_bounds_the_gap():
+    svc = ParameterService("ps:0")
+    assert svc.clock(0, 1, 2, 1, 0.0)["ok"]          # worker 1 at 0: gap 1 <= 1
+    assert not svc.clock(0, 2, 2, 1, 0.05)["ok"]     # gap 2 > 1: waits, times out
+    svc.clock(1, 1, 2, 1, 0.0)
+    assert svc.clock(0, 2, 2, 1, 0.0)["ok"]
+    svc.clock(1, float("inf"), 2, None, 0.0)         # worker 1 done
+    assert svc.clock(0, 50, 2, 1, 0.0)["ok"]
+    jax.block_until_ready(jnp.zeros(()))
