@@ -198,3 +198,14 @@ def test_python_scalars_are_traced_not_static(strategy):
         out = strategy.run(fn, args=(lr,))
     assert len(traces) <= 2  # probe + real trace, once
     np.testing.assert_allclose(out, 0.6, rtol=1e-6)
+
+
+def test_new_function_objects_each_step_warn_once(strategy):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(10):
+            strategy.run(lambda x: x + 1, args=(jnp.float32(i),))
+    msgs = [str(w.message) for w in caught if "different function objects" in str(w.message)]
+    assert len(msgs) == 1 and "Define the step function once" in msgs[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from jaxdist.strategies.values import PerReplica, is_per_replica, local_componen
 
 _SCALAR_TYPES = (int, float, bool, complex)
 _RUN_CACHE_SIZE = 128
+_RETRACE_WARNING_AFTER = 8
 
 
 class ValueContext:
@@ -106,6 +108,7 @@ class StrategyExtended:
         self._reduce_cache: dict = {}
         self._cache_lock = threading.Lock()
         self._colocation: list[Any] = []
+        self._new_fn_counts: dict[Any, int] = {}
 
     # ------------------------------------------------------------------ placement
     @property
@@ -255,6 +258,22 @@ class StrategyExtended:
     def _post_run(self, out: Any) -> Any:
         return out
 
+    def _note_new_function(self, fn: Callable) -> None:
+        """Warns once when the same code keeps arriving as new function objects (retracing)."""
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return
+        count = self._new_fn_counts.get(code, 0) + 1
+        self._new_fn_counts[code] = count
+        if count == _RETRACE_WARNING_AFTER:
+            warnings.warn(
+                f"strategy.run compiled {count} different function objects for "
+                f"{getattr(fn, '__qualname__', fn)!r} ({code.co_filename}:{code.co_firstlineno}): "
+                f"each new function object (e.g. a lambda or closure created inside the loop) is "
+                f"traced and compiled again. Define the step function once and reuse it.",
+                stacklevel=4,
+            )
+
     def _lookup(self, key, fn, treedef, kinds, statics):
         try:
             hash(key)
@@ -265,6 +284,7 @@ class StrategyExtended:
                 self._run_cache.move_to_end(key)
                 return self._run_cache[key]
         compiled = _CompiledRun(self, fn, treedef, kinds, statics)
+        self._note_new_function(fn)
         if key is not None:
             with self._cache_lock:
                 self._run_cache[key] = compiled
