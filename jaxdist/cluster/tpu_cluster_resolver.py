@@ -1,4 +1,10 @@
-"""``TPUClusterResolver``: finds the TPU of a Colab runtime or Cloud TPU VM through JAX."""
+"""``TPUClusterResolver``: finds the TPU of a Colab runtime, a Cloud TPU VM or a TPU pod slice.
+
+On one TPU host JAX sees the cores directly. On a pod slice (several hosts, one process each)
+Cloud TPU sets ``TPU_WORKER_HOSTNAMES`` (or ``TPU_PROCESS_ADDRESSES``) and ``TPU_WORKER_ID``;
+the resolver turns them into a ``worker`` job and ``devices()`` brings up ``jax.distributed``
+(coordinator on worker 0, port 8476 as JAX uses) before listing the cores.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,13 @@ import os
 from typing import Any
 
 import jax
+
+from jaxdist.cluster.cluster_spec import ClusterSpec
+from jaxdist.cluster.errors import ClusterConfigError
+from jaxdist.cluster.resolver import ClusterResolver
+
+TPU_PORT = 8470
+COORDINATOR_PORT = 8476
 
 
 class TPUNotFoundError(RuntimeError):
@@ -16,11 +29,14 @@ def _describe(devs) -> str:
     return ", ".join(f"{d.platform}:{d.id}" for d in devs) or "none"
 
 
-class TPUClusterResolver:
+class TPUClusterResolver(ClusterResolver):
     """Locates TPU cores (``tf.distribute.cluster_resolver.TPUClusterResolver``).
 
     On a Cloud TPU VM or a Colab TPU runtime the TPU is attached to the host and JAX's TPU
-    backend sees its cores; ``tpu=None``, ``""`` or ``"local"`` means that local TPU.
+    backend sees its cores; ``tpu=None``, ``""`` or ``"local"`` means that local TPU. On a pod
+    slice the hosts come from ``worker_hostnames`` or ``$TPU_WORKER_HOSTNAMES`` and this host's
+    index from ``$TPU_WORKER_ID``; ``devices()`` then joins the slice's ``jax.distributed``
+    group and returns this host's cores (``jax.devices()`` lists the whole slice).
 
     Args:
         tpu: ``None`` / ``""`` / ``"local"`` for the local TPU, or a TPU name (recorded, and
@@ -28,6 +44,8 @@ class TPUClusterResolver:
         zone: GCE zone (recorded for compatibility).
         project: GCP project (recorded for compatibility).
         job_name: the job name used in ``cluster_spec()``.
+        worker_hostnames: the pod slice's hosts (default: ``$TPU_WORKER_HOSTNAMES``).
+        worker_id: this host's index in the slice (default: ``$TPU_WORKER_ID``, else 0).
 
     Example:
         >>> resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu="local")
@@ -43,17 +61,61 @@ class TPUClusterResolver:
         job_name: str = "worker",
         coordinator_name: str | None = None,
         coordinator_address: str | None = None,
+        worker_hostnames: list[str] | str | None = None,
+        worker_id: int | None = None,
         **kwargs: Any,
     ):
         self.tpu = tpu if tpu is not None else os.environ.get("TPU_NAME", "local")
         self.zone = zone
         self.project = project
         self.task_type = job_name
-        self.task_id = 0
         self.rpc_layer = "grpc"
+        self.environment = ""
         self.coordinator_name = coordinator_name
-        self.coordinator_address = coordinator_address
+        self._coordinator_address = coordinator_address
         self._extra = kwargs
+        hosts = worker_hostnames
+        if hosts is None:
+            hosts = os.environ.get("TPU_PROCESS_ADDRESSES") or os.environ.get(
+                "TPU_WORKER_HOSTNAMES"
+            )
+        if isinstance(hosts, str):
+            hosts = [h.strip() for h in hosts.split(",") if h.strip()]
+        self.worker_hostnames: list[str] = [h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+                                            for h in (hosts or [])]
+        if worker_id is None:
+            raw = os.environ.get("TPU_WORKER_ID", "0")
+            try:
+                worker_id = int(raw)
+            except ValueError:
+                raise ClusterConfigError(
+                    f"TPU_WORKER_ID={raw!r}: expected this host's index in the pod slice"
+                ) from None
+        self.task_id = int(worker_id)
+        if self.worker_hostnames and not 0 <= self.task_id < len(self.worker_hostnames):
+            raise ClusterConfigError(
+                f"TPU worker id {self.task_id} is not an index of the slice's hosts "
+                f"{self.worker_hostnames}"
+            )
+
+    @property
+    def is_pod_slice(self) -> bool:
+        """True when the TPU spans several hosts (one process each)."""
+        return len(self.worker_hostnames) > 1
+
+    def coordinator_address(self) -> str:
+        """Where the slice's ``jax.distributed`` coordinator listens (worker 0, port 8476)."""
+        if self._coordinator_address:
+            return self._coordinator_address
+        host = self.worker_hostnames[0] if self.worker_hostnames else "localhost"
+        return f"{host}:{COORDINATOR_PORT}"
+
+    def connect(self, timeout_seconds: float | None = None) -> None:
+        """Joins the pod slice's ``jax.distributed`` group (no-op on one host)."""
+        if self.is_pod_slice:
+            from jaxdist.cluster.bringup import initialize_from_resolver
+
+            initialize_from_resolver(self, timeout_seconds=timeout_seconds, cpu_collectives=None)
 
     def devices(self) -> list[Any]:
         """The TPU devices of this host.
@@ -61,6 +123,7 @@ class TPUClusterResolver:
         Raises:
             TPUNotFoundError: JAX sees no TPU; the message lists the devices it found.
         """
+        self.connect()
         try:
             tpus = jax.devices("tpu")
         except RuntimeError:
@@ -76,10 +139,15 @@ class TPUClusterResolver:
     def master(
         self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
     ) -> str:
-        return ""
+        """``""`` for the local TPU; ``grpc://host:8470`` of a task on a pod slice."""
+        if not self.is_pod_slice:
+            return ""
+        return super().master(task_type, task_id, rpc_layer)
 
-    def cluster_spec(self) -> dict[str, list[str]]:
-        return {self.task_type: ["localhost:8470"]}
+    def cluster_spec(self) -> ClusterSpec:
+        """``{job_name: ["host:8470", ...]}``: one task per TPU host."""
+        hosts = self.worker_hostnames or ["localhost"]
+        return ClusterSpec({self.task_type: [f"{h}:{TPU_PORT}" for h in hosts]})
 
     def num_accelerators(
         self, task_type: str | None = None, task_id: int | None = None, config_proto: Any = None
@@ -93,10 +161,15 @@ class TPUClusterResolver:
         devs = self.devices()
         return {
             "num_cores": len(jax.devices("tpu")),
-            "num_hosts": jax.process_count(),
+            "num_hosts": max(jax.process_count(), len(self.worker_hostnames) or 1),
             "num_of_cores_per_host": len(devs),
             "devices": devs,
         }
 
     def __repr__(self) -> str:
+        if self.is_pod_slice:
+            return (
+                f"TPUClusterResolver(tpu={self.tpu!r}, worker {self.task_id} of "
+                f"{self.worker_hostnames})"
+            )
         return f"TPUClusterResolver(tpu={self.tpu!r})"

@@ -1,0 +1,396 @@
+"""``jax.distributed`` bring-up from a resolver, peer-failure detection and an orderly exit.
+
+``initialize_from_resolver`` starts JAX's coordination service (in process 0) and connects
+every training task to it, with a timeout. The job runs in JAX's *recoverable* mode, so the
+death of a worker does not abort the survivors: their next collective fails, the coordination
+service reports which tasks are gone, and ``wait_for_step`` raises ``PeerLostError`` naming
+them. At exit the processes meet at a barrier, then non-coordinator processes disconnect before
+process 0 stops the service (so nobody loses the service while still connected).
+
+Limitation: JAX aborts every process whose coordination service disappears, so if the
+*coordinator* task (the chief, process 0) dies, the survivors are terminated by JAX with
+"the JAX distributed service detected fatal errors" instead of raising ``PeerLostError``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
+from jaxdist.cluster.process_group import ProcessGroup, process_group
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {
+    "group": None,  # ProcessGroup this process joined
+    "timeout": DEFAULT_TIMEOUT_SECONDS,
+    "heartbeat": None,
+    "lost": None,  # tuple of task names once a peer is lost
+    "broken": False,  # a step failed or timed out
+    "uncaught": False,
+    "atexit": False,
+}
+
+
+def current_group() -> ProcessGroup | None:
+    """The process group ``initialize_from_resolver`` joined (``None`` before)."""
+    return _state["group"]
+
+
+def lost_tasks() -> tuple[str, ...] | None:
+    """The tasks found lost so far (``None`` while the cluster is healthy)."""
+    return _state["lost"]
+
+
+def _jax_distributed():
+    from jax._src import distributed
+
+    return distributed
+
+
+def _configure_jax(collectives: str | None) -> None:
+    import jax
+
+    if collectives is not None:
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", collectives)
+        except (AttributeError, ValueError) as e:  # pragma: no cover - other JAX versions
+            log.warning("could not select CPU collectives %r: %s", collectives, e)
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except AttributeError:  # pragma: no cover - other JAX versions
+        log.warning("this JAX has no recoverable mode: a lost peer aborts the survivors")
+
+
+def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None,
+                             heartbeat_timeout_seconds: int | None = None,
+                             cpu_collectives: str | None = "gloo") -> ProcessGroup:
+    """Brings up ``jax.distributed`` for the training group a cluster resolver describes.
+
+    Idempotent: a second call with the same cluster returns the same group. ``ps`` and
+    ``evaluator`` tasks, and single-process clusters, do not start ``jax.distributed``.
+
+    Args:
+        resolver: a ``ClusterResolver`` (``TFConfigClusterResolver``, ``SlurmClusterResolver``,
+            ...).
+        timeout_seconds: how long to wait for every task to register (default 60 s); also the
+            bound ``wait_for_step`` uses.
+        heartbeat_timeout_seconds: after how long a silent task is declared dead (default: half
+            of ``timeout_seconds``, at least 3 s).
+        cpu_collectives: the CPU collectives implementation (``"gloo"``; ``None`` leaves JAX's
+            choice).
+
+    Returns:
+        The ``ProcessGroup`` this process belongs to.
+
+    Raises:
+        ClusterConfigError: the cluster is invalid, or ``jax.distributed`` was already
+            initialized differently, or JAX already ran computations in this process.
+        ClusterTimeoutError: not every task registered within ``timeout_seconds``; the message
+            names the coordinator and the tasks expected.
+
+    Example:
+        >>> group = jaxdist.cluster.initialize_from_resolver(
+        ...     jaxdist.cluster_resolver.TFConfigClusterResolver(), timeout_seconds=120)
+        >>> group.process_id, group.num_processes
+        (1, 2)
+    """
+    timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
+    group = process_group(resolver)
+    with _lock:
+        prev = _state["group"]
+        if prev is not None:
+            if (prev.tasks, prev.process_id, prev.coordinator_address) != (
+                group.tasks, group.process_id, group.coordinator_address
+            ):
+                raise ClusterConfigError(
+                    f"jax.distributed is already initialized as {prev.name} of "
+                    f"{[prev.task_name(i) for i in range(prev.num_processes)]} (coordinator "
+                    f"{prev.coordinator_address}); cannot join as {group.name} of "
+                    f"{[group.task_name(i) for i in range(group.num_processes)]}"
+                )
+            return prev
+        if not group.multi_process:
+            return group  # one process, or a ps / evaluator task: no jax.distributed
+        dist = _jax_distributed()
+        from jax._src import xla_bridge
+
+        if dist.is_initialized():
+            raise ClusterConfigError(
+                "jax.distributed was initialized outside jaxdist; create the strategy from a "
+                "resolver instead of calling jax.distributed.initialize yourself"
+            )
+        if xla_bridge.backends_are_initialized():
+            raise ClusterConfigError(
+                f"cannot join the cluster as {group.name}: JAX already initialized its "
+                f"backend in this process (something called jax.devices(), created an array "
+                f"or ran a computation). Create MultiWorkerMirroredStrategy (or call "
+                f"jaxdist.experimental_connect_to_cluster) before any other JAX call"
+            )
+        _configure_jax(cpu_collectives)
+        hb = int(heartbeat_timeout_seconds or max(3, math.ceil(timeout / 2)))
+        try:
+            dist.initialize(
+                coordinator_address=group.coordinator_address,
+                num_processes=group.num_processes,
+                process_id=group.process_id,
+                cluster_detection_method="deactivate",
+                initialization_timeout=max(1, math.ceil(timeout)),
+                heartbeat_timeout_seconds=hb,
+                shutdown_timeout_seconds=max(1, math.ceil(timeout)),
+                coordinator_bind_address=group.coordinator_bind_address,
+            )
+        except Exception as e:
+            try:
+                dist.global_state.shutdown()
+            except Exception:  # noqa: BLE001 - best effort after a failed start
+                pass
+            others = [group.task_name(i) for i in range(group.num_processes)
+                      if i != group.process_id]
+            raise ClusterTimeoutError(
+                f"{group.name} could not join the cluster within {timeout:g} s: the "
+                f"coordinator {group.task_name(0)} at {group.coordinator_address} and the "
+                f"tasks {others} must all start (error: {_first_line(e)})",
+                tasks=tuple(others),
+                timeout_seconds=timeout,
+            ) from e
+        _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
+        _install_exit_hooks()
+        return group
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------- failure detection
+def find_lost_tasks(wait_seconds: float) -> tuple[str, ...] | None:
+    """Asks the coordination service which members are gone.
+
+    Returns the lost tasks' names (``("worker:1",)``), ``()`` when every member is alive, or
+    ``None`` when the service did not answer within ``wait_seconds``. If the service itself is
+    unreachable the coordinator task is reported lost.
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return ()
+    client = _jax_distributed().global_state.client
+    if client is None:
+        return None
+    result: dict[str, Any] = {}
+
+    def probe() -> None:
+        try:
+            result["live"] = client.get_live_nodes(list(range(group.num_processes)))
+        except Exception as e:  # noqa: BLE001 - reported through the result
+            result["error"] = e
+
+    t = threading.Thread(target=probe, name="jaxdist-live-nodes", daemon=True)
+    t.start()
+    t.join(max(0.1, wait_seconds))
+    if "live" in result:
+        live = set(result["live"])
+        return tuple(group.task_name(i) for i in range(group.num_processes) if i not in live)
+    if "error" in result:
+        return (group.task_name(0),)
+    return None
+
+
+def _mark_lost(tasks: Iterable[str]) -> tuple[str, ...]:
+    tasks = tuple(tasks)
+    if _state["lost"] is None:
+        _state["lost"] = tasks
+    return _state["lost"]
+
+
+def _raise_lost(tasks: tuple[str, ...], cause: BaseException | None, what: str) -> None:
+    group = _state["group"]
+    me = group.name if group else "this task"
+    names = ", ".join(tasks)
+    raise PeerLostError(
+        f"{me}: lost peer task(s) {names} during {what}; the training cluster is broken. "
+        f"Restart the job (it resumes from the last checkpoint)"
+        + (f" (error: {_first_line(cause)})" if cause is not None else ""),
+        tasks=tasks,
+    ) from cause
+
+
+def _block(leaves: list[Any]) -> None:
+    for x in leaves:
+        if hasattr(x, "block_until_ready"):
+            x.block_until_ready()
+
+
+def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str = "a step") -> Any:
+    """Waits for ``outputs`` (arrays of a step with collectives), bounded by the timeout.
+
+    In a single-process run this is ``block_until_ready``.
+
+    Raises:
+        PeerLostError: a member of the group died (the message and ``.tasks`` name it).
+        ClusterTimeoutError: the step did not finish in time and no member is known dead.
+
+    Example:
+        >>> loss = jaxdist.cluster.wait_for_step(strategy.run(step, args=(state, batch)))
+    """
+    import jax
+
+    leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        _block(leaves)
+        return outputs
+    if _state["lost"]:
+        _raise_lost(_state["lost"], None, what)
+    timeout = float(timeout_seconds or _state["timeout"])
+    start = time.monotonic()
+    done = threading.Event()
+    result: dict[str, BaseException] = {}
+
+    def block() -> None:
+        try:
+            _block(leaves)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            result["error"] = e
+        finally:
+            done.set()
+
+    # A daemon thread, so a collective that never returns cannot keep the process alive.
+    threading.Thread(target=block, name="jaxdist-wait", daemon=True).start()
+    if not done.wait(timeout):
+        _state["broken"] = True
+        lost = find_lost_tasks(float(_state["heartbeat"] or timeout) + 2.0)
+        if lost:
+            _raise_lost(_mark_lost(lost), None, what)
+        peers = tuple(group.task_name(i) for i in range(group.num_processes)
+                      if i != group.process_id)
+        status = "no task lost" if lost == () else "nothing (it did not answer)"
+        raise ClusterTimeoutError(
+            f"{group.name}: {what} did not finish within {timeout:g} s; the coordination "
+            f"service reports {status}. Waiting on peers {list(peers)}",
+            tasks=peers,
+            timeout_seconds=timeout,
+        )
+    if "error" in result:
+        e = result["error"]
+        raise_if_peer_lost(e, what, max(2.0, timeout - (time.monotonic() - start)))
+        raise e
+    return outputs
+
+
+_RUNTIME_FAILURE = re.compile(
+    r"gloo|nccl|UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|INTERNAL|UNKNOWN|connection|socket|"
+    r"coordination|heartbeat|peer",
+    re.IGNORECASE,
+)
+
+
+def raise_if_peer_lost(error: BaseException, what: str = "a step",
+                       wait_seconds: float | None = None) -> None:
+    """Turns a failed collective into ``PeerLostError`` when a member of the group is gone.
+
+    Returns (so the caller re-raises ``error``) when the error does not look like a runtime
+    failure, when this process is not in a multi-process group, or when every member is alive.
+
+    Raises:
+        PeerLostError: the coordination service reports lost tasks; ``.tasks`` names them.
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    if isinstance(error, (PeerLostError, ClusterTimeoutError)):
+        return
+    if _state["lost"]:
+        _raise_lost(_state["lost"], error, what)
+    if isinstance(error, (TypeError, KeyError, AttributeError)) or not _RUNTIME_FAILURE.search(
+        f"{type(error).__name__}: {error}"
+    ):
+        return
+    _state["broken"] = True
+    lost = find_lost_tasks(float(wait_seconds or _state["timeout"]))
+    if lost:
+        _raise_lost(_mark_lost(lost), error, what)
+
+
+def check_healthy(what: str = "a step") -> None:
+    """Raises ``PeerLostError`` at once if a peer was already found lost."""
+    if _state["lost"]:
+        _raise_lost(_state["lost"], None, what)
+
+
+# ---------------------------------------------------------------------- orderly exit
+def _install_exit_hooks() -> None:
+    if _state["atexit"]:
+        return
+    _state["atexit"] = True
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        _state["uncaught"] = True
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    # Registered after JAX's own clean-up, so it runs before it (atexit is LIFO).
+    atexit.register(shutdown)
+
+
+def shutdown(timeout_seconds: float | None = None) -> None:
+    """Leaves the cluster in order: barrier, workers disconnect, then process 0 stops the service.
+
+    Runs automatically at exit; skips the barrier when a peer was lost or this process is
+    exiting on an uncaught exception (so the others learn it quickly instead of waiting).
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    dist = _jax_distributed()
+    state = dist.global_state
+    client = state.client
+    if client is None:
+        return
+    timeout = float(timeout_seconds or min(_state["timeout"], 60.0))
+    healthy = not (_state["lost"] or _state["broken"] or _state["uncaught"])
+    if healthy:
+        try:
+            client.wait_at_barrier("jaxdist_exit", int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - exit anyway
+            log.warning("exit barrier failed: %s", _first_line(e))
+            healthy = False
+    if group.process_id != 0:
+        try:
+            state.shutdown()
+        except Exception as e:  # noqa: BLE001 - the service may be gone already
+            log.info("distributed shutdown: %s", _first_line(e))
+        return
+    # Process 0 hosts the service: wait (bounded) until the others have disconnected.
+    find_lost_tasks(timeout if healthy else min(timeout, 5.0))
+    try:
+        state.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.info("distributed shutdown: %s", _first_line(e))
+    _state["group"] = None
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "check_healthy",
+    "current_group",
+    "find_lost_tasks",
+    "initialize_from_resolver",
+    "lost_tasks",
+    "raise_if_peer_lost",
+    "shutdown",
+    "wait_for_step",
+]

@@ -1,0 +1,231 @@
+"""Cluster specs, TF_CONFIG validation and the other resolvers (pure unit tests)."""
+
+import json
+
+import pytest
+
+from jaxdist.cluster import (
+    ClusterConfigError,
+    ClusterSpec,
+    SimpleClusterResolver,
+    SlurmClusterResolver,
+    TFConfigClusterResolver,
+    TPUClusterResolver,
+    UnionResolver,
+    process_group,
+)
+from jaxdist.cluster.local import local_cluster, task_env, task_list, tf_config
+from jaxdist.cluster.slurm import expand_hostlist, expand_tasks_per_node
+
+
+def resolver(config, **kw):
+    return TFConfigClusterResolver(tf_config=json.dumps(config), **kw)
+
+
+CLUSTER = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"], "ps": ["h3:2222"]}
+
+
+# ---------------------------------------------------------------------- ClusterSpec
+def test_cluster_spec_dense_and_sparse():
+    spec = ClusterSpec({"worker": ["a:1", "b:2"], "ps": {"1": "c:3", 3: "d:4"}})
+    assert spec.jobs == ["worker", "ps"]
+    assert spec.num_tasks("worker") == 2 and spec.num_tasks("ps") == 2
+    assert spec.task_indices("ps") == [1, 3]
+    assert spec.task_address("ps", 3) == "d:4"
+    assert spec.job_tasks("ps") == [None, "c:3", None, "d:4"]
+    assert spec.as_dict() == {"worker": ["a:1", "b:2"], "ps": {1: "c:3", 3: "d:4"}}
+    assert ClusterSpec(spec) == spec and spec == spec.as_dict()
+    assert ClusterSpec({}).as_dict() == {} and not ClusterSpec({})
+    with pytest.raises(ValueError, match="No such job"):
+        spec.num_tasks("chief")
+    with pytest.raises(ValueError, match="No task with index 2"):
+        spec.task_address("ps", 2)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"worker": "a:1"}, "job 'worker' is 'a:1'.*list"),
+    ({"worker": [1]}, "address 1"),
+    ({"worker": {"x": "a:1"}}, "task index 'x'"),
+    ([("worker", ["a:1"])], "expected a dict"),
+])
+def test_cluster_spec_rejects_malformed(bad, match):
+    with pytest.raises(ClusterConfigError, match=match):
+        ClusterSpec(bad)
+
+
+# ---------------------------------------------------------------------- TF_CONFIG
+def test_tf_config_resolver_reads_everything(monkeypatch):
+    cfg = {"cluster": CLUSTER, "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc",
+           "environment": "cloud", "token": "s3cret"}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cfg))
+    monkeypatch.delenv("JAXDIST_CLUSTER_TOKEN", raising=False)
+    r = TFConfigClusterResolver()
+    assert r.cluster_spec().as_dict() == CLUSTER
+    assert (r.task_type, r.task_id, r.rpc_layer, r.environment) == ("worker", 1, "grpc", "cloud")
+    assert r.master() == "grpc://h2:2222"
+    assert r.master("ps", 0, rpc_layer="") in ("grpc://h3:2222", "h3:2222")
+    assert r.cluster_token == "s3cret"
+    r2 = TFConfigClusterResolver(task_type="chief", task_id=0, rpc_layer="")
+    assert r2.master() == "h0:2222"
+
+
+def test_token_from_env_when_tf_config_has_none(monkeypatch):
+    monkeypatch.setenv("JAXDIST_CLUSTER_TOKEN", "from-env")
+    assert resolver({"cluster": {"worker": ["a:1"]}}).cluster_token == "from-env"
+    monkeypatch.delenv("JAXDIST_CLUSTER_TOKEN")
+    assert resolver({"cluster": {"worker": ["a:1"]}}).cluster_token is None
+
+
+def test_no_tf_config_is_an_empty_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    r = TFConfigClusterResolver()
+    assert not r.cluster_spec() and r.task_type is None and r.master() == ""
+    g = process_group(r)
+    assert g.num_processes == 1 and not g.multi_process and g.is_chief
+
+
+def test_sparse_worker_form():
+    r = resolver({"cluster": {"worker": {"1": "h1:1"}, "chief": ["h0:1"]},
+                  "task": {"type": "worker", "index": 1}})
+    assert r.cluster_spec().task_indices("worker") == [1]
+    g = process_group(r)
+    assert g.tasks == (("chief", 0), ("worker", 1)) and g.process_id == 1
+
+
+@pytest.mark.parametrize("config, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ({"cluster": ["a:1"]}, "\"cluster\" is \\[\"a:1\"\\]"),
+    ({"cluster": {"master": ["a:1"]}, "task": {"type": "master", "index": 0}},
+     "unknown task type 'master'.*chief, worker, ps, evaluator"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "driver", "index": 0}},
+     "\"task\" is \\{\"type\": \"driver\", \"index\": 0\\}: unknown task type"),
+    ({"cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]}},
+     "\\{\"chief\": \\[\"a:1\", \"b:1\"\\]\\}: there must be at most one 'chief'"),
+    ({"cluster": {"worker": ["a:1"], "evaluator": ["b:1", "c:1"]}},
+     "at most one 'evaluator'"),
+    ({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 2}},
+     "has no task 2 \\(indices: \\[0, 1\\]\\)"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}},
+     "the cluster has no 'ps' job"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": -1}},
+     "non-negative integer"),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}}, "has no \"type\""),
+    ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "idx": 0}},
+     "unknown key\\(s\\) \\['idx'\\]"),
+    ({"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}},
+     "\"worker\"\\[0\\] is \"localhost\": expected \"host:port\""),
+    ({"cluster": {"worker": ["a:99999"]}}, "port in 1..65535"),
+    ({"cluster": {"worker": ["a:1"]}, "rpc_layer": 5}, "\"rpc_layer\" is 5"),
+])
+def test_tf_config_validation_quotes_the_bad_part(config, match):
+    raw = config if isinstance(config, str) else json.dumps(config)
+    with pytest.raises(ClusterConfigError, match=match):
+        r = TFConfigClusterResolver(tf_config=raw)
+        r.cluster_spec()
+        process_group(r)
+
+
+def test_evaluator_may_be_missing_from_cluster_and_stays_out():
+    r = resolver({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "evaluator",
+                                                                  "index": 0}})
+    g = process_group(r)
+    assert not g.in_training_group and g.num_processes == 2 and not g.is_chief
+    r = resolver({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"], "ps": ["p:1"]},
+                  "task": {"type": "evaluator", "index": 0}})
+    assert process_group(r).tasks == (("worker", 0),)
+
+
+def test_process_order_chief_first_then_workers_ps_excluded():
+    for task, pid, chief in [(("chief", 0), 0, True), (("worker", 0), 1, False),
+                             (("worker", 1), 2, False)]:
+        g = process_group(resolver({"cluster": CLUSTER,
+                                    "task": {"type": task[0], "index": task[1]}}))
+        assert g.tasks == (("chief", 0), ("worker", 0), ("worker", 1))
+        assert (g.process_id, g.is_chief) == (pid, chief)
+        assert g.coordinator_address == "h0:2222"
+        assert g.coordinator_bind_address == "[::]:2222"
+        assert g.task_name(2) == "worker:1"
+    g = process_group(resolver({"cluster": CLUSTER, "task": {"type": "ps", "index": 0}}))
+    assert g.process_id is None and not g.in_training_group
+
+
+def test_worker0_is_chief_without_chief_and_loopback_binds_loopback():
+    g = process_group(resolver({"cluster": {"worker": ["localhost:5000", "localhost:5001"]},
+                                "task": {"type": "worker", "index": 0}}))
+    assert g.is_chief and g.process_id == 0
+    assert g.coordinator_address == "127.0.0.1:5000"
+    assert g.coordinator_bind_address == "127.0.0.1:5000"
+
+
+def test_multi_task_cluster_without_task_is_an_error():
+    with pytest.raises(ClusterConfigError, match="no \"task\" says which one"):
+        process_group(resolver({"cluster": {"worker": ["a:1", "b:1"]}}))
+
+
+# ---------------------------------------------------------------------- other resolvers
+def test_simple_and_union_resolvers(monkeypatch):
+    monkeypatch.delenv("JAXDIST_CLUSTER_TOKEN", raising=False)
+    w = SimpleClusterResolver({"worker": ["a:1", "b:1"]}, task_type="worker", task_id=1,
+                              rpc_layer="grpc", num_accelerators={"GPU": 2}, cluster_token="t")
+    p = SimpleClusterResolver(ClusterSpec({"ps": ["c:1"]}))
+    assert w.master() == "grpc://b:1" and w.num_accelerators() == {"GPU": 2}
+    u = UnionResolver(w, p)
+    assert u.cluster_spec().as_dict() == {"worker": ["a:1", "b:1"], "ps": ["c:1"]}
+    assert (u.task_type, u.task_id, u.cluster_token) == ("worker", 1, "t")
+    assert u.master("ps", 0) == "grpc://c:1"
+    with pytest.raises(ClusterConfigError, match="job \"worker\" is defined by both"):
+        UnionResolver(w, w).cluster_spec()
+
+
+def test_slurm_resolver(monkeypatch):
+    assert expand_hostlist("n[01-03,07],gpu1") == ["n01", "n02", "n03", "n07", "gpu1"]
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    r = SlurmClusterResolver(jobs={"ps": 1, "worker": 3}, port_base=9000, auto_set_gpu=False)
+    assert r.cluster_spec().as_dict() == {
+        "ps": ["node1:9000"], "worker": ["node1:9001", "node2:9000", "node2:9001"]}
+    assert (r.task_type, r.task_id) == ("worker", 2)
+    assert r.master() == "grpc://node2:9001"
+    with pytest.raises(ClusterConfigError, match="ask for 3 tasks.*SLURM_NTASKS=4"):
+        SlurmClusterResolver(jobs={"worker": 3})
+    monkeypatch.delenv("SLURM_PROCID")
+    with pytest.raises(ClusterConfigError, match="SLURM_PROCID is not set"):
+        SlurmClusterResolver()
+
+
+def test_tpu_pod_slice_resolver(monkeypatch):
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t0,t1,t2,t3")
+    monkeypatch.setenv("TPU_WORKER_ID", "2")
+    r = TPUClusterResolver(tpu="my-pod")
+    assert r.is_pod_slice and r.task_id == 2
+    assert r.cluster_spec().as_dict() == {"worker": [f"t{i}:8470" for i in range(4)]}
+    assert r.master() == "grpc://t2:8470"
+    g = process_group(r)
+    assert g.process_id == 2 and g.coordinator_address == "t0:8476"
+    monkeypatch.setenv("TPU_WORKER_ID", "7")
+    with pytest.raises(ClusterConfigError, match="worker id 7"):
+        TPUClusterResolver()
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    monkeypatch.delenv("TPU_WORKER_ID")
+    local = TPUClusterResolver(tpu="local")
+    assert not local.is_pod_slice and local.master() == ""
+
+
+# ---------------------------------------------------------------------- local clusters
+def test_local_cluster_and_task_env():
+    cluster = local_cluster(workers=2, ps=1, chief=True, evaluator=True)
+    assert [len(cluster[j]) for j in ("chief", "worker", "ps", "evaluator")] == [1, 2, 1, 1]
+    ports = [a.rsplit(":", 1)[1] for addrs in cluster.values() for a in addrs]
+    assert len(set(ports)) == 5
+    assert task_list(cluster)[:3] == [("chief", 0), ("worker", 0), ("worker", 1)]
+    env = task_env(cluster, "worker", 1, "tok", devices_per_process=2, base={})
+    cfg = json.loads(env["TF_CONFIG"])
+    assert cfg["task"] == {"type": "worker", "index": 1} and cfg["token"] == "tok"
+    assert env["JAXDIST_CLUSTER_TOKEN"] == "tok" and env["JAX_NUM_CPU_DEVICES"] == "2"
+    r = TFConfigClusterResolver(tf_config=tf_config(cluster, "worker", 1, "tok"))
+    assert process_group(r).process_id == 2
