@@ -106,12 +106,12 @@ def test_async_training_two_workers_converges(num_ps):
     cluster = make_cluster(num_ps, 2)
     procs = [start_ps(cluster, i) for i in range(num_ps)]
     try:
-        outs = run_workers(cluster, "ps_train_worker.py", ["60", "-1", "0", str(num_ps - 1)])
+        outs = run_workers(cluster, "ps_train_worker.py", ["80", "-1", "0", str(num_ps - 1)])
     finally:
         codes = [stop(p) for p in procs]
     assert codes == [0] * num_ps
     for o in outs:
-        assert o["loss"] < 0.05, o  # initial loss ~8
+        assert o["loss"] < 0.1, o  # initial loss ~8
     variables = {k: v for s in outs[0]["status"] for k, v in s["variables"].items()}
     assert variables and all(v["pushes"] >= 60 for v in variables.values())
 

@@ -113,7 +113,8 @@ class ParameterServer:
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
             if method == "Stop":
                 threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
-            yield from wire.encode(out_meta, out_arrays)
+            chunk = int(meta.get("chunk_bytes", wire.DEFAULT_CHUNK_BYTES))
+            yield from wire.encode(out_meta, out_arrays, max(1 << 16, min(chunk, 1 << 30)))
 
         return handler
 

@@ -217,7 +217,7 @@ class ParameterService:
             with var.lock:
                 stale = self._record(var, versions.get(key, var.version))
                 if var.optimizer is None:
-                    var.value = (var.value + grad.astype(var.value.dtype)).astype(var.value.dtype)
+                    var.value = var.value + grad.astype(var.value.dtype, copy=False)
                 else:
                     _, dense, _ = _transform(var.optimizer)
                     new, state = dense(var.value, grad, var.opt_state)

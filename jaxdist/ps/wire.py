@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 MAGIC = b"JDW1"
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 _PREFIX = struct.Struct("<4sQQ")
 
 

@@ -1,0 +1,259 @@
+"""Parameter-server benchmarks: pull/push bandwidth vs raw loopback TCP and memcpy, and
+asynchronous training steps/s with 2 workers and 1 or 2 ps.
+
+Every process is a real process on 127.0.0.1 (JAX on CPU, one device each).
+
+Example:
+    $ python -m benchmarks.bench_ps            # full table
+    $ python -m benchmarks.bench_ps --quick    # fewer repeats / steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "bench-token"
+MiB = 1 << 20
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _env(cluster: dict, task_type: str, index: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type,
+                                                                "index": index},
+                                   "token": TOKEN})
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def _start_ps(cluster: dict, index: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdist.server"],
+                            env=_env(cluster, "ps", index), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "listening on" in line:
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"ps:{index} did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------- raw TCP
+def _tcp_server(port: int) -> None:
+    """Child process: for each request of 8 bytes (n), send n bytes; or receive n bytes."""
+    srv = socket.create_server(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = memoryview(np.ones(64 * MiB, np.uint8))
+    sink = bytearray(64 * MiB)
+    while True:
+        head = conn.recv(9, socket.MSG_WAITALL)
+        if len(head) < 9:
+            return
+        op, n = head[:1], int.from_bytes(head[1:], "little")
+        if op == b"g":
+            conn.sendall(payload[:n])
+        else:
+            view, got = memoryview(sink), 0
+            while got < n:
+                got += conn.recv_into(view[got:n])
+            conn.sendall(b"k")
+
+
+def _tcp_times(sizes: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+    port = _free_ports(1)[0]
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_ps", "--tcp-server",
+                             str(port)], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    for _ in range(100):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            time.sleep(0.05)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.empty(64 * MiB, np.uint8)
+    src = memoryview(np.ones(64 * MiB, np.uint8))
+    out = {}
+    try:
+        for n in sizes:
+            def get(n=n):
+                sock.sendall(b"g" + n.to_bytes(8, "little"))
+                view, got = memoryview(buf), 0
+                while got < n:
+                    got += sock.recv_into(view[got:n])
+
+            def put(n=n):
+                sock.sendall(b"p" + n.to_bytes(8, "little"))
+                sock.sendall(src[:n])
+                sock.recv(1)
+
+            out[n] = (_median_time(get, repeats), _median_time(put, repeats))
+    finally:
+        sock.close()
+        proc.wait(10)
+    return out
+
+
+# ---------------------------------------------------------------------- ps pull / push
+def _ps_times(sizes: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+    from jaxdist.ps import PSClient
+
+    cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
+    proc = _start_ps(cluster, 0)
+    out = {}
+    try:
+        client = PSClient(cluster["ps"], TOKEN, timeout=60)
+        for n in sizes:
+            x = np.ones(n // 4, np.float32)
+            key = f"x{n}"
+            client.call(0, "Create", {"specs": {key: {}}}, {key: x})
+            pull = lambda key=key: client.call(0, "Pull", {"keys": [key]})
+            push = lambda key=key, x=x: client.call(0, "Push", {"versions": {key: 0}}, {key: x})
+            out[n] = (_median_time(pull, repeats), _median_time(push, repeats))
+        client.close()
+    finally:
+        _stop(proc)
+    return out
+
+
+def _memcpy_time(n: int, repeats: int) -> float:
+    a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)
+    return _median_time(lambda: np.copyto(b, a), repeats)
+
+
+# ---------------------------------------------------------------------- async training
+def _worker(steps: int) -> None:
+    """Child process: a worker of an asynchronous MLP training run; prints steps and time."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxdist
+    from jaxdist.ps import optimizers as O
+
+    strategy = jaxdist.ParameterServerStrategy(timeout=60)
+    rng = np.random.default_rng(strategy.extended.worker_index)
+    x = rng.normal(size=(64, 784)).astype(np.float32)
+    y = rng.integers(0, 10, size=(64,))
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(0))
+        return {"w1": jax.random.normal(k1, (784, 256)) * 0.05, "b1": jnp.zeros(256),
+                "w2": jax.random.normal(k2, (256, 10)) * 0.05, "b2": jnp.zeros(10)}
+
+    params = strategy.create_variables(init, O.adam(1e-3), name="mlp")
+
+    def grad_fn(p, xb, yb):
+        def loss(p):
+            h = jax.nn.relu(xb @ p["w1"] + p["b1"])
+            logits = h @ p["w2"] + p["b2"]
+            per = -jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], 1)[:, 0]
+            return jaxdist.compute_average_loss(per, global_batch_size=64)
+        return jax.grad(loss)(p)
+
+    grads = strategy.run(grad_fn, args=(params, x, y))  # compile
+    params.apply_gradients(grads)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        grads = strategy.run(grad_fn, args=(params, x, y))
+        params.apply_gradients(grads)
+    print(json.dumps({"steps": steps, "elapsed": time.perf_counter() - t0}))
+
+
+def _async_steps_per_s(num_ps: int, steps: int) -> tuple[float, float]:
+    ports = _free_ports(num_ps + 2)
+    cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
+               "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
+    ps = [_start_ps(cluster, i) for i in range(num_ps)]
+    try:
+        workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_ps", "--worker",
+                                     str(steps)], env=_env(cluster, "worker", i), cwd=REPO,
+                                    stdout=subprocess.PIPE, text=True) for i in range(2)]
+        outs = [json.loads(w.communicate(timeout=300)[0].strip().splitlines()[-1])
+                for w in workers]
+    finally:
+        for p in ps:
+            _stop(p)
+    total = sum(o["steps"] for o in outs)
+    wall = max(o["elapsed"] for o in outs)
+    return total / wall, min(o["steps"] / o["elapsed"] for o in outs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ps")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tcp-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tcp_server:
+        return _tcp_server(args.tcp_server)
+    if args.worker:
+        return _worker(args.worker)
+    repeats = 3 if args.quick else 7
+    steps = 50 if args.quick else 200
+    sizes = [1 * MiB, 16 * MiB, 64 * MiB]
+    print(f"jaxdist parameter-server benchmark ({os.cpu_count()} CPUs, loopback)")
+    tcp = _tcp_times(sizes, repeats)
+    ps = _ps_times(sizes, repeats)
+    print(f"\n{'size':>7} {'memcpy GB/s':>11} {'TCP get':>8} {'TCP put':>8} {'ps pull':>8} "
+          f"{'ps push':>8} {'pull/TCP':>8} {'push/TCP':>8}")
+    for n in sizes:
+        mem = n / _memcpy_time(n, repeats) / 1e9
+        tg, tp = (n / t / 1e9 for t in tcp[n])
+        pp, pu = (n / t / 1e9 for t in ps[n])
+        print(f"{n // MiB:>4}MiB {mem:>11.2f} {tg:>8.2f} {tp:>8.2f} {pp:>8.2f} {pu:>8.2f} "
+              f"{pp / tg:>8.2f} {pu / tp:>8.2f}")
+    print("(GB/s; push = transfer + assign_add on the ps; ratio target >= 0.5 at 64 MiB)")
+    print(f"\nasync training, 2 workers, MLP 784-256-10 (~200k params), adam on the ps, "
+          f"{steps} steps/worker")
+    print(f"{'ps tasks':>8} {'steps/s (all)':>14} {'steps/s (slowest worker)':>25}")
+    for num_ps in (1, 2):
+        total, slowest = _async_steps_per_s(num_ps, steps)
+        print(f"{num_ps:>8} {total:>14.1f} {slowest:>25.1f}")
+    threading.enumerate()
+
+
+if __name__ == "__main__":
+    main()
