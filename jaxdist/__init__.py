@@ -28,9 +28,12 @@ from jaxdist.ps import (
 from jaxdist.ps.task import Server
 from jaxdist.strategies import (
     CentralStorageStrategy,
+    CommunicationImplementation,
+    CommunicationOptions,
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     NcclAllReduce,
     OneDeviceStrategy,
     PerReplica,
@@ -67,6 +70,8 @@ def __getattr__(name: str):
 __all__ = [
     "AutoShardPolicy",
     "CentralStorageStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
     "Dataset",
     "DistributedDataset",
@@ -79,6 +84,7 @@ __all__ = [
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "ParameterServerStrategy",

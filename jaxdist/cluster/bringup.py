@@ -18,6 +18,7 @@ import atexit
 import logging
 import math
 import re
+import socket
 import sys
 import threading
 import time
@@ -140,13 +141,17 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
             )
         _configure_jax(cpu_collectives)
         hb = int(heartbeat_timeout_seconds or max(3, math.ceil(timeout / 2)))
+        deadline = time.monotonic() + timeout
+        if group.process_id != 0:
+            # JAX aborts the process when the coordinator never answers: probe it first.
+            _wait_for_coordinator(group, timeout)
         try:
             dist.initialize(
                 coordinator_address=group.coordinator_address,
                 num_processes=group.num_processes,
                 process_id=group.process_id,
                 cluster_detection_method="deactivate",
-                initialization_timeout=max(1, math.ceil(timeout)),
+                initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
                 heartbeat_timeout_seconds=hb,
                 shutdown_timeout_seconds=max(1, math.ceil(timeout)),
                 coordinator_bind_address=group.coordinator_bind_address,
@@ -168,6 +173,29 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
         _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
         _install_exit_hooks()
         return group
+
+
+def _wait_for_coordinator(group: ProcessGroup, timeout: float) -> None:
+    host, _, port = str(group.coordinator_address).rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    others = [group.task_name(i) for i in range(1, group.num_processes)
+              if i != group.process_id]
+    raise ClusterTimeoutError(
+        f"{group.name} could not join the cluster within {timeout:g} s: the coordinator "
+        f"{group.task_name(0)} at {group.coordinator_address} is not reachable ({last}); start "
+        f"it (and {others or 'no other task'}) with the same cluster spec",
+        tasks=(group.task_name(0),),
+        timeout_seconds=timeout,
+    )
 
 
 def _first_line(e: BaseException) -> str:

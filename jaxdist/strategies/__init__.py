@@ -19,6 +19,11 @@ from jaxdist.strategies.devices import resolve_device, resolve_devices
 from jaxdist.strategies.inflight import StepThrottle
 from jaxdist.strategies.losses import compute_average_loss, scale_regularization_loss
 from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.multi_worker import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
 from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.reduce_util import ReduceOp
@@ -29,10 +34,13 @@ from jaxdist.strategies.values import PerReplica
 
 __all__ = [
     "CentralStorageStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
     "DefaultStrategy",
     "HierarchicalCopyAllReduce",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "ParameterServerStrategy",

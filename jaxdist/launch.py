@@ -1,0 +1,161 @@
+"""``python -m jaxdist.launch``: run a command as every task of a local cluster.
+
+Starts one process per task on this machine, each with its own ``TF_CONFIG`` (free ports on
+127.0.0.1, a fresh cluster token), prints each output line prefixed with the task name, and:
+
+* exits 0 when every chief/worker task exits 0 (ps tasks, which serve forever, are then
+  stopped; an evaluator gets ``--evaluator-grace`` seconds to finish);
+* when a task fails, stops the others and exits with that task's exit code;
+* on Ctrl-C (or SIGTERM) stops every task and exits 130 (143).
+
+Example:
+    python -m jaxdist.launch --workers 2 --devices-per-process 2 -- \\
+        python -m jaxdist.train --config configs/multi_worker.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from jaxdist.cluster.local import (
+    TaskProcess,
+    exit_status,
+    local_cluster,
+    new_token,
+    task_env,
+    task_list,
+)
+from jaxdist.cluster.validation import task_name
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.launch",
+        description="Run COMMAND as every task of a local cluster (TF_CONFIG set per task).",
+        epilog="Example: python -m jaxdist.launch --workers 2 -- python train.py",
+    )
+    p.add_argument("--workers", type=int, default=1, help="number of worker tasks")
+    p.add_argument("--ps", type=int, default=0, help="number of parameter-server tasks")
+    p.add_argument("--chief", action="store_true", help="add a chief task")
+    p.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                   help="force K CPU devices in each process (JAX_NUM_CPU_DEVICES)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping tasks")
+    p.add_argument("--evaluator-grace", type=float, default=60.0,
+                   help="seconds the evaluator may run after training finished")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return p
+
+
+class Launcher:
+    """Runs a command as every task of a local cluster (see the module docstring).
+
+    Example:
+        >>> code = Launcher(["python", "train.py"], workers=2).run()
+    """
+
+    def __init__(self, command: Sequence[str], workers: int = 1, ps: int = 0,
+                 chief: bool = False, evaluator: bool = False,
+                 devices_per_process: int | None = None, grace: float = 10.0,
+                 evaluator_grace: float = 60.0, out=None):
+        if not command:
+            raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
+        self.command = list(command)
+        self.cluster = local_cluster(workers, ps, chief, evaluator)
+        self.token = new_token()
+        self.devices_per_process = devices_per_process
+        self.grace = grace
+        self.evaluator_grace = evaluator_grace
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.tasks: dict[str, TaskProcess] = {}
+        self._interrupted: int | None = None
+
+    def _say(self, msg: str) -> None:
+        with self.lock:
+            self.out.write(f"[launch] {msg}\n")
+            self.out.flush()
+
+    def start(self) -> None:
+        for job, i in task_list(self.cluster):
+            name = task_name(job, i)
+            env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
+            self.tasks[name] = TaskProcess(name, self.command, env, echo=self.out,
+                                           echo_lock=self.lock)
+        self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
+
+    def stop_all(self, except_: Sequence[str] = ()) -> None:
+        live = [t for n, t in self.tasks.items() if n not in except_ and t.running()]
+        for t in live:
+            t.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for t in live:
+            if t.wait(max(0.0, deadline - time.monotonic())) is None:
+                t.kill()
+                t.wait(5.0)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._interrupted = signum
+
+    def run(self) -> int:
+        """Starts the tasks and supervises them; returns the exit status."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
+            self.start()
+            return self._supervise()
+        finally:
+            self.stop_all()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _supervise(self) -> int:
+        training = [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
+        evaluators = [n for n in self.tasks if n.startswith("evaluator:")]
+        done_at: float | None = None
+        while True:
+            if self._interrupted is not None:
+                self._say(f"interrupted (signal {self._interrupted}): stopping every task")
+                self.stop_all()
+                return 128 + int(self._interrupted)
+            for name, t in self.tasks.items():
+                code = t.returncode
+                if code not in (None, 0):
+                    self._say(f"{name} failed with exit code {exit_status(code)}; stopping the "
+                              f"other tasks")
+                    self.stop_all(except_=[name])
+                    return exit_status(code)
+            if all(self.tasks[n].returncode == 0 for n in training):
+                if done_at is None:
+                    done_at = time.monotonic()
+                eval_running = [n for n in evaluators if self.tasks[n].running()]
+                if not eval_running or time.monotonic() - done_at > self.evaluator_grace:
+                    self.stop_all()
+                    self._say("all training tasks finished")
+                    return 0
+            time.sleep(0.1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        _parser().error("no command given: python -m jaxdist.launch [options] -- COMMAND ...")
+    if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
+        _parser().error("need --workers >= 1 (or --chief)")
+    launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
+                        args.devices_per_process, args.grace, args.evaluator_grace)
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""``MultiWorkerMirroredStrategy``: synchronous data parallelism across processes and hosts.
+
+The cluster resolver (``TF_CONFIG`` by default) says which task this process is; the strategy
+brings up ``jax.distributed`` (chief first, then workers; ``ps`` and ``evaluator`` tasks stay
+out), builds one global mesh over every process's devices (ordered process by process) and runs
+steps with ``jit(shard_map(...))`` over it, as ``MirroredStrategy`` does on one host. Each process
+feeds its own replicas; collectives go over gloo on CPU and NCCL on GPU. Every step is waited on
+with ``CommunicationOptions.timeout_seconds``: a dead peer becomes ``PeerLostError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdist.cluster.bringup import (
+    DEFAULT_TIMEOUT_SECONDS,
+    check_healthy,
+    initialize_from_resolver,
+    raise_if_peer_lost,
+    wait_for_step,
+)
+from jaxdist.cluster.errors import ClusterConfigError
+from jaxdist.cluster.process_group import ProcessGroup
+from jaxdist.cluster.tf_config import TFConfigClusterResolver
+from jaxdist.strategies.cross_device_ops import NcclAllReduce
+from jaxdist.strategies.strategy import Strategy, StrategyExtended
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation to use (``tf.distribute.experimental.*``)."""
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+CollectiveCommunication = CommunicationImplementation
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How replicas of a multi-worker strategy communicate.
+
+    Args:
+        bytes_per_pack: pack gradients into buckets of at most this many bytes before each
+            all-reduce (0: one bucket per dtype, as ``NcclAllReduce(num_packs=1)``).
+        timeout_seconds: bound on every wait for other processes (joining the cluster, each
+            step's collectives); ``None`` means 60 s.
+        implementation: ``AUTO``, ``RING`` (gloo on CPU, NCCL on GPU) or ``NCCL`` (GPUs only).
+
+    Example:
+        >>> options = jaxdist.CommunicationOptions(
+        ...     bytes_per_pack=32 * 1024 * 1024, timeout_seconds=120,
+        ...     implementation=jaxdist.CommunicationImplementation.RING)
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO
+
+    def __post_init__(self):
+        impl = self.implementation
+        if not isinstance(impl, CommunicationImplementation):
+            try:
+                impl = CommunicationImplementation[str(getattr(impl, "name", impl)).upper()]
+            except KeyError:
+                raise ValueError(
+                    f"CommunicationOptions.implementation={self.implementation!r}: expected "
+                    f"AUTO, RING or NCCL"
+                ) from None
+            object.__setattr__(self, "implementation", impl)
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                f"CommunicationOptions.bytes_per_pack={self.bytes_per_pack!r}: expected an "
+                f"integer >= 0"
+            )
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise ValueError(
+                f"CommunicationOptions.timeout_seconds={self.timeout_seconds!r}: expected a "
+                f"positive number of seconds or None"
+            )
+
+
+def pack_by_bytes(xs: list[Any], bytes_per_pack: int) -> tuple[list[Any], Callable]:
+    """Packs same-dtype arrays into flat buckets of at most ``bytes_per_pack`` bytes.
+
+    An array larger than a bucket gets a bucket of its own. Returns the buckets and a function
+    that turns reduced buckets back into arrays of the original shapes.
+    """
+    plan: list[list[int]] = []
+    by_dtype: dict[Any, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for idx in by_dtype.values():
+        bucket: list[int] = []
+        size = 0
+        for i in idx:
+            nbytes = int(np.prod(xs[i].shape)) * xs[i].dtype.itemsize
+            if bucket and size + nbytes > bytes_per_pack:
+                plan.append(bucket)
+                bucket, size = [], 0
+            bucket.append(i)
+            size += nbytes
+        if bucket:
+            plan.append(bucket)
+    packs = [jnp.concatenate([xs[i].reshape(-1) for i in b]) for b in plan]
+
+    def unpack(ys: list[Any]) -> list[Any]:
+        out: list[Any] = [None] * len(xs)
+        for b, flat in zip(plan, ys):
+            offset = 0
+            for i in b:
+                n = int(np.prod(xs[i].shape))
+                out[i] = flat[offset:offset + n].reshape(xs[i].shape)
+                offset += n
+        return out
+
+    return packs, unpack
+
+
+class PackedAllReduce(NcclAllReduce):
+    """All-reduce of values packed into buckets of ``bytes_per_pack`` bytes (one psum each).
+
+    Example:
+        >>> ops = PackedAllReduce(bytes_per_pack=4 * 1024 * 1024)
+    """
+
+    def __init__(self, bytes_per_pack: int):
+        super().__init__(num_packs=1)
+        if bytes_per_pack <= 0:
+            raise ValueError(f"bytes_per_pack must be > 0, got {bytes_per_pack}")
+        self.bytes_per_pack = bytes_per_pack
+        self.pack_counts: list[int] = []  # buckets of each all-reduce traced (for tests)
+
+    def _sum_varying(self, xs, axes, n):
+        packs, unpack = pack_by_bytes(xs, self.bytes_per_pack)
+        self.pack_counts.append(len(packs))
+        return unpack([lax.psum(p, axes) for p in packs])
+
+    def __repr__(self) -> str:
+        return f"PackedAllReduce(bytes_per_pack={self.bytes_per_pack})"
+
+
+def _global_devices(group: ProcessGroup) -> list[Any]:
+    if not group.in_training_group:
+        return list(jax.local_devices())
+    # Process by process (process 0 is the chief), then by device id within a process.
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+class MultiWorkerExtended(StrategyExtended):
+    """``StrategyExtended`` of ``MultiWorkerMirroredStrategy`` (adds the task's role)."""
+
+    def __init__(self, strategy: Strategy, resolver: Any, options: CommunicationOptions):
+        self._resolver = resolver
+        self._options = options
+        self._timeout = float(options.timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
+        group = initialize_from_resolver(resolver, timeout_seconds=self._timeout)
+        if group.task_type == "ps":
+            raise ClusterConfigError(
+                f"MultiWorkerMirroredStrategy runs on chief and worker tasks, but this process "
+                f"is {group.name}; ps tasks serve variables for ParameterServerStrategy"
+            )
+        self._group = group
+        devices = _global_devices(group)
+        platform = devices[0].platform
+        impl = options.implementation
+        if impl is CommunicationImplementation.NCCL and platform != "gpu":
+            raise ValueError(
+                f"CommunicationImplementation.NCCL needs GPUs, but the devices are "
+                f"{platform} ({devices[0]}); use RING (gloo on CPU) or AUTO"
+            )
+        cdo = PackedAllReduce(options.bytes_per_pack) if options.bytes_per_pack else None
+        super().__init__(strategy, devices, cdo)
+
+    # ------------------------------------------------------------------ role (TF names)
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._resolver
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        """This process's place in the ``jax.distributed`` group."""
+        return self._group
+
+    @property
+    def task_type(self) -> str | None:
+        return self._group.task_type
+
+    @property
+    def task_id(self) -> int | None:
+        return self._group.task_id
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief task, or worker 0 when the cluster has no chief (TF's rule)."""
+        return self._group.is_chief
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Only the chief writes checkpoints."""
+        return self.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Only the chief writes summaries and metrics."""
+        return self.is_chief
+
+    @property
+    def should_init(self) -> bool:
+        """Every task initialises its (identical) state; jaxdist needs no broadcast."""
+        return True
+
+    experimental_should_init = should_init
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        return True
+
+    @property
+    def local_devices(self) -> tuple[Any, ...]:
+        """This process's devices among the strategy's replicas."""
+        me = jax.process_index()
+        return tuple(d for d in self._devices if d.process_index == me)
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        return self._options
+
+    # ------------------------------------------------------------------ steps
+    def _run(self, fn, args=(), kwargs=None):
+        check_healthy()
+        try:
+            return super()._run(fn, args, kwargs)
+        except Exception as e:
+            # A collective that failed at dispatch: name the lost peer if there is one.
+            raise_if_peer_lost(e, "a step", self._timeout)
+            raise
+
+    def _post_run(self, out: Any) -> Any:
+        # Every step is waited on, bounded: a dead or hung peer becomes a typed error here.
+        return wait_for_step(out, self._timeout, what="a step")
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training across processes and hosts (``MultiWorkerMirroredStrategy``).
+
+    Create it first in the program, before any other JAX call: it calls
+    ``jax.distributed.initialize``. Run the same program on every chief and worker task.
+
+    Args:
+        cluster_resolver: where the tasks are (default: ``TFConfigClusterResolver()``, i.e.
+            ``TF_CONFIG``). No cluster means a single process on the local devices.
+        communication_options: ``CommunicationOptions`` (packing, timeout, implementation).
+
+    Raises:
+        ClusterConfigError: the cluster is invalid (the message quotes the bad part) or this is
+            a ``ps`` task.
+        ClusterTimeoutError: the other tasks did not join within the timeout.
+
+    Example:
+        >>> strategy = jaxdist.MultiWorkerMirroredStrategy(
+        ...     communication_options=jaxdist.CommunicationOptions(timeout_seconds=60))
+        >>> with strategy.scope():
+        ...     params = init_params()
+        >>> dist = strategy.experimental_distribute_dataset(dataset)   # global batches
+        >>> for batch in dist:
+        ...     params, loss = strategy.run(train_step, args=(params, batch))
+    """
+
+    def __init__(self, cluster_resolver: Any = None,
+                 communication_options: CommunicationOptions | None = None):
+        resolver = cluster_resolver if cluster_resolver is not None else (
+            TFConfigClusterResolver()
+        )
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(
+                f"communication_options must be jaxdist.CommunicationOptions, got {options!r}"
+            )
+        super().__init__(MultiWorkerExtended(self, resolver, options))
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._extended.cluster_resolver
+
+    def experimental_distribute_dataset(self, dataset: Any, options: Any = None):
+        """Gives this process its part of ``dataset``, split across its replicas.
+
+        ``dataset`` yields global batches; the ``AutoShardPolicy`` (``AUTO`` unless the dataset
+        carries one, see ``jaxdist.input.autoshard``) decides which files or rows this process
+        reads.
+        """
+        from jaxdist.input.autoshard import auto_shard
+        from jaxdist.input.distributed import DistributedDataset
+
+        group = self._extended._group
+        n, i = (group.num_processes, group.process_id) if group.multi_process else (1, 0)
+        local = auto_shard(dataset, n, i)
+        return DistributedDataset(self._extended, local, options)
+
+    def __repr__(self) -> str:
+        g = self._extended._group
+        return (
+            f"MultiWorkerMirroredStrategy(task={g.name if g.task_type else 'local'}, "
+            f"num_processes={g.num_processes if g.multi_process else 1}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+__all__ = [
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MultiWorkerExtended",
+    "MultiWorkerMirroredStrategy",
+    "PackedAllReduce",
+    "pack_by_bytes",
+]
+
+
+def strategy_from_config(section: Any) -> MultiWorkerMirroredStrategy:
+    """Builds the strategy from a job config's ``strategy`` section (``name: multi_worker``).
+
+    Keys: ``communication`` (``auto`` | ``ring`` | ``nccl``), ``timeout_seconds`` (number or
+    null), ``bytes_per_pack`` (int >= 0). The cluster comes from ``TF_CONFIG``.
+
+    Example:
+        >>> strategy_from_config({"communication": "ring", "timeout_seconds": 60,
+        ...                       "bytes_per_pack": 0})
+    """
+    options = CommunicationOptions(
+        bytes_per_pack=int(section.get("bytes_per_pack") or 0),
+        timeout_seconds=section.get("timeout_seconds"),
+        implementation=str(section.get("communication") or "auto"),
+    )
+    return MultiWorkerMirroredStrategy(communication_options=options)
+
+
+__all__ += ["strategy_from_config"]

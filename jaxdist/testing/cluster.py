@@ -1,0 +1,217 @@
+"""A cluster of real processes for tests: ports, TF_CONFIG, start / kill / restart, join.
+
+Example:
+    >>> with LocalCluster(workers=2, devices_per_process=1) as c:
+    ...     c.start([sys.executable, "-m", "my_worker"])
+    ...     codes = c.join(timeout=60)              # {"worker:0": 0, "worker:1": 0}
+    ...     print(c.output("worker:1"))
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+from jaxdist.cluster.errors import ClusterTimeoutError
+from jaxdist.cluster.local import (
+    TaskProcess,
+    local_cluster,
+    new_token,
+    task_env,
+    task_list,
+)
+from jaxdist.cluster.validation import task_name
+
+Command = Sequence[str] | Callable[[str, int], Sequence[str]]
+
+
+class LocalCluster:
+    """Real task processes on 127.0.0.1 with a correct ``TF_CONFIG`` each.
+
+    Args:
+        workers: number of worker tasks.
+        ps: number of parameter-server tasks.
+        chief: add a chief task.
+        evaluator: add an evaluator task.
+        devices_per_process: forced CPU devices per process (``JAX_PLATFORMS=cpu`` is set).
+        env: extra environment variables for every task.
+        echo: a stream to copy prefixed output lines to (``None``: only collect them).
+        cwd: working directory of the tasks.
+    """
+
+    def __init__(self, workers: int = 2, ps: int = 0, chief: bool = False,
+                 evaluator: bool = False, devices_per_process: int | None = 1,
+                 env: dict[str, str] | None = None, echo: IO[str] | None = None,
+                 cwd: str | None = None):
+        self.cluster = local_cluster(workers, ps, chief, evaluator)
+        self.token = new_token()
+        self.devices_per_process = devices_per_process
+        self.extra_env = dict(env or {})
+        self.echo = echo
+        self.cwd = cwd
+        self.tasks: dict[str, TaskProcess] = {}
+        self._commands: dict[str, list[str]] = {}
+        self.history: dict[str, list[TaskProcess]] = {}
+
+    # ------------------------------------------------------------------ tasks
+    @property
+    def task_names(self) -> list[str]:
+        return [task_name(j, i) for j, i in task_list(self.cluster)]
+
+    def env_for(self, name: str) -> dict[str, str]:
+        job, _, idx = name.partition(":")
+        env = task_env(self.cluster, job, int(idx), self.token, self.devices_per_process)
+        if self.devices_per_process:
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        env.update(self.extra_env)
+        return env
+
+    def _check(self, name: str) -> None:
+        if name not in self.task_names:
+            raise KeyError(f"no task {name!r} in this cluster; tasks: {self.task_names}")
+
+    def start_task(self, name: str, command: Command | None = None) -> TaskProcess:
+        """Starts (or restarts with the same command) one task."""
+        self._check(name)
+        if command is None:
+            argv = self._commands[name]
+        else:
+            job, _, idx = name.partition(":")
+            argv = list(command(job, int(idx)) if callable(command) else command)
+        self._commands[name] = argv
+        old = self.tasks.get(name)
+        if old is not None and old.running():
+            raise RuntimeError(f"{name} is still running (pid {old.pid}); kill it first")
+        proc = TaskProcess(name, argv, self.env_for(name), echo=self.echo, cwd=self.cwd)
+        self.tasks[name] = proc
+        self.history.setdefault(name, []).append(proc)
+        return proc
+
+    def start(self, command: Command, tasks: Sequence[str] | None = None) -> None:
+        """Starts ``command`` as every task (or the ``tasks`` named)."""
+        for name in tasks or self.task_names:
+            self.start_task(name, command)
+
+    def kill(self, name: str, sig: int | None = None) -> None:
+        """Kills one task (SIGKILL by default) and waits for it to be gone."""
+        import signal as _signal
+
+        t = self.tasks[name]
+        t.signal(_signal.SIGKILL if sig is None else sig)
+        if sig in (None, _signal.SIGKILL, _signal.SIGTERM):
+            t.wait(10.0)
+
+    def restart(self, name: str) -> TaskProcess:
+        """Kills the task if it runs, then starts it again with the same command."""
+        if name in self.tasks and self.tasks[name].running():
+            self.kill(name)
+        return self.start_task(name)
+
+    # ------------------------------------------------------------------ results
+    def output(self, name: str) -> str:
+        """Everything the task printed (stdout and stderr, current run)."""
+        return self.tasks[name].output
+
+    def returncode(self, name: str) -> int | None:
+        return self.tasks[name].returncode
+
+    def wait_for_output(self, name: str, pattern: str, timeout: float) -> re.Match:
+        """Waits until a line of ``name``'s output matches ``pattern``.
+
+        Raises:
+            ClusterTimeoutError: no match within ``timeout`` (or the task exited without one).
+        """
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            t = self.tasks[name]
+            for line in list(t.lines):
+                m = rx.search(line)
+                if m:
+                    return m
+            if not t.running() and t.wait(0.5) is not None:
+                for line in list(t.lines):
+                    m = rx.search(line)
+                    if m:
+                        return m
+                break
+            time.sleep(0.05)
+        raise ClusterTimeoutError(
+            f"{name} printed no line matching {pattern!r} within {timeout:g} s (exit code "
+            f"{self.tasks[name].returncode}); output tail:\n{_tail(self.output(name))}",
+            tasks=(name,), timeout_seconds=timeout,
+        )
+
+    def wait(self, name: str, timeout: float) -> int:
+        """Waits for one task to exit; returns its exit code.
+
+        Raises:
+            ClusterTimeoutError: it still runs after ``timeout`` (it is left running).
+        """
+        code = self.tasks[name].wait(timeout)
+        if code is None:
+            raise ClusterTimeoutError(
+                f"{name} did not exit within {timeout:g} s; output tail:\n"
+                f"{_tail(self.output(name))}", tasks=(name,), timeout_seconds=timeout,
+            )
+        return code
+
+    def join(self, timeout: float, tasks: Sequence[str] | None = None) -> dict[str, int]:
+        """Waits for every started task (or ``tasks``); returns their exit codes.
+
+        Raises:
+            ClusterTimeoutError: some still run after ``timeout``; it names them (they are
+                killed).
+        """
+        names = list(tasks or self.tasks)
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int] = {}
+        for name in names:
+            code = self.tasks[name].wait(max(0.0, deadline - time.monotonic()))
+            if code is not None:
+                codes[name] = code
+        late = [n for n in names if n not in codes]
+        if late:
+            tails = "\n".join(f"--- {n}:\n{_tail(self.output(n))}" for n in late)
+            for n in late:
+                self.tasks[n].kill()
+            raise ClusterTimeoutError(
+                f"tasks {late} did not exit within {timeout:g} s (killed):\n{tails}",
+                tasks=tuple(late), timeout_seconds=timeout,
+            )
+        return codes
+
+    def stop(self) -> None:
+        """Stops every running task (SIGTERM, then SIGKILL)."""
+        for t in self.tasks.values():
+            if t.running():
+                t.signal(15)
+        for t in self.tasks.values():
+            t.stop(grace_seconds=3.0)
+
+    def describe(self) -> str:
+        """Every task's exit code and output tail (for assertion messages)."""
+        return "\n".join(
+            f"--- {n} (exit {t.returncode}):\n{_tail(t.output)}" for n, t in self.tasks.items()
+        )
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def python_command(module: str, *args: str) -> list[str]:
+    """``[sys.executable, "-m", module, *args]``."""
+    return [sys.executable, "-m", module, *args]
+
+
+__all__ = ["LocalCluster", "python_command"]

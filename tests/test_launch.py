@@ -1,0 +1,62 @@
+"""``python -m jaxdist.launch``: per-task TF_CONFIG, prefixed output, exit codes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    c = json.loads(os.environ["TF_CONFIG"])
+    t = c["task"]
+    print("hello", t["type"], t["index"], len(c["cluster"]["worker"]),
+          c["token"] == os.environ["JAXDIST_CLUSTER_TOKEN"], os.environ["JAX_NUM_CPU_DEVICES"])
+    if t["type"] == "ps":
+        import time; time.sleep(600)          # servers run until the launcher stops them
+    sys.exit(int(os.environ.get("FAIL_CODE", "0")) if t == {"type": "worker", "index": 1}
+             else 0)
+""")
+
+
+def _launch(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "jaxdist.launch", *args], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.timeout(90)
+def test_launch_runs_every_task_with_prefixed_output():
+    r = _launch("--workers", "2", "--chief", "--ps", "1", "--devices-per-process", "2",
+                "--grace", "2", "--", sys.executable, "-c", PROBE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("[chief:0] hello chief 0 2 True 2", "[worker:0] hello worker 0 2 True 2",
+                 "[worker:1] hello worker 1 2 True 2", "[ps:0] hello ps 0 2 True 2"):
+        assert line in r.stdout, r.stdout
+    assert "[launch] all training tasks finished" in r.stdout
+
+
+@pytest.mark.timeout(90)
+def test_launch_propagates_a_failing_exit_code_and_stops_the_others():
+    r = _launch("--workers", "2", "--ps", "1", "--grace", "2", "--", sys.executable, "-c", PROBE,
+                env={"FAIL_CODE": "7"})
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "[launch] worker:1 failed with exit code 7" in r.stdout
+
+
+def test_launch_without_command_is_a_usage_error():
+    r = _launch("--workers", "2")
+    assert r.returncode == 2 and "no command given" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_launch_multi_worker_training_end_to_end(tmp_path):
+    out = tmp_path / "w.json"
+    r = _launch("--workers", "2", "--devices-per-process", "1", "--", sys.executable, "-m",
+                "jaxdist.testing.workloads", "linreg", "--steps", "4", "--out", str(out),
+                "--timeout", "30", env={"JAX_PLATFORMS": "cpu"}, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[worker:0] done" in r.stdout and "[worker:1] done" in r.stdout
+    assert out.exists()  # written by the chief (worker 0) only
