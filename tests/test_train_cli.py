@@ -39,6 +39,7 @@ def _records(log_dir) -> list:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_help_lists_the_options():
     out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--help"], env=_env(),
                          capture_output=True, text=True, timeout=60)

@@ -173,3 +173,17 @@ def test_cnn_trains_under_scope_strategy():
     assert t.strategy is strategy
     t.fit((train.x, train.y), steps=40)
     assert t.evaluate((val.x, val.y))["accuracy"] > 0.8
+
+
+def test_same_seed_and_config_same_final_loss_through_run_job():
+    from jaxdist.train.config import load_config
+    from jaxdist.train.job import run_job
+
+    overrides = ["data.name=synthetic", "data.num_examples=600", "data.num_features=8",
+                 "model.hidden_sizes=[16]", "train.steps=12", "logging.dir=null",
+                 "logging.progress_bar=never", "train.global_batch_size=32", "seed=5"]
+    cfg = load_config(raw={"strategy": {"name": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}},
+                      overrides=overrides)
+    ends = [run_job(cfg).records[-1] for _ in range(2)]
+    assert ends[0]["final_loss"] == ends[1]["final_loss"]
+    assert ends[0]["val_loss"] == ends[1]["val_loss"]

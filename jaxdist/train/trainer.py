@@ -185,6 +185,7 @@ class Trainer:
         self.step_in_epoch = 0
         self.last_checkpoint: int | None = None
         self._checkpointer: Checkpointer | None = None
+        self._resumed = False
         # One function object each, so strategy.run reuses its compiled steps.
         self._train_replica = self._make_train_replica()
         self._eval_replica = self._make_eval_replica()
@@ -399,8 +400,9 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         ckpt = self._checkpointer_or_none()
-        if ckpt is None or not self.resume:
+        if ckpt is None or not self.resume or self._resumed:
             return
+        self._resumed = True  # only the first fit resumes; later calls continue in memory
         restored = ckpt.restore_latest(like=self.state)
         if restored is None:
             return
