@@ -80,11 +80,17 @@ def run_linreg(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     loss = None
     for i, (x, y) in enumerate(dist):
+        if i == args.warmup:  # time from here: compilation is done
+            jax.block_until_ready(params)
+            t0 = time.perf_counter()
         params, opt_state, loss = strategy.run(step, args=(params, opt_state, x, y))
-        print(f"step {i} loss {float(loss):.6f}", flush=True)
+        if args.log_every and i % args.log_every == 0:
+            print(f"step {i} loss {float(loss):.6f}", flush=True)
         if args.sleep:
             time.sleep(args.sleep)
+    jax.block_until_ready(params)
     elapsed = time.perf_counter() - t0
+    timed = args.steps - min(args.warmup, args.steps - 1) if args.warmup else args.steps
     ext = strategy.extended
     chief = getattr(ext, "should_checkpoint", True)
     result = {
@@ -92,7 +98,7 @@ def run_linreg(args: argparse.Namespace) -> int:
         "b": float(jax.device_get(params["b"])),
         "loss": float(loss) if loss is not None else None,
         "seconds": elapsed,
-        "examples_per_second": args.steps * args.global_batch / max(elapsed, 1e-9),
+        "examples_per_second": timed * args.global_batch / max(elapsed, 1e-9),
         "num_replicas": strategy.num_replicas_in_sync,
         "process_count": jax.process_count(),
     }
@@ -114,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--bytes-per-pack", type=int, default=0)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    p.add_argument("--warmup", type=int, default=0, help="untimed first steps (compilation)")
+    p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     return run_linreg(args)
