@@ -57,7 +57,9 @@ def test_tpu_strategy_on_cpu_devices():
 def test_one_replica_run_returns_plain_arrays_like_tf_regroup():
     s = jaxdist.OneDeviceStrategy("/cpu:2")
     xd = next(iter(s.experimental_distribute_dataset([np.arange(4.0, dtype=np.float32)])))
-    out = s.run(lambda x: (x * 2, jaxdist.get_replica_context().replica_id_in_sync_group), args=(xd,))
+    out = s.run(
+        lambda x: (x * 2, jaxdist.get_replica_context().replica_id_in_sync_group), args=(xd,)
+    )
     assert not isinstance(out[0], jaxdist.PerReplica)
     np.testing.assert_allclose(out[0], [0.0, 2.0, 4.0, 6.0])
     assert int(out[1]) == 0

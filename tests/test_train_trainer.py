@@ -78,11 +78,15 @@ def test_steps_per_execution_equals_single_steps(dataset):
     single = _trainer(strategy, log_every_steps=1)
     h1 = single.fit((train.x, train.y), steps=8)
     folded = _trainer(strategy, steps_per_execution=3, log_every_steps=1)
-    h3 = folded.fit((train.x, train.y), steps=8)   # 6 steps per epoch: 3 + 3, then 2
+    h3 = folded.fit((train.x, train.y), steps=8)   # 6 steps per epoch: 3 + 3, then 1 + 1
     for a, b in zip(_leaves(single), _leaves(folded)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert single.step == folded.step == 8
-    assert [r["step"] for r in h3.records if r["event"] == "train"] == [3, 6, 8]
+    assert [r["step"] for r in h3.records if r["event"] == "train"] == [3, 6, 7, 8]
+    # A remainder shorter than k runs as single steps: two compiled programs, not one per length.
+    folded.fit((train.x, train.y), steps=8 + 6 + 5)
+    runs = [c for c in strategy.extended._run_cache.values() if c.fn is folded._train_replica]
+    assert len(runs) == 1 and runs[0].jitted._cache_size() == 2
     assert h1.history["loss"] == pytest.approx(h3.history["loss"], rel=1e-6)
 
 

@@ -492,7 +492,13 @@ class Trainer:
             order = data_lib.epoch_order(len(train), self.epoch, self.seed, self.shuffle)
             start = self.step_in_epoch
             stop = min(spe, start + (total - self.step))
-            chunks = [(s, min(k, stop - s)) for s in range(start, stop, k)]
+            # Full chunks of k steps, then single steps: at most two compiled programs, however
+            # the epoch length, the resume position or `steps` cut the epoch.
+            chunks, s = [], start
+            while s < stop:
+                kk = k if stop - s >= k else 1
+                chunks.append((s, kk))
+                s += kk
             dist = self.strategy.experimental_distribute_dataset(
                 self._host_chunks(train, order, chunks), options=opts)
             iterator = iter(dist)
