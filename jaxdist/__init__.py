@@ -8,7 +8,7 @@ Example:
     >>> out = strategy.run(step, args=(params, batch))
 """
 
-from jaxdist import cluster_resolver, tpu
+from jaxdist import cluster_resolver, coordinator, tpu
 from jaxdist.input import (
     AutoShardPolicy,
     Dataset,
@@ -100,6 +100,7 @@ __all__ = [
     "ValueContext",
     "byte_size_load_fn",
     "cluster_resolver",
+    "coordinator",
     "compute_average_loss",
     "experimental_connect_to_cluster",
     "get_cross_replica_context",

@@ -1,7 +1,9 @@
-"""``python -m jaxdist.server``: run a parameter-server task until it is told to stop.
+"""``python -m jaxdist.server``: run a parameter-server or worker task until told to stop.
 
-The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``), the token from
-``TF_CONFIG["token"]`` or ``$JAXDIST_CLUSTER_TOKEN``. SIGTERM or SIGINT stop it cleanly.
+The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``, or ``worker`` for
+a worker that runs the functions a ``jaxdist.coordinator.ClusterCoordinator`` sends), the
+token from ``TF_CONFIG["token"]`` or ``$JAXDIST_CLUSTER_TOKEN``. SIGTERM or SIGINT stop it
+cleanly.
 
 Example:
     $ python -m jaxdist.server --checkpoint_dir /tmp/ckpt

@@ -1,8 +1,13 @@
-"""``jaxdist.Server``: run a ps task (``tf.distribute.Server``), and ``python -m jaxdist.server``.
+"""``jaxdist.Server``: run a ps or worker task (``tf.distribute.Server``), and
+``python -m jaxdist.server``.
 
 A ps task serves its variables over gRPC on the address the cluster spec gives it, checks the
 cluster token on every request, and runs until told to stop (a ``Stop`` RPC, ``stop()``,
 SIGTERM or SIGINT). With ``checkpoint_dir`` it restores the latest checkpoint at start.
+
+A worker task (TF2 ``ClusterCoordinator`` mode) serves the worker service: it runs the
+functions the coordinator sends (cloudpickle, accepted only with the cluster token) against
+the ps tasks, with its own ``ParameterServerStrategy`` over its local devices.
 
 Example:
     $ TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]},
@@ -22,22 +27,27 @@ from typing import Any
 from jaxdist.ps.cluster import task_info
 from jaxdist.ps.server import ParameterServer
 from jaxdist.ps.service import ParameterService
+from jaxdist.ps.worker_runtime import WorkerRuntime
+from jaxdist.ps.worker_service import WorkerServer
 
 log = logging.getLogger("jaxdist.server")
 
 
 class Server:
-    """A ps task of a cluster (``tf.distribute.Server`` for the ``ps`` job).
+    """A ps or worker task of a cluster (``tf.distribute.Server``).
 
     Args:
         cluster_resolver: a resolver, a ClusterSpec / dict, or ``None`` (read ``TF_CONFIG``).
-        job_name: the job (default: the resolver's ``task_type``); must be ``"ps"``.
+        job_name: the job (default: the resolver's ``task_type``): ``"ps"``, or ``"worker"``
+            (runs the functions a ``ClusterCoordinator`` sends).
         task_index: the task (default: the resolver's ``task_id``).
         protocol: ``"grpc"`` (the only one).
         start: start serving now.
         token: the cluster token (default: the resolver's, else ``$JAXDIST_CLUSTER_TOKEN``).
         checkpoint_dir: restore the latest checkpoint from here at start; default save
             directory.
+        strategy_factory: (worker) ``(task_info, timeout) -> strategy`` used to run the
+            functions (default: a ``ParameterServerStrategy`` over the local devices).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
@@ -49,7 +59,8 @@ class Server:
 
     def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
-                 *, token: str | None = None, checkpoint_dir: str | None = None):
+                 *, token: str | None = None, checkpoint_dir: str | None = None,
+                 strategy_factory: Any = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
@@ -61,10 +72,15 @@ class Server:
             info = task_info(cluster_resolver)
         job = job_name or info.task_type
         index = info.task_id if task_index is None else int(task_index)
+        self.job = job
+        if job == "worker":
+            self._init_worker(info, index, token, strategy_factory, start)
+            return
         if job != "ps":
             raise ValueError(
-                f"jaxdist.Server serves parameter-server tasks: job_name must be 'ps', got "
-                f"{job!r} (workers and the chief run ParameterServerStrategy instead)"
+                f"jaxdist.Server serves ps and worker tasks: job_name must be 'ps' or "
+                f"'worker', got {job!r} (the chief runs ParameterServerStrategy and the "
+                f"ClusterCoordinator instead)"
             )
         addresses = info.cluster.get("ps", [])
         if not 0 <= index < len(addresses):
@@ -75,6 +91,25 @@ class Server:
         self.task = f"ps:{index}"
         self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
         self._server = ParameterServer(self.service, addresses[index], token or info.token)
+        if start:
+            self.start()
+
+    def _init_worker(self, info: Any, index: int, token: str | None, strategy_factory: Any,
+                     start: bool) -> None:
+        from dataclasses import replace
+
+        addresses = info.cluster.get("worker", [])
+        if not 0 <= index < len(addresses):
+            raise ValueError(
+                f"task worker:{index} is not in the cluster: its worker job has "
+                f"{len(addresses)} tasks {addresses}"
+            )
+        self.task = f"worker:{index}"
+        worker_info = replace(info, task_type="worker", task_id=index,
+                              token=token or info.token)
+        self.runtime = WorkerRuntime(worker_info, strategy_factory)
+        self._server = WorkerServer(self.runtime, addresses[index], worker_info.token)
+        self.service = self._server.service
         if start:
             self.start()
 
@@ -99,10 +134,10 @@ class Server:
         self._server.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxdist.server",
-        description="Run a jaxdist parameter-server task (cluster from TF_CONFIG).",
+        description="Run a jaxdist parameter-server or worker task (cluster from TF_CONFIG).",
     )
     parser.add_argument("--checkpoint_dir", default=None,
                         help="restore the latest checkpoint from here at start")
@@ -112,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         server = Server(None, task_index=args.task_index, start=False,
-                        checkpoint_dir=args.checkpoint_dir)
+                        checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory)
     except (ValueError, OSError) as e:
         print(f"jaxdist.server: {e}", file=sys.stderr)
         return 2

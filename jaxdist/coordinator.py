@@ -1,0 +1,44 @@
+"""``jaxdist.coordinator``: TF2's ``tf.distribute.experimental.coordinator`` on jaxdist.
+
+``ClusterCoordinator(strategy)`` schedules functions onto the worker tasks of a
+parameter-server cluster and survives worker failures; see ``docs/coordinator.md``.
+
+Example:
+    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
+    >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    >>> rv = coordinator.schedule(step_fn, args=(it,))
+    >>> coordinator.join()
+    >>> rv.fetch()
+"""
+
+from jaxdist.ps.coordinator import ClusterCoordinator, PerWorkerDataset, PerWorkerIterator
+from jaxdist.ps.coordinator_errors import (
+    CancelledError,
+    ClosureInputError,
+    CoordinatorError,
+    CoordinatorShutdownError,
+    JoinTimeoutError,
+    RemoteError,
+    WorkerAuthenticationError,
+    WorkerUnavailableError,
+)
+from jaxdist.ps.errors import PSUnavailableError
+from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
+
+__all__ = [
+    "CancelledError",
+    "ClosureInputError",
+    "ClusterCoordinator",
+    "CoordinatorError",
+    "CoordinatorShutdownError",
+    "JoinTimeoutError",
+    "PSUnavailableError",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "PerWorkerValues",
+    "RemoteError",
+    "RemoteValue",
+    "RemoteValueStatus",
+    "WorkerAuthenticationError",
+    "WorkerUnavailableError",
+]

@@ -1,0 +1,255 @@
+"""The worker task's service: runs the functions the coordinator sends (gRPC, token checked).
+
+Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps service):
+
+* ``Ping`` -> ``{"task", "incarnation", "busy"}``: the coordinator's heartbeat.
+* ``RunClosure`` (meta ``closure_id``, arrays ``fn`` and ``args``: cloudpickle bytes as
+  ``uint8``) -> ``{"ok": True}`` plus ``value`` (pickled numpy result), or ``{"ok": False,
+  "kind": "user" | "missing_resource", ...}`` plus ``error`` (the pickled exception).
+* ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
+* ``Stop``: stops the task.
+
+Pickled payloads are accepted only from callers that carry the cluster token; a request
+without it is refused with ``UNAUTHENTICATED`` before anything is unpickled.
+
+Example:
+    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224", token="s3cret").start()
+    >>> server.wait_for_stop()
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import pickle
+import threading
+import traceback
+import uuid
+from concurrent import futures
+from typing import Any
+
+import cloudpickle
+import grpc
+import numpy as np
+
+from jaxdist.ps import closure_pickle, wire
+from jaxdist.ps.coordinator_errors import MissingResourceError
+from jaxdist.ps.protocol import TOKEN_METADATA_KEY
+from jaxdist.ps.server import CHANNEL_OPTIONS
+from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "jaxdist.coordinator.WorkerService"
+METHODS = ("Ping", "RunClosure", "CreateResource", "Stop")
+
+
+def method_path(method: str) -> str:
+    """The gRPC path of a worker method, e.g. ``/jaxdist.coordinator.WorkerService/Ping``."""
+    return f"/{SERVICE_NAME}/{method}"
+
+
+def to_bytes_array(payload: bytes) -> np.ndarray:
+    return np.frombuffer(payload, dtype=np.uint8)
+
+
+def from_bytes_array(arr: np.ndarray) -> bytes:
+    return np.asarray(arr, dtype=np.uint8).tobytes()
+
+
+def _host_value(value: Any) -> Any:
+    """The result with device arrays copied to numpy (only if jax is loaded)."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return value
+    return jax.device_get(value)
+
+
+def _pickle_error(e: BaseException) -> bytes:
+    try:
+        payload = cloudpickle.dumps(e)
+        pickle.loads(payload)
+        return payload
+    except Exception:  # noqa: BLE001 - fall back to a description
+        return b""
+
+
+class WorkerService:
+    """Executes closures and builds resources for one worker task (transport-free).
+
+    Args:
+        runtime: the worker's runtime (strategy, resources, caches).
+    """
+
+    def __init__(self, runtime: WorkerRuntime):
+        self.runtime = runtime
+        self.incarnation = runtime.incarnation or uuid.uuid4().hex
+        runtime.incarnation = self.incarnation
+        self._run_lock = threading.Lock()
+        self.busy = False
+        self.stopped = threading.Event()
+        self.functions_run = 0
+
+    @property
+    def task(self) -> str:
+        return self.runtime.name
+
+    def ping(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        return {"task": self.task, "incarnation": self.incarnation, "busy": self.busy,
+                "functions_run": self.functions_run}, {}
+
+    def _failure(self, kind: str, e: BaseException) -> tuple[dict, dict]:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        meta = {"ok": False, "kind": kind, "type": type(e).__name__, "message": str(e),
+                "traceback": tb[-8000:], "task": self.task, "incarnation": self.incarnation}
+        payload = _pickle_error(e)
+        return meta, ({"error": to_bytes_array(payload)} if payload else {})
+
+    def run_closure(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        with self._run_lock:
+            self.busy = True
+            try:
+                try:
+                    fn = self.runtime.cached_function(from_bytes_array(arrays["fn"]),
+                                                      closure_pickle.loads)
+                    args, kwargs = closure_pickle.loads(from_bytes_array(arrays["args"]))
+                except MissingResourceError as e:
+                    return self._failure("missing_resource", e)
+                except Exception as e:  # noqa: BLE001 - sent back to the coordinator
+                    return self._failure("user", e)
+                try:
+                    value = _host_value(fn(*args, **kwargs))
+                except MissingResourceError as e:
+                    return self._failure("missing_resource", e)
+                except Exception as e:  # noqa: BLE001 - sent back to the coordinator
+                    return self._failure("user", e)
+                self.functions_run += 1
+                try:
+                    payload = cloudpickle.dumps(value)
+                except Exception as e:  # noqa: BLE001
+                    return self._failure("user", TypeError(
+                        f"the result of function #{meta.get('closure_id')} cannot be sent "
+                        f"back: {type(e).__name__}: {e}"))
+                return ({"ok": True, "task": self.task, "incarnation": self.incarnation},
+                        {"value": to_bytes_array(payload)})
+            finally:
+                self.busy = False
+
+    def create_resource(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        rid = int(meta["resource_id"])
+        with self._run_lock:
+            try:
+                fn, args = closure_pickle.loads(from_bytes_array(arrays["fn"]))
+                self.runtime.resources[rid] = fn(*args)
+            except MissingResourceError as e:
+                return self._failure("missing_resource", e)
+            except Exception as e:  # noqa: BLE001 - sent back to the coordinator
+                return self._failure("user", e)
+        return {"ok": True, "incarnation": self.incarnation}, {}
+
+    def stop(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        self.stopped.set()
+        return {}, {}
+
+    def handle(self, method: str, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        table = {"Ping": self.ping, "RunClosure": self.run_closure,
+                 "CreateResource": self.create_resource, "Stop": self.stop}
+        return table[method](meta, arrays)
+
+
+class WorkerServer:
+    """Serves a ``WorkerService`` over gRPC on ``address`` (loopback unless the spec says).
+
+    Args:
+        runtime: the worker runtime (made current for reference resolution).
+        address: ``host:port`` from the cluster spec.
+        token: the cluster token; required.
+        max_workers: gRPC handler threads (pings are answered while a function runs).
+    """
+
+    def __init__(self, runtime: WorkerRuntime, address: str, token: str | None,
+                 max_workers: int = 8):
+        if not token:
+            raise ValueError(
+                f"{runtime.name}: a worker task needs the cluster token (TF_CONFIG 'token' or "
+                f"JAXDIST_CLUSTER_TOKEN) because it runs the functions it is sent"
+            )
+        if ":" not in address:
+            raise ValueError(f"{runtime.name}: address {address!r} is not host:port")
+        self.service = WorkerService(runtime)
+        set_current(runtime)
+        self._token = token.encode()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers,
+                                       thread_name_prefix="jaxdist-worker"),
+            options=CHANNEL_OPTIONS,
+        )
+        handlers = {m: grpc.stream_stream_rpc_method_handler(self._make_handler(m))
+                    for m in METHODS}
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        host = address.rsplit(":", 1)[0]
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"{runtime.name}: cannot bind {address}: {e}") from None
+        if not port:
+            raise OSError(f"{runtime.name}: cannot bind {address} (address in use?)")
+        self.address = f"{host}:{port}"
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    def _check_token(self, context: grpc.ServicerContext, method: str) -> None:
+        got = None
+        for key, value in context.invocation_metadata() or ():
+            if key == TOKEN_METADATA_KEY:
+                got = value.encode() if isinstance(value, str) else value
+        task = self.service.task
+        if got is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{task} refused {method}: the request carries no cluster token "
+                          f"(metadata {TOKEN_METADATA_KEY!r})")
+        if not hmac.compare_digest(got, self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{task} refused {method}: wrong cluster token")
+
+    def _make_handler(self, method: str):
+        def handler(request_iterator, context):
+            self._check_token(context, method)  # before any byte is unpickled
+            try:
+                meta, arrays = wire.decode(request_iterator)
+                out_meta, out_arrays = self.service.handle(method, meta, arrays)
+            except (wire.WireError, KeyError, ValueError, TypeError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{self.service.task} {method}: {type(e).__name__}: {e}")
+            if method == "Stop":
+                threading.Thread(target=self.stop, args=(0.5,), daemon=True,
+                                 name="jaxdist-worker-stop").start()
+            yield from wire.encode(out_meta, out_arrays)
+
+        return handler
+
+    def start(self) -> WorkerServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self.service.stopped.set()
+            self._server.stop(grace).wait(timeout=(grace or 0) + 5)
+            self._stopped.set()
+            set_current(None)
+
+    def wait_for_stop(self, timeout: float | None = None) -> bool:
+        if not self.service.stopped.wait(timeout):
+            return False
+        if not self._stopped.is_set():
+            self.stop()
+        return True
+
+
+__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService", "method_path"]

@@ -1,0 +1,76 @@
+"""Helpers for the coordinator tests: a real cluster (ps + workers running
+``python -m jaxdist.server``) on 127.0.0.1 with this test process as the chief.
+
+Every task is small: JAX on CPU with one device. Heartbeats are short so failures are seen
+within a second.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+
+import jaxdist
+from jaxdist.coordinator import ClusterCoordinator
+from jaxdist.testing import LocalCluster
+
+SERVER = [sys.executable, "-m", "jaxdist.server"]
+
+
+class ChiefResolver:
+    """A duck-typed resolver for this (test) process as ``chief:0``."""
+
+    def __init__(self, cluster: dict, token: str):
+        self._cluster, self.cluster_token = cluster, token
+        self.task_type, self.task_id = "chief", 0
+
+    def cluster_spec(self) -> dict:
+        return {k: list(v) for k, v in self._cluster.items()}
+
+
+def start_cluster(workers: int = 2, ps: int = 1, ps_args: tuple[str, ...] = ()) -> LocalCluster:
+    """Starts ps and worker tasks (not the chief: that is this process)."""
+    c = LocalCluster(workers=workers, ps=ps, chief=True, devices_per_process=1,
+                     env={"JAX_NUM_CPU_DEVICES": "1"})
+    names = [n for n in c.task_names if not n.startswith("chief")]
+    for n in names:
+        c.start_task(n, [*SERVER, *ps_args] if n.startswith("ps") else SERVER)
+    for n in names:
+        wait_listening(c, n)
+    return c
+
+
+def wait_listening(c: LocalCluster, name: str, timeout: float = 60.0) -> None:
+    c.wait_for_output(name, r"listening on", timeout)
+
+
+def restart(c: LocalCluster, name: str) -> None:
+    c.restart(name)
+    wait_listening(c, name)
+
+
+def strategy_for(c: LocalCluster, timeout: float = 30.0) -> jaxdist.ParameterServerStrategy:
+    return jaxdist.ParameterServerStrategy(ChiefResolver(c.cluster, c.token), timeout=timeout)
+
+
+def coordinator_for(strategy, **kwargs) -> ClusterCoordinator:
+    kwargs.setdefault("heartbeat_interval", 0.2)
+    kwargs.setdefault("heartbeat_timeout", 2.0)
+    kwargs.setdefault("join_timeout", 60.0)
+    return ClusterCoordinator(strategy, **kwargs)
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def by_value(module_name: str) -> None:
+    """Ships the test module's functions by value (workers cannot import test modules)."""
+    cloudpickle.register_pickle_by_value(sys.modules[module_name])

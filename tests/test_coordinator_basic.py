@@ -1,0 +1,209 @@
+"""ClusterCoordinator with real processes (1 ps + 2 workers on 127.0.0.1, this process is the
+chief): schedule/join/fetch, per-worker values and datasets, errors, token, shutdown."""
+
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from coordinator_util import by_value, coordinator_for, start_cluster, strategy_for
+
+import jaxdist
+from jaxdist.coordinator import (
+    CancelledError,
+    PerWorkerValues,
+    RemoteValue,
+    RemoteValueStatus,
+    WorkerAuthenticationError,
+)
+from jaxdist.ps import optimizers as O
+from jaxdist.ps.worker_client import WorkerClient
+
+pytestmark = pytest.mark.slow
+by_value(__name__)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(workers=2, ps=1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def strategy(cluster):
+    return strategy_for(cluster)
+
+
+@pytest.fixture
+def coordinator(strategy):
+    coord = coordinator_for(strategy)
+    yield coord
+    coord.shutdown()
+
+
+def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
+    with strategy.scope():
+        counter = strategy.create_variables({"n": np.zeros((), np.float32)}, O.sgd(-1.0),
+                                            name="count_basic")
+
+    def step(i):
+        counter.apply_gradients({"n": np.ones((), np.float32)})
+        return {"double": np.int64(2 * i), "pid": os.getpid()}
+
+    rvs = [coordinator.schedule(step, args=(i,)) for i in range(12)]
+    assert all(isinstance(rv, RemoteValue) for rv in rvs)
+    coordinator.join()
+    assert coordinator.done()
+    assert [rv.fetch()["double"] for rv in rvs] == [2 * i for i in range(12)]
+    assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
+    assert float(counter.pull()["n"]) == 12.0
+    assert sum(coordinator.functions_run()) == 12
+    pids = {rv.fetch()["pid"] for rv in rvs}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+    out = coordinator.fetch({"a": rvs[0], "b": [rvs[1], 5]})
+    assert out["a"]["double"] == 0 and out["b"][0]["double"] == 2 and out["b"][1] == 5
+    assert isinstance(rvs[3].get()["double"], jax.Array)
+
+
+def test_strategy_run_trains_on_the_workers(strategy, coordinator):
+    rng = np.random.default_rng(0)
+    w_true = rng.normal(size=(4, 1)).astype(np.float32)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = x @ w_true
+    with strategy.scope():
+        params = strategy.create_variables({"w": np.zeros((4, 1), np.float32)}, O.sgd(0.1),
+                                           name="linreg")
+
+    def grad_fn(p, xb, yb):
+        def loss(p):
+            return jnp.mean((xb @ p["w"] - yb) ** 2)
+        return jax.value_and_grad(loss)(p)
+
+    def step():
+        loss, grads = strategy.run(grad_fn, args=(params, x, y))
+        params.apply_gradients(grads)
+        return loss
+
+    losses = [coordinator.schedule(step) for _ in range(40)]
+    coordinator.join()
+    first, last = float(losses[0].fetch()), float(losses[-1].fetch())
+    assert last < 0.1 * first, (first, last)
+
+
+def test_per_worker_values_and_datasets(coordinator):
+    def who(seed):
+        return seed, os.getpid()
+
+    rvs = [coordinator.schedule(who, args=(PerWorkerValues([10, 20]),)) for _ in range(8)]
+    coordinator.join()
+    for rv in rvs:
+        seed, _ = rv.fetch()
+        assert seed == {"worker:0": 10, "worker:1": 20}[rv.worker]
+
+    def dataset_fn(ctx):  # this worker's shard of 0..39
+        mine = np.arange(40)[ctx.input_pipeline_id::ctx.num_input_pipelines]
+        return jaxdist.Dataset.from_tensor_slices(mine).batch(2)
+
+    it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def take(it):
+        return next(it)
+
+    rvs = [coordinator.schedule(take, args=(it,)) for _ in range(10)]
+    coordinator.join()
+    for rv in rvs:
+        batch = np.asarray(rv.fetch())
+        assert batch.shape == (2,)
+        assert (batch % 2 == int(rv.worker[-1])).all(), (rv.worker, batch)
+    seen = np.concatenate([np.asarray(rv.fetch()) for rv in rvs])
+    assert len(set(seen.tolist())) == 20  # no batch was handed out twice
+
+
+def test_first_error_cancels_pending_and_is_raised_once(coordinator):
+    def slow(i):
+        time.sleep(0.05)
+        return i
+
+    def bad():
+        raise ValueError("bad value 42: expected something else")
+
+    before = [coordinator.schedule(slow, args=(i,)) for i in range(2)]
+    coordinator.join()
+    failing = coordinator.schedule(bad)
+    pending = [coordinator.schedule(slow, args=(i,)) for i in range(30)]
+    with pytest.raises(ValueError, match="bad value 42") as info:
+        coordinator.join()
+    assert "raised on worker:" in "".join(getattr(info.value, "__notes__", []))
+    coordinator.join()  # raised once: cleared now
+    with pytest.raises(ValueError):
+        failing.fetch()
+    cancelled = [rv for rv in pending if rv.status is RemoteValueStatus.ABORTED]
+    assert cancelled, "the error cancelled no pending function"
+    with pytest.raises(CancelledError, match="schedule it again"):
+        cancelled[0].fetch()
+    assert [rv.fetch() for rv in before] == [0, 1]
+    again = coordinator.schedule(slow, args=(7,))  # new schedules work
+    coordinator.join()
+    assert again.fetch() == 7
+
+
+def test_worker_refuses_requests_without_the_token(cluster):
+    for token, match in ((None, "no cluster token"), ("wrong", "wrong cluster token")):
+        client = WorkerClient(cluster.cluster["worker"], token)
+        try:
+            with pytest.raises(WorkerAuthenticationError, match=match):
+                client.call(0, "RunClosure", {"closure_id": 0}, {}, timeout=10.0)
+        finally:
+            client.close()
+
+
+def test_shutdown_leaves_no_thread_behind(strategy):
+    baseline = {t.ident for t in threading.enumerate()}
+    coord = coordinator_for(strategy)
+    rv = coord.schedule(lambda: 3)
+    coord.join()
+    assert any(t.name.startswith("jaxdist-coordinator") for t in threading.enumerate())
+    coord.shutdown()
+    assert rv.fetch() == 3  # results stay readable after shutdown
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t.ident not in baseline]
+        if not extra:
+            break
+        time.sleep(0.05)
+    assert not extra, [t.name for t in extra]
+    with pytest.raises(jaxdist.coordinator.CoordinatorShutdownError):
+        coord.schedule(lambda: 1)
+    assert not _children(), "the coordinator started processes"
+
+
+def _children() -> list[int]:
+    """Child pids of this process that are not the cluster's tasks (the fixture's)."""
+    import glob
+
+    pids = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(path) as f:
+            pids += [int(p) for p in f.read().split()]
+    cluster_pids = set()
+    for proc in _live_cluster_pids():
+        cluster_pids.add(proc)
+    return [p for p in pids if p not in cluster_pids]
+
+
+
+def _live_cluster_pids() -> set[int]:
+    import gc
+
+    from jaxdist.testing import LocalCluster
+
+    pids = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, LocalCluster):
+            for hist in obj.history.values():
+                pids.update(t.pid for t in hist)
+    return pids

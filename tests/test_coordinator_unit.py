@@ -1,0 +1,144 @@
+"""ClusterCoordinator pieces without processes: closure queue, RemoteValue, pickling, worker
+service, argument checks."""
+
+import threading
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist.coordinator import (
+    CancelledError,
+    ClusterCoordinator,
+    JoinTimeoutError,
+    PerWorkerValues,
+    RemoteValue,
+)
+from jaxdist.ps import closure_pickle
+from jaxdist.ps.closure_queue import Closure, ClosureQueue
+from jaxdist.ps.cluster import TaskInfo
+from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
+from jaxdist.ps.worker_service import WorkerService, from_bytes_array, to_bytes_array
+
+
+def _closure(i, fn=lambda: None):
+    return Closure(i, fn, (), {}, RemoteValue(f"f{i}"))
+
+
+def test_queue_first_error_cancels_pending_and_is_raised_once():
+    q = ClosureQueue()
+    closures = [_closure(i) for i in range(4)]
+    for c in closures:
+        q.put(c)
+    a, b = q.get(0.1), q.get(0.1)
+    q.mark_failed(ValueError("first"))
+    q.mark_failed(KeyError("second"))  # only the first error is kept
+    assert len(q) == 0
+    for c in closures[2:]:
+        with pytest.raises(CancelledError, match="cancelled"):
+            c.remote_value.fetch(0.1)
+    with pytest.raises(ValueError, match="first"):
+        q.wait(1.0, lambda: AssertionError("timeout"))
+    q.wait(1.0, lambda: AssertionError("timeout"))  # raised once, then cleared
+    q.put(_closure(9))  # new schedules work
+    assert len(q) == 1 and a.closure_id == 0 and b.closure_id == 1
+
+
+def test_queue_put_back_requeues_at_front_and_wait_times_out_without_progress():
+    q = ClosureQueue()
+    q.put(_closure(0))
+    q.put(_closure(1))
+    c = q.get(0.1)
+    q.put_back(c)
+    assert q.get(0.1).closure_id == 0 and q.inflight == 1
+    t0 = time.monotonic()
+    with pytest.raises(JoinTimeoutError):
+        q.wait(0.3, lambda: JoinTimeoutError("stalled"))
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_queue_sticky_cluster_error_until_cleared():
+    q = ClosureQueue()
+    q.put(_closure(0))
+    q.set_cluster_error(jaxdist.ps.PSUnavailableError("ps:0 down", task="ps:0"))
+    with pytest.raises(jaxdist.ps.PSUnavailableError, match="ps:0"):
+        q.put(_closure(1))
+    with pytest.raises(jaxdist.ps.PSUnavailableError):
+        q.wait(1.0, lambda: AssertionError())
+    q.set_cluster_error(None)
+    q.put(_closure(2))
+
+
+def test_remote_value_fetch_timeout_and_value_from_other_thread():
+    rv = RemoteValue("f")
+    with pytest.raises(JoinTimeoutError, match="not ready within 0.1 s"):
+        rv.fetch(0.1)
+    threading.Timer(0.05, rv._set_value, args=(np.arange(3), "worker:1")).start()
+    np.testing.assert_array_equal(rv.fetch(5.0), np.arange(3))
+    assert rv.worker == "worker:1" and rv.done()
+    assert rv.get().shape == (3,)
+
+
+def test_pickle_swaps_per_worker_values_and_checks_parts():
+    pw = PerWorkerValues(["a", "b"])
+    assert closure_pickle.loads(closure_pickle.dumps((pw, 1), worker_index=1)) == ("b", 1)
+    with pytest.raises(ValueError, match="2 parts, but worker 2"):
+        closure_pickle.dumps(pw, worker_index=2)
+    rv = RemoteValue("x")
+    rv._set_value(7)
+    assert closure_pickle.loads(closure_pickle.dumps([rv])) == [7]
+
+
+def _runtime():
+    info = TaskInfo({"worker": ["127.0.0.1:1"], "ps": []}, "worker", 0, "t")
+    rt = WorkerRuntime(info, strategy_factory=lambda info, timeout: "the-worker-strategy")
+    set_current(rt)
+    return rt
+
+
+def test_worker_service_runs_functions_and_reports_errors():
+    svc = WorkerService(_runtime())
+    try:
+        def add(a, b):
+            return np.asarray(a) + b
+
+        def run(fn, *args):
+            meta, arrays = svc.run_closure(
+                {"closure_id": 0},
+                {"fn": to_bytes_array(closure_pickle.dumps(fn)),
+                 "args": to_bytes_array(closure_pickle.dumps((args, {})))})
+            return meta, arrays
+
+        meta, arrays = run(add, 2, 3)
+        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 5
+
+        def bad():
+            raise KeyError("nope")
+
+        meta, arrays = run(bad)
+        assert not meta["ok"] and meta["kind"] == "user" and meta["type"] == "KeyError"
+        assert isinstance(cloudpickle.loads(from_bytes_array(arrays["error"])), KeyError)
+        meta, _ = run(lambda r: r, closure_pickle.WorkerResource(5, 0))
+        assert meta["kind"] == "missing_resource"
+        assert svc.functions_run == 1
+    finally:
+        set_current(None)
+
+
+def test_strategy_reference_resolves_to_the_workers_strategy():
+    _runtime()
+    try:
+        strategy = jaxdist.ParameterServerStrategy()  # local: no cluster
+        fn = closure_pickle.loads(closure_pickle.dumps(lambda: strategy))
+        assert fn() == "the-worker-strategy"
+    finally:
+        set_current(None)
+
+
+def test_coordinator_rejects_bad_strategies():
+    with pytest.raises(TypeError, match="needs a ParameterServerStrategy, got MirroredStrategy"):
+        ClusterCoordinator(jaxdist.MirroredStrategy())
+    with pytest.raises(ValueError, match="'worker' job"):
+        ClusterCoordinator(jaxdist.ParameterServerStrategy())
