@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist.train.config import ConfigError, check_replicas
+from jaxdist.train.hooks import hook_for
 
 
 def optimizer_from_config(section: Mapping[str, Any]) -> Any:
@@ -47,6 +48,9 @@ def build_strategy(cfg: Mapping[str, Any]) -> Any:
         raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
                           f"{dict(cfg['strategy'])!r}: {first}") from None
     check_replicas(cfg, strategy.num_replicas_in_sync)
+    hook = hook_for(strategy)
+    if hook is not None:
+        hook.check_config(cfg)
     return strategy
 
 
@@ -70,11 +74,14 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
     tcfg, ccfg, lcfg = cfg["train"], cfg["checkpoint"], cfg["logging"]
+    hook = hook_for(strategy)  # e.g. parameter servers run their own optimizer spec
+    optimizer = (hook.optimizer_from_config(cfg["optimizer"]) if hook is not None
+                 else optimizer_from_config(cfg["optimizer"]))
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
         trainer = Trainer(
             model,
-            optimizer_from_config(cfg["optimizer"]),
+            optimizer,
             tcfg["loss"],
             global_batch_size=tcfg["global_batch_size"],
             strategy=strategy,

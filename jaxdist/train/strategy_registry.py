@@ -22,6 +22,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxdist.train import ps_config as _ps_config
 from jaxdist.train.config import ConfigError, Field
 
 Builder = Callable[[Mapping[str, Any]], Any]
@@ -181,3 +182,7 @@ register_strategy("tpu", _tpu, {
     "devices": Field(list, None, "run on these devices instead of TPU cores (testing)",
                      optional=True, item=str),
 }, help="TPUStrategy over the cores of the local TPU")
+register_strategy("parameter_server", "jaxdist.train.ps_config:strategy_from_config",
+                  _ps_config.FIELDS,
+                  help="ParameterServerStrategy: asynchronous training, variables on the ps "
+                       "tasks of TF_CONFIG (local without it)")

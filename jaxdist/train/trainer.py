@@ -33,6 +33,7 @@ from jax import lax
 import jaxdist
 from jaxdist.train import data as data_lib
 from jaxdist.train.checkpoint import Checkpointer
+from jaxdist.train.hooks import hook_for
 from jaxdist.train.metrics import MetricsLogger
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -176,10 +177,15 @@ class Trainer:
         self._local_replicas = [i for i, d in enumerate(devices) if d.process_index == me]
 
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        with self.strategy.scope():
-            self.params = self.strategy.place(params)
-            self.rest = self.strategy.place(rest)
-            self.opt_state = self.strategy.place(optimizer.init(self.params))
+        # A strategy whose state lives elsewhere (parameter servers) handles it in its hook.
+        self._hook = hook_for(self.strategy)
+        if self._hook is not None:
+            self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
+        else:
+            with self.strategy.scope():
+                self.params = self.strategy.place(params)
+                self.rest = self.strategy.place(rest)
+                self.opt_state = self.strategy.place(optimizer.init(self.params))
         self.step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -256,7 +262,7 @@ class Trainer:
     @property
     def model(self) -> nnx.Module:
         """The model with the current parameters."""
-        return nnx.merge(self._graphdef, self.params, self.rest)
+        return nnx.merge(self._graphdef, self._current_params(), self.rest)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -290,18 +296,20 @@ class Trainer:
         val = None if validation_data is None else data_lib.as_array_data(
             validation_data, "validation_data")
         b = self.global_batch_size
-        spe = data_lib.steps_per_epoch(len(train), b)
+        spe = data_lib.steps_per_epoch(len(self._epoch_order(len(train), 0)), b)
         if spe == 0:
             raise data_lib.DataError(f"train_data has {len(train)} examples, fewer than one "
                                      f"global batch of {b}")
         self._check_shapes(train, "train_data")
         if val is not None:
             self._check_shapes(val, "validation_data")
+        if self._hook is not None and not self._hook.should_evaluate:
+            val = None
         if steps is None:
             total = (epochs if epochs is not None else 1) * spe
         else:
             total = steps
-        self._maybe_resume()
+        self._maybe_resume(spe)
         history = History()
         logger = MetricsLogger(
             self.log_dir, total_steps=total, initial_step=self.step,
@@ -328,9 +336,10 @@ class Trainer:
             for x, y, m in data_lib.eval_batches(d, self.global_batch_size)
         )
         totals: list[Any] = []
+        params = self._current_params()
         for xb, yb, mb in dist:
             totals.append(self.strategy.run(self._eval_replica,
-                                            args=(self.params, self.rest, xb, yb, mb)))
+                                            args=(params, self.rest, xb, yb, mb)))
         fetched = jax.device_get(totals)
         loss = sum(float(t["loss"]) for t in fetched)
         correct = sum(float(t["correct"]) for t in fetched)
@@ -350,8 +359,9 @@ class Trainer:
             (self._local_rows(xb, 1),) for xb, _, _ in data_lib.eval_batches(
                 data_lib.ArrayData(x, dummy), b)
         )
+        params = self._current_params()
         for (xb,) in dist:
-            out = self.strategy.run(self._predict_replica, args=(self.params, self.rest, xb))
+            out = self.strategy.run(self._predict_replica, args=(params, self.rest, xb))
             outs.append(np.asarray(self.strategy.gather(out, axis=0)))
         if not outs:
             return np.zeros((0,), np.float32)
@@ -398,11 +408,22 @@ class Trainer:
             self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints)
         return self._checkpointer
 
-    def _maybe_resume(self) -> None:
-        ckpt = self._checkpointer_or_none()
-        if ckpt is None or not self.resume or self._resumed:
+    def _current_params(self) -> Any:
+        return self.params if self._hook is None else self._hook.current_params(self)
+
+    def _epoch_order(self, num_examples: int, epoch: int) -> np.ndarray:
+        if self._hook is not None:  # e.g. this worker's share of the epoch
+            return self._hook.epoch_order(self, num_examples, epoch)
+        return data_lib.epoch_order(num_examples, epoch, self.seed, self.shuffle)
+
+    def _maybe_resume(self, steps_per_epoch: int) -> None:
+        if self.checkpoint_dir is None or not self.resume or self._resumed:
             return
         self._resumed = True  # only the first fit resumes; later calls continue in memory
+        if self._hook is not None:
+            self._hook.resume(self, steps_per_epoch)
+            return
+        ckpt = self._checkpointer_or_none()
         restored = ckpt.restore_latest(like=self.state)
         if restored is None:
             return
@@ -416,6 +437,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
+        if self._hook is not None and self.checkpoint_dir is not None:
+            self._hook.save(self)
+            return
         ckpt = self._checkpointer_or_none()
         if ckpt is None or not self.should_checkpoint:
             return
@@ -489,7 +513,7 @@ class Trainer:
 
         opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
         while self.step < total:
-            order = data_lib.epoch_order(len(train), self.epoch, self.seed, self.shuffle)
+            order = self._epoch_order(len(train), self.epoch)
             start = self.step_in_epoch
             stop = min(spe, start + (total - self.step))
             # Full chunks of k steps, then single steps: at most two compiled programs, however
@@ -504,9 +528,12 @@ class Trainer:
             iterator = iter(dist)
             try:
                 for (s, kk), (xb, yb) in zip(chunks, iterator):
-                    self.params, self.opt_state, stats = self.strategy.run(
-                        self._train_replica,
-                        args=(self.params, self.rest, self.opt_state, xb, yb))
+                    if self._hook is not None:
+                        stats = self._hook.train_step(self, xb, yb, kk)
+                    else:
+                        self.params, self.opt_state, stats = self.strategy.run(
+                            self._train_replica,
+                            args=(self.params, self.rest, self.opt_state, xb, yb))
                     before = self.step
                     self.step += kk
                     self.step_in_epoch = s + kk
@@ -537,6 +564,8 @@ class Trainer:
                 epoch_stats.clear()
                 if val is not None and validation_freq and self.epoch % validation_freq == 0:
                     validate()
+        if self._hook is not None:
+            self._hook.end_training(self)
         log_train()
         if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()

@@ -1,0 +1,190 @@
+"""The ``Trainer`` under ``ParameterServerStrategy``: variables on the ps, asynchronous steps.
+
+``ParameterServerHook`` is the ``TrainerHook`` of ``ParameterServerStrategy`` (TF1 between-graph
+training). With it, every worker runs the same ``Trainer.fit``:
+
+* the chief creates the model's parameters and the optimizer state on the ps tasks (the
+  optimizer must be a ``jaxdist.ps.optimizers`` spec); other workers wait for them;
+* each step pulls the parameters, computes the gradient synchronously across the worker's
+  local devices (jit, the strategy's all-reduce), and pushes it; the ps applies the update.
+  Workers do not wait for each other (or stay within ``max_staleness`` steps);
+* every epoch, worker ``i`` of ``n`` trains on its own disjoint, deterministic share of the
+  epoch's order (examples ``i, i+n, ...``; input pipeline id = worker index);
+* the chief evaluates, logs, and asks the ps tasks to checkpoint (``extended.save``); after a
+  restart every worker resumes from the step of the checkpoint the ps tasks restored;
+  non-chief workers write nothing;
+* at the end every worker marks itself done (``worker_done``); the chief waits for the others
+  (while they make progress) before its final evaluation and checkpoint.
+
+Example:
+    >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG, or local
+    >>> with strategy.scope():
+    ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
+    ...                               global_batch_size=64, strategy=strategy)
+    >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+import jaxdist
+from jaxdist.ps import optimizers as ps_optimizers
+from jaxdist.ps.service import latest_step
+from jaxdist.train import data as data_lib
+from jaxdist.train.hooks import TrainerHook
+
+#: The ps collection the trainer's parameters live in.
+COLLECTION = "model"
+_POLL_S = 0.2
+
+
+class ParameterServerHook(TrainerHook):
+    """``TrainerHook`` for ``ParameterServerStrategy`` (see the module docstring).
+
+    Args:
+        strategy: the ``ParameterServerStrategy``.
+    """
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+        ext = strategy.extended
+        info = ext.task_info
+        self.num_workers = max(1, info.num_workers)
+        self.worker_index = ext.worker_index if info.num_workers else 0
+        self.is_chief = bool(ext.should_checkpoint)
+        self.should_evaluate = self.is_chief
+        self.local = not info.ps_addresses
+        self.variables: Any = None
+        self._grad_replica: Any = None
+
+    # ------------------------------------------------------------------ config
+    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
+        from jaxdist.train.ps_config import ps_optimizer_from_config
+
+        return ps_optimizer_from_config(section)
+
+    def check_config(self, cfg: Mapping[str, Any]) -> None:
+        from jaxdist.train.ps_config import check_config
+
+        check_config(cfg)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
+        spec = ps_optimizers.as_spec(trainer.optimizer)
+        host = jax.device_get(params)
+        with self.strategy.scope():
+            self.variables = self.strategy.create_variables(host, spec, name=COLLECTION)
+            rest = self.strategy.place(rest)
+        self._grad_replica = _make_grad_replica(trainer)
+        return host, rest, None
+
+    def current_params(self, trainer: Any) -> Any:
+        trainer.params = self.variables.pull()
+        return trainer.params
+
+    # ------------------------------------------------------------------ data and steps
+    def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
+        order = data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
+        share = num_examples // self.num_workers
+        return order[self.worker_index::self.num_workers][:share]
+
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int) -> dict[str, Any]:
+        out = []
+        for i in range(num_steps):
+            # run() pulls the variables (after the SSP wait), computes on the local devices.
+            stats, grads = self.strategy.run(
+                self._grad_replica, args=(self.variables, trainer.rest, x, y, np.int32(i)))
+            self.variables.apply_gradients(grads)   # push; each ps applies its optimizer
+            out.append(stats)
+        fetched = jax.device_get(out)
+        return {k: np.stack([np.asarray(s[k]) for s in fetched]) for k in fetched[0]}
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self, trainer: Any, steps_per_epoch: int) -> None:
+        directory = os.path.abspath(trainer.checkpoint_dir)
+        ext = self.strategy.extended
+        restored = [s.get("restored_step") for s in ext.ps_status()]
+        if all(r is not None for r in restored):
+            step = min(int(r) for r in restored)        # the ps tasks restored at start
+        elif self.local and latest_step(directory, "local") is not None:
+            step = min(ext.restore(directory))           # in-process ps: restore it now
+        else:
+            return
+        trainer.step = step
+        trainer.epoch, trainer.step_in_epoch = divmod(step, steps_per_epoch)
+        trainer.last_checkpoint = step
+
+    def save(self, trainer: Any) -> None:
+        if not self.is_chief:
+            return
+        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step)
+        trainer.last_checkpoint = trainer.step
+
+    def end_training(self, trainer: Any) -> None:
+        ext = self.strategy.extended
+        ext.worker_done()
+        if not self.local:
+            self._wait_for_workers(ext)
+        self.current_params(trainer)
+
+    def _wait_for_workers(self, ext: Any) -> None:
+        """Marks this worker done; the chief waits for the others while they make progress."""
+        client = ext.ps_client
+        meta, _ = client.call(0, "Status", {})
+        prefix = f"done/{meta['incarnation']}/worker:"
+        client.call(0, "SetMarker", {"name": f"{prefix}{self.worker_index}"})
+        if not self.is_chief:
+            return
+        timeout = float(ext._timeout)
+        want = {f"{prefix}{w}" for w in range(self.num_workers)}
+        deadline, last_versions = time.monotonic() + timeout, None
+        while True:
+            meta, _ = client.call(0, "Status", {})
+            if want <= set(meta["markers"]):
+                return
+            versions = sum(v["version"] for v in meta["variables"].values())
+            if versions != last_versions:   # others still push: keep waiting
+                deadline, last_versions = time.monotonic() + timeout, versions
+            if time.monotonic() > deadline:
+                missing = sorted(m.rsplit(":", 1)[1] for m in want - set(meta["markers"]))
+                print(f"[ps] chief: worker(s) {', '.join(missing)} made no progress for "
+                      f"{timeout:.0f} s and did not finish; evaluating without them",
+                      flush=True)
+                return
+            time.sleep(_POLL_S)
+
+
+def _make_grad_replica(trainer: Any):
+    """The per-replica step: loss, gradient (all-reduced over local replicas), stats."""
+    from jaxdist.train.trainer import _correct
+
+    gbs, loss_fn, apply = trainer.global_batch_size, trainer.loss_fn, trainer._apply
+    per = gbs // trainer.strategy.num_replicas_in_sync
+
+    def grad_replica(params, rest, x, y, i):
+        ctx = jaxdist.get_replica_context()
+        xb = lax.dynamic_slice_in_dim(x, i * per, per)
+        yb = lax.dynamic_slice_in_dim(y, i * per, per)
+
+        def objective(p):
+            logits = apply(p, rest, xb)
+            per_example = loss_fn(logits, yb)
+            return jaxdist.compute_average_loss(per_example, global_batch_size=gbs), logits
+
+        (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
+        grads = ctx.all_reduce("SUM", grads)
+        stats = ctx.all_reduce("SUM", {"loss": loss, "correct": _correct(logits, yb)})
+        return stats, grads
+
+    return grad_replica
+
+
+__all__ = ["COLLECTION", "ParameterServerHook"]
