@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -165,6 +166,11 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
         pass
     server.stop()
     print(f"jaxdist.server {server.task} stopped", flush=True)
+    if server.job == "worker" and server.service.busy:
+        # A function is still running (e.g. waiting for a lost ps): abandon it, the
+        # coordinator runs it again elsewhere. Waiting would hold the exit up to its timeout.
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

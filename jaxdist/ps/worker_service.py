@@ -240,7 +240,7 @@ class WorkerServer:
             if self._stopped.is_set():
                 return
             self.service.stopped.set()
-            self._server.stop(grace).wait(timeout=(grace or 0) + 5)
+            self._server.stop(grace).wait(timeout=(grace or 0) + 1)
             self._stopped.set()
             set_current(None)
 

@@ -1,0 +1,89 @@
+"""The coordinator process dies and a new one continues from the ps checkpoint; a lost ps
+makes schedule/join raise a typed error naming it."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+from coordinator_util import (
+    SERVER,
+    by_value,
+    coordinator_for,
+    start_cluster,
+    strategy_for,
+    wait_listening,
+    wait_until,
+)
+
+from jaxdist.ps import PSUnavailableError
+from jaxdist.ps import optimizers as O
+from jaxdist.ps.worker_client import WorkerClient
+
+pytestmark = pytest.mark.slow
+by_value(__name__)
+CHIEF = [sys.executable, os.path.join(os.path.dirname(__file__), "coordinator_chief.py")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(workers=2, ps=1)
+    yield c
+    c.stop()
+
+
+def _json(output: str) -> dict:
+    return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+
+
+def test_new_coordinator_continues_from_the_ps_checkpoint(cluster, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    cluster.start_task("chief:0", [*CHIEF, "train", ckpt])
+    code = cluster.wait("chief:0", 90)
+    assert code == -9, cluster.describe()  # it was killed with functions in flight
+    assert _json(cluster.output("chief:0")) == {"before_kill": 9.0}
+    client = WorkerClient(cluster.cluster["worker"], cluster.token)
+    try:  # the workers finish what they were running; then restart the ps from its checkpoint
+        wait_until(lambda: not any(client.call(i, "Ping", timeout=5)[0]["busy"]
+                                   for i in range(2)), 20, "workers idle")
+    finally:
+        client.close()
+    cluster.kill("ps:0")
+    cluster.start_task("ps:0", [*SERVER, "--checkpoint_dir", ckpt])
+    wait_listening(cluster, "ps:0")
+    cluster.start_task("chief:0", [*CHIEF, "resume", ckpt])
+    assert cluster.wait("chief:0", 90) == 0, cluster.describe()
+    out = _json(cluster.output("chief:0"))
+    assert out["restored_at"] == 6.0  # the restarted ps restored step 6
+    assert out["step"] == 10.0 and out["w"] == [10.0] * 4  # 6 from the checkpoint + 4
+
+
+def test_lost_ps_raises_a_typed_error_naming_it(cluster):
+    strategy = strategy_for(cluster, timeout=5.0)
+    with strategy.scope():
+        counter = strategy.create_variables({"n": np.zeros((), np.float32)}, O.sgd(-1.0),
+                                            name="ps_loss_counter")
+
+    def step():
+        time.sleep(0.1)
+        counter.apply_gradients({"n": np.ones((), np.float32)})
+
+    coord = coordinator_for(strategy, ps_timeout=1.0)
+    try:
+        for _ in range(4):
+            coord.schedule(step)
+        coord.join()
+        for _ in range(50):
+            coord.schedule(step)
+        cluster.kill("ps:0")
+        t0 = time.monotonic()
+        with pytest.raises(PSUnavailableError, match="ps:0") as info:
+            coord.join()
+        assert info.value.task == "ps:0"
+        assert time.monotonic() - t0 < 15
+        with pytest.raises(PSUnavailableError, match="ps:0"):
+            coord.schedule(step)
+    finally:
+        coord.shutdown()
