@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 
 class Checkpointer:
@@ -33,8 +34,19 @@ class Checkpointer:
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
+        # In a multi-process job only the chief saves and every process restores on its own:
+        # orbax must not wait at barriers for the others (it would hang without a timeout), so
+        # each process is its own primary host and the only active process.
+        self._process_local = jax.process_count() > 1
+        me = jax.process_index()
+        multiprocessing = (
+            ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+            if self._process_local else ocp.options.MultiprocessingOptions()
+        )
+        os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=False
+            max_to_keep=keep, create=not self._process_local, enable_async_checkpointing=False,
+            multiprocessing_options=multiprocessing,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -51,6 +63,9 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
         """Writes a checkpoint for ``step`` (synchronously; atomic) and prunes old ones."""
         ocp = self._ocp
+        if self._process_local:
+            # The state is replicated over every process's devices: save this process's copy.
+            state = jax.device_get(state)
         self._manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -73,7 +88,10 @@ class Checkpointer:
         """
         ocp = self._ocp
         target = None
-        if like is not None:
+        if like is not None and self._process_local:
+            # Read host arrays, then place them as ``like`` is placed (across processes).
+            target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), like)
+        elif like is not None:
             target = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
             )
@@ -83,7 +101,11 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
             ),
         )
-        return out.state, dict(out.meta)
+        state = out.state
+        if like is not None and self._process_local:
+            state = jax.tree.map(lambda v, x: jax.device_put(np.asarray(v), x.sharding),
+                                 state, like)
+        return state, dict(out.meta)
 
     def restore_latest(self, like: Any = None) -> tuple[Any, dict[str, Any]] | None:
         """``restore(latest_step())``, or ``None`` when the directory has no checkpoint."""

@@ -182,6 +182,15 @@ register_strategy("tpu", _tpu, {
     "devices": Field(list, None, "run on these devices instead of TPU cores (testing)",
                      optional=True, item=str),
 }, help="TPUStrategy over the cores of the local TPU")
+register_strategy("multi_worker", "jaxdist.strategies.multi_worker:strategy_from_config", {
+    "communication": Field(str, "auto", "collective implementation: auto, ring (gloo on CPU, "
+                           "NCCL on GPU), nccl (GPUs only)", choices=("auto", "ring", "nccl")),
+    "timeout_seconds": Field(float, 60.0, "bound on joining the cluster and on every step; a "
+                             "dead peer becomes PeerLostError naming it (null: 60)",
+                             optional=True),
+    "bytes_per_pack": Field(int, 0, "pack gradients into all-reduce buckets of this many bytes "
+                            "(0: one bucket per dtype)", minimum=0),
+}, help="MultiWorkerMirroredStrategy over the chief/worker tasks of TF_CONFIG")
 register_strategy("parameter_server", "jaxdist.train.ps_config:strategy_from_config",
                   _ps_config.FIELDS,
                   help="ParameterServerStrategy: asynchronous training, variables on the ps "

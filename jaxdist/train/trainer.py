@@ -331,7 +331,7 @@ class Trainer:
         if len(d) == 0:
             raise data_lib.DataError("evaluate data has no examples")
         self._check_shapes(d, "evaluate data")
-        dist = self.strategy.experimental_distribute_dataset(
+        dist = self._distribute(
             (self._local_rows(x, 1), self._local_rows(y, 1), self._local_rows(m, 1))
             for x, y, m in data_lib.eval_batches(d, self.global_batch_size)
         )
@@ -355,7 +355,7 @@ class Trainer:
         n, b = x.shape[0], self.global_batch_size
         dummy = np.zeros((n,), np.int32)
         outs = []
-        dist = self.strategy.experimental_distribute_dataset(
+        dist = self._distribute(
             (self._local_rows(xb, 1),) for xb, _, _ in data_lib.eval_batches(
                 data_lib.ArrayData(x, dummy), b)
         )
@@ -400,6 +400,18 @@ class Trainer:
         x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
         x = np.swapaxes(x, 0, 1)
         return x.reshape(len(self._local_replicas) * num_steps * per, *x.shape[3:])
+
+    def _distribute(self, local_batches: Any, options: Any = None) -> Any:
+        """Distributes batches that already hold only this process's rows (``_local_rows``).
+
+        The rows are chosen here, so the strategy must not shard them again across processes:
+        the dataset is tagged ``AutoShardPolicy.OFF`` (with ``MultiWorkerMirroredStrategy`` the
+        default ``AUTO``/``DATA`` would keep 1/P of rows that are already 1/P of a batch).
+        """
+        from jaxdist.input.autoshard import with_auto_shard_policy
+
+        return self.strategy.experimental_distribute_dataset(
+            with_auto_shard_policy(local_batches, "OFF"), options=options)
 
     def _checkpointer_or_none(self) -> Checkpointer | None:
         if self.checkpoint_dir is None:
@@ -523,7 +535,7 @@ class Trainer:
                 kk = k if stop - s >= k else 1
                 chunks.append((s, kk))
                 s += kk
-            dist = self.strategy.experimental_distribute_dataset(
+            dist = self._distribute(
                 self._host_chunks(train, order, chunks), options=opts)
             iterator = iter(dist)
             try:
