@@ -1,0 +1,185 @@
+"""The Trainer under ParameterServerStrategy: in-process (no cluster), configs, and a real
+``jaxdist.launch --workers 2 --ps 2`` cluster end to end."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxdist
+from jaxdist.ps import optimizers as O
+from jaxdist.ps.cluster import TaskInfo
+from jaxdist.train.__main__ import main as train_main
+from jaxdist.train.config import ConfigError, load_config
+from jaxdist.train.job import run_job
+from jaxdist.train.ps_config import ps_optimizer_from_config
+from jaxdist.train.ps_step import ParameterServerHook
+
+ROOT = pathlib.Path(__file__).parent.parent
+CONFIG = ROOT / "configs" / "parameter_server.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def _local_strategy():
+    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(CONFIG, [f"logging.dir={tmp_path / 'logs'}", "logging.tensorboard=false",
+                                f"checkpoint.dir={tmp_path / 'ckpt'}",
+                                "logging.progress_bar=never", *overrides])
+
+
+def test_in_process_training_reaches_the_accuracy_bar(tmp_path):
+    t0 = time.monotonic()
+    history = run_job(_cfg(tmp_path, "train.epochs=6"), strategy=_local_strategy())
+    assert history.history["val_accuracy"][-1] >= 0.95, history.history
+    assert time.monotonic() - t0 < 120
+    end = history.records[-1]
+    assert end["event"] == "end"
+    assert end["step"] == 6 * (1437 // 32)
+    # the chief asked the (in-process) ps to checkpoint at the end
+    assert json.loads((tmp_path / "ckpt" / "checkpoint").read_text())["step"] == end["step"]
+
+
+def test_in_process_resume_from_the_ps_checkpoint(tmp_path):
+    run_job(_cfg(tmp_path, "train.epochs=1"), strategy=_local_strategy())
+    history = run_job(_cfg(tmp_path, "train.epochs=2"), strategy=_local_strategy())
+    steps = [r["step"] for r in history.records]
+    spe = 1437 // 32
+    assert min(steps) > spe and max(steps) == 2 * spe   # continued after epoch 1, not from 0
+    assert history.history["val_accuracy"][-1] > 0.8
+
+
+def test_trainer_api_with_a_ps_optimizer_spec_and_steps_per_execution():
+    from flax import nnx
+
+    from jaxdist.train.data import load_digits
+    from jaxdist.train.models import MLP
+
+    train, val = load_digits(0.2, 0)
+    (x, y), (xv, yv) = (train.x, train.y), (val.x, val.y)
+    strategy = _local_strategy()
+    with strategy.scope():
+        model = MLP(int(np.prod(x.shape[1:])), [64], 10, rngs=nnx.Rngs(0))
+        trainer = jaxdist.Trainer(model, O.chain(O.clip_by_global_norm(5.0), O.adam(3e-3)),
+                                  global_batch_size=32, strategy=strategy,
+                                  steps_per_execution=4, log_dir=None, progress_bar="never")
+    trainer.fit((x, y), epochs=4)
+    assert trainer.step == 4 * (len(x) // 32)
+    assert trainer.evaluate((xv, yv))["accuracy"] > 0.9
+    assert trainer.predict(xv[:5]).shape == (5, 10)
+
+
+def test_a_raw_optax_optimizer_is_rejected_under_parameter_servers():
+    from flax import nnx
+
+    from jaxdist.train.models import MLP
+
+    with pytest.raises(ValueError, match="raw optax GradientTransformation cannot be split"):
+        jaxdist.Trainer(MLP(4, [8], 3, rngs=nnx.Rngs(0)), optax.adam(1e-3),
+                        global_batch_size=8, strategy=_local_strategy())
+
+
+def test_config_optimizer_becomes_a_ps_spec():
+    base = {"learning_rate": 0.1, "momentum": 0.0, "weight_decay": 1e-4, "clipnorm": None}
+    assert ps_optimizer_from_config({**base, "name": "adam"}).to_json() == \
+        O.adam(0.1).to_json()
+    assert ps_optimizer_from_config({**base, "name": "sgd", "momentum": 0.9}).to_json() == \
+        O.sgd(0.1, momentum=0.9).to_json()
+    spec = ps_optimizer_from_config({**base, "name": "adamw", "clipnorm": 1.0})
+    assert spec.worker_part().name == "clip_by_global_norm" and spec.ps_part().name == "adamw"
+    with pytest.raises(ConfigError, match="optimizer.name: 'lamb' cannot run on a parameter "
+                                          "server.*expected one of: sgd, adam"):
+        ps_optimizer_from_config({**base, "name": "lamb"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["strategy.max_stalenes=1"], "strategy.max_stalenes: unknown key for strategy "
+                                  "'parameter_server'; valid keys: max_staleness"),
+    (["strategy.max_staleness=-1"], "strategy.max_staleness: -1 is too small"),
+    (["strategy.placement=random"], "strategy.placement: 'random' is not valid; expected one "
+                                    "of: round_robin, greedy"),
+    (["strategy.variable_partitioner=fixed_shards"], "needs num_shards"),
+    (["strategy.timeout=0"], "timeout must be > 0"),
+])
+def test_bad_strategy_configs_exit_2(overrides, message, capsys):
+    args = ["--config", str(CONFIG), "--set", "logging.dir=null", "--set", "checkpoint.dir=null"]
+    for o in overrides:
+        args += ["--set", o]
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and message in err, err
+
+
+def _fake_strategy(task_type, task_id, workers=2):
+    info = TaskInfo({"ps": ["a:1"], "worker": [f"w:{i}" for i in range(workers)]},
+                    task_type, task_id, "t")
+    ext = SimpleNamespace(task_info=info, worker_index=info.worker_index,
+                          should_checkpoint=info.is_chief)
+    return SimpleNamespace(extended=ext)
+
+
+def test_each_worker_gets_a_disjoint_deterministic_share_of_every_epoch():
+    trainer = SimpleNamespace(seed=3, shuffle=True)
+    hooks = [ParameterServerHook(_fake_strategy("worker", i, workers=3)) for i in range(3)]
+    assert [h.should_evaluate for h in hooks] == [True, False, False]
+    for epoch in (0, 1):
+        shares = [h.epoch_order(trainer, 100, epoch) for h in hooks]
+        assert [len(s) for s in shares] == [33, 33, 33]
+        assert len(set(np.concatenate(shares).tolist())) == 99
+        again = hooks[1].epoch_order(trainer, 100, epoch)
+        np.testing.assert_array_equal(again, shares[1])
+    assert not np.array_equal(hooks[0].epoch_order(trainer, 100, 0),
+                              hooks[0].epoch_order(trainer, 100, 1))
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return env
+
+
+@pytest.mark.slow
+def test_launch_two_workers_two_ps_end_to_end(tmp_path):
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--ps", "2", "--",
+           sys.executable, "-m", "jaxdist.train", "--config", str(CONFIG),
+           "--set", f"logging.dir={logs}", "--set", f"checkpoint.dir={ckpt}",
+           "--set", "logging.tensorboard=false", "--set", "logging.progress_bar=never",
+           "--set", "train.epochs=8"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    wall = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    records = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["event"] == "validation"]
+    end = records[-1]
+    assert end["event"] == "end"
+    assert end["val_accuracy"] >= 0.95, (end, wall)
+    assert end["step"] == 8 * (1437 // 2 // 32)
+    assert val
+    # both ps tasks served, were stopped by the launcher, and hold the final checkpoint
+    for i in (0, 1):
+        assert f"[ps:{i}] jaxdist.server ps:{i} stopped" in out, out[-3000:]
+        assert (ckpt / f"ps-{i}" / f"ckpt-{end['step']}").is_dir()
+    assert "all training tasks finished" in out
+    # worker:1 trained (pushed) but wrote nothing: one config.yaml and the chief's metrics only
+    assert sorted(p.name for p in logs.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert not any(line.startswith("[worker:1] [") for line in out.splitlines())
