@@ -1,0 +1,197 @@
+"""ClusterCoordinator benchmark: scheduled training steps/s with 2 workers and 1 ps, against
+the between-graph mode (every worker runs its own loop) on the same model, in the same run.
+
+Model: MLP 784-256-10 (~200k parameters), batch 64, adam applied on the ps. Every process is
+a real process on 127.0.0.1 (JAX on CPU, one device each). In coordinator mode this process
+is the chief and schedules every step; in between-graph mode two worker processes loop.
+
+Example:
+    $ python -m benchmarks.bench_coordinator            # 200 steps per mode
+    $ python -m benchmarks.bench_coordinator --quick    # 60 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+
+import numpy as np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 64
+
+
+def _model():
+    """``(init, grad_fn)`` of the benchmark MLP (the same in both modes)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxdist
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(0))
+        return {"w1": jax.random.normal(k1, (784, 256)) * 0.05, "b1": jnp.zeros(256),
+                "w2": jax.random.normal(k2, (256, 10)) * 0.05, "b2": jnp.zeros(10)}
+
+    def grad_fn(p, xb, yb):
+        def loss(p):
+            h = jax.nn.relu(xb @ p["w1"] + p["b1"])
+            logits = h @ p["w2"] + p["b2"]
+            per = -jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], 1)[:, 0]
+            return jaxdist.compute_average_loss(per, global_batch_size=BATCH)
+        return jax.value_and_grad(loss)(p)
+
+    return init, grad_fn
+
+
+def _data(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(BATCH, 784)).astype(np.float32),
+            rng.integers(0, 10, size=(BATCH,)).astype(np.int32))
+
+
+def _repeat_batch(ctx):
+    """The per-worker dataset: this worker's batch, forever (as in the between-graph run)."""
+    import itertools
+
+    return itertools.repeat(_data(ctx.input_pipeline_id))
+
+
+# ---------------------------------------------------------------------- between-graph
+def _between_graph_worker(steps: int, warmup: int) -> None:
+    """Child process: one worker of the between-graph run; prints its timed steps."""
+    import jaxdist
+    from jaxdist.ps import optimizers as O
+
+    strategy = jaxdist.ParameterServerStrategy(timeout=60)
+    init, grad_fn = _model()
+    x, y = _data(strategy.extended.worker_index)
+    params = strategy.create_variables(init, O.adam(1e-3), name="mlp")
+
+    def step():
+        loss, grads = strategy.run(grad_fn, args=(params, x, y))
+        params.apply_gradients(grads)
+
+    for _ in range(warmup):
+        step()
+    # Barrier on ps:0 so that both workers time the same window (startup skew excluded).
+    from jaxdist.ps.variables import wait_for_marker
+
+    client = strategy.extended.ps_client
+    client.call(0, "SetMarker", {"name": f"bench/ready{strategy.extended.worker_index}"})
+    for i in range(2):
+        wait_for_marker(client, f"bench/ready{i}", 120.0, f"worker {i}")
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print(json.dumps({"steps": steps, "start": t0, "end": time.perf_counter()}), flush=True)
+
+
+def _cluster(n_workers: int, chief: bool):
+    from jaxdist.testing import LocalCluster
+
+    return LocalCluster(workers=n_workers, ps=1, chief=chief, devices_per_process=1,
+                        env={"JAX_NUM_CPU_DEVICES": "1"})
+
+
+def between_graph_steps_per_s(steps_per_worker: int, warmup: int) -> float:
+    """Total steps/s of 2 between-graph workers (overlapping timed windows)."""
+    c = _cluster(2, chief=False)
+    try:
+        c.start_task("ps:0", [sys.executable, "-m", "jaxdist.server"])
+        c.wait_for_output("ps:0", "listening on", 60)
+        cmd = [sys.executable, "-m", "benchmarks.bench_coordinator", "--between-graph-worker",
+               str(steps_per_worker), str(warmup)]
+        for i in range(2):
+            c.start_task(f"worker:{i}", cmd)
+        c.join(600, tasks=["worker:0", "worker:1"])
+        outs = [json.loads([ln for ln in c.output(f"worker:{i}").splitlines()
+                            if ln.startswith("{")][-1]) for i in range(2)]
+    finally:
+        c.stop()
+    # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes of one machine.
+    wall = max(o["end"] for o in outs) - min(o["start"] for o in outs)
+    return sum(o["steps"] for o in outs) / wall
+
+
+# ---------------------------------------------------------------------- coordinator
+class _Chief:
+    def __init__(self, cluster: dict, token: str):
+        self._cluster, self.cluster_token = cluster, token
+        self.task_type, self.task_id = "chief", 0
+
+    def cluster_spec(self) -> dict:
+        return self._cluster
+
+
+def coordinator_steps_per_s(steps: int, warmup: int) -> float:
+    """Steps/s of ``steps`` functions scheduled onto 2 worker tasks by this process."""
+    import jaxdist
+    from jaxdist.coordinator import ClusterCoordinator
+    from jaxdist.ps import optimizers as O
+
+    c = _cluster(2, chief=True)
+    try:
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.wait_for_output(name, "listening on", 60)
+        strategy = jaxdist.ParameterServerStrategy(_Chief(c.cluster, c.token), timeout=60)
+        init, grad_fn = _model()
+        with strategy.scope():
+            params = strategy.create_variables(init, O.adam(1e-3), name="mlp")
+        coordinator = ClusterCoordinator(strategy)
+        it = iter(coordinator.create_per_worker_dataset(_repeat_batch))
+
+        def step(it):
+            x, y = next(it)
+            loss, grads = strategy.run(grad_fn, args=(params, x, y))
+            params.apply_gradients(grads)
+            return loss
+
+        for _ in range(2 * warmup):
+            coordinator.schedule(step, args=(it,))
+        coordinator.join()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            coordinator.schedule(step, args=(it,))
+        coordinator.join()
+        elapsed = time.perf_counter() - t0
+        coordinator.shutdown()
+        return steps / elapsed
+    finally:
+        c.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_coordinator")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--between-graph-worker", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.between_graph_worker:
+        return _between_graph_worker(*args.between_graph_worker)
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    steps = 60 if args.quick else 200
+    warmup = 5
+    print(f"jaxdist ClusterCoordinator benchmark ({os.cpu_count()} CPUs, loopback): "
+          f"2 workers, 1 ps, MLP 784-256-10, batch {BATCH}, adam on the ps, {steps} steps")
+    bg = between_graph_steps_per_s(steps // 2, warmup)
+    co = coordinator_steps_per_s(steps, warmup)
+    rows = [("between-graph (2 worker loops)", bg, 1.0),
+            ("ClusterCoordinator.schedule", co, co / bg)]
+    print(f"\n| {'mode':<32} | {'steps/s':>8} | {'ratio':>6} |")
+    print(f"|{'-' * 34}|{'-' * 10}|{'-' * 8}|")
+    for name, sps, ratio in rows:
+        print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.2f} |")
+
+
+if __name__ == "__main__":
+    main()
