@@ -8,9 +8,13 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
 * when a task fails, stops the others and exits with that task's exit code;
 * on Ctrl-C (or SIGTERM) stops every task and exits 130 (143).
 
+With ``--coordinator`` (TF2 ``ClusterCoordinator`` mode) a chief task runs the command; the
+ps and worker tasks run ``python -m jaxdist.server`` and are stopped when the chief exits.
+
 Example:
     python -m jaxdist.launch --workers 2 --devices-per-process 2 -- \\
         python -m jaxdist.train --config configs/multi_worker.yaml
+    python -m jaxdist.launch --coordinator --workers 2 --ps 1 -- python train_coordinator.py
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ps", type=int, default=0, help="number of parameter-server tasks")
     p.add_argument("--chief", action="store_true", help="add a chief task")
     p.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    p.add_argument("--coordinator", action="store_true",
+                   help="TF2 ClusterCoordinator mode: adds a chief that runs COMMAND; ps and "
+                        "worker tasks run `python -m jaxdist.server`")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
                    help="force K CPU devices in each process (JAX_NUM_CPU_DEVICES)")
     p.add_argument("--grace", type=float, default=10.0,
@@ -63,11 +70,12 @@ class Launcher:
     def __init__(self, command: Sequence[str], workers: int = 1, ps: int = 0,
                  chief: bool = False, evaluator: bool = False,
                  devices_per_process: int | None = None, grace: float = 10.0,
-                 evaluator_grace: float = 60.0, out=None):
+                 evaluator_grace: float = 60.0, out=None, coordinator: bool = False):
         if not command:
             raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
         self.command = list(command)
-        self.cluster = local_cluster(workers, ps, chief, evaluator)
+        self.coordinator = coordinator
+        self.cluster = local_cluster(workers, ps, chief or coordinator, evaluator)
         self.token = new_token()
         self.devices_per_process = devices_per_process
         self.grace = grace
@@ -86,7 +94,10 @@ class Launcher:
         for job, i in task_list(self.cluster):
             name = task_name(job, i)
             env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
-            self.tasks[name] = TaskProcess(name, self.command, env, echo=self.out,
+            argv = self.command
+            if self.coordinator and job in ("ps", "worker"):
+                argv = [sys.executable, "-m", "jaxdist.server"]
+            self.tasks[name] = TaskProcess(name, argv, env, echo=self.out,
                                            echo_lock=self.lock)
         self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
 
@@ -117,6 +128,8 @@ class Launcher:
 
     def _supervise(self) -> int:
         training = [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
+        if self.coordinator:  # workers serve the chief's functions until stopped
+            training = [n for n in self.tasks if n.startswith("chief:")]
         evaluators = [n for n in self.tasks if n.startswith("evaluator:")]
         done_at: float | None = None
         while True:
@@ -153,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
         _parser().error("need --workers >= 1 (or --chief)")
     launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
-                        args.devices_per_process, args.grace, args.evaluator_grace)
+                        args.devices_per_process, args.grace, args.evaluator_grace,
+                        coordinator=args.coordinator)
     return launcher.run()
 
 

@@ -2,6 +2,7 @@
 
     python tests/coordinator_chief.py train CKPT_DIR   # 6 steps, save, 3 more, then SIGKILL
     python tests/coordinator_chief.py resume CKPT_DIR  # restore, 4 more steps, print JSON
+    python tests/coordinator_chief.py count -          # 10 steps, print JSON (launcher test)
 
 Every step adds 1 to ``step`` and to each entry of ``w`` (sgd with lr -1 on a gradient of 1).
 """
@@ -38,6 +39,13 @@ def main(mode: str, ckpt: str) -> None:
             coordinator.schedule(step, args=(sleep,))
         coordinator.join()
 
+    if mode == "count":
+        rvs = [coordinator.schedule(lambda: os.getpid()) for _ in range(10)]
+        train(10, 0.01)
+        print(json.dumps({"step": float(model.pull()["step"]),
+                          "pids": sorted({rv.fetch() for rv in rvs})}), flush=True)
+        coordinator.shutdown()
+        return
     if mode == "train":
         train(6)
         strategy.extended.save(ckpt, 6)

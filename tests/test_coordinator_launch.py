@@ -1,0 +1,28 @@
+"""``python -m jaxdist.launch --coordinator``: a chief runs the program, ps and worker tasks
+run ``python -m jaxdist.server`` and are stopped when the chief is done."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_launch_coordinator_mode_end_to_end():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "--coordinator", "--workers", "2", "--ps", "1",
+         "--devices-per-process", "1", "--grace", "3", "--",
+         sys.executable, os.path.join(REPO, "tests", "coordinator_chief.py"), "count", "-"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln.split("] ", 1)[-1] for ln in proc.stdout.splitlines() if "chief:0" in ln]
+    out = json.loads([ln for ln in lines if ln.startswith("{")][-1])
+    assert out["step"] == 10.0
+    assert 1 <= len(out["pids"]) <= 2  # functions ran in the worker processes
+    assert "worker:0 listening on" in proc.stdout and "all training tasks finished" in proc.stdout
