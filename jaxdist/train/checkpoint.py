@@ -27,9 +27,11 @@ class Checkpointer:
     Args:
         directory: where the numbered checkpoint directories go (created if missing).
         keep: how many of the newest checkpoints to keep.
+        read_only: only read (a worker that is not the chief, a side-car evaluator): the
+            directory is neither created nor written, and ``save`` is an error.
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, read_only: bool = False):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -43,9 +45,12 @@ class Checkpointer:
             ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
             if self._process_local else ocp.options.MultiprocessingOptions()
         )
-        os.makedirs(self.directory, exist_ok=True)
+        self.read_only = read_only
+        if not read_only:
+            os.makedirs(self.directory, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not self._process_local, enable_async_checkpointing=False,
+            max_to_keep=keep, create=False, read_only=read_only,
+            enable_async_checkpointing=False,
             multiprocessing_options=multiprocessing,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -62,6 +67,9 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
         """Writes a checkpoint for ``step`` (synchronously; atomic) and prunes old ones."""
+        if self.read_only:
+            raise RuntimeError(f"Checkpointer({self.directory!r}) is read-only: this process "
+                               f"does not write checkpoints")
         ocp = self._ocp
         if self._process_local:
             # The state is replicated over every process's devices: save this process's copy.

@@ -417,7 +417,9 @@ class Trainer:
         if self.checkpoint_dir is None:
             return None
         if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints)
+            # Only the chief writes; the other workers read it (to resume) and create nothing.
+            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints,
+                                              read_only=not self.should_checkpoint)
         return self._checkpointer
 
     def _current_params(self) -> Any:
