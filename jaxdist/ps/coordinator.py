@@ -156,6 +156,9 @@ class _WorkerThread:
             # The worker died, hung (heartbeats cancelled the call) or is unreachable: run the
             # function again elsewhere (at-least-once).
             st.set_call(None)
+            if c._stopping.is_set():  # shutdown cancelled the call
+                c._queue.put_back(closure)
+                return
             st.mark_down(e)
             log.warning("function #%d lost on %s (%s); scheduling it again",
                         closure.closure_id, st.name, e)
