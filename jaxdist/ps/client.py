@@ -32,6 +32,7 @@ from jaxdist.ps.errors import (
     PSNotFoundError,
     PSUnavailableError,
 )
+from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.server import CHANNEL_OPTIONS
 from jaxdist.ps.service import ParameterService
 
@@ -102,6 +103,7 @@ class PSClient(_Base):
         self.chunk_bytes = chunk_bytes
         self.job = job
         self._metadata = ((protocol.TOKEN_METADATA_KEY, token),) if token else ()
+        tune_malloc()
         self._channels = [grpc.insecure_channel(a, options=_CLIENT_OPTIONS) for a in addresses]
         self._stubs: list[dict[str, Any]] = [{} for _ in addresses]
         self._lock = threading.Lock()
@@ -145,7 +147,7 @@ class PSClient(_Base):
                     metadata=self._metadata,
                     wait_for_ready=True,
                 )
-                return wire.decode(responses)
+                return wire.decode(responses, RECEIVE_POOL)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if (code == grpc.StatusCode.UNAVAILABLE and method in protocol.IDEMPOTENT

@@ -22,6 +22,7 @@ import grpc
 
 from jaxdist.ps import protocol, wire
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ParameterServer:
             raise ValueError(f"{service.task}: address {address!r} is not host:port")
         self.service = service
         self._token = token.encode()
+        tune_malloc()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxdist-ps"),
             options=CHANNEL_OPTIONS,
@@ -100,8 +102,11 @@ class ParameterServer:
         def handler(request_iterator, context):
             self._check_token(context, method)
             try:
-                meta, arrays = wire.decode(request_iterator)
-                out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
+                meta, arrays = wire.decode(request_iterator, RECEIVE_POOL)
+                # The decoded arrays belong to this call alone: the service may keep them.
+                out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays,
+                                                       donate=True)
+                del arrays
             except PSNotFoundError as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except (PSInvalidArgumentError, wire.WireError, ValueError, TypeError, KeyError) as e:

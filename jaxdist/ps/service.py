@@ -200,10 +200,17 @@ class ParameterService:
         var.pushes += 1
         return stale
 
-    def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0):
+    def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0,
+             donate: bool = False):
         """Applies each gradient with the variable's optimizer; returns new versions/staleness.
 
-        A variable without optimizer gets ``value += grad`` (an ``assign_add``).
+        A variable without optimizer gets ``value += grad`` (an ``assign_add``). The old value
+        is never written: a pull may still be sending it, so every update makes a new array.
+
+        Args:
+            donate: the caller hands over the gradient arrays (freshly decoded from the wire),
+                so an ``assign_add`` writes ``value + grad`` into the gradient's buffer and
+                keeps it as the new value instead of allocating one.
         """
         out = {}
         for key, grad in grads.items():
@@ -217,7 +224,11 @@ class ParameterService:
             with var.lock:
                 stale = self._record(var, versions.get(key, var.version))
                 if var.optimizer is None:
-                    var.value = var.value + grad.astype(var.value.dtype, copy=False)
+                    if (donate and grad.dtype == var.value.dtype and grad.flags.writeable
+                            and grad.flags.c_contiguous):
+                        var.value = np.add(var.value, grad, out=grad)
+                    else:
+                        var.value = var.value + grad.astype(var.value.dtype, copy=False)
                 else:
                     _, dense, _ = _transform(var.optimizer)
                     new, state = dense(var.value, grad, var.opt_state)

@@ -26,6 +26,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxdist.ps.memory import BufferPool
+
 MAGIC = b"JDW1"
 DEFAULT_CHUNK_BYTES = 1 << 20
 _PREFIX = struct.Struct("<4sQQ")
@@ -101,31 +103,38 @@ def encode(
         if arr.nbytes:
             views.append(memoryview(arr.reshape(-1).view(np.uint8)))
     header = json.dumps({"meta": dict(meta or {}), "arrays": specs}).encode()
-    first = _PREFIX.pack(MAGIC, len(header), offset) + header
-    # Fill chunks from the payload views without building one big buffer first.
-    buf = bytearray(first)
+    # Each payload byte is copied once, straight from the array into the chunk gRPC sends:
+    # full chunks are slices of one array; only the pieces that share a chunk (the header,
+    # small arrays, the ends of large ones) are joined.
+    pending: list[Any] = [_PREFIX.pack(MAGIC, len(header), offset) + header]
+    pending_n = len(pending[0])
     for view in views:
-        pos = 0
-        n = len(view)
-        while pos < n:
-            room = chunk_bytes - len(buf)
-            if room <= 0:
-                yield bytes(buf)
-                buf = bytearray()
-                continue
-            if not buf and n - pos >= chunk_bytes:
-                yield bytes(view[pos : pos + chunk_bytes])
-                pos += chunk_bytes
-                continue
-            take = min(room, n - pos)
-            buf += view[pos : pos + take]
-            pos += take
-    if buf or offset == 0:
-        yield bytes(buf)
+        pos, n = 0, len(view)
+        if pending_n + n < chunk_bytes:
+            pending.append(view)
+            pending_n += n
+            continue
+        pos = max(0, chunk_bytes - pending_n)
+        pending.append(view[:pos])
+        yield b"".join(pending)
+        pending, pending_n = [], 0
+        while n - pos >= chunk_bytes:
+            yield bytes(view[pos : pos + chunk_bytes])
+            pos += chunk_bytes
+        if pos < n:
+            pending, pending_n = [view[pos:]], n - pos
+    if pending:
+        yield b"".join(pending)
 
 
-def decode(chunks: Iterable[bytes]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def decode(
+    chunks: Iterable[bytes], pool: BufferPool | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Reassembles one message from its chunks: returns ``(meta, arrays)``.
+
+    The arrays are writable views of one payload buffer, taken from ``pool`` when given
+    (``jaxdist.ps.memory.RECEIVE_POOL`` recycles buffers that earlier messages' arrays no
+    longer use).
 
     Raises:
         WireError: the chunks do not form a complete message.
@@ -145,7 +154,7 @@ def decode(chunks: Iterable[bytes]) -> tuple[dict[str, Any], dict[str, np.ndarra
         header = json.loads(bytes(first[start : start + hlen]))
     except ValueError as e:
         raise WireError(f"bad message header: {e}") from None
-    payload = np.empty(total, np.uint8)
+    payload = pool.take(total) if pool is not None else np.empty(total, np.uint8)
     got = len(first) - start - hlen
     if got > total:
         raise WireError(f"first chunk carries {got} payload bytes, message declares {total}")
