@@ -132,6 +132,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "progress_bar": Field(str, "auto", "tqdm bar: auto (when stdout is a terminal), "
                               "always, never", choices=("auto", "always", "never")),
     },
+    # Used only by an `evaluator` task of TF_CONFIG (side-car evaluation of the checkpoints).
+    "evaluator": {
+        "log_dir": Field(str, None, "where the evaluator's metrics.jsonl and TensorBoard files "
+                         "go (null: <logging.dir>/eval)", optional=True),
+        "poll_seconds": Field(float, 1.0, "how often the checkpoint directory is checked",
+                              minimum=0.01),
+        "idle_timeout_seconds": Field(float, 600.0, "stop with an error when no new "
+                                      "checkpoint appears for this long", minimum=0.1),
+    },
 }
 
 TOP_LEVEL: dict[str, Field] = {

@@ -66,6 +66,11 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     from jaxdist.train.trainer import Trainer
 
     if strategy is None:
+        from jaxdist.train.evaluator import evaluator_task, run_sidecar
+
+        task = evaluator_task()
+        if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
+            return run_sidecar(cfg, task)
         strategy = build_strategy(cfg)
     else:
         check_replicas(cfg, strategy.num_replicas_in_sync)

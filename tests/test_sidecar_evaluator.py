@@ -1,0 +1,82 @@
+"""Side-car evaluator: TF_CONFIG's ``evaluator`` task evaluates the chief's checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxdist.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tf_config(task_type, index=0):
+    return json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"],
+                                   "evaluator": ["127.0.0.1:3"]},
+                       "task": {"type": task_type, "index": index}})
+
+
+def test_evaluator_task_is_read_from_tf_config():
+    assert evaluator_task({"TF_CONFIG": _tf_config("evaluator")}) == "evaluator:0"
+    assert evaluator_task({"TF_CONFIG": _tf_config("worker", 1)}) is None
+    assert evaluator_task({}) is None
+
+
+def test_idle_timeout_is_a_typed_error_naming_the_directory(tmp_path):
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jaxdist
+    from jaxdist.train.models import MLP
+
+    strategy = jaxdist.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        trainer = jaxdist.Trainer(MLP(4, [8], 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                  global_batch_size=4, progress_bar="never")
+    data = (np.zeros((8, 4), np.float32), np.zeros((8,), np.int32))
+    ev = SidecarEvaluator(trainer, data, str(tmp_path / "ckpt"), final_step=10,
+                          poll_seconds=0.05, idle_timeout_seconds=0.3)
+    start = time.monotonic()
+    with pytest.raises(EvaluatorTimeoutError, match=r"evaluator:0: no new checkpoint in .*ckpt "
+                       r"within 0.3 s \(no checkpoint yet; expected up to step 10\)"):
+        ev.start()
+    assert time.monotonic() - start < 5
+    assert not (tmp_path / "ckpt").exists()  # read only: nothing created
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("TF_CONFIG", None)
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--evaluator",
+           "--devices-per-process", "2", "--evaluator-grace", "60", "--",
+           sys.executable, "-m", "jaxdist.train", "--config", "configs/multi_worker.yaml"]
+    for s in ("train.epochs=3", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
+              f"logging.dir={logs}", "logging.progress_bar=never",
+              "evaluator.poll_seconds=0.2", "evaluator.idle_timeout_seconds=60"):
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[evaluator:0] evaluator:0: evaluated the final checkpoint (step 66); done" in out
+    with open(logs / "eval" / "metrics.jsonl") as f:
+        evals = [json.loads(line) for line in f]
+    steps = [r["step"] for r in evals]
+    assert all(r["event"] == "evaluation" for r in evals)
+    assert steps == sorted(set(steps)) and steps[-1] == 66
+    assert set(steps) <= {20, 40, 60, 66}
+    assert list((logs / "eval").glob("events.out.tfevents.*"))
+    with open(logs / "metrics.jsonl") as f:
+        chief = [json.loads(line) for line in f]
+    end = [r for r in chief if r["event"] == "end"][0]
+    # the evaluator restored the chief's final weights: the same validation result
+    assert evals[-1]["accuracy"] == pytest.approx(end["val_accuracy"], abs=1e-6)
+    assert evals[-1]["loss"] == pytest.approx(end["val_loss"], rel=1e-4)
+    # the evaluator stayed out of the training cluster and trained nothing
+    assert "[evaluator:0] [train]" not in out
