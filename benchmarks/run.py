@@ -15,7 +15,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-QUICK_ARGS = {"bench_strategy_step": ["--steps", "5", "--repeats", "2"]}
+QUICK_ARGS = {
+    "bench_strategy_step": ["--steps", "5", "--repeats", "2"],
+    "bench_multi_worker": ["--steps", "40", "--warmup", "5"],
+    "bench_steps_per_execution": ["--steps", "64", "--repeats", "1"],
+}
 
 
 def discover() -> list[str]:
