@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -48,12 +49,19 @@ class Checkpointer:
         self.read_only = read_only
         if not read_only:
             os.makedirs(self.directory, exist_ok=True)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=False, read_only=read_only,
-            enable_async_checkpointing=False,
-            multiprocessing_options=multiprocessing,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        if read_only:  # orbax warns about each option read-only mode overrides: expected here
+            absl_log.setLevel(logging.ERROR)
+        try:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=False, read_only=read_only,
+                enable_async_checkpointing=False,
+                multiprocessing_options=multiprocessing,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            absl_log.setLevel(level)
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or ``None``."""
