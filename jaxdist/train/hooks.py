@@ -40,6 +40,9 @@ class TrainerHook:
 
     #: Whether this task evaluates and logs validation metrics.
     should_evaluate: bool = True
+    #: Whether the hook feeds its steps itself (e.g. per-worker datasets on remote workers):
+    #: the ``Trainer`` then builds no batches and passes ``x = y = None`` to ``train_step``.
+    owns_input: bool = False
 
     def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
         """The optimizer a validated ``optimizer`` config section asks for (job configs)."""
@@ -49,6 +52,9 @@ class TrainerHook:
 
     def check_config(self, cfg: Mapping[str, Any]) -> None:
         """Raises ``ConfigError`` for config values this strategy cannot run."""
+
+    def begin_fit(self, trainer: Any, train: Any) -> None:
+        """Called at the start of ``fit`` with the training data (an ``ArrayData``)."""
 
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
         """Creates the training state; returns ``(params, rest, opt_state)`` for the trainer."""
@@ -89,8 +95,8 @@ def register_trainer_hook(strategy_class: str, hook: str | type[TrainerHook]) ->
 
     Args:
         strategy_class: the class's ``"module.QualifiedName"``.
-        hook: a ``TrainerHook`` subclass, or ``"module:Class"`` naming it; it is constructed
-            with the strategy.
+        hook: a ``TrainerHook`` subclass (or a function returning a hook), or
+            ``"module:attribute"`` naming it; it is called with the strategy.
     """
     _HOOKS[strategy_class] = hook
 
@@ -108,7 +114,8 @@ def hook_for(strategy: Any) -> TrainerHook | None:
     return None
 
 
+# Between-graph training (ps_step), or the ClusterCoordinator's hook when the strategy has one.
 register_trainer_hook("jaxdist.strategies.parameter_server.ParameterServerStrategy",
-                      "jaxdist.train.ps_step:ParameterServerHook")
+                      "jaxdist.train.coordinator_step:parameter_server_hook")
 
 __all__ = ["TrainerHook", "hook_for", "register_trainer_hook"]

@@ -295,6 +295,8 @@ class Trainer:
         train = data_lib.as_array_data(train_data, "train_data")
         val = None if validation_data is None else data_lib.as_array_data(
             validation_data, "validation_data")
+        if self._hook is not None:
+            self._hook.begin_fit(self, train)
         b = self.global_batch_size
         spe = data_lib.steps_per_epoch(len(self._epoch_order(len(train), 0)), b)
         if spe == 0:
@@ -537,9 +539,11 @@ class Trainer:
                 kk = k if stop - s >= k else 1
                 chunks.append((s, kk))
                 s += kk
-            dist = self._distribute(
-                self._host_chunks(train, order, chunks), options=opts)
-            iterator = iter(dist)
+            if self._hook is not None and self._hook.owns_input:  # e.g. per-worker datasets
+                iterator = ((None, None) for _ in chunks)
+            else:
+                iterator = iter(self._distribute(
+                    self._host_chunks(train, order, chunks), options=opts))
             try:
                 for (s, kk), (xb, yb) in zip(chunks, iterator):
                     if self._hook is not None:
