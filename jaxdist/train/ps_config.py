@@ -122,7 +122,12 @@ def check_config(cfg: Mapping[str, Any]) -> None:
 
 
 def is_ps_task(cfg: Mapping[str, Any]) -> bool:
-    """Whether this process is a ps task of a parameter-server job (from ``TF_CONFIG``)."""
+    """Whether this process serves instead of training (from ``TF_CONFIG``): a ps task of a
+    parameter-server job, or a ps or worker task of a ``parameter_server_coordinator`` job."""
+    from jaxdist.train.coordinator_config import serves
+
+    if serves(cfg):
+        return True
     if cfg["strategy"]["name"] not in PS_STRATEGY_NAMES:
         return False
     from jaxdist.ps.cluster import task_info
@@ -131,7 +136,8 @@ def is_ps_task(cfg: Mapping[str, Any]) -> bool:
 
 
 def serve(cfg: Mapping[str, Any]) -> int:
-    """Runs this ps task (``python -m jaxdist.server``) until it is stopped; returns its status.
+    """Runs this ps (or coordinator worker) task (``python -m jaxdist.server``) until it is
+    stopped; returns its status.
 
     With ``checkpoint.dir`` and ``checkpoint.resume``, the ps restores the latest checkpoint the
     chief completed there.

@@ -22,6 +22,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jaxdist.train import coordinator_config as _coordinator_config
 from jaxdist.train import ps_config as _ps_config
 from jaxdist.train.config import ConfigError, Field
 
@@ -195,3 +196,6 @@ register_strategy("parameter_server", "jaxdist.train.ps_config:strategy_from_con
                   _ps_config.FIELDS,
                   help="ParameterServerStrategy: asynchronous training, variables on the ps "
                        "tasks of TF_CONFIG (local without it)")
+register_strategy(_coordinator_config.NAME,
+                  "jaxdist.train.coordinator_config:strategy_from_config",
+                  _coordinator_config.FIELDS, help=_coordinator_config.HELP)

@@ -1,0 +1,305 @@
+"""The ``Trainer`` with a ``ClusterCoordinator``: the chief schedules steps onto worker tasks.
+
+``CoordinatorHook`` is the ``TrainerHook`` of a ``ParameterServerStrategy`` that has a
+``ClusterCoordinator`` (TF2 parameter-server training, as Keras' ``Model.fit`` with
+``tf.distribute.ParameterServerStrategy``). ``Trainer.fit`` runs on the chief only:
+
+* the chief creates the model's parameters and optimizer state on the ps tasks (the optimizer
+  must be a ``jaxdist.ps.optimizers`` spec);
+* it creates a per-worker dataset: worker ``i`` of ``n`` iterates its own disjoint,
+  deterministic share of every epoch's order (examples ``i, i+n, ...``), batch by batch,
+  repeating epoch after epoch; a restarted worker rebuilds it;
+* each training step is one scheduled function (``WorkerStep``): on whichever worker runs it,
+  it takes the next batch of that worker's iterator, pulls the parameters, computes the
+  gradient with jit synchronously across the worker's local devices, and pushes it; the ps
+  tasks apply the update. ``steps_per_execution`` steps are scheduled at a time, and the
+  chief only waits for results when it logs, checks for NaN, checkpoints or evaluates;
+* at logging, checkpoint and epoch boundaries the chief ``join``s, then evaluates on its own
+  devices with the pulled parameters and asks the ps tasks to checkpoint
+  (``extended.save``); ``fit`` resumes from the latest such checkpoint.
+
+A step lost with its worker runs again on another worker (at-least-once). The step function
+lives in this module, so workers import it; the model's graph definition and the loss travel
+by value (cloudpickle), the strategy and the variables as references.
+
+Example:
+    >>> strategy = jaxdist.ParameterServerStrategy()              # TF_CONFIG: chief:0
+    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
+    >>> with strategy.scope():
+    ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
+    ...                               global_batch_size=32, strategy=strategy)
+    >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))   # on the workers
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+import jaxdist
+from jaxdist.ps import optimizers as ps_optimizers
+from jaxdist.ps.service import latest_step
+from jaxdist.train import data as data_lib
+from jaxdist.train.hooks import TrainerHook
+
+#: The ps collection the trainer's parameters live in.
+COLLECTION = "model"
+
+
+def coordinator_of(strategy: Any) -> Any:
+    """The live ``ClusterCoordinator`` of ``strategy``, or ``None``."""
+    coordinator = getattr(strategy, "_jaxdist_coordinator", None)
+    if coordinator is None or coordinator._stopping.is_set():
+        return None
+    return coordinator
+
+
+def parameter_server_hook(strategy: Any) -> TrainerHook:
+    """The hook of a ``ParameterServerStrategy``: the coordinator's if it has a live
+    ``ClusterCoordinator`` (TF2), else between-graph training (TF1)."""
+    if coordinator_of(strategy) is not None:
+        return CoordinatorHook(strategy)
+    from jaxdist.train.ps_step import ParameterServerHook
+
+    return ParameterServerHook(strategy)
+
+
+def worker_share(order: np.ndarray, worker: int, num_workers: int,
+                 batch_size: int) -> np.ndarray:
+    """Worker ``worker``'s share of an epoch's ``order``: every ``num_workers``-th example
+    from ``worker`` on, cut to whole batches (every worker gets as many)."""
+    batches = (len(order) // num_workers) // batch_size
+    return order[worker::num_workers][:batches * batch_size]
+
+
+class WorkerShard:
+    """The per-worker dataset function: worker ``i`` iterates its share of every epoch.
+
+    Called on the worker with its ``InputContext`` (``input_pipeline_id`` = worker index,
+    ``num_input_pipelines`` = workers); yields ``(x, y)`` batches of ``batch_size`` rows,
+    epoch after epoch from ``start_epoch`` (skipping ``start_batch`` batches of it).
+
+    Example:
+        >>> it = iter(WorkerShard(x, y, 32, seed=0)(InputContext(2, 1)))
+        >>> xb, yb = next(it)                # worker 1's first batch of epoch 0
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0,
+                 shuffle: bool = True, start_epoch: int = 0, start_batch: int = 0):
+        self.x, self.y, self.batch_size = x, y, int(batch_size)
+        self.seed, self.shuffle = seed, shuffle
+        self.start_epoch, self.start_batch = int(start_epoch), int(start_batch)
+
+    def __call__(self, ctx: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.batches(ctx.input_pipeline_id, ctx.num_input_pipelines)
+
+    def batches(self, worker: int, num_workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The batches of ``worker`` (endless)."""
+        b, epoch, skip = self.batch_size, self.start_epoch, self.start_batch
+        while True:
+            order = data_lib.epoch_order(len(self.x), epoch, self.seed, self.shuffle)
+            share = worker_share(order, worker, num_workers, b)
+            if len(share) == 0:
+                raise ValueError(f"worker {worker} of {num_workers} has no whole batch of {b} "
+                                 f"in {len(self.x)} training examples")
+            for j in range(skip, len(share) // b):
+                idx = share[j * b:(j + 1) * b]
+                yield self.x[idx], self.y[idx]
+            epoch, skip = epoch + 1, 0
+
+
+class WorkerStep:
+    """One training step, run on a worker task by the coordinator.
+
+    Takes the next batch of the worker's iterator, pulls the parameters (``strategy.run`` with
+    the ``PSVariables``), computes loss and gradient on the worker's local devices (jit, the
+    batch split across them, gradients all-reduced), pushes the gradient and returns
+    ``{"loss", "correct"}`` of the step.
+
+    Args:
+        graphdef: the model's ``nnx.GraphDef``.
+        loss_fn: ``(logits, labels) -> per-example loss``.
+        global_batch_size: rows per step (per worker; split across its devices).
+        variables: the model's ``PSVariables``.
+        rest: the model's non-parameter state (host arrays).
+        strategy: the coordinator's strategy (the worker's own one when this runs there).
+    """
+
+    def __init__(self, graphdef: Any, loss_fn: Callable, global_batch_size: int,
+                 variables: Any, rest: Any, strategy: Any):
+        self.graphdef, self.loss_fn = graphdef, loss_fn
+        self.global_batch_size = int(global_batch_size)
+        self.variables, self.rest, self.strategy = variables, rest, strategy
+        self._replica_fn: Callable | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_replica_fn": None}
+
+    def __call__(self, iterator: Iterator) -> dict[str, np.ndarray]:
+        x, y = next(iterator)
+        strategy = self.strategy
+        n, b = strategy.num_replicas_in_sync, self.global_batch_size
+        if b % n:
+            raise ValueError(f"global_batch_size={b} does not divide across the {n} local "
+                             f"devices of this worker; expected a multiple of {n}")
+        if self._replica_fn is None:  # once per worker: strategy.run keeps it compiled
+            self._replica_fn = _make_grad_replica(self.graphdef, self.loss_fn, b)
+        per = b // n
+
+        def part(a: np.ndarray) -> Any:
+            return strategy.experimental_distribute_values_from_function(
+                lambda ctx: a[ctx.replica_id_in_sync_group * per:
+                              (ctx.replica_id_in_sync_group + 1) * per])
+
+        stats, grads = strategy.run(self._replica_fn,
+                                    args=(self.variables, self.rest, part(x), part(y)))
+        self.variables.apply_gradients(grads)
+        return jax.device_get(stats)
+
+
+def _make_grad_replica(graphdef: Any, loss_fn: Callable, global_batch_size: int) -> Callable:
+    from flax import nnx
+
+    from jaxdist.train.trainer import _correct
+
+    def grad_replica(params, rest, x, y):
+        ctx = jaxdist.get_replica_context()
+
+        def objective(p):
+            logits = nnx.merge(graphdef, p, rest)(x)
+            per_example = loss_fn(logits, y)
+            loss = jaxdist.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            return loss, logits
+
+        (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
+        grads = ctx.all_reduce("SUM", grads)
+        stats = ctx.all_reduce("SUM", {"loss": loss, "correct": _correct(logits, y)})
+        return stats, grads
+
+    return grad_replica
+
+
+class StepResults:
+    """One statistic of scheduled steps; ``np.asarray`` (and ``jax.device_get``) waits for
+    them and gives one value per step. The ``Trainer`` reads it only to log or check NaN."""
+
+    def __init__(self, remote_values: list[Any], key: str):
+        self.remote_values, self.key = remote_values, key
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        values = np.asarray([np.asarray(rv.fetch()[self.key]) for rv in self.remote_values],
+                            np.float32)
+        return values if dtype is None else values.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"StepResults({self.key!r}, steps={len(self.remote_values)})"
+
+
+class CoordinatorHook(TrainerHook):
+    """``TrainerHook`` for a ``ParameterServerStrategy`` with a ``ClusterCoordinator`` (see the
+    module docstring).
+
+    Args:
+        strategy: the chief's ``ParameterServerStrategy``; ``ClusterCoordinator(strategy)``
+            must have been created.
+    """
+
+    owns_input = True
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+        self.coordinator = coordinator_of(strategy)
+        if self.coordinator is None:
+            raise ValueError(f"{strategy!r} has no running ClusterCoordinator; create "
+                             f"jaxdist.coordinator.ClusterCoordinator(strategy) first")
+        self.num_workers = self.coordinator.num_workers
+        self.variables: Any = None
+        self._step_fn: WorkerStep | None = None
+        self._train: Any = None
+        self._iterator: Any = None
+
+    # ------------------------------------------------------------------ config
+    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
+        from jaxdist.train.ps_config import ps_optimizer_from_config
+
+        return ps_optimizer_from_config(section)
+
+    def check_config(self, cfg: Mapping[str, Any]) -> None:
+        from jaxdist.train.ps_config import check_config
+
+        check_config(cfg)
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
+        spec = ps_optimizers.as_spec(trainer.optimizer)
+        host, host_rest = jax.device_get(params), jax.device_get(rest)
+        with self.strategy.scope():
+            self.variables = self.strategy.create_variables(host, spec, name=COLLECTION)
+            rest = self.strategy.place(rest)
+        self._step_fn = WorkerStep(trainer._graphdef, trainer.loss_fn,
+                                   trainer.global_batch_size, self.variables, host_rest,
+                                   self.strategy)
+        return host, rest, None
+
+    def current_params(self, trainer: Any) -> Any:
+        self.coordinator.join()
+        trainer.params = self.variables.pull()
+        return trainer.params
+
+    # ------------------------------------------------------------------ data and steps
+    def begin_fit(self, trainer: Any, train: Any) -> None:
+        if self._train is not train:
+            self._train, self._iterator = train, None
+
+    def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
+        """The examples the workers train on in ``epoch``: worker 0's share, then worker 1's...
+        (its length sets the steps of an epoch: every worker's whole batches)."""
+        order = data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
+        b, n = trainer.global_batch_size, self.num_workers
+        return np.concatenate([worker_share(order, w, n, b) for w in range(n)])
+
+    def _start_input(self, trainer: Any) -> None:
+        train = self._train
+        if train is None:
+            raise RuntimeError("CoordinatorHook.train_step before begin_fit: the Trainer "
+                               "passes the training data to the hook first")
+        shard = WorkerShard(train.x, train.y, trainer.global_batch_size, trainer.seed,
+                            trainer.shuffle, trainer.epoch,
+                            trainer.step_in_epoch // self.num_workers)
+        dataset = self.coordinator.create_per_worker_dataset(shard)
+        self._iterator = iter(dataset)
+
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int) -> dict[str, Any]:
+        del x, y  # the workers read their own shares (per-worker datasets)
+        if self._iterator is None:
+            self._start_input(trainer)
+        rvs = [self.coordinator.schedule(self._step_fn, args=(self._iterator,))
+               for _ in range(num_steps)]
+        return {"loss": StepResults(rvs, "loss"), "correct": StepResults(rvs, "correct")}
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self, trainer: Any, steps_per_epoch: int) -> None:
+        directory = os.path.abspath(trainer.checkpoint_dir)
+        step = latest_step(directory, "ps:0")
+        if step is None:
+            return
+        step = min(self.strategy.extended.restore(directory, step))
+        trainer.step = step
+        trainer.epoch, trainer.step_in_epoch = divmod(step, steps_per_epoch)
+        trainer.last_checkpoint = step
+
+    def save(self, trainer: Any) -> None:
+        self.coordinator.join()
+        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step)
+        trainer.last_checkpoint = trainer.step
+
+    def end_training(self, trainer: Any) -> None:
+        self.current_params(trainer)
+
+
+__all__ = ["COLLECTION", "CoordinatorHook", "StepResults", "WorkerShard", "WorkerStep",
+           "coordinator_of", "parameter_server_hook", "worker_share"]
