@@ -39,15 +39,25 @@ class _Resolver:
         return {k: list(v) for k, v in self._info.cluster.items()}
 
 
-def default_strategy_factory(info: TaskInfo, timeout: float) -> Any:
-    """A ``ParameterServerStrategy`` for this worker (its local devices, its own ps client).
+_STRATEGY_CLASS: list[Any] = []
 
-    Imported lazily: ``jaxdist.ps`` does not import ``jaxdist.strategies`` at import time
-    (``jaxdist.server`` passes this factory explicitly).
+
+def register_worker_strategy(strategy_cls: Any) -> None:
+    """Registers the strategy class worker tasks run functions under.
+
+    ``jaxdist.strategies.parameter_server`` registers ``ParameterServerStrategy`` when it is
+    imported (``import jaxdist`` does), so ``jaxdist.ps`` never imports ``jaxdist.strategies``.
     """
-    from jaxdist.strategies.parameter_server import ParameterServerStrategy
+    _STRATEGY_CLASS[:] = [strategy_cls]
 
-    return ParameterServerStrategy(_Resolver(info), timeout=timeout)
+
+def default_strategy_factory(info: TaskInfo, timeout: float) -> Any:
+    """A ``ParameterServerStrategy`` for this worker (its local devices, its own ps client)."""
+    if not _STRATEGY_CLASS:  # importing any jaxdist module runs jaxdist/__init__, which registers
+        raise RuntimeError(
+            "no worker strategy registered: import jaxdist.strategies.parameter_server first"
+        )
+    return _STRATEGY_CLASS[0](_Resolver(info), timeout=timeout)
 
 
 class WorkerRuntime:

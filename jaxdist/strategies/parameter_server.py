@@ -29,6 +29,7 @@ from jaxdist.ps.partitioners import split_rows
 from jaxdist.ps.placement import ReplicaDeviceSetter, replica_device_setter
 from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
 from jaxdist.ps.variables import Layout, PSVariables, ShardInfo, wait_for_marker
+from jaxdist.ps.worker_runtime import register_worker_strategy
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
@@ -447,3 +448,6 @@ class ParameterServerStrategy(Strategy):
 
 
 __all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended"]
+
+
+register_worker_strategy(ParameterServerStrategy)
