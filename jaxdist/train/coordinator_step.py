@@ -299,6 +299,11 @@ class CoordinatorHook(TrainerHook):
 
     def end_training(self, trainer: Any) -> None:
         self.current_params(trainer)
+        runs = self.coordinator.functions_run()
+        states = self.coordinator.worker_states()
+        print("[coordinator] steps run: " + ", ".join(
+            f"{st.name} {n}" + (f" (restarted {st.restarts}x)" if st.restarts else "")
+            for st, n in zip(states, runs)), flush=True)
 
 
 __all__ = ["COLLECTION", "CoordinatorHook", "StepResults", "WorkerShard", "WorkerStep",

@@ -1,0 +1,195 @@
+"""The Trainer with a ClusterCoordinator (``strategy.name: parameter_server_coordinator``):
+config errors, per-worker data shares, and real clusters: ``jaxdist.launch --coordinator``
+end to end, resume from the ps checkpoint, and a worker killed in the middle of training."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist.input.options import InputContext
+from jaxdist.train.__main__ import main as train_main
+from jaxdist.train.coordinator_step import CoordinatorHook, WorkerShard, worker_share
+from jaxdist.train.data import epoch_order
+
+ROOT = pathlib.Path(__file__).parent.parent
+CONFIG = ROOT / "configs" / "parameter_server_coordinator.yaml"
+SPE = 2 * (1437 // 2 // 32)  # steps per epoch: 2 workers x 22 whole batches of their share
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+# ---------------------------------------------------------------------- config errors
+_CHIEF_ONLY = json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
+                          "task": {"type": "chief", "index": 0}})
+
+
+@pytest.mark.parametrize("overrides, tf_config, message", [
+    ([], None, "TF_CONFIG is not set; start the job with python -m jaxdist.launch "
+               "--coordinator"),
+    ([], _CHIEF_ONLY, "needs chief, worker and ps jobs in TF_CONFIG; its cluster has "
+                      "['chief', 'ps'] (missing worker)"),
+    (["strategy.max_staleness=1"], None, "strategy.max_staleness: unknown key for strategy "
+                                         "'parameter_server_coordinator'; valid keys:"),
+    (["strategy.heartbeat_timeout=0.5"], None, "heartbeat_timeout (0.5) must be longer than "
+                                               "heartbeat_interval (1.0)"),
+    (["strategy.timeout=0"], None, "timeout must be > 0 seconds, got 0"),
+    (["strategy.placement=random"], None, "strategy.placement: 'random' is not valid"),
+])
+def test_bad_configs_exit_2(overrides, tf_config, message, monkeypatch, capsys):
+    if tf_config is not None:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    args = ["--config", str(CONFIG), "--set", "logging.dir=null", "--set", "checkpoint.dir=null"]
+    for o in overrides:
+        args += ["--set", o]
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and message in err, err
+
+
+# ---------------------------------------------------------------------- data shares
+def test_each_worker_iterates_a_disjoint_deterministic_share_of_every_epoch():
+    x = np.arange(100, dtype=np.float32)[:, None]
+    y = np.arange(100)
+    shard = WorkerShard(x, y, batch_size=8, seed=3)
+    for epoch_batches in (0, 1):
+        shares = []
+        for w in range(3):
+            it = shard(InputContext(num_input_pipelines=3, input_pipeline_id=w))
+            batches = [next(it) for _ in range(8)]          # 4 batches per epoch per worker
+            rows = np.concatenate([b[1] for b in batches[4 * epoch_batches:
+                                                         4 * epoch_batches + 4]])
+            shares.append(rows)
+            again = iter(shard(InputContext(num_input_pipelines=3, input_pipeline_id=w)))
+            np.testing.assert_array_equal(next(again)[1], batches[0][1])  # deterministic
+        assert all(len(s) == 32 for s in shares)
+        assert len(set(np.concatenate(shares).tolist())) == 96            # disjoint
+    # the epochs differ, and a resumed shard starts where it is told
+    e0 = next(shard.batches(0, 3))[1]
+    assert not np.array_equal(e0, next(WorkerShard(x, y, 8, 3, start_epoch=1).batches(0, 3))[1])
+    third = list(zip(range(3), shard.batches(1, 3)))[2][1][1]
+    np.testing.assert_array_equal(
+        next(WorkerShard(x, y, 8, 3, start_batch=2).batches(1, 3))[1], third)
+
+
+def test_an_epoch_is_every_workers_whole_batches():
+    hook = CoordinatorHook.__new__(CoordinatorHook)
+    hook.num_workers = 2
+    trainer = type("T", (), {"seed": 0, "shuffle": True, "global_batch_size": 32})()
+    order = hook.epoch_order(trainer, 1437, 0)
+    assert len(order) == SPE * 32 and len(set(order.tolist())) == len(order)
+    full = epoch_order(1437, 0, 0, True)
+    np.testing.assert_array_equal(order[:22 * 32], worker_share(full, 0, 2, 32))
+    np.testing.assert_array_equal(order[22 * 32:], full[1::2][:22 * 32])
+
+
+# ---------------------------------------------------------------------- real clusters
+def _env():
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return env
+
+
+def _train_args(tmp_path, *overrides):
+    args = ["-m", "jaxdist.train", "--config", str(CONFIG),
+            "--set", f"logging.dir={tmp_path / 'logs'}",
+            "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "--set", "logging.tensorboard=false", "--set", "logging.progress_bar=never"]
+    for o in overrides:
+        args += ["--set", o]
+    return args
+
+
+def _launch(tmp_path, *overrides, timeout=120):
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--coordinator", "--workers", "2", "--ps",
+           "1", "--grace", "5", "--", sys.executable, *_train_args(tmp_path, *overrides)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def _records(tmp_path):
+    text = (tmp_path / "logs" / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _steps_run(out: str) -> dict[str, int]:
+    line = [ln for ln in out.splitlines() if "[coordinator] steps run:" in ln][-1]
+    return {m[0]: int(m[1]) for m in re.findall(r"(worker:\d) (\d+)", line)}
+
+
+@pytest.mark.slow
+def test_launch_coordinator_trains_digits_end_to_end(tmp_path):
+    proc, wall = _launch(tmp_path, "train.epochs=8")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert wall < 60, wall
+    end = _records(tmp_path)[-1]
+    assert end["event"] == "end" and end["step"] == 8 * SPE
+    assert end["val_accuracy"] >= 0.95, (end, wall)
+    runs = _steps_run(out)
+    assert sum(runs.values()) == 8 * SPE and min(runs.values()) > 0, runs  # both worked
+    # the chief asked the ps to checkpoint the final step; every server task stopped cleanly
+    assert (tmp_path / "ckpt" / "ps-0" / f"ckpt-{end['step']}").is_dir()
+    for task in ("ps:0", "worker:0", "worker:1"):
+        assert f"[{task}] jaxdist.server {task} stopped" in out, out[-3000:]
+    assert "all training tasks finished" in out
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["config.yaml",
+                                                                   "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_relaunch_resumes_from_the_ps_checkpoint(tmp_path):
+    proc, _ = _launch(tmp_path, "train.epochs=1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (tmp_path / "logs" / "metrics.jsonl").unlink()
+    proc, _ = _launch(tmp_path, "train.epochs=2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"Resumed from checkpoint at step {SPE}" in out
+    records = _records(tmp_path)
+    assert min(r["step"] for r in records) > SPE and records[-1]["step"] == 2 * SPE
+    assert sum(_steps_run(out).values()) == SPE        # only the second epoch ran
+    assert records[-1]["val_accuracy"] > 0.85
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_training_is_survived(tmp_path):
+    from jaxdist.testing import LocalCluster
+
+    c = LocalCluster(workers=2, ps=1, chief=True, devices_per_process=1,
+                     env={"JAX_NUM_CPU_DEVICES": "1"}, cwd=str(ROOT))
+    try:
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.wait_for_output(name, r"listening on", 60)
+        c.start_task("chief:0", [sys.executable, *_train_args(
+            tmp_path, "train.epochs=6", "strategy.heartbeat_interval=0.2",
+            "strategy.heartbeat_timeout=2", "logging.every_steps=4")])
+        c.wait_for_output("chief:0", r"\[train\] step 4\d ", 60)
+        c.kill("worker:1")                                # SIGKILL with steps in flight
+        c.wait_for_output("chief:0", r"\[train\] step 1[0-9]\d ", 60)  # goes on with worker:0
+        c.restart("worker:1")                              # comes back, rejoins on its own
+        assert c.wait("chief:0", 120) == 0, c.output("chief:0")[-3000:]
+        out = c.output("chief:0")
+    finally:
+        c.stop()
+    end = _records(tmp_path)[-1]
+    assert end["event"] == "end" and end["step"] == 6 * SPE
+    assert end["val_accuracy"] >= 0.9, end
+    runs = _steps_run(out)
+    assert sum(runs.values()) >= 6 * SPE, runs          # at least once: lost steps ran again
+    assert "worker:1 restarted" in out or "(restarted" in out, out[-3000:]
