@@ -44,7 +44,7 @@ def test_defaults_and_overrides():
     ({}, ["train.halt_on_nan=maybe"], "train.halt_on_nan: 'maybe' .* expected true or false"),
     ({}, ["strategy.name=mirored"],
      "strategy.name: 'mirored' is not a known strategy; expected one of: central_storage, "
-     "mirrored, .*one_device, parameter_server, tpu"),
+     "mirrored, .*one_device, parameter_server, parameter_server_coordinator, tpu"),
     ({}, ["strategy.name=one_device", "strategy.devices=[/cpu:0]"],
      "strategy.devices: unknown key for strategy 'one_device'; valid keys: device, name"),
     ({}, ["model.name=resnet"], "model.name: 'resnet' is not valid; expected one of: mlp, cnn"),
