@@ -193,3 +193,16 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path):
     runs = _steps_run(out)
     assert sum(runs.values()) >= 6 * SPE, runs          # at least once: lost steps ran again
     assert "worker:1 restarted" in out or "(restarted" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("task, serves", [("ps", True), ("worker", True), ("chief", False)])
+def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monkeypatch):
+    from jaxdist.train.config import load_config
+    from jaxdist.train.ps_config import is_ps_task
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": task, "index": 0}}))
+    assert is_ps_task(load_config(CONFIG)) is serves
+    between_graph = load_config(ROOT / "configs" / "parameter_server.yaml")
+    assert is_ps_task(between_graph) is (task == "ps")   # its workers train
