@@ -1,15 +1,19 @@
 """``jax.distributed`` bring-up from a resolver, peer-failure detection and an orderly exit.
 
-``initialize_from_resolver`` starts JAX's coordination service (in process 0) and connects
-every training task to it, with a timeout. The job runs in JAX's *recoverable* mode, so the
-death of a worker does not abort the survivors: their next collective fails, the coordination
-service reports which tasks are gone, and ``wait_for_step`` raises ``PeerLostError`` naming
-them. At exit the processes meet at a barrier, then non-coordinator processes disconnect before
-process 0 stops the service (so nobody loses the service while still connected).
+``initialize_from_resolver`` starts JAX's coordination service and connects every training
+task to it, with a timeout. The service runs in a helper process started by process 0
+(``jaxdist.cluster.runtime``), so it outlives a crash of process 0, and the job runs in JAX's
+*recoverable* mode, so the death of any member does not abort the survivors: their next
+collective fails, the coordination service reports which tasks are gone, and ``wait_for_step``
+raises ``PeerLostError`` naming them (the chief included). At exit the processes meet at a
+barrier, then non-coordinator processes disconnect before process 0 stops the service. Once
+the cluster is broken (or a registration timed out), a process exits with status 1 right after
+its exit hooks, without interpreter shutdown: threads stuck in a broken collective would abort
+it ("FATAL: exception not rethrown").
 
-Limitation: JAX aborts every process whose coordination service disappears, so if the
-*coordinator* task (the chief, process 0) dies, the survivors are terminated by JAX with
-"the JAX distributed service detected fatal errors" instead of raising ``PeerLostError``.
+Limitation: the helper process lives on process 0's host and in its own session; if the whole
+host (or pod/container) of process 0 goes away, JAX still terminates the survivors ("the JAX
+distributed service detected fatal errors", exit status 134).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import re
 import socket
 import sys
@@ -27,10 +32,12 @@ from typing import Any
 
 from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist.cluster.process_group import ProcessGroup, process_group
+from jaxdist.cluster.runtime import join_abandoned, start_runtime
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
+_POLL_SECONDS = 0.5  # how often a failed step asks the service again who is gone
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
@@ -41,6 +48,7 @@ _state: dict[str, Any] = {
     "broken": False,  # a step failed or timed out
     "uncaught": False,
     "atexit": False,
+    "joining": None,  # the group whose registration timed out (JAX still waits on it)
 }
 
 
@@ -72,6 +80,12 @@ def _configure_jax(collectives: str | None) -> None:
         jax.config.update("jax_enable_recoverability", True)
     except AttributeError:  # pragma: no cover - other JAX versions
         log.warning("this JAX has no recoverable mode: a lost peer aborts the survivors")
+
+
+def _recoverable() -> bool:
+    import jax
+
+    return bool(getattr(jax.config, "jax_enable_recoverability", False))
 
 
 def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None,
@@ -146,21 +160,26 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
             # JAX aborts the process when the coordinator never answers: probe it first.
             _wait_for_coordinator(group, timeout)
         try:
-            dist.initialize(
+            start_runtime(
                 coordinator_address=group.coordinator_address,
                 num_processes=group.num_processes,
                 process_id=group.process_id,
-                cluster_detection_method="deactivate",
-                initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
-                heartbeat_timeout_seconds=hb,
-                shutdown_timeout_seconds=max(1, math.ceil(timeout)),
-                coordinator_bind_address=group.coordinator_bind_address,
+                bind_address=group.coordinator_bind_address,
+                join_timeout=max(1.0, deadline - time.monotonic()),
+                heartbeat_timeout=hb,
+                shutdown_timeout=max(1, math.ceil(timeout)),
+                recoverable=_recoverable(),
+                linger_seconds=2 * timeout + hb,
             )
         except Exception as e:
-            try:
-                dist.global_state.shutdown()
-            except Exception:  # noqa: BLE001 - best effort after a failed start
-                pass
+            if join_abandoned():  # JAX's registration still runs: exit without shutdown
+                _state["joining"] = group
+                _install_exit_hooks()
+            else:
+                try:
+                    dist.global_state.shutdown()
+                except Exception:  # noqa: BLE001 - best effort after a failed start
+                    pass
             others = [group.task_name(i) for i in range(group.num_processes)
                       if i != group.process_id]
             raise ClusterTimeoutError(
@@ -204,12 +223,19 @@ def _first_line(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------- failure detection
-def find_lost_tasks(wait_seconds: float) -> tuple[str, ...] | None:
+def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str, ...] | None:
     """Asks the coordination service which members are gone.
 
-    Returns the lost tasks' names (``("worker:1",)``), ``()`` when every member is alive, or
-    ``None`` when the service did not answer within ``wait_seconds``. If the service itself is
-    unreachable the coordinator task is reported lost.
+    Args:
+        wait_seconds: how long to wait for an answer.
+        until_lost: keep asking (every 0.5 s, within ``wait_seconds``) while every member is
+            alive: after a collective failed, the service declares the dead task lost only once
+            its heartbeats stop.
+
+    Returns:
+        The lost tasks' names (``("worker:1",)``), ``()`` when every member is alive, or
+        ``None`` when the service did not answer within ``wait_seconds``. If the service
+        itself is unreachable the coordinator task is reported lost.
     """
     group = _state["group"]
     if group is None or not group.multi_process:
@@ -218,21 +244,30 @@ def find_lost_tasks(wait_seconds: float) -> tuple[str, ...] | None:
     if client is None:
         return None
     result: dict[str, Any] = {}
+    deadline = time.monotonic() + max(0.1, wait_seconds)
 
     def probe() -> None:
         try:
-            result["live"] = client.get_live_nodes(list(range(group.num_processes)))
+            while True:
+                live = client.get_live_nodes(list(range(group.num_processes)))
+                result["live"] = live
+                if (not until_lost or len(live) < group.num_processes
+                        or time.monotonic() + _POLL_SECONDS > deadline):
+                    return
+                time.sleep(_POLL_SECONDS)
         except Exception as e:  # noqa: BLE001 - reported through the result
             result["error"] = e
+        finally:
+            result["done"] = True
 
     t = threading.Thread(target=probe, name="jaxdist-live-nodes", daemon=True)
     t.start()
-    t.join(max(0.1, wait_seconds))
+    t.join(max(0.1, deadline - time.monotonic()))
+    if "error" in result:
+        return (group.task_name(0),)
     if "live" in result:
         live = set(result["live"])
         return tuple(group.task_name(i) for i in range(group.num_processes) if i not in live)
-    if "error" in result:
-        return (group.task_name(0),)
     return None
 
 
@@ -347,7 +382,7 @@ def raise_if_peer_lost(error: BaseException, what: str = "a step",
     ):
         return
     _state["broken"] = True
-    lost = find_lost_tasks(float(wait_seconds or _state["timeout"]))
+    lost = find_lost_tasks(float(wait_seconds or _state["timeout"]), until_lost=True)
     if lost:
         _raise_lost(_mark_lost(lost), error, what)
 
@@ -371,7 +406,51 @@ def _install_exit_hooks() -> None:
 
     sys.excepthook = excepthook
     # Registered after JAX's own clean-up, so it runs before it (atexit is LIFO).
-    atexit.register(shutdown)
+    atexit.register(_at_exit)
+
+
+def cluster_broken() -> bool:
+    """A step failed or timed out, a peer was lost, or the coordination service is gone."""
+    return bool(_state["lost"] or _state["broken"])
+
+
+def _at_exit() -> None:
+    """The exit hook: an orderly ``shutdown`` while healthy, else ``_exit_broken``."""
+    if join_abandoned() and _state["joining"] is not None:
+        _exit_broken(_state["joining"], "its registration with the coordination service "
+                                        "timed out and is still pending")
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    if not cluster_broken():
+        shutdown()
+    if cluster_broken():
+        lost = ", ".join(_state["lost"] or ()) or "none named"
+        _exit_broken(group, f"the training cluster is broken (lost: {lost})")
+
+
+def _exit_broken(group: ProcessGroup, reason: str, status: int = 1) -> None:
+    """Ends the process at once with ``status``, skipping the interpreter's shutdown.
+
+    Threads still blocked in the broken collective (and JAX's runtime waiting on them) would
+    otherwise hang the exit or abort it ("FATAL: exception not rethrown", SIGABRT) when the
+    interpreter tears them down. Output is flushed first; exit hooks registered after jaxdist's
+    have already run.
+    """
+    try:
+        sys.stderr.write(
+            f"jaxdist: {group.name} exits with status {status}: {reason}; skipping "
+            f"interpreter shutdown (threads may be stuck waiting on the cluster)\n"
+        )
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(status)
 
 
 def shutdown(timeout_seconds: float | None = None) -> None:
@@ -414,6 +493,7 @@ def shutdown(timeout_seconds: float | None = None) -> None:
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "check_healthy",
+    "cluster_broken",
     "current_group",
     "find_lost_tasks",
     "initialize_from_resolver",
