@@ -6,6 +6,7 @@ Every process is a real process on 127.0.0.1 (JAX on CPU, one device each).
 Example:
     $ python -m benchmarks.bench_ps            # full table
     $ python -m benchmarks.bench_ps --quick    # fewer repeats / steps
+    $ python -m benchmarks.bench_ps --no-training --repeats 15   # transfers only
 """
 
 from __future__ import annotations
@@ -103,46 +104,56 @@ def _tcp_server(port: int) -> None:
             conn.sendall(b"k")
 
 
-def _tcp_times(sizes: list[int], repeats: int) -> dict[int, tuple[float, float]]:
-    port = _free_ports(1)[0]
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_ps", "--tcp-server",
-                             str(port)], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
-    for _ in range(100):
-        try:
-            sock = socket.create_connection(("127.0.0.1", port))
-            break
-        except OSError:
-            time.sleep(0.05)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = np.empty(64 * MiB, np.uint8)
-    src = memoryview(np.ones(64 * MiB, np.uint8))
-    out = {}
-    try:
-        for n in sizes:
-            def get(n=n):
-                sock.sendall(b"g" + n.to_bytes(8, "little"))
-                view, got = memoryview(buf), 0
-                while got < n:
-                    got += sock.recv_into(view[got:n])
+class _TCPPeer:
+    """Client end of a raw loopback TCP connection to ``--tcp-server`` (the baseline)."""
 
-            def put(n=n):
-                sock.sendall(b"p" + n.to_bytes(8, "little"))
-                sock.sendall(src[:n])
-                sock.recv(1)
+    def __init__(self):
+        port = _free_ports(1)[0]
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_ps",
+                                      "--tcp-server", str(port)], cwd=REPO,
+                                     env=dict(os.environ, PYTHONPATH=REPO))
+        for _ in range(200):
+            try:
+                self.sock = socket.create_connection(("127.0.0.1", port))
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            self.proc.kill()
+            raise RuntimeError("the TCP baseline server did not start")
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = np.empty(64 * MiB, np.uint8)
+        self.src = memoryview(np.ones(64 * MiB, np.uint8))
 
-            out[n] = (_median_time(get, repeats), _median_time(put, repeats))
-    finally:
-        sock.close()
-        proc.wait(10)
-    return out
+    def get(self, n: int) -> None:
+        """Receives n bytes the server sends (the counterpart of a pull)."""
+        self.sock.sendall(b"g" + n.to_bytes(8, "little"))
+        view, got = memoryview(self.buf), 0
+        while got < n:
+            got += self.sock.recv_into(view[got:n])
+
+    def put(self, n: int) -> None:
+        """Sends n bytes and waits for the server's acknowledgement (a push)."""
+        self.sock.sendall(b"p" + n.to_bytes(8, "little"))
+        self.sock.sendall(self.src[:n])
+        self.sock.recv(1)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(10)
 
 
-# ---------------------------------------------------------------------- ps pull / push
-def _ps_times(sizes: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float]]:
+    """Median seconds of TCP get/put and ps pull/push per size.
+
+    The four transfers of a size alternate within every repeat (after one warm-up each), so
+    the baseline and the ps see the same load on a busy machine.
+    """
     from jaxdist.ps import PSClient
 
     cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
     proc = _start_ps(cluster, 0)
+    tcp = _TCPPeer()
     out = {}
     try:
         client = PSClient(cluster["ps"], TOKEN, timeout=60)
@@ -150,11 +161,25 @@ def _ps_times(sizes: list[int], repeats: int) -> dict[int, tuple[float, float]]:
             x = np.ones(n // 4, np.float32)
             key = f"x{n}"
             client.call(0, "Create", {"specs": {key: {}}}, {key: x})
-            pull = lambda key=key: client.call(0, "Pull", {"keys": [key]})
-            push = lambda key=key, x=x: client.call(0, "Push", {"versions": {key: 0}}, {key: x})
-            out[n] = (_median_time(pull, repeats), _median_time(push, repeats))
+            ops = {
+                "tcp_get": lambda n=n: tcp.get(n),
+                "ps_pull": lambda key=key: client.call(0, "Pull", {"keys": [key]}),
+                "tcp_put": lambda n=n: tcp.put(n),
+                "ps_push": lambda key=key, x=x: client.call(0, "Push", {"versions": {key: 0}},
+                                                            {key: x}),
+            }
+            times: dict[str, list[float]] = {name: [] for name in ops}
+            for fn in ops.values():
+                fn()  # warm-up
+            for _ in range(repeats):
+                for name, fn in ops.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            out[n] = {name: statistics.median(t) for name, t in times.items()}
         client.close()
     finally:
+        tcp.close()
         _stop(proc)
     return out
 
@@ -224,6 +249,9 @@ def _async_steps_per_s(num_ps: int, steps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ps")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, help="repeats per transfer (default 7, 3 quick)")
+    parser.add_argument("--no-training", action="store_true",
+                        help="only the pull/push table, no asynchronous training")
     parser.add_argument("--tcp-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -231,21 +259,23 @@ def main(argv: list[str] | None = None) -> None:
         return _tcp_server(args.tcp_server)
     if args.worker:
         return _worker(args.worker)
-    repeats = 3 if args.quick else 7
+    repeats = args.repeats or (3 if args.quick else 7)
     steps = 50 if args.quick else 200
     sizes = [1 * MiB, 16 * MiB, 64 * MiB]
     print(f"jaxdist parameter-server benchmark ({os.cpu_count()} CPUs, loopback)")
-    tcp = _tcp_times(sizes, repeats)
-    ps = _ps_times(sizes, repeats)
+    times = _transfer_times(sizes, repeats)
     print(f"\n{'size':>7} {'memcpy GB/s':>11} {'TCP get':>8} {'TCP put':>8} {'ps pull':>8} "
           f"{'ps push':>8} {'pull/TCP':>8} {'push/TCP':>8}")
     for n in sizes:
         mem = n / _memcpy_time(n, repeats) / 1e9
-        tg, tp = (n / t / 1e9 for t in tcp[n])
-        pp, pu = (n / t / 1e9 for t in ps[n])
+        tg, tp, pp, pu = (n / times[n][op] / 1e9
+                          for op in ("tcp_get", "tcp_put", "ps_pull", "ps_push"))
         print(f"{n // MiB:>4}MiB {mem:>11.2f} {tg:>8.2f} {tp:>8.2f} {pp:>8.2f} {pu:>8.2f} "
               f"{pp / tg:>8.2f} {pu / tp:>8.2f}")
-    print("(GB/s; push = transfer + assign_add on the ps; ratio target >= 0.5 at 64 MiB)")
+    print(f"(GB/s, median of {repeats} interleaved repeats; push = transfer + assign_add on the "
+          f"ps; ratio target >= 0.5 at 64 MiB)")
+    if args.no_training:
+        return None
     print(f"\nasync training, 2 workers, MLP 784-256-10 (~200k params), adam on the ps, "
           f"{steps} steps/worker")
     print(f"{'ps tasks':>8} {'steps/s (all)':>14} {'steps/s (slowest worker)':>25}")

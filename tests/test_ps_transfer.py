@@ -102,6 +102,7 @@ def served():
     server.stop(0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN bit patterns
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8, np.complex64])
 def test_large_pull_and_push_are_bit_exact(served, dtype):
     _, client = served
