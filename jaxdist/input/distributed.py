@@ -180,7 +180,13 @@ class _Prefetcher:
 
 
 class DistributedIterator:
-    """Iterator over per-replica batches (``tf.distribute.DistributedIterator``)."""
+    """Iterator over per-replica batches (``tf.distribute.DistributedIterator``).
+
+    Example:
+        >>> it = iter(strategy.experimental_distribute_dataset(batches))
+        >>> x = it.get_next()                  # a PerReplica batch
+        >>> maybe = it.get_next_as_optional()  # None at the end of the data
+    """
 
     def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], options: InputOptions):
         buffer = options.experimental_per_replica_buffer_size

@@ -7,7 +7,13 @@ import enum
 
 
 class AutoShardPolicy(enum.Enum):
-    """How a multi-worker dataset is split across input pipelines (``tf.data``'s names)."""
+    """How a multi-worker dataset is split across input pipelines (``tf.data``'s names).
+
+    Example:
+        >>> from jaxdist.input.autoshard import with_auto_shard_policy
+        >>> ds = with_auto_shard_policy(batches, jaxdist.AutoShardPolicy.DATA)
+        >>> dist = strategy.experimental_distribute_dataset(ds)
+    """
 
     OFF = "OFF"
     AUTO = "AUTO"

@@ -210,6 +210,11 @@ class PerWorkerDataset:
     ``iter()`` gives a ``PerWorkerIterator``: pass it to scheduled functions; each worker
     receives its own iterator. A restarted worker rebuilds its dataset (from the start) and
     iterators.
+
+    Example:
+        >>> per_worker_dataset = coordinator.create_per_worker_dataset(dataset_fn)
+        >>> per_worker_iterator = iter(per_worker_dataset)
+        >>> coordinator.schedule(step_fn, args=(per_worker_iterator,))
     """
 
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any]):
@@ -232,7 +237,15 @@ class PerWorkerDataset:
 
 
 class PerWorkerIterator(PerWorkerValues):
-    """One iterator per worker (``iter(per_worker_dataset)``); pass it to ``schedule``."""
+    """One iterator per worker (``iter(per_worker_dataset)``); pass it to ``schedule``.
+
+    Example:
+        >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        >>> def step_fn(iterator):
+        ...     x, y = next(iterator)          # the executing worker's own iterator
+        ...     return x.sum()
+        >>> coordinator.schedule(step_fn, args=(it,))
+    """
 
     def __init__(self, values: PerWorkerValues):
         super().__init__(values.values)

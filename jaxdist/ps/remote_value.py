@@ -18,7 +18,14 @@ from jaxdist.ps.coordinator_errors import JoinTimeoutError
 
 
 class RemoteValueStatus(enum.Enum):
-    """Where a ``RemoteValue`` stands (TF's ``RemoteValueStatus``)."""
+    """Where a ``RemoteValue`` stands (TF's ``RemoteValueStatus``).
+
+    Example:
+        >>> rv = coordinator.schedule(step_fn)
+        >>> coordinator.join()
+        >>> rv._status is RemoteValueStatus.READY
+        True
+    """
 
     NOT_READY = "NOT_READY"
     READY = "READY"

@@ -58,7 +58,15 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """True inside the scope of (or a replica function of) a non-default strategy."""
+    """True inside the scope of (or a replica function of) a non-default strategy.
+
+    Example:
+        >>> jaxdist.has_strategy()
+        False
+        >>> with jaxdist.MirroredStrategy().scope():
+        ...     jaxdist.has_strategy()
+        True
+    """
     frame = _top()
     if frame is None:
         return False
@@ -68,7 +76,14 @@ def has_strategy() -> bool:
 
 
 def in_cross_replica_context() -> bool:
-    """True inside ``strategy.scope()`` but not inside a function run by ``strategy.run``."""
+    """True inside ``strategy.scope()`` but not inside a function run by ``strategy.run``.
+
+    Example:
+        >>> with strategy.scope():
+        ...     jaxdist.in_cross_replica_context()
+        True
+        >>> strategy.run(lambda: print(jaxdist.in_cross_replica_context()))  # False
+    """
     frame = _top()
     return frame is not None and frame.replica_context is None
 
@@ -77,6 +92,12 @@ def get_replica_context() -> ReplicaContext | None:
     """The current ``ReplicaContext``; ``None`` in a cross-replica context.
 
     Outside every scope this is the default strategy's replica context (one replica), as in TF.
+
+    Example:
+        >>> def step(x):
+        ...     ctx = jaxdist.get_replica_context()
+        ...     return ctx.all_reduce("SUM", x) / ctx.num_replicas_in_sync
+        >>> strategy.run(step, args=(per_replica_x,))
     """
     frame = _top()
     if frame is None:
@@ -87,7 +108,13 @@ def get_replica_context() -> ReplicaContext | None:
 
 
 def get_cross_replica_context() -> Strategy | None:
-    """The strategy if in a cross-replica context, else ``None``."""
+    """The strategy if in a cross-replica context, else ``None``.
+
+    Example:
+        >>> with strategy.scope():
+        ...     jaxdist.get_cross_replica_context() is strategy
+        True
+    """
     frame = _top()
     if frame is None:
         from jaxdist.strategies.default import get_default_strategy

@@ -59,7 +59,16 @@ def _varies(x: Any, axes: tuple[str, ...]) -> bool:
 
 
 class CrossDeviceOps:
-    """Base class: how a strategy reduces values across its replicas."""
+    """Base class: how a strategy reduces values across its replicas.
+
+    Subclasses implement ``_sum_varying`` (and ``mesh_layout`` if they need another mesh).
+
+    Example:
+        >>> class Psum(jaxdist.CrossDeviceOps):
+        ...     def _sum_varying(self, xs, axes, n):
+        ...         return [jax.lax.psum(x, axes) for x in xs]
+        >>> strategy = jaxdist.MirroredStrategy(cross_device_ops=Psum())
+    """
 
     def mesh_layout(self, num_replicas: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """Returns the mesh shape and axis names this pattern needs for ``num_replicas``."""

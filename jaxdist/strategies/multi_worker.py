@@ -35,7 +35,12 @@ from jaxdist.strategies.strategy import Strategy, StrategyExtended
 
 
 class CommunicationImplementation(enum.Enum):
-    """Which collective implementation to use (``tf.distribute.experimental.*``)."""
+    """Which collective implementation to use (``tf.distribute.experimental.*``).
+
+    Example:
+        >>> options = jaxdist.CommunicationOptions(
+        ...     implementation=jaxdist.CommunicationImplementation.RING)
+    """
 
     AUTO = "AUTO"
     RING = "RING"

@@ -44,6 +44,10 @@ class ValueContext:
     Attributes:
         replica_id_in_sync_group: the replica the value is for.
         num_replicas_in_sync: the total number of replicas.
+
+    Example:
+        >>> v = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: np.full(2, ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync))
     """
 
     def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
@@ -65,6 +69,12 @@ def _is_dynamic(x: Any) -> bool:
 
 class StrategyExtended:
     """Strategy internals with TF's ``extended`` names (``reduce_to``, ``update``, ...).
+
+    Example:
+        >>> ext = strategy.extended
+        >>> ext.worker_devices, ext.parameter_devices
+        >>> total = ext.reduce_to("SUM", per_replica_value, destinations="/cpu:0")
+        >>> new_state = ext.update(state, lambda s, g: s - 0.1 * g, args=(total,))
 
     Args:
         strategy: the owning strategy.

@@ -70,7 +70,11 @@ def initialize_tpu_system(cluster_resolver: TPUClusterResolver | None = None) ->
 
 
 def shutdown_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> None:
-    """No-op: JAX owns the TPU runtime's lifetime."""
+    """No-op: JAX owns the TPU runtime's lifetime (kept for TF compatibility).
+
+    Example:
+        >>> jaxdist.tpu.shutdown_tpu_system()
+    """
     del cluster_resolver
 
 
@@ -79,6 +83,10 @@ def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> Non
 
     For a TPU resolver on one host this checks the TPU is there. A resolver that names several
     processes brings up ``jax.distributed`` (see ``jaxdist.cluster``).
+
+    Example:
+        >>> resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu="local")
+        >>> jaxdist.experimental_connect_to_cluster(resolver)
     """
     del kwargs
     if isinstance(cluster_resolver, TPUClusterResolver):
