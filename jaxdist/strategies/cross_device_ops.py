@@ -109,35 +109,72 @@ class CrossDeviceOps:
         return f"{type(self).__name__}()"
 
 
+def _by_dtype(xs: list[Any]) -> list[list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    return list(groups.values())
+
+
+def _unflatten(xs: list[Any], idx: list[int], flat: Any, out: list[Any]) -> None:
+    """Cuts ``flat`` back into the arrays ``xs[i] for i in idx`` (their shapes), into ``out``."""
+    offset = 0
+    for i in idx:
+        size = int(np.prod(xs[i].shape))
+        out[i] = flat[offset : offset + size].reshape(xs[i].shape)
+        offset += size
+
+
 def _pack(xs: list[Any], num_packs: int) -> tuple[list[Any], Callable[[list[Any]], list[Any]]]:
     """Concatenates same-dtype arrays into ``num_packs`` flat buffers; returns an unpack fn."""
     if num_packs <= 0:
         return xs, lambda ys: ys
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(x.dtype, []).append(i)
     packs: list[Any] = []
     plan: list[tuple[list[int], int]] = []
-    for _, idx in groups.items():
+    for idx in _by_dtype(xs):
         flat = jnp.concatenate([xs[i].reshape(-1) for i in idx])
         size = flat.shape[0]
         k = max(1, min(num_packs, size))
         bounds = [(size * j) // k for j in range(k + 1)]
-        chunks = [flat[bounds[j] : bounds[j + 1]] for j in range(k)]
-        plan.append((idx, len(chunks)))
-        packs.extend(chunks)
+        plan.append((idx, k))
+        packs.extend(flat[bounds[j] : bounds[j + 1]] for j in range(k))
 
     def unpack(ys: list[Any]) -> list[Any]:
         out: list[Any] = [None] * len(xs)
         pos = 0
         for idx, k in plan:
-            flat = jnp.concatenate(ys[pos : pos + k]) if k > 1 else ys[pos]
+            _unflatten(xs, idx, jnp.concatenate(ys[pos : pos + k]) if k > 1 else ys[pos], out)
             pos += k
-            offset = 0
-            for i in idx:
-                size = int(np.prod(xs[i].shape))
-                out[i] = flat[offset : offset + size].reshape(xs[i].shape)
-                offset += size
+        return out
+
+    return packs, unpack
+
+
+def pack_by_bytes(xs: list[Any], bytes_per_pack: int) -> tuple[list[Any], Callable]:
+    """Packs same-dtype arrays into flat buckets of at most ``bytes_per_pack`` bytes.
+
+    An array larger than a bucket gets a bucket of its own. Returns the buckets and a function
+    that turns reduced buckets back into arrays of the original shapes.
+    """
+    plan: list[list[int]] = []
+    for idx in _by_dtype(xs):
+        bucket: list[int] = []
+        size = 0
+        for i in idx:
+            nbytes = int(np.prod(xs[i].shape)) * xs[i].dtype.itemsize
+            if bucket and size + nbytes > bytes_per_pack:
+                plan.append(bucket)
+                bucket, size = [], 0
+            bucket.append(i)
+            size += nbytes
+        if bucket:
+            plan.append(bucket)
+    packs = [jnp.concatenate([xs[i].reshape(-1) for i in b]) for b in plan]
+
+    def unpack(ys: list[Any]) -> list[Any]:
+        out: list[Any] = [None] * len(xs)
+        for b, flat in zip(plan, ys):
+            _unflatten(xs, b, flat, out)
         return out
 
     return packs, unpack

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxdist.cluster.bringup import (
@@ -30,7 +27,7 @@ from jaxdist.cluster.bringup import (
 from jaxdist.cluster.errors import ClusterConfigError
 from jaxdist.cluster.process_group import ProcessGroup
 from jaxdist.cluster.tf_config import TFConfigClusterResolver
-from jaxdist.strategies.cross_device_ops import NcclAllReduce
+from jaxdist.strategies.cross_device_ops import NcclAllReduce, pack_by_bytes
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
 
 
@@ -92,43 +89,6 @@ class CommunicationOptions:
                 f"CommunicationOptions.timeout_seconds={self.timeout_seconds!r}: expected a "
                 f"positive number of seconds or None"
             )
-
-
-def pack_by_bytes(xs: list[Any], bytes_per_pack: int) -> tuple[list[Any], Callable]:
-    """Packs same-dtype arrays into flat buckets of at most ``bytes_per_pack`` bytes.
-
-    An array larger than a bucket gets a bucket of its own. Returns the buckets and a function
-    that turns reduced buckets back into arrays of the original shapes.
-    """
-    plan: list[list[int]] = []
-    by_dtype: dict[Any, list[int]] = {}
-    for i, x in enumerate(xs):
-        by_dtype.setdefault(x.dtype, []).append(i)
-    for idx in by_dtype.values():
-        bucket: list[int] = []
-        size = 0
-        for i in idx:
-            nbytes = int(np.prod(xs[i].shape)) * xs[i].dtype.itemsize
-            if bucket and size + nbytes > bytes_per_pack:
-                plan.append(bucket)
-                bucket, size = [], 0
-            bucket.append(i)
-            size += nbytes
-        if bucket:
-            plan.append(bucket)
-    packs = [jnp.concatenate([xs[i].reshape(-1) for i in b]) for b in plan]
-
-    def unpack(ys: list[Any]) -> list[Any]:
-        out: list[Any] = [None] * len(xs)
-        for b, flat in zip(plan, ys):
-            offset = 0
-            for i in b:
-                n = int(np.prod(xs[i].shape))
-                out[i] = flat[offset:offset + n].reshape(xs[i].shape)
-                offset += n
-        return out
-
-    return packs, unpack
 
 
 class PackedAllReduce(NcclAllReduce):
