@@ -98,7 +98,8 @@ def jaxdist_runner(devices, tf_style: bool = False):
     return run
 
 
-def handwritten_runner(devices):
+def _handwritten_setup(devices):
+    """Mesh ``("data",)``, SGD, replicated params and optimizer state, batch split on rows."""
     mesh = jax.make_mesh((len(devices),), ("data",), devices=list(devices))
     rep = NamedSharding(mesh, P())
     data = NamedSharding(mesh, P("data"))
@@ -106,7 +107,31 @@ def handwritten_runner(devices):
     params = jax.device_put(init_params(), rep)
     opt_state = jax.device_put(tx.init(params), rep)
     x, y = make_data()
-    x, y = jax.device_put(x, data), jax.device_put(y, data)
+    return mesh, tx, params, opt_state, jax.device_put(x, data), jax.device_put(y, data)
+
+
+def _bounded_loop(step, params, opt_state, x, y):
+    """A runner calling ``step`` with at most two steps in flight (as the strategy does)."""
+    state = {"p": params, "o": opt_state}
+
+    def run(steps: int) -> None:
+        p, o = state["p"], state["o"]
+        pending: list = []
+        for _ in range(steps):
+            if len(pending) >= 2:
+                jax.block_until_ready(pending.pop(0))
+            p, o, loss = step(p, o, x, y)
+            pending.append(loss)
+        jax.block_until_ready((p, pending))
+        state["p"], state["o"] = p, o
+
+    run(3)  # compile and warm up
+    run.params = lambda: state["p"]
+    return run
+
+
+def handwritten_runner(devices):
+    mesh, tx, params, opt_state, x, y = _handwritten_setup(devices)
 
     @jax.jit
     def step(params, opt_state, x, y):
@@ -114,34 +139,12 @@ def handwritten_runner(devices):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    state = {"p": params, "o": opt_state}
-
-    def run(steps: int) -> None:
-        p, o = state["p"], state["o"]
-        pending: list = []
-        for _ in range(steps):
-            if len(pending) >= 2:  # the same bound on steps in flight as the strategy
-                jax.block_until_ready(pending.pop(0))
-            p, o, loss = step(p, o, x, y)
-            pending.append(loss)
-        jax.block_until_ready((p, pending))
-        state["p"], state["o"] = p, o
-
-    run(3)
-    run.params = lambda: state["p"]
-    return run
+    return _bounded_loop(step, params, opt_state, x, y)
 
 
 def handwritten_shard_map_runner(devices):
     """The same step written by hand with jit + shard_map + psum (the strongest baseline)."""
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=list(devices))
-    rep = NamedSharding(mesh, P())
-    data = NamedSharding(mesh, P("data"))
-    tx = optax.sgd(LR)
-    params = jax.device_put(init_params(), rep)
-    opt_state = jax.device_put(tx.init(params), rep)
-    x, y = make_data()
-    x, y = jax.device_put(x, data), jax.device_put(y, data)
+    mesh, tx, params, opt_state, x, y = _handwritten_setup(devices)
 
     def body(params, opt_state, x, y):
         def loss_fn(p):
@@ -156,22 +159,7 @@ def handwritten_shard_map_runner(devices):
             body, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P(), P())
         )
     )
-    state = {"p": params, "o": opt_state}
-
-    def run(steps: int) -> None:
-        p, o = state["p"], state["o"]
-        pending: list = []
-        for _ in range(steps):
-            if len(pending) >= 2:
-                jax.block_until_ready(pending.pop(0))
-            p, o, loss = step(p, o, x, y)
-            pending.append(loss)
-        jax.block_until_ready((p, pending))
-        state["p"], state["o"] = p, o
-
-    run(3)
-    run.params = lambda: state["p"]
-    return run
+    return _bounded_loop(step, params, opt_state, x, y)
 
 
 def max_param_difference(a, b) -> float:
