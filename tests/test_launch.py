@@ -60,3 +60,43 @@ def test_launch_multi_worker_training_end_to_end(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[worker:0] done" in r.stdout and "[worker:1] done" in r.stdout
     assert out.exists()  # written by the chief (worker 0) only
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_every_task():
+    import signal
+    import time
+    import uuid
+
+    marker = f"jaxdist-ctrl-c-{uuid.uuid4().hex}"
+    script = f"import time; print('up', flush=True); time.sleep(120)  # {marker}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--ps", "1", "--grace", "2",
+         "--", sys.executable, "-c", script],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 30
+    while len(_processes_with(marker)) < 3 + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # 3 tasks (+ the launcher, whose argv carries the script too)
+    assert len(_processes_with(marker)) >= 4, "the tasks did not start"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode != 0, out
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_with(marker), f"tasks left running after Ctrl-C:\n{out}"
