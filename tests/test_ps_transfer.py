@@ -131,3 +131,15 @@ def test_large_calls_still_check_the_token(served):
             bad.call(0, "Push", {"versions": {}}, {"x": np.ones(2 * MiB, np.uint8)})
     finally:
         bad.close()
+
+
+def test_servers_refuse_to_start_without_a_token():
+    from jaxdist.ps.grpc_util import require_token
+    from jaxdist.ps.server import ParameterServer
+    from jaxdist.ps.service import ParameterService
+
+    with pytest.raises(ValueError, match="ps:3: needs the cluster token"):
+        ParameterServer(ParameterService("ps:3"), "127.0.0.1:0", token=None)
+    with pytest.raises(ValueError, match="not host:port"):
+        ParameterServer(ParameterService("ps:3"), "localhost", token="t")
+    assert require_token("t", "ps:0", "x") == b"t"

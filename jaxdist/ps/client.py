@@ -32,8 +32,8 @@ from jaxdist.ps.errors import (
     PSNotFoundError,
     PSUnavailableError,
 )
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
-from jaxdist.ps.server import CHANNEL_OPTIONS
 from jaxdist.ps.service import ParameterService
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]

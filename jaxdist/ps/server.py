@@ -13,25 +13,19 @@ Example:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
-from concurrent import futures
 
 import grpc
 
 from jaxdist.ps import protocol, wire
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, bind_server, check_token, require_token
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.so_reuseport", 0),
-]
 
 
 class ParameterServer:
@@ -46,61 +40,21 @@ class ParameterServer:
 
     def __init__(self, service: ParameterService, address: str, token: str | None,
                  max_workers: int = 16):
-        if not token:
-            raise ValueError(
-                f"{service.task}: a parameter server needs the cluster token (set TF_CONFIG "
-                f"'token' or JAXDIST_CLUSTER_TOKEN, or pass token=); it refuses requests "
-                f"without it"
-            )
-        if ":" not in address:
-            raise ValueError(f"{service.task}: address {address!r} is not host:port")
         self.service = service
-        self._token = token.encode()
+        self._token = require_token(token, service.task, "a parameter server refuses requests "
+                                    "without it")
         tune_malloc()
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxdist-ps"),
-            options=CHANNEL_OPTIONS,
-        )
-        handlers = {
-            name: grpc.stream_stream_rpc_method_handler(self._make_handler(name))
-            for name in protocol.METHODS
-        }
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(protocol.SERVICE_NAME, handlers),)
-        )
-        host = address.rsplit(":", 1)[0]
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"{service.task}: cannot bind {address}: {e}") from None
-        if not self.port:
-            raise OSError(f"{service.task}: cannot bind {address} (address in use?)")
-        self.address = f"{host}:{self.port}"
+        self._server, self.address = bind_server(
+            service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
+            max_workers, "jaxdist-ps")
+        self.port = int(self.address.rsplit(":", 1)[1])
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
     # ------------------------------------------------------------------ handlers
-    def _check_token(self, context: grpc.ServicerContext, method: str) -> None:
-        got = None
-        for key, value in context.invocation_metadata() or ():
-            if key == protocol.TOKEN_METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else value
-        if got is None:
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{self.service.task} refused {method}: the request carries no cluster token "
-                f"(metadata {protocol.TOKEN_METADATA_KEY!r}); set JAXDIST_CLUSTER_TOKEN or "
-                f"TF_CONFIG 'token' on the worker",
-            )
-        if not hmac.compare_digest(got, self._token):
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{self.service.task} refused {method}: wrong cluster token",
-            )
-
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
-            self._check_token(context, method)
+            check_token(context, self._token, self.service.task, method)
             try:
                 meta, arrays = wire.decode(request_iterator, RECEIVE_POOL)
                 # The decoded arrays belong to this call alone: the service may keep them.

@@ -25,8 +25,8 @@ from jaxdist.ps.coordinator_errors import (
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.server import CHANNEL_OPTIONS
 from jaxdist.ps.worker_service import method_path
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]

@@ -19,13 +19,11 @@ Example:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import pickle
 import threading
 import traceback
 import uuid
-from concurrent import futures
 from typing import Any
 
 import cloudpickle
@@ -34,8 +32,7 @@ import numpy as np
 
 from jaxdist.ps import closure_pickle, wire
 from jaxdist.ps.coordinator_errors import MissingResourceError
-from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.server import CHANNEL_OPTIONS
+from jaxdist.ps.grpc_util import bind_server, check_token, require_token
 from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
 
 log = logging.getLogger(__name__)
@@ -171,53 +168,20 @@ class WorkerServer:
 
     def __init__(self, runtime: WorkerRuntime, address: str, token: str | None,
                  max_workers: int = 8):
-        if not token:
-            raise ValueError(
-                f"{runtime.name}: a worker task needs the cluster token (TF_CONFIG 'token' or "
-                f"JAXDIST_CLUSTER_TOKEN) because it runs the functions it is sent"
-            )
-        if ":" not in address:
-            raise ValueError(f"{runtime.name}: address {address!r} is not host:port")
+        self._token = require_token(token, runtime.name, "a worker task runs the functions "
+                                    "it is sent")
         self.service = WorkerService(runtime)
         set_current(runtime)
-        self._token = token.encode()
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers,
-                                       thread_name_prefix="jaxdist-worker"),
-            options=CHANNEL_OPTIONS,
-        )
-        handlers = {m: grpc.stream_stream_rpc_method_handler(self._make_handler(m))
-                    for m in METHODS}
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-        host = address.rsplit(":", 1)[0]
-        try:
-            port = self._server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"{runtime.name}: cannot bind {address}: {e}") from None
-        if not port:
-            raise OSError(f"{runtime.name}: cannot bind {address} (address in use?)")
-        self.address = f"{host}:{port}"
+        self._server, self.address = bind_server(
+            runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
+            "jaxdist-worker")
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 
-    def _check_token(self, context: grpc.ServicerContext, method: str) -> None:
-        got = None
-        for key, value in context.invocation_metadata() or ():
-            if key == TOKEN_METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else value
-        task = self.service.task
-        if got is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{task} refused {method}: the request carries no cluster token "
-                          f"(metadata {TOKEN_METADATA_KEY!r})")
-        if not hmac.compare_digest(got, self._token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"{task} refused {method}: wrong cluster token")
-
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
-            self._check_token(context, method)  # before any byte is unpickled
+            # Before any byte is unpickled.
+            check_token(context, self._token, self.service.task, method)
             try:
                 meta, arrays = wire.decode(request_iterator)
                 out_meta, out_arrays = self.service.handle(method, meta, arrays)
