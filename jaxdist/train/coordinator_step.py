@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,6 +45,7 @@ from jaxdist.ps import optimizers as ps_optimizers
 from jaxdist.ps.service import latest_step
 from jaxdist.train import data as data_lib
 from jaxdist.train.hooks import TrainerHook
+from jaxdist.train.ps_step import ParameterServerHook, PSConfigMixin
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
@@ -63,8 +64,6 @@ def parameter_server_hook(strategy: Any) -> TrainerHook:
     ``ClusterCoordinator`` (TF2), else between-graph training (TF1)."""
     if coordinator_of(strategy) is not None:
         return CoordinatorHook(strategy)
-    from jaxdist.train.ps_step import ParameterServerHook
-
     return ParameterServerHook(strategy)
 
 
@@ -199,7 +198,7 @@ class StepResults:
         return f"StepResults({self.key!r}, steps={len(self.remote_values)})"
 
 
-class CoordinatorHook(TrainerHook):
+class CoordinatorHook(PSConfigMixin, TrainerHook):
     """``TrainerHook`` for a ``ParameterServerStrategy`` with a ``ClusterCoordinator`` (see the
     module docstring).
 
@@ -221,17 +220,6 @@ class CoordinatorHook(TrainerHook):
         self._step_fn: WorkerStep | None = None
         self._train: Any = None
         self._iterator: Any = None
-
-    # ------------------------------------------------------------------ config
-    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
-        from jaxdist.train.ps_config import ps_optimizer_from_config
-
-        return ps_optimizer_from_config(section)
-
-    def check_config(self, cfg: Mapping[str, Any]) -> None:
-        from jaxdist.train.ps_config import check_config
-
-        check_config(cfg)
 
     # ------------------------------------------------------------------ state
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:

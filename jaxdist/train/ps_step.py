@@ -46,7 +46,21 @@ COLLECTION = "model"
 _POLL_S = 0.2
 
 
-class ParameterServerHook(TrainerHook):
+class PSConfigMixin:
+    """Config handling shared by the parameter-server hooks (between-graph and coordinator)."""
+
+    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
+        from jaxdist.train.ps_config import ps_optimizer_from_config
+
+        return ps_optimizer_from_config(section)
+
+    def check_config(self, cfg: Mapping[str, Any]) -> None:
+        from jaxdist.train.ps_config import check_config
+
+        check_config(cfg)
+
+
+class ParameterServerHook(PSConfigMixin, TrainerHook):
     """``TrainerHook`` for ``ParameterServerStrategy`` (see the module docstring).
 
     Args:
@@ -64,17 +78,6 @@ class ParameterServerHook(TrainerHook):
         self.local = not info.ps_addresses
         self.variables: Any = None
         self._grad_replica: Any = None
-
-    # ------------------------------------------------------------------ config
-    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
-        from jaxdist.train.ps_config import ps_optimizer_from_config
-
-        return ps_optimizer_from_config(section)
-
-    def check_config(self, cfg: Mapping[str, Any]) -> None:
-        from jaxdist.train.ps_config import check_config
-
-        check_config(cfg)
 
     # ------------------------------------------------------------------ state
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
