@@ -7,8 +7,10 @@ the same ``UNAUTHENTICATED`` messages, and one way to bind a ``host:port`` from 
 from __future__ import annotations
 
 import hmac
+import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -96,3 +98,48 @@ def bind_server(
     if not port:
         raise OSError(f"{task}: cannot bind {address} (address in use?)")
     return server, f"{host}:{port}"
+
+
+class GrpcTaskServer:
+    """Start / stop / wait of a task's gRPC server (the ps and worker servers share it).
+
+    Subclasses set ``self._server`` (from ``bind_server``) and ``self.service`` (with a
+    ``stopped`` event) and may override ``_after_stop``.
+
+    Example:
+        >>> server = ParameterServer(service, "127.0.0.1:0", token="s3cret").start()
+        >>> server.wait_for_stop(timeout=10.0)
+    """
+
+    _server: grpc.Server
+    service: Any
+    _stop_wait_seconds: float = 5.0
+
+    def _init_lifecycle(self) -> None:
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    def start(self):
+        self._server.start()
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stops serving (in-flight calls get ``grace`` seconds to finish)."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self.service.stopped.set()
+            self._server.stop(grace).wait(timeout=(grace or 0) + self._stop_wait_seconds)
+            self._stopped.set()
+            self._after_stop()
+
+    def _after_stop(self) -> None:
+        pass
+
+    def wait_for_stop(self, timeout: float | None = None) -> bool:
+        """Blocks until stopped (Stop RPC, ``stop()``, a signal handler); True if stopped."""
+        if not self.service.stopped.wait(timeout):
+            return False
+        if not self._stopped.is_set():
+            self.stop()
+        return True

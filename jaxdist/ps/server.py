@@ -20,7 +20,13 @@ import grpc
 
 from jaxdist.ps import protocol, wire
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, bind_server, check_token, require_token
+from jaxdist.ps.grpc_util import (
+    CHANNEL_OPTIONS,
+    GrpcTaskServer,
+    bind_server,
+    check_token,
+    require_token,
+)
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
@@ -28,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 
-class ParameterServer:
+class ParameterServer(GrpcTaskServer):
     """Serves one ``ParameterService`` on ``address`` over gRPC.
 
     Args:
@@ -48,8 +54,7 @@ class ParameterServer:
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
             max_workers, "jaxdist-ps")
         self.port = int(self.address.rsplit(":", 1)[1])
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
+        self._init_lifecycle()
 
     # ------------------------------------------------------------------ handlers
     def _make_handler(self, method: str):
@@ -76,28 +81,6 @@ class ParameterServer:
             yield from wire.encode(out_meta, out_arrays, max(1 << 16, min(chunk, 1 << 30)))
 
         return handler
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> ParameterServer:
-        self._server.start()
-        return self
-
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Stops serving (in-flight calls get ``grace`` seconds to finish)."""
-        with self._stop_lock:
-            if self._stopped.is_set():
-                return
-            self.service.stopped.set()
-            self._server.stop(grace).wait(timeout=(grace or 0) + 5)
-            self._stopped.set()
-
-    def wait_for_stop(self, timeout: float | None = None) -> bool:
-        """Blocks until stopped (Stop RPC, ``stop()``, SIGTERM handler); True if stopped."""
-        if not self.service.stopped.wait(timeout):
-            return False
-        if not self._stopped.is_set():
-            self.stop()
-        return True
 
 
 __all__ = ["CHANNEL_OPTIONS", "ParameterServer"]

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxdist.ps import closure_pickle, wire
 from jaxdist.ps.coordinator_errors import MissingResourceError
-from jaxdist.ps.grpc_util import bind_server, check_token, require_token
+from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server, check_token, require_token
 from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class WorkerService:
         return table[method](meta, arrays)
 
 
-class WorkerServer:
+class WorkerServer(GrpcTaskServer):
     """Serves a ``WorkerService`` over gRPC on ``address`` (loopback unless the spec says).
 
     Args:
@@ -175,8 +175,7 @@ class WorkerServer:
         self._server, self.address = bind_server(
             runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
             "jaxdist-worker")
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
+        self._init_lifecycle()
 
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
@@ -195,25 +194,10 @@ class WorkerServer:
 
         return handler
 
-    def start(self) -> WorkerServer:
-        self._server.start()
-        return self
+    _stop_wait_seconds = 1.0
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        with self._stop_lock:
-            if self._stopped.is_set():
-                return
-            self.service.stopped.set()
-            self._server.stop(grace).wait(timeout=(grace or 0) + 1)
-            self._stopped.set()
-            set_current(None)
-
-    def wait_for_stop(self, timeout: float | None = None) -> bool:
-        if not self.service.stopped.wait(timeout):
-            return False
-        if not self._stopped.is_set():
-            self.stop()
-        return True
+    def _after_stop(self) -> None:
+        set_current(None)
 
 
 __all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService", "method_path"]
