@@ -143,3 +143,35 @@ def test_servers_refuse_to_start_without_a_token():
     with pytest.raises(ValueError, match="not host:port"):
         ParameterServer(ParameterService("ps:3"), "localhost", token="t")
     assert require_token("t", "ps:0", "x") == b"t"
+
+
+def test_one_chunk_requests_go_unary_and_longer_ones_stream(served):
+    server, _ = served
+    client = PSClient([server.address], "t0k", timeout=30, chunk_bytes=1 << 16)
+    try:
+        x = np.arange(100_000, dtype=np.float32)  # 400 kB: 7 chunks of 64 KiB
+        client.call(0, "Create", {"specs": {"x": {}}}, {"x": x})
+        _, got = client.call(0, "Pull", {"keys": ["x"]})
+        assert got["x"].tobytes() == x.tobytes()
+        paths = {(method, unary) for _, method, unary in client._stubs._stubs}
+        assert paths == {("Create", False), ("Pull", True)}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("path", ["/jaxdist.ps.ParameterService/Ping",
+                                  "/jaxdist.ps.ParameterService.Unary/Ping"])
+def test_both_request_paths_refuse_calls_without_the_token(served, path):
+    import grpc
+
+    server, _ = served
+    with grpc.insecure_channel(server.address) as channel:
+        request = next(wire.encode({}))
+        if path.endswith(".Unary/Ping"):
+            call = channel.unary_stream(path)(request, timeout=10)
+        else:
+            call = channel.stream_stream(path)(iter([request]), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "no cluster token" in err.value.details()

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
@@ -32,7 +31,7 @@ from jaxdist.ps.errors import (
     PSNotFoundError,
     PSUnavailableError,
 )
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
@@ -105,22 +104,13 @@ class PSClient(_Base):
         self._metadata = ((protocol.TOKEN_METADATA_KEY, token),) if token else ()
         tune_malloc()
         self._channels = [grpc.insecure_channel(a, options=_CLIENT_OPTIONS) for a in addresses]
-        self._stubs: list[dict[str, Any]] = [{} for _ in addresses]
-        self._lock = threading.Lock()
+        self._stubs = ChunkStubs(self._channels, protocol.SERVICE_NAME)
         self._pool = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * self.num_tasks), thread_name_prefix="jaxdist-psclient"
         )
 
     def task_name(self, task: int) -> str:
         return f"{self.job}:{task}"
-
-    def _stub(self, task: int, method: str):
-        with self._lock:
-            stub = self._stubs[task].get(method)
-            if stub is None:
-                stub = self._channels[task].stream_stream(protocol.method_path(method))
-                self._stubs[task][method] = stub
-            return stub
 
     def call(self, task: int, method: str, meta: dict | None = None, arrays: dict | None = None,
              timeout: float | None = None) -> Message:
@@ -135,14 +125,13 @@ class PSClient(_Base):
             raise ValueError(f"ps task {task} does not exist: the cluster has {self.num_tasks}")
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
-        stub = self._stub(task, method)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._unavailable(task, method, timeout, "deadline passed")
             try:
-                responses = stub(
-                    wire.encode(meta, arrays, self.chunk_bytes),
+                responses = self._stubs(
+                    task, method, wire.encode(meta, arrays, self.chunk_bytes),
                     timeout=left,
                     metadata=self._metadata,
                     wait_for_ready=True,

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,9 +24,9 @@ from jaxdist.ps.coordinator_errors import (
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.worker_service import method_path
+from jaxdist.ps.worker_service import SERVICE_NAME
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
@@ -55,8 +54,7 @@ class WorkerClient:
         self.job = job
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         self._channels = [grpc.insecure_channel(a, options=_OPTIONS) for a in self.addresses]
-        self._stubs: list[dict[str, Any]] = [{} for _ in self.addresses]
-        self._lock = threading.Lock()
+        self._stubs = ChunkStubs(self._channels, SERVICE_NAME)
 
     @property
     def num_tasks(self) -> int:
@@ -64,14 +62,6 @@ class WorkerClient:
 
     def task_name(self, task: int) -> str:
         return f"{self.job}:{task}"
-
-    def _stub(self, task: int, method: str):
-        with self._lock:
-            stub = self._stubs[task].get(method)
-            if stub is None:
-                stub = self._channels[task].stream_stream(method_path(method))
-                self._stubs[task][method] = stub
-            return stub
 
     def call(self, task: int, method: str, meta: dict | None = None,
              arrays: dict | None = None, timeout: float = 30.0,
@@ -90,8 +80,8 @@ class WorkerClient:
             raise ValueError(f"worker task {task} does not exist: the cluster has "
                              f"{self.num_tasks}")
         try:
-            responses = self._stub(task, method)(
-                wire.encode(meta, arrays), timeout=timeout, metadata=self._metadata,
+            responses = self._stubs(
+                task, method, wire.encode(meta, arrays), timeout=timeout, metadata=self._metadata,
                 wait_for_ready=False)
             if on_start is not None:
                 on_start(responses)
