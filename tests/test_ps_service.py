@@ -34,6 +34,56 @@ def test_elementwise_optimizer_per_shard_matches_whole(spec):
     assert got["a"][1] == 5
 
 
+@pytest.mark.parametrize("spec,ref_tx", [
+    (O.adam(O.warmup_cosine_decay_schedule(0.0, 0.05, warmup_steps=2, decay_steps=5)),
+     optax.adam(optax.warmup_cosine_decay_schedule(0.0, 0.05, 2, 5))),
+    (O.momentum(O.exponential_decay(0.1, 1, 0.5, staircase=True), 0.9),
+     optax.sgd(optax.exponential_decay(0.1, 1, 0.5, staircase=True), momentum=0.9)),
+    (O.sgd(O.linear_schedule(0.2, 0.0, 4)), optax.sgd(optax.linear_schedule(0.2, 0.0, 4))),
+], ids=["warmup_cosine_adam", "exponential_momentum", "linear_sgd"])
+def test_learning_rate_schedules_run_on_the_ps(spec, ref_tx):
+    """The ps evaluates the schedule on each shard's update count, as optax does."""
+    spec = O.OptimizerSpec.from_json(spec.to_json())  # as it reaches the ps
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    svc = ParameterService("ps:0")
+    svc.create({"a": w[:2], "b": w[2:]}, {k: {"optimizer": spec.to_json()} for k in "ab"})
+    ref, state = jnp.asarray(w), ref_tx.init(jnp.asarray(w))
+    for step in range(6):
+        g = rng.normal(size=w.shape).astype(np.float32)
+        svc.push({"a": g[:2], "b": g[2:]}, {"a": step, "b": step})
+        upd, state = ref_tx.update(jnp.asarray(g), state, ref)
+        ref = optax.apply_updates(ref, upd)
+    got = svc.pull(["a", "b"])
+    np.testing.assert_allclose(np.concatenate([got["a"][0], got["b"][0]]), ref, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_schedule_that_drops_to_zero_stops_the_updates():
+    spec = O.sgd(O.piecewise_constant_schedule(0.1, {2: 0.0}))
+    svc = ParameterService("ps:0")
+    svc.create({"w": np.zeros(3, np.float32)}, {"w": {"optimizer": spec.to_json()}})
+    values = []
+    for step in range(4):
+        svc.push({"w": np.ones(3, np.float32)}, {"w": step})
+        values.append(svc.pull(["w"])["w"][0].copy())
+    np.testing.assert_allclose(values[0], -0.1)
+    np.testing.assert_allclose(values[1], -0.2)
+    np.testing.assert_allclose(values[3], -0.2)  # learning rate 0 from update 2 on
+
+
+def test_schedule_specs_are_checked_and_travel_as_json():
+    spec = O.chain(O.clip_by_global_norm(1.0), O.adamw(O.cosine_decay_schedule(1e-3, 100)))
+    assert O.OptimizerSpec.from_json(spec.to_json()) == spec
+    assert spec.ps_part().kwargs["learning_rate"](100) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="function the ps cannot rebuild"):
+        O.adam(optax.cosine_decay_schedule(1e-3, 100))
+    with pytest.raises(ValueError, match="'cosine_decay_schedule' cannot be built"):
+        O.cosine_decay_schedule(1e-3, decay_steps=-5)
+    with pytest.raises(ValueError, match="schedule 'onecycle' is not one a ps can rebuild"):
+        O.ScheduleSpec("onecycle", {})
+
+
 def test_optimizer_split_rules():
     spec = O.chain(O.clip_by_global_norm(1.0), O.adam(1e-3))
     worker, ps = spec.split()

@@ -50,6 +50,12 @@ def test_defaults_and_overrides():
     ({}, ["model.name=resnet"], "model.name: 'resnet' is not valid; expected one of: mlp, cnn"),
     ({}, ["optimizer.learning_rate=fast"], "optimizer.learning_rate: 'fast' .* not a number"),
     ({}, ["data.name=npz"], "data.path: null is not allowed when data.name is 'npz'"),
+    ({}, ["optimizer.schedule=cosine"],
+     "optimizer.decay_steps: null is not allowed when optimizer.schedule is 'cosine'"),
+    ({}, ["optimizer.schedule=warmup_cosine", "optimizer.decay_steps=10",
+          "optimizer.warmup_steps=10"], "optimizer.warmup_steps: 10 is not valid; expected "
+     "fewer than decay_steps"),
+    ({}, ["optimizer.schedule=onecycle"], "optimizer.schedule: 'onecycle' is not valid"),
     ({}, ["train.epochs"], "expected section.key=value"),
     ({}, ["train.epochs.x=1"], r"train.epochs: {'x': 1} \(dict\) is not an int"),
     ({"train": {"epochs": 2}}, ["train.epochs.x=1"], "train.epochs is a value, not a section"),
@@ -83,3 +89,34 @@ def test_register_strategy_plugs_in_a_new_name():
             load_config(raw={"strategy": {"name": "test_plugin", "workers": 0}})
     finally:
         strategy_registry._REGISTRY.pop("test_plugin")
+
+
+@pytest.mark.parametrize("schedule, extra, rates", [
+    ("constant", [], [0.1, 0.1, 0.1]),
+    ("cosine", ["optimizer.end_learning_rate=0.01"], [0.1, 0.055, 0.01]),
+    ("warmup_cosine", ["optimizer.warmup_steps=5"], [0.0, 0.1, 0.0]),
+    ("exponential", ["optimizer.decay_rate=0.1"], [0.1, 0.01 * 10 ** 0.5, 0.01]),
+    ("linear", ["optimizer.end_learning_rate=0.02"], [0.1, 0.06, 0.02]),
+])
+def test_schedules_give_the_same_rates_locally_and_on_the_ps(schedule, extra, rates):
+    """The sync optax optimizer and the ps spec evaluate the same schedule."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxdist.train.job import optimizer_from_config
+    from jaxdist.train.ps_config import ps_optimizer_from_config
+
+    cfg = load_config(raw={}, overrides=["optimizer.name=sgd", "optimizer.learning_rate=0.1",
+                                         f"optimizer.schedule={schedule}",
+                                         "optimizer.decay_steps=10", *extra])
+    spec = ps_optimizer_from_config(cfg["optimizer"])
+    for tx in (optimizer_from_config(cfg["optimizer"]), spec.build()):
+        w = jnp.zeros(1)
+        state = tx.init(w)
+        got = {}
+        for step in range(11):
+            upd, state = tx.update(jnp.ones(1), state, w)
+            got[step] = -float(upd[0])  # sgd: update = -lr(step) * grad
+        for step, rate in zip((0, 5, 10), rates, strict=True):
+            assert got[step] == pytest.approx(rate, rel=1e-5, abs=1e-7), (schedule, step)
+    assert isinstance(optimizer_from_config(cfg["optimizer"]), optax.GradientTransformation)

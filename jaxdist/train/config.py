@@ -93,7 +93,21 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "optimizer": {
         "name": Field(str, "adam", "optax optimizer", choices=("sgd", "adam", "adamw",
                                                                 "rmsprop")),
-        "learning_rate": Field(float, 1e-3, "step size", minimum=0.0),
+        "learning_rate": Field(float, 1e-3, "step size (the peak of a warm-up schedule)",
+                               minimum=0.0),
+        "schedule": Field(str, "constant", "learning-rate schedule over the update count "
+                          "(optax; on a ps, each shard's update count = the global step)",
+                          choices=("constant", "cosine", "warmup_cosine", "exponential",
+                                   "linear")),
+        "decay_steps": Field(int, None, "cosine/warmup_cosine/linear: steps until the end "
+                             "rate (warmup_cosine: warm-up included); exponential: steps per "
+                             "decay_rate factor", optional=True, minimum=1),
+        "warmup_steps": Field(int, 0, "warmup_cosine: steps of linear warm-up from 0",
+                              minimum=0),
+        "end_learning_rate": Field(float, 0.0, "cosine/warmup_cosine/linear: the rate at "
+                                   "decay_steps", minimum=0.0),
+        "decay_rate": Field(float, 0.5, "exponential: factor applied every decay_steps",
+                            minimum=0.0),
         "momentum": Field(float, 0.0, "sgd/rmsprop: momentum", minimum=0.0),
         "weight_decay": Field(float, 1e-4, "adamw: decoupled weight decay", minimum=0.0),
         "clipnorm": Field(float, None, "clip the global gradient norm to this value",
@@ -261,6 +275,14 @@ def _cross_checks(cfg: dict[str, Any]) -> None:
     if not 0.0 <= data["validation_split"] < 1.0:
         raise ConfigError(f"data.validation_split: {data['validation_split']!r} is not valid; "
                           f"expected a fraction in [0, 1)")
+    opt = cfg["optimizer"]
+    if opt["schedule"] != "constant" and opt["decay_steps"] is None:
+        raise ConfigError(f"optimizer.decay_steps: null is not allowed when optimizer.schedule "
+                          f"is {opt['schedule']!r}; expected the number of steps of the decay")
+    if opt["schedule"] == "warmup_cosine" and opt["warmup_steps"] >= opt["decay_steps"]:
+        raise ConfigError(f"optimizer.warmup_steps: {opt['warmup_steps']} is not valid; "
+                          f"expected fewer than decay_steps ({opt['decay_steps']}), which "
+                          f"include the warm-up")
     if cfg["model"]["name"] == "mlp" and any(h < 1 for h in cfg["model"]["hidden_sizes"]):
         raise ConfigError(f"model.hidden_sizes: {cfg['model']['hidden_sizes']!r} is not valid; "
                           f"expected positive layer widths")

@@ -89,8 +89,9 @@ def ps_optimizer_from_config(section: Mapping[str, Any]) -> Any:
         ConfigError: the optimizer cannot run on a parameter server.
     """
     from jaxdist.ps import optimizers as O
+    from jaxdist.train.job import learning_rate_from_config
 
-    name, lr = section["name"], section["learning_rate"]
+    name, lr = section["name"], learning_rate_from_config(section)
     makers = {
         "sgd": lambda: O.sgd(lr, momentum=section.get("momentum") or None),
         "adam": lambda: O.adam(lr),
