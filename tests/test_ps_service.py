@@ -174,3 +174,29 @@ def test_ssp_clock_bounds_the_gap():
     svc.clock(1, float("inf"), 2, None, 0.0)         # worker 1 done
     assert svc.clock(0, 50, 2, 1, 0.0)["ok"]
     jax.block_until_ready(jnp.zeros(()))
+
+
+def test_save_keeps_the_newest_checkpoints_and_the_last_complete_one(tmp_path):
+    import os
+
+    svc = ParameterService("ps:1")
+    svc.create({"w": np.zeros(2, np.float32)}, {})
+    task_dir = tmp_path / "ps-1"
+    for step in (100, 200, 300):
+        svc.save(str(tmp_path), step, keep=2)
+        write_checkpoint_pointer(str(tmp_path), step)   # every ps saved: the chief marks it
+    assert sorted(os.listdir(task_dir)) == ["ckpt-200", "ckpt-300", "latest"]
+    # A save another ps never completed: the pointer still names 300, which must survive.
+    (task_dir / "ckpt-350.tmp-deadbeef").mkdir()          # an interrupted earlier save
+    svc.save(str(tmp_path), 400, keep=1)
+    assert sorted(os.listdir(task_dir)) == ["ckpt-300", "ckpt-400", "latest"]
+    svc.push({"w": np.ones(2, np.float32)}, {"w": 0})
+    fresh = ParameterService("ps:1", checkpoint_dir=str(tmp_path))   # restores the pointer's
+    assert fresh.restored_step == 300
+    write_checkpoint_pointer(str(tmp_path), 400)
+    svc.save(str(tmp_path), 500, keep=1)
+    assert sorted(os.listdir(task_dir)) == ["ckpt-400", "ckpt-500", "latest"]
+    svc.save(str(tmp_path), 600)                                     # keep=None: keeps all
+    assert sorted(os.listdir(task_dir))[:3] == ["ckpt-400", "ckpt-500", "ckpt-600"]
+    with pytest.raises(PSInvalidArgumentError, match="keep must be >= 1"):
+        svc.save(str(tmp_path), 700, keep=0)

@@ -52,6 +52,10 @@ def test_in_process_training_reaches_the_accuracy_bar(tmp_path):
     assert end["step"] == 6 * (1437 // 32)
     # the chief asked the (in-process) ps to checkpoint at the end
     assert json.loads((tmp_path / "ckpt" / "checkpoint").read_text())["step"] == end["step"]
+    # checkpoint.keep (3) prunes the ps checkpoints: the newest three, the final one included
+    (task_dir,) = [d for d in (tmp_path / "ckpt").iterdir() if d.is_dir()]
+    kept = sorted(int(d.name[5:]) for d in task_dir.iterdir() if d.name.startswith("ckpt-"))
+    assert len(kept) == 3 and kept[-1] == end["step"], kept
 
 
 def test_in_process_resume_from_the_ps_checkpoint(tmp_path):
@@ -179,6 +183,7 @@ def test_launch_two_workers_two_ps_end_to_end(tmp_path):
     for i in (0, 1):
         assert f"[ps:{i}] jaxdist.server ps:{i} stopped" in out, out[-3000:]
         assert (ckpt / f"ps-{i}" / f"ckpt-{end['step']}").is_dir()
+        assert len(list((ckpt / f"ps-{i}").glob("ckpt-*"))) <= 3   # checkpoint.keep
     assert "all training tasks finished" in out
     # worker:1 trained (pushed) but wrote nothing: one config.yaml and the chief's metrics only
     assert sorted(p.name for p in logs.iterdir()) == ["config.yaml", "metrics.jsonl"]

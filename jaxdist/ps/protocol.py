@@ -82,7 +82,9 @@ def _clock(svc, meta, arrays) -> Message:
 
 
 def _save(svc, meta, arrays) -> Message:
-    return {"path": svc.save(meta.get("directory"), int(meta["step"]))}, {}
+    keep = meta.get("keep")
+    return {"path": svc.save(meta.get("directory"), int(meta["step"]),
+                             None if keep is None else int(keep))}, {}
 
 
 def _restore(svc, meta, arrays) -> Message:

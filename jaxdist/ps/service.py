@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -335,10 +336,18 @@ class ParameterService:
                 self._clock_cond.wait(left)
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, directory: str | None, step: int) -> str:
+    def save(self, directory: str | None, step: int, keep: int | None = None) -> str:
         """Writes every variable, its optimizer state and version to
         ``<directory>/<task>/ckpt-<step>`` atomically (temp dir, then rename); returns the path.
+
+        Args:
+            keep: then delete this task's older checkpoints beyond the newest ``keep`` (and
+                leftovers of interrupted saves), never the one the chief's pointer names (the
+                last step every ps saved). ``None`` keeps all.
         """
+        if keep is not None and int(keep) < 1:
+            raise PSInvalidArgumentError(f"{self.task}: keep must be >= 1 checkpoints, got "
+                                         f"{keep!r}", task=self.task)
         directory = directory or self.checkpoint_dir
         if not directory:
             raise PSInvalidArgumentError(
@@ -377,6 +386,8 @@ class ParameterService:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
+        if keep is not None:
+            prune_checkpoints(directory, self.task, int(keep), just_saved=int(step))
         return final
 
     def restore(self, directory: str | None = None, step: int | None = None) -> int:
@@ -429,6 +440,46 @@ def latest_step(directory: str, task: str) -> int | None:
     return None
 
 
+def _step_of(name: str) -> int | None:
+    match = re.fullmatch(r"ckpt-(\d+)(\.tmp-[0-9a-f]+)?", name)
+    return int(match.group(1)) if match else None
+
+
+def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> list[str]:
+    """Deletes ``task``'s checkpoints beyond the newest ``keep``; returns the deleted paths.
+
+    The checkpoint the chief's pointer names is kept whatever its age: it is the last step every
+    ps saved, the one a restarted cluster restores. Leftovers of interrupted saves
+    (``ckpt-<step>.tmp-*``) older than ``just_saved`` go too.
+
+    Example:
+        >>> prune_checkpoints("/ckpt", "ps:0", keep=3, just_saved=900)
+        ['/ckpt/ps-0/ckpt-500']
+    """
+    task_dir = os.path.join(directory, task.replace(":", "-"))
+    protected = None
+    try:
+        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+            protected = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        pass
+    complete, partial = [], []
+    for name in os.listdir(task_dir):
+        step = _step_of(name)
+        if step is None:
+            continue
+        (partial if ".tmp-" in name else complete).append((step, name))
+    complete.sort(reverse=True)
+    doomed = [name for i, (step, name) in enumerate(complete) if i >= keep and step != protected]
+    doomed += [name for step, name in partial if step < just_saved]
+    deleted = []
+    for name in doomed:
+        path = os.path.join(task_dir, name)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w") as f:
@@ -444,4 +495,4 @@ def write_checkpoint_pointer(directory: str, step: int) -> None:
     _atomic_write(os.path.join(directory, CHECKPOINT_POINTER), json.dumps({"step": int(step)}))
 
 
-__all__ = ["ParameterService", "latest_step", "write_checkpoint_pointer"]
+__all__ = ["ParameterService", "latest_step", "prune_checkpoints", "write_checkpoint_pointer"]

@@ -313,16 +313,20 @@ class ParameterServerStrategyExtended(StrategyExtended):
                                            "max_staleness": None, "wait_s": 0.0})
 
     # ------------------------------------------------------------------ checkpoints / stats
-    def save(self, directory: str, step: int) -> list[str]:
+    def save(self, directory: str, step: int, keep: int | None = None) -> list[str]:
         """Asks every ps to save its shards, optimizer state and versions (atomically each),
         then marks ``step`` complete. Returns the per-ps checkpoint paths.
+
+        Args:
+            keep: each ps then deletes its checkpoints beyond the newest ``keep`` (never the
+                last complete one); ``None`` keeps all.
 
         Example:
             >>> if strategy.extended.should_checkpoint:
             ...     strategy.extended.save("/tmp/ckpt", step)
         """
         results = self._client.call_many([
-            (t, "Save", {"directory": directory, "step": int(step)}, {})
+            (t, "Save", {"directory": directory, "step": int(step), "keep": keep}, {})
             for t in range(self._client.num_tasks)
         ])
         write_checkpoint_pointer(directory, step)

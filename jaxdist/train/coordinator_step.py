@@ -282,7 +282,8 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
 
     def save(self, trainer: Any) -> None:
         self.coordinator.join()
-        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step)
+        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step,
+                                    keep=trainer.keep_checkpoints)
         trainer.last_checkpoint = trainer.step
 
     def end_training(self, trainer: Any) -> None:

@@ -128,7 +128,8 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
     def save(self, trainer: Any) -> None:
         if not self.is_chief:
             return
-        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step)
+        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step,
+                                    keep=trainer.keep_checkpoints)
         trainer.last_checkpoint = trainer.step
 
     def end_training(self, trainer: Any) -> None:
