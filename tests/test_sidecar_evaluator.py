@@ -80,3 +80,69 @@ def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
     assert evals[-1]["loss"] == pytest.approx(end["val_loss"], rel=1e-4)
     # the evaluator stayed out of the training cluster and trained nothing
     assert "[evaluator:0] [train]" not in out
+
+
+def test_ps_checkpoint_reader_reassembles_partitioned_leaves(tmp_path):
+    import numpy as np
+
+    from jaxdist.ps.checkpoint_reader import PSCheckpointReader
+    from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
+    from jaxdist.train.evaluator import PSCheckpointState
+
+    w = np.arange(15, dtype=np.float32).reshape(5, 3)
+    b = np.array([7.0], np.float32)
+    ps0, ps1 = ParameterService("ps:0"), ParameterService("ps:1")
+    ps0.create({"model/dense/w/part_0": w[:3], "model/dense/b": b}, {})
+    ps1.create({"model/dense/w/part_1": w[3:]}, {})
+    like = {"dense": {"w": np.zeros((5, 3), np.float32), "b": np.zeros(1, np.float32)}}
+    reader = PSCheckpointReader(str(tmp_path))
+    assert reader.latest_step() is None
+    for svc in (ps0, ps1):
+        svc.save(str(tmp_path), 10)
+    assert reader.latest_step() is None          # not complete until the chief marks it
+    write_checkpoint_pointer(str(tmp_path), 10)
+    assert reader.latest_step() == 10 and not reader.is_final(10)
+    got = reader.restore_tree(10, like)
+    np.testing.assert_array_equal(got["dense"]["w"], w)
+    np.testing.assert_array_equal(got["dense"]["b"], b)
+    write_checkpoint_pointer(str(tmp_path), 10, final=True)
+    assert reader.is_final(10)
+    state, meta = PSCheckpointState(str(tmp_path), steps_per_epoch=4).restore(
+        10, {"params": like, "rest": {}, "opt_state": None})
+    np.testing.assert_array_equal(state["params"]["dense"]["w"], w)
+    assert meta == {"step": 10, "epoch": 2}
+    with pytest.raises(ValueError, match="has no variable 'model/dense/k'"):
+        reader.restore_tree(10, {"dense": {"k": np.zeros(1)}})
+    with pytest.raises(ValueError, match=r"has shape \(5, 3\), expected \(4, 3\)"):
+        reader.restore_tree(10, {"dense": {"w": np.zeros((4, 3)), "b": np.zeros(1)}})
+
+
+@pytest.mark.slow
+def test_launcher_evaluator_reads_parameter_server_checkpoints(tmp_path):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("TF_CONFIG", None)
+    cmd = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--ps", "2",
+           "--evaluator", "--evaluator-grace", "60", "--",
+           sys.executable, "-m", "jaxdist.train", "--config", "configs/parameter_server.yaml"]
+    for s in ("train.epochs=3", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
+              "checkpoint.keep=2", f"logging.dir={logs}", "logging.progress_bar=never",
+              "evaluator.poll_seconds=0.2", "evaluator.idle_timeout_seconds=60"):
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    final = 3 * (1437 // 2 // 32)   # the chief's steps: its half of every epoch
+    assert f"evaluator:0: evaluated the final checkpoint (step {final}); done" in out, out[-3000:]
+    with open(logs / "eval" / "metrics.jsonl") as f:
+        evals = [json.loads(line) for line in f]
+    steps = [r["step"] for r in evals]
+    assert steps == sorted(set(steps)) and steps[-1] == final
+    with open(logs / "metrics.jsonl") as f:
+        end = [r for r in map(json.loads, f) if r["event"] == "end"][0]
+    # the evaluator reassembled the ps shards of the chief's final weights
+    assert evals[-1]["accuracy"] == pytest.approx(end["val_accuracy"], abs=1e-6)
+    assert evals[-1]["loss"] == pytest.approx(end["val_loss"], rel=1e-4)
+    assert json.loads((ckpt / "checkpoint").read_text()) == {"step": final, "final": True}
+    for i in (0, 1):   # checkpoint.keep=2 pruned the ps checkpoints
+        assert len(list((ckpt / f"ps-{i}").glob("ckpt-*"))) <= 2

@@ -6,6 +6,7 @@ Example:
 """
 
 from jaxdist.ps import optimizers, wire
+from jaxdist.ps.checkpoint_reader import PSCheckpointReader
 from jaxdist.ps.client import LocalClient, PSClient
 from jaxdist.ps.embedding import EmbeddingLookup, EmbeddingTable
 from jaxdist.ps.errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "PSAuthenticationError",
+    "PSCheckpointReader",
     "PSClient",
     "PSError",
     "PSInvalidArgumentError",

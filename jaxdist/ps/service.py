@@ -489,10 +489,15 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_checkpoint_pointer(directory: str, step: int) -> None:
-    """Marks ``step`` as complete on every ps (the chief calls it after all saves succeed)."""
+def write_checkpoint_pointer(directory: str, step: int, final: bool = False) -> None:
+    """Marks ``step`` as complete on every ps (the chief calls it after all saves succeed).
+
+    Args:
+        final: the step is the last of a finished run (a side-car evaluator stops after it).
+    """
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER), json.dumps({"step": int(step)}))
+    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER),
+                  json.dumps({"step": int(step), "final": bool(final)}))
 
 
 __all__ = ["ParameterService", "latest_step", "prune_checkpoints", "write_checkpoint_pointer"]

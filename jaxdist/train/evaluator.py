@@ -65,6 +65,11 @@ class SidecarEvaluator:
         tensorboard: write TensorBoard event files.
         task: this task's name, for messages.
         sleep: the sleep function (tests).
+        reader: where checkpoints come from (``latest_step()``, ``all_steps()``,
+            ``restore(step, like)``, optionally ``is_final(step)``); default: the Trainer's
+            ``Checkpointer`` on ``checkpoint_dir``. ``PSCheckpointState`` reads the
+            checkpoints parameter servers write; the evaluator also stops after a step the
+            reader calls final.
 
     Example:
         >>> SidecarEvaluator(trainer, (x_val, y_val), "ckpt", final_step=100).start()
@@ -74,7 +79,7 @@ class SidecarEvaluator:
                  final_step: int | None = None, log_dir: str | None = None,
                  poll_seconds: float = 1.0, idle_timeout_seconds: float = 600.0,
                  tensorboard: bool = True, task: str = "evaluator:0",
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, reader: Any = None):
         if poll_seconds <= 0 or idle_timeout_seconds <= 0:
             raise ValueError(f"poll_seconds={poll_seconds!r} and idle_timeout_seconds="
                              f"{idle_timeout_seconds!r}: expected positive numbers of seconds")
@@ -88,6 +93,7 @@ class SidecarEvaluator:
         self.tensorboard = tensorboard
         self.task = task
         self._sleep = sleep
+        self._reader = reader
         self.last_evaluated: int | None = None
 
     def start(self) -> list[dict[str, Any]]:
@@ -99,11 +105,13 @@ class SidecarEvaluator:
         from jaxdist.train.checkpoint import Checkpointer
         from jaxdist.train.metrics import MetricsLogger
 
-        ckpt = Checkpointer(self.checkpoint_dir, read_only=True)
+        ckpt = self._reader or Checkpointer(self.checkpoint_dir, read_only=True)
         logger = MetricsLogger(self.log_dir, tensorboard=self.tensorboard, progress_bar="never")
         records: list[dict[str, Any]] = []
+        until = (f"final step {self.final_step}" if self.final_step is not None
+                 else "until the chief marks one final")
         logger.message(f"{self.task}: evaluating new checkpoints in {self.checkpoint_dir} "
-                       f"(final step {self.final_step})")
+                       f"({until})")
         idle_since = time.monotonic()
         try:
             while True:
@@ -114,7 +122,9 @@ class SidecarEvaluator:
                     if record is not None:
                         records.append(record)
                         idle_since = time.monotonic()
-                        if self.final_step is not None and step >= self.final_step:
+                        is_final = getattr(ckpt, "is_final", lambda s: False)(step)
+                        if is_final or (self.final_step is not None
+                                        and step >= self.final_step):
                             logger.message(f"{self.task}: evaluated the final checkpoint "
                                            f"(step {step}); done")
                             return records
@@ -131,13 +141,14 @@ class SidecarEvaluator:
                 self._sleep(self.poll_seconds)
         finally:
             logger.close()
-            ckpt.close()
+            if hasattr(ckpt, "close"):
+                ckpt.close()
 
     def _evaluate(self, ckpt: Any, step: int, logger: Any) -> dict[str, Any] | None:
         t = self.trainer
         try:
             state, meta = ckpt.restore(step, like=t.state)
-        except (FileNotFoundError, ValueError, OSError):
+        except (FileNotFoundError, ValueError, OSError, KeyError):
             # The chief pruned it (keep K) between listing and reading: take the next newest.
             if step in ckpt.all_steps():
                 raise
@@ -145,7 +156,48 @@ class SidecarEvaluator:
         t.params, t.rest, t.opt_state = state["params"], state["rest"], state["opt_state"]
         values = t.evaluate(self.data)
         self.last_evaluated = step
-        return logger.write("evaluation", step, epoch=int(meta.get("epoch", 0)), **values)
+        epoch = {} if meta.get("epoch") is None else {"epoch": int(meta["epoch"])}
+        return logger.write("evaluation", step, **epoch, **values)
+
+
+class PSCheckpointState:
+    """Serves parameter-server checkpoints to ``SidecarEvaluator`` as Trainer states.
+
+    The parameters come from the ps shards (``jaxdist.ps.checkpoint_reader``); the rest of the
+    state (non-parameter model state, optimizer state) stays the evaluating Trainer's own, which
+    evaluation does not use.
+
+    Args:
+        directory: the job's ``checkpoint.dir``.
+        collection: the variables' collection name (the Trainer's is ``"model"``).
+        steps_per_epoch: the chief's steps per epoch, to report the epoch of a step
+            (``None``: records carry no epoch).
+
+    Example:
+        >>> SidecarEvaluator(trainer, (x, y), "ckpt", reader=PSCheckpointState("ckpt")).start()
+    """
+
+    def __init__(self, directory: str, collection: str = "model",
+                 steps_per_epoch: int | None = None):
+        from jaxdist.ps.checkpoint_reader import PSCheckpointReader
+
+        self.reader = PSCheckpointReader(directory)
+        self.collection = collection
+        self.steps_per_epoch = steps_per_epoch
+
+    def latest_step(self) -> int | None:
+        return self.reader.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return self.reader.all_steps()
+
+    def is_final(self, step: int) -> bool:
+        return self.reader.is_final(step)
+
+    def restore(self, step: int, like: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+        params = self.reader.restore_tree(step, like["params"], self.collection)
+        epoch = step // self.steps_per_epoch if self.steps_per_epoch else None
+        return {**like, "params": params}, {"step": step, "epoch": epoch}
 
 
 def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[str, Any]]:
@@ -153,7 +205,9 @@ def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[
     jaxdist.train``).
 
     The model, optimizer and batch size come from the config (so the checkpoints restore into
-    them); evaluation runs on one local device, outside the training cluster.
+    them); evaluation runs on one local device, outside the training cluster. Under the
+    ``parameter_server`` strategies it reads the ps tasks' checkpoints and stops after the one
+    the chief marks final.
 
     Raises:
         ConfigError: the config has no ``checkpoint.dir`` to watch.
@@ -188,11 +242,16 @@ def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[
     if log_dir is None and lcfg["dir"] is not None:
         log_dir = os.path.join(lcfg["dir"], "eval")
     data = (val.x, val.y) if val is not None else (train.x, train.y)
+    reader = None
+    if cfg["strategy"]["name"] in ("parameter_server", "parameter_server_coordinator"):
+        # The chief's step count depends on the workers' shares: stop at its final mark.
+        reader, final = PSCheckpointState(ccfg["dir"]), None
     return SidecarEvaluator(
         trainer, data, ccfg["dir"], final_step=final, log_dir=log_dir,
         poll_seconds=ecfg["poll_seconds"], idle_timeout_seconds=ecfg["idle_timeout_seconds"],
-        tensorboard=lcfg["tensorboard"], task=task,
+        tensorboard=lcfg["tensorboard"], task=task, reader=reader,
     ).start()
 
 
-__all__ = ["EvaluatorTimeoutError", "SidecarEvaluator", "evaluator_task", "run_sidecar"]
+__all__ = ["EvaluatorTimeoutError", "PSCheckpointState", "SidecarEvaluator", "evaluator_task",
+           "run_sidecar"]

@@ -86,6 +86,9 @@ class TrainerHook:
         """Called when this task has run its last step, before the final checkpoint and
         evaluation."""
 
+    def end_fit(self, trainer: Any) -> None:
+        """Called at the very end of ``fit``, after the final checkpoint and evaluation."""
+
 
 _HOOKS: dict[str, str | type[TrainerHook]] = {}
 

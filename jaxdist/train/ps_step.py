@@ -37,7 +37,7 @@ from jax import lax
 
 import jaxdist
 from jaxdist.ps import optimizers as ps_optimizers
-from jaxdist.ps.service import latest_step
+from jaxdist.ps.service import latest_step, write_checkpoint_pointer
 from jaxdist.train import data as data_lib
 from jaxdist.train.hooks import TrainerHook
 
@@ -47,7 +47,8 @@ _POLL_S = 0.2
 
 
 class PSConfigMixin:
-    """Config handling shared by the parameter-server hooks (between-graph and coordinator)."""
+    """Config handling and the final-checkpoint mark shared by the parameter-server hooks
+    (between-graph and coordinator)."""
 
     def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
         from jaxdist.train.ps_config import ps_optimizer_from_config
@@ -58,6 +59,13 @@ class PSConfigMixin:
         from jaxdist.train.ps_config import check_config
 
         check_config(cfg)
+
+    def end_fit(self, trainer: Any) -> None:
+        """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
+        if (trainer.checkpoint_dir is not None and getattr(self, "is_chief", True)
+                and trainer.last_checkpoint == trainer.step):
+            write_checkpoint_pointer(os.path.abspath(trainer.checkpoint_dir), trainer.step,
+                                     final=True)
 
 
 class ParameterServerHook(PSConfigMixin, TrainerHook):

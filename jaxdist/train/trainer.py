@@ -596,6 +596,8 @@ class Trainer:
             if "val_accuracy" in history.history:
                 end["val_accuracy"] = history.history["val_accuracy"][-1]
         history.records.append(logger.write("end", self.step, **end))
+        if self._hook is not None:
+            self._hook.end_fit(self)
 
 
 def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:
