@@ -47,16 +47,30 @@ def test_pool_never_hands_out_a_buffer_in_use():
     pool = BufferPool(min_bytes=16)
     a = pool.take(1024)
     view = a[8:24].view(np.float32)
-    a_id = id(a)
+    a_addr = a.ctypes.data
     del a
     b = pool.take(1024)
-    assert id(b) != a_id  # ``view`` still uses a
-    b_id = id(b)
+    assert b.ctypes.data != a_addr  # ``view`` still uses a
+    b_addr = b.ctypes.data
     del b
-    assert id(pool.take(1024)) == b_id  # b is free again: recycled
+    assert pool.take(1024).ctypes.data == b_addr  # b is free again: recycled
     del view
     gc.collect()
-    assert id(pool.take(1024)) == a_id
+    assert pool.take(1024).ctypes.data == a_addr
+
+
+def test_decoded_arrays_are_aligned_for_zero_copy_jax():
+    import jax
+
+    arrays = {"a": np.arange(3, dtype=np.int8), "b": np.arange(1000, dtype=np.float32),
+              "c": np.ones((7, 5), np.float64), "d": np.arange(5, dtype=np.float16)}
+    for pool in (None, BufferPool(min_bytes=16)):
+        _, out = wire.decode(list(wire.encode({}, arrays, chunk_bytes=256)), pool)
+        for k, x in arrays.items():
+            assert out[k].ctypes.data % 64 == 0, k
+            np.testing.assert_array_equal(out[k], x)
+    on_cpu = jax.device_put(out["b"], jax.devices("cpu")[0])
+    assert on_cpu.unsafe_buffer_pointer() == out["b"].ctypes.data  # no copy
 
 
 def test_pool_decoded_arrays_keep_their_buffer():

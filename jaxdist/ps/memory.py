@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,38 @@ def _free_refs() -> int:
 
 
 _FREE_REFS = _free_refs()
+
+#: Byte alignment of decoded arrays: XLA's CPU client uses a numpy array aligned like this
+#: without copying it (``jax.device_put``, jit arguments), so a pulled parameter or a pushed
+#: gradient enters a jitted step or a ps update as is.
+ALIGNMENT = 64
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 buffer of ``nbytes`` starting on an ``ALIGNMENT`` boundary.
+
+    Its ``base`` is the owning allocation (``nbytes + ALIGNMENT`` bytes).
+
+    Example:
+        >>> aligned_empty(1000).ctypes.data % ALIGNMENT
+        0
+    """
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start:start + nbytes]
+
+
+def aligned_copy(x: Any) -> np.ndarray:
+    """A writable, ``ALIGNMENT``-aligned copy of array-like ``x`` (same dtype and shape).
+
+    Example:
+        >>> aligned_copy(np.arange(3.0)).ctypes.data % ALIGNMENT
+        0
+    """
+    x = np.asarray(x)
+    out = aligned_empty(x.nbytes).view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
 
 
 class BufferPool:
@@ -63,14 +96,17 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 buffer of ``nbytes`` (recycled when one of that size is free)."""
+        """A writable uint8 buffer of ``nbytes``, ``ALIGNMENT``-aligned (recycled when one of
+        that size is free)."""
         if nbytes < self.min_bytes:
-            return np.empty(nbytes, np.uint8)
+            return aligned_empty(nbytes)
         with self._lock:
-            # A free buffer's only references: the pool's list and this loop's temporaries.
+            # The pool tracks the owning allocations (every view's ``base``); a free one's only
+            # references are the pool's list and this loop's temporaries.
             for buf in self._bufs:
-                if buf.nbytes == nbytes and sys.getrefcount(buf) <= _FREE_REFS:
-                    return buf
+                if buf.nbytes == nbytes + ALIGNMENT and sys.getrefcount(buf) <= _FREE_REFS:
+                    start = (-buf.ctypes.data) % ALIGNMENT
+                    return buf[start:start + nbytes]
             free_bytes = 0
             keep = []
             for buf in reversed(self._bufs):  # newest first; drop the oldest free ones
@@ -80,8 +116,8 @@ class BufferPool:
                         continue
                 keep.append(buf)
             self._bufs = keep[::-1][-(self.max_buffers - 1) :] if self.max_buffers > 1 else []
-            out = np.empty(nbytes, np.uint8)
-            self._bufs.append(out)
+            out = aligned_empty(nbytes)
+            self._bufs.append(out.base)
             return out
 
     def clear(self) -> None:
@@ -96,41 +132,69 @@ RECEIVE_POOL = BufferPool()
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 MMAP_THRESHOLD_BYTES = 8 << 20
 TRIM_THRESHOLD_BYTES = 64 << 20
-_tuned: bool | None = None
+SERVER_TRIM_THRESHOLD_BYTES = 1 << 30
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_",
+                  "MALLOC_TOP_PAD_")
+_tuned: dict[bool, bool] = {}
 _tune_lock = threading.Lock()
 
 
-def tune_malloc() -> bool:
-    """Keeps glibc from unmapping blocks up to 8 MiB and from trimming up to 64 MiB of free
-    heap, so the buffers of one transfer are reused by the next; returns whether it applied.
+def _mallopt():
+    if (os.environ.get("JAXDIST_MALLOC_TUNING", "1") == "0"
+            or any(k in os.environ for k in _USER_SETTINGS)
+            or not sys.platform.startswith("linux")
+            or platform.libc_ver()[0] != "glibc"):
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt
 
-    Called by ``PSClient`` and ``ParameterServer``. It does nothing on other C libraries, when
-    ``JAXDIST_MALLOC_TUNING=0``, or when the process already sets ``MALLOC_MMAP_THRESHOLD_``
-    or ``MALLOC_TRIM_THRESHOLD_`` (the user's settings win). Measured on a 64 MiB transfer:
-    the receiving side spends about a quarter less CPU.
+
+def tune_malloc(server: bool = False) -> bool:
+    """Tunes glibc's allocator for bulk transfers; returns whether it applied.
+
+    Client level (``PSClient``): glibc keeps blocks up to 8 MiB in the heap instead of
+    unmapping them, and trims only beyond 64 MiB of free heap, so the buffers of one transfer
+    are reused by the next (a 64 MiB transfer: the receiving side spends about a quarter less
+    CPU).
+
+    Server level (``ParameterServer``, a process jaxdist owns): no block is mmapped at all and
+    up to 1 GiB of free heap is kept. Every update of a variable allocates a value as large as
+    the variable (XLA's output buffer); from the heap, it reuses the pages the previous value
+    freed instead of faulting in and zeroing fresh ones: a 64 MiB sgd update on the ps took
+    52 -> 19 ms, adam 93 -> 58 ms on the 2-core test machine.
+
+    It does nothing on other C libraries, when ``JAXDIST_MALLOC_TUNING=0``, or when the process
+    sets any of ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_MAX_``,
+    ``MALLOC_TOP_PAD_`` (the user's settings win).
+
+    Example:
+        >>> tune_malloc(server=True)   # in a ps process
+        True
     """
-    global _tuned
     with _tune_lock:
-        if _tuned is not None:
-            return _tuned
-        _tuned = False
-        if (os.environ.get("JAXDIST_MALLOC_TUNING", "1") == "0"
-                or "MALLOC_MMAP_THRESHOLD_" in os.environ
-                or "MALLOC_TRIM_THRESHOLD_" in os.environ
-                or not sys.platform.startswith("linux")
-                or platform.libc_ver()[0] != "glibc"):
+        if server in _tuned or _tuned.get(True):
+            return _tuned.get(server, _tuned.get(True, False))
+        mallopt = _mallopt()
+        if mallopt is None:
+            _tuned[server] = False
             return False
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):
-            return False
-        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        mallopt.restype = ctypes.c_int
-        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        if server:
+            ok = bool(mallopt(_M_MMAP_MAX, 0)
+                      and mallopt(_M_TRIM_THRESHOLD, SERVER_TRIM_THRESHOLD_BYTES))
+        else:
+            ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
                       and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-        return _tuned
+        _tuned[server] = ok
+        return ok
 
 
-__all__ = ["RECEIVE_POOL", "BufferPool", "tune_malloc"]
+__all__ = ["ALIGNMENT", "RECEIVE_POOL", "BufferPool", "aligned_copy", "aligned_empty",
+           "tune_malloc"]

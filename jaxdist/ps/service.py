@@ -33,6 +33,7 @@ import optax
 
 from jaxdist.ps import wire
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.memory import aligned_copy
 from jaxdist.ps.optimizers import OptimizerSpec
 
 CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
@@ -91,7 +92,8 @@ class _Var:
 
 
 def _writable(state: Any) -> Any:
-    return jax.tree.map(lambda x: np.array(x), state)
+    # Aligned, so the jitted updates take the leaves without copying them.
+    return jax.tree.map(aligned_copy, state)
 
 
 class ParameterService:
@@ -141,7 +143,7 @@ class ParameterService:
         out = {}
         for key, value in values.items():
             spec = specs.get(key, {})
-            value = np.array(value)  # own, writable copy
+            value = aligned_copy(value)  # own, writable copy (aligned: no copy into jax)
             with self._vars_lock:
                 var = self._vars.get(key)
                 if var is not None:
@@ -407,12 +409,13 @@ class ParameterService:
             meta, arrays = wire.decode([f.read()])
         new_vars = {}
         for key, info in meta["variables"].items():
-            value = np.array(arrays[f"v/{key}"])
+            value = aligned_copy(arrays[f"v/{key}"])
             state = None
             if info["optimizer"] is not None:
                 tx, _, _ = _transform(info["optimizer"])
                 template = tx.init(jnp.asarray(value))
-                leaves = [np.array(arrays[f"s/{key}/{i}"]) for i in range(info["num_state"])]
+                leaves = [aligned_copy(arrays[f"s/{key}/{i}"])
+                          for i in range(info["num_state"])]
                 state = jax.tree.unflatten(jax.tree.structure(template), leaves)
             new_vars[key] = _Var(key, value, info["kind"], info["optimizer"], state,
                                  version=int(info["version"]))

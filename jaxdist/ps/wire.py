@@ -26,7 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxdist.ps.memory import BufferPool
+from jaxdist.ps.memory import ALIGNMENT, BufferPool, aligned_empty
 
 MAGIC = b"JDW1"
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -94,10 +94,14 @@ def encode(
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     specs = []
-    views = []
+    views: list[Any] = []
     offset = 0
     for name, x in (arrays or {}).items():
         arr = _as_wire_array(x)
+        pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
+        if pad and arr.nbytes:
+            views.append(memoryview(bytes(pad)))
+            offset += pad
         specs.append([name, dtype_name(arr.dtype), list(arr.shape), offset, arr.nbytes])
         offset += arr.nbytes
         if arr.nbytes:
@@ -134,7 +138,8 @@ def decode(
 
     The arrays are writable views of one payload buffer, taken from ``pool`` when given
     (``jaxdist.ps.memory.RECEIVE_POOL`` recycles buffers that earlier messages' arrays no
-    longer use).
+    longer use). Each starts on a 64-byte boundary (the encoder pads between arrays), so JAX
+    on CPU takes it without a copy.
 
     Raises:
         WireError: the chunks do not form a complete message.
@@ -154,7 +159,7 @@ def decode(
         header = json.loads(bytes(first[start : start + hlen]))
     except ValueError as e:
         raise WireError(f"bad message header: {e}") from None
-    payload = pool.take(total) if pool is not None else np.empty(total, np.uint8)
+    payload = pool.take(total) if pool is not None else aligned_empty(total)
     got = len(first) - start - hlen
     if got > total:
         raise WireError(f"first chunk carries {got} payload bytes, message declares {total}")
