@@ -86,6 +86,12 @@ class TrainerHook:
         """Called when this task has run its last step, before the final checkpoint and
         evaluation."""
 
+    def state_version(self, trainer: Any) -> Any:
+        """A value that changes when the parameters change outside this task's own steps
+        (``None``: they never do). The ``Trainer`` validates again at the end of ``fit`` when
+        it differs from the last validation's: other workers' last pushes count."""
+        return None
+
     def end_fit(self, trainer: Any) -> None:
         """Called at the very end of ``fit``, after the final checkpoint and evaluation."""
 

@@ -60,6 +60,11 @@ class PSConfigMixin:
 
         check_config(cfg)
 
+    def state_version(self, trainer: Any) -> Any:
+        """The shards' versions as of the last pull (``current_params``)."""
+        variables = getattr(self, "variables", None)
+        return None if variables is None else tuple(sorted(variables.versions.items()))
+
     def end_fit(self, trainer: Any) -> None:
         """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
         if (trainer.checkpoint_dir is not None and getattr(self, "is_chief", True)

@@ -478,6 +478,7 @@ class Trainer:
         unchecked: list[tuple[Any, int]] = []  # stats not yet checked for NaN
         last_log_step, last_log_time = self.step, time.perf_counter()
         last_val_step = -1
+        last_val_version: Any = None
         last_train: dict[str, float] = {}
 
         def check_nan(keep_last: int = 0) -> None:
@@ -519,8 +520,9 @@ class Trainer:
             last_log_step, last_log_time = self.step, time.perf_counter()
 
         def validate() -> None:
-            nonlocal last_val_step, last_log_time
+            nonlocal last_val_step, last_val_version, last_log_time
             values = self.evaluate(val)
+            last_val_version = self._hook.state_version(self) if self._hook else None
             history.add("val_", values)
             history.records.append(logger.write("validation", self.step, epoch=self.epoch,
                                                 **values))
@@ -587,7 +589,9 @@ class Trainer:
         log_train()
         if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()
-        if val is not None and last_val_step != self.step:
+        # With parameter servers, other workers may push after this task's last validation.
+        changed = self._hook is not None and self._hook.state_version(self) != last_val_version
+        if val is not None and (last_val_step != self.step or changed):
             validate()
         end = {"epoch": self.epoch, **{f"final_{k2}": v for k2, v in last_train.items()
                                        if k2 in ("loss", "accuracy")}}
