@@ -189,6 +189,52 @@ def _memcpy_time(n: int, repeats: int) -> float:
     return _median_time(lambda: np.copyto(b, a), repeats)
 
 
+# ---------------------------------------------------------------------- ps-side updates
+def _update_times(n: int, repeats: int) -> list[tuple[str, float, float]]:
+    """Per optimizer: ms of one ps update of an ``n``-byte float32 variable, and ms of the same
+    optax update hand-written in JAX (jit with donation on device-resident arrays)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxdist.ps import optimizers as O
+    from jaxdist.ps.memory import aligned_copy
+    from jaxdist.ps.service import ParameterService
+
+    rows = []
+    size = n // 4
+    grad = aligned_copy(np.full(size, 1e-3, np.float32))   # as decoded from the wire
+    for name, spec in (("assign_add", None), ("sgd", O.sgd(0.1)), ("adam", O.adam(1e-3))):
+        svc = ParameterService("bench")
+        svc.create({"w": np.ones(size, np.float32)},
+                   {"w": {"optimizer": spec.to_json() if spec else None}})
+        step = [0]
+
+        def ps_update(svc=svc, step=step):
+            svc.push({"w": grad}, {"w": step[0]})
+            step[0] += 1
+
+        tx = spec.build() if spec else None
+
+        def update(p, s, g, tx=tx):
+            if tx is None:
+                return p + g, s
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        jitted = jax.jit(update, donate_argnums=(0, 1))
+        state = {"p": jnp.ones(size, jnp.float32), "g": jnp.asarray(grad)}
+        state["s"] = tx.init(state["p"]) if tx else jnp.zeros(())
+
+        def hand(state=state, jitted=jitted):
+            state["p"], state["s"] = jitted(state["p"], state["s"], state["g"])
+            jax.block_until_ready(state["p"])
+
+        rows.append((name, _median_time(ps_update, repeats) * 1e3,
+                     _median_time(hand, repeats) * 1e3))
+    return rows
+
+
 # ---------------------------------------------------------------------- async training
 def _worker(steps: int) -> None:
     """Child process: a worker of an asynchronous MLP training run; prints steps and time."""
@@ -274,6 +320,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{pp / tg:>8.2f} {pu / tp:>8.2f}")
     print(f"(GB/s, median of {repeats} interleaved repeats; push = transfer + assign_add on the "
           f"ps; ratio target >= 0.5 at 64 MiB)")
+    print(f"\nps-side update of one {64}MiB float32 variable (in-process service, gradient as "
+          f"decoded from the wire) vs the same optax update hand-written in JAX (jit, donated "
+          f"device arrays)")
+    print(f"{'optimizer':>10} {'ps ms':>8} {'jax ms':>8} {'ps/jax':>7}")
+    for name, ps_ms, jax_ms in _update_times(64 * MiB, repeats):
+        print(f"{name:>10} {ps_ms:>8.1f} {jax_ms:>8.1f} {ps_ms / jax_ms:>7.2f}")
     if args.no_training:
         return None
     print(f"\nasync training, 2 workers, MLP 784-256-10 (~200k params), adam on the ps, "

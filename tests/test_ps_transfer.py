@@ -1,4 +1,4 @@
-"""The bulk-transfer path: single-copy chunking, recycled receive buffers, donated pushes, and
+"""The bulk-transfer path: single-copy chunking, recycled receive buffers, in-place updates, and
 large pulls/pushes through a real in-process gRPC server (bit-exact, token checked)."""
 
 import gc
@@ -92,17 +92,38 @@ def test_pool_small_buffers_are_not_tracked_and_free_bytes_are_bounded():
     assert sum(b.nbytes for b in pool._bufs) <= 4096 + 2048 + 4
 
 
-def test_donated_assign_add_matches_and_keeps_old_values_intact():
+@pytest.mark.parametrize("spec", [None, "sgd", "adam"])
+def test_updates_run_in_place_but_never_under_a_pull_in_flight(spec):
+    """Updates donate the old value (same buffer) unless a pull still holds it."""
+    from jaxdist.ps import optimizers as O
+
+    opt = {None: None, "sgd": O.sgd(1.0), "adam": O.adam(0.1)}[spec]
     svc = ParameterService("ps:0")
-    svc.create({"w": np.ones(8, np.float32), "h": np.ones(8, np.float16)}, {})
-    (old, _), = svc.pull(["w"]).values()
-    grad = np.full(8, 2.0, np.float32)
-    svc.push({"w": grad}, {"w": 0}, donate=True)
-    np.testing.assert_array_equal(old, np.ones(8, np.float32))  # a pull in flight is unchanged
-    (new, version), = svc.pull(["w"]).values()
-    np.testing.assert_array_equal(new, np.full(8, 3.0, np.float32))
-    assert version == 1
-    svc.push({"h": np.full(8, 0.5, np.float32)}, {"h": 0}, donate=True)  # other dtype: a copy
+    svc.create({"w": np.ones(4096, np.float32)},
+               {"w": {"optimizer": opt.to_json() if opt else None}})
+    g = np.full(4096, 2.0, np.float32)
+    svc.push({"w": g}, {"w": 0})                       # the value becomes a jax array
+    (held, _), = svc.pull(["w"]).values()              # a pull in flight
+    before = held.copy()
+    for v in (1, 2):
+        svc.push({"w": g}, {"w": v})
+    np.testing.assert_array_equal(held, before)        # never written under the pull
+    del held
+    (now, version), = svc.pull(["w"]).values()
+    addr = now.ctypes.data
+    del now
+    svc.push({"w": g}, {"w": 3})
+    (after, version2), = svc.pull(["w"]).values()
+    assert version2 == version + 1 == 4
+    assert after.ctypes.data == addr                   # nothing held: updated in place
+    if spec is None:
+        np.testing.assert_array_equal(after, np.full(4096, 9.0, np.float32))
+
+
+def test_assign_add_converts_the_delta_to_the_variable_dtype():
+    svc = ParameterService("ps:0")
+    svc.create({"h": np.ones(8, np.float16)}, {})
+    svc.push({"h": np.full(8, 0.5, np.float32)}, {"h": 0})
     (h, _), = svc.pull(["h"]).values()
     assert h.dtype == np.float16 and h.tolist() == [1.5] * 8
 

@@ -43,8 +43,8 @@ def _pull_rows(svc, meta, arrays) -> Message:
     return {"versions": versions}, out
 
 
-def _push(svc, meta, arrays, donate: bool = False) -> Message:
-    results = svc.push(arrays, meta.get("versions", {}), meta.get("worker", 0), donate=donate)
+def _push(svc, meta, arrays) -> Message:
+    results = svc.push(arrays, meta.get("versions", {}), meta.get("worker", 0))
     return {"results": results}, {}
 
 
@@ -112,20 +112,12 @@ METHODS: dict[str, Callable[[ParameterService, dict, dict], Message]] = {
 }
 
 
-def handle(svc: ParameterService, method: str, meta: dict, arrays: dict, *,
-           donate: bool = False) -> Message:
+def handle(svc: ParameterService, method: str, meta: dict, arrays: dict) -> Message:
     """Runs ``method`` on ``svc``.
-
-    Args:
-        donate: the arrays were decoded for this call and nothing else refers to them, so
-            the service may keep or overwrite them (a ``Push`` adds the gradient into its own
-            buffer and keeps that as the new value, saving an allocation and a copy).
 
     Raises:
         KeyError: unknown method.
     """
-    if donate and method == "Push":
-        return _push(svc, meta, arrays, donate=True)
     return METHODS[method](svc, meta, arrays)
 
 

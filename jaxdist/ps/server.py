@@ -62,9 +62,7 @@ class ParameterServer(GrpcTaskServer):
             check_token(context, self._token, self.service.task, method)
             try:
                 meta, arrays = wire.decode(request_iterator, RECEIVE_POOL)
-                # The decoded arrays belong to this call alone: the service may keep them.
-                out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays,
-                                                       donate=True)
+                out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
                 del arrays
             except PSNotFoundError as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))

@@ -60,10 +60,18 @@ def _transform(spec_json: dict[str, Any] | None):
         updates, state = tx.update(grad.astype(param.dtype), state, param)
         return optax.apply_updates(param, updates), state
 
-    entry = (tx, jax.jit(dense), jax.jit(dense))
+    # Dense updates donate the old value and optimizer state: XLA writes the new ones into the
+    # same buffers (a 64 MiB sgd update: 18 -> 5 ms). JAX donates nothing while a pull still
+    # holds a numpy view of the value (it allocates instead), so a pull in flight never sees
+    # its array change. Row updates work on gathered copies and donate nothing.
+    entry = (tx, jax.jit(dense, donate_argnums=(0, 2)), jax.jit(dense))
     with _TX_LOCK:
         _TX_CACHE[key] = entry
     return entry
+
+
+# ``assign_add``: the value's buffer is donated, as in the optimizer updates above.
+_ASSIGN_ADD = jax.jit(lambda value, delta: value + delta.astype(value.dtype), donate_argnums=0)
 
 
 @dataclass
@@ -174,7 +182,13 @@ class ParameterService:
         for key in keys:
             var = self._get(key)
             with var.lock:
-                value = var.value.copy() if var.kind == "rows" else var.value
+                value = var.value
+                if var.kind == "rows":
+                    value = value.copy()
+                elif isinstance(value, jax.Array):
+                    # Taken under the lock: while this view lives, an update cannot donate
+                    # (overwrite) the buffer it reads.
+                    value = np.asarray(value)
                 out[key] = (value, var.version)
         return out
 
@@ -203,17 +217,12 @@ class ParameterService:
         var.pushes += 1
         return stale
 
-    def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0,
-             donate: bool = False):
+    def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0):
         """Applies each gradient with the variable's optimizer; returns new versions/staleness.
 
-        A variable without optimizer gets ``value += grad`` (an ``assign_add``). The old value
-        is never written: a pull may still be sending it, so every update makes a new array.
-
-        Args:
-            donate: the caller hands over the gradient arrays (freshly decoded from the wire),
-                so an ``assign_add`` writes ``value + grad`` into the gradient's buffer and
-                keeps it as the new value instead of allocating one.
+        A variable without optimizer gets ``value += grad`` (an ``assign_add``). The update
+        is a jitted XLA computation that donates the old value (and optimizer state), so it
+        runs in place unless a pull still holds the old value, which then stays unchanged.
         """
         out = {}
         for key, grad in grads.items():
@@ -227,16 +236,15 @@ class ParameterService:
             with var.lock:
                 stale = self._record(var, versions.get(key, var.version))
                 if var.optimizer is None:
-                    if (donate and grad.dtype == var.value.dtype and grad.flags.writeable
-                            and grad.flags.c_contiguous):
-                        var.value = np.add(var.value, grad, out=grad)
-                    else:
-                        var.value = var.value + grad.astype(var.value.dtype, copy=False)
+                    new, state = _ASSIGN_ADD(var.value, grad), None
                 else:
                     _, dense, _ = _transform(var.optimizer)
                     new, state = dense(var.value, grad, var.opt_state)
-                    var.value = np.asarray(new)
-                    var.opt_state = state
+                # Applied before the push is acknowledged (and a queue of dispatched
+                # updates, each holding its gradient, cannot build up).
+                jax.block_until_ready((new, state))
+                var.value = new  # a jax array: the next update may reuse its buffer
+                var.opt_state = state
                 var.version += 1
                 out[key] = {"version": var.version, "staleness": stale}
         return out
@@ -263,6 +271,9 @@ class ParameterService:
             np.add.at(summed, inv, grads)
             ids, grads = uniq, summed
         with var.lock:
+            if isinstance(var.value, jax.Array):  # a dense update made it a jax array
+                var.value = aligned_copy(var.value)
+                var.opt_state = _writable(var.opt_state)
             stale = self._record(var, version)
             if var.optimizer is None:
                 var.value[ids] += grads.astype(var.value.dtype)
