@@ -49,7 +49,7 @@ class ParameterServer(GrpcTaskServer):
         self.service = service
         self._token = require_token(token, service.task, "a parameter server refuses requests "
                                     "without it")
-        tune_malloc(server=True)
+        tune_malloc()
         self._server, self.address = bind_server(
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
             max_workers, "jaxdist-ps")
