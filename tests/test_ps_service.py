@@ -12,26 +12,31 @@ from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
 
 
+def _shards_vs_whole(spec, ref_tx, split, steps, seed):
+    """Trains two row shards of one leaf on a ps and the whole leaf with ``ref_tx``."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(6, 3)).astype(np.float32)
+    svc = ParameterService("ps:0")
+    svc.create({"a": w[:split], "b": w[split:]},
+               {k: {"optimizer": spec.to_json()} for k in "ab"})
+    ref, state = jnp.asarray(w), ref_tx.init(jnp.asarray(w))
+    for step in range(steps):
+        g = rng.normal(size=w.shape).astype(np.float32)
+        svc.push({"a": g[:split], "b": g[split:]}, {"a": step, "b": step})
+        upd, state = ref_tx.update(jnp.asarray(g), state, ref)
+        ref = optax.apply_updates(ref, upd)
+    got = svc.pull(["a", "b"])
+    np.testing.assert_allclose(np.concatenate([got["a"][0], got["b"][0]]), ref, rtol=1e-5,
+                               atol=1e-6)
+    assert got["a"][1] == steps
+
+
 @pytest.mark.parametrize("spec", [O.sgd(0.1), O.momentum(0.1, 0.9), O.adam(0.01),
                                   O.adagrad(0.1), O.rmsprop(0.01), O.adamw(0.01), O.clip(0.5)],
                          ids=lambda s: s.name)
 def test_elementwise_optimizer_per_shard_matches_whole(spec):
     """Applying the optimizer to two row shards equals applying optax to the whole leaf."""
-    rng = np.random.default_rng(0)
-    w = rng.normal(size=(6, 3)).astype(np.float32)
-    svc = ParameterService("ps:0")
-    svc.create({"a": w[:4], "b": w[4:]}, {k: {"optimizer": spec.to_json()} for k in "ab"})
-    tx = spec.build()
-    ref, state = jnp.asarray(w), tx.init(jnp.asarray(w))
-    for step in range(5):
-        g = rng.normal(size=w.shape).astype(np.float32)
-        svc.push({"a": g[:4], "b": g[4:]}, {"a": step, "b": step})
-        upd, state = tx.update(jnp.asarray(g), state, ref)
-        ref = optax.apply_updates(ref, upd)
-    got = svc.pull(["a", "b"])
-    np.testing.assert_allclose(np.concatenate([got["a"][0], got["b"][0]]), ref, rtol=1e-5,
-                               atol=1e-6)
-    assert got["a"][1] == 5
+    _shards_vs_whole(spec, spec.build(), split=4, steps=5, seed=0)
 
 
 @pytest.mark.parametrize("spec,ref_tx", [
@@ -44,19 +49,7 @@ def test_elementwise_optimizer_per_shard_matches_whole(spec):
 def test_learning_rate_schedules_run_on_the_ps(spec, ref_tx):
     """The ps evaluates the schedule on each shard's update count, as optax does."""
     spec = O.OptimizerSpec.from_json(spec.to_json())  # as it reaches the ps
-    rng = np.random.default_rng(1)
-    w = rng.normal(size=(6, 3)).astype(np.float32)
-    svc = ParameterService("ps:0")
-    svc.create({"a": w[:2], "b": w[2:]}, {k: {"optimizer": spec.to_json()} for k in "ab"})
-    ref, state = jnp.asarray(w), ref_tx.init(jnp.asarray(w))
-    for step in range(6):
-        g = rng.normal(size=w.shape).astype(np.float32)
-        svc.push({"a": g[:2], "b": g[2:]}, {"a": step, "b": step})
-        upd, state = ref_tx.update(jnp.asarray(g), state, ref)
-        ref = optax.apply_updates(ref, upd)
-    got = svc.pull(["a", "b"])
-    np.testing.assert_allclose(np.concatenate([got["a"][0], got["b"][0]]), ref, rtol=1e-5,
-                               atol=1e-6)
+    _shards_vs_whole(spec, ref_tx, split=2, steps=6, seed=1)
 
 
 def test_a_schedule_that_drops_to_zero_stops_the_updates():
