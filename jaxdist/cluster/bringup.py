@@ -33,6 +33,7 @@ from typing import Any
 from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist.cluster.process_group import ProcessGroup, process_group
 from jaxdist.cluster.runtime import join_abandoned, start_runtime
+from jaxdist.cluster.waiting import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -247,23 +248,17 @@ def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str,
     deadline = time.monotonic() + max(0.1, wait_seconds)
 
     def probe() -> None:
-        try:
-            while True:
-                live = client.get_live_nodes(list(range(group.num_processes)))
-                result["live"] = live
-                if (not until_lost or len(live) < group.num_processes
-                        or time.monotonic() + _POLL_SECONDS > deadline):
-                    return
-                time.sleep(_POLL_SECONDS)
-        except Exception as e:  # noqa: BLE001 - reported through the result
-            result["error"] = e
-        finally:
-            result["done"] = True
+        while True:
+            live = client.get_live_nodes(list(range(group.num_processes)))
+            result["live"] = live
+            if (not until_lost or len(live) < group.num_processes
+                    or time.monotonic() + _POLL_SECONDS > deadline):
+                return
+            time.sleep(_POLL_SECONDS)
 
-    t = threading.Thread(target=probe, name="jaxdist-live-nodes", daemon=True)
-    t.start()
-    t.join(max(0.1, deadline - time.monotonic()))
-    if "error" in result:
+    _, error = call_with_timeout(probe, max(0.1, deadline - time.monotonic()),
+                                 "jaxdist-live-nodes")
+    if error is not None:  # the service itself is unreachable
         return (group.task_name(0),)
     if "live" in result:
         live = set(result["live"])
@@ -319,20 +314,9 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
         _raise_lost(_state["lost"], None, what)
     timeout = float(timeout_seconds or _state["timeout"])
     start = time.monotonic()
-    done = threading.Event()
-    result: dict[str, BaseException] = {}
-
-    def block() -> None:
-        try:
-            _block(leaves)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            result["error"] = e
-        finally:
-            done.set()
-
-    # A daemon thread, so a collective that never returns cannot keep the process alive.
-    threading.Thread(target=block, name="jaxdist-wait", daemon=True).start()
-    if not done.wait(timeout):
+    # On a daemon thread, so a collective that never returns cannot keep the process alive.
+    finished, error = call_with_timeout(lambda: _block(leaves), timeout, "jaxdist-wait")
+    if not finished:
         _state["broken"] = True
         lost = find_lost_tasks(float(_state["heartbeat"] or timeout) + 2.0)
         if lost:
@@ -346,10 +330,9 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
             tasks=peers,
             timeout_seconds=timeout,
         )
-    if "error" in result:
-        e = result["error"]
-        raise_if_peer_lost(e, what, max(2.0, timeout - (time.monotonic() - start)))
-        raise e
+    if error is not None:
+        raise_if_peer_lost(error, what, max(2.0, timeout - (time.monotonic() - start)))
+        raise error
     return outputs
 
 

@@ -24,6 +24,7 @@ import os
 import threading
 
 from jaxdist.cluster.service_process import start_service_process
+from jaxdist.cluster.waiting import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -94,23 +95,12 @@ def start_runtime(coordinator_address: str, num_processes: int, process_id: int,
         use_compression=True,
     )
     log.info("connecting to the JAX distributed service on %s", coordinator_address)
-    result: dict[str, BaseException] = {}
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            state.client.connect()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            result["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=connect, name="jaxdist-connect", daemon=True).start()
-    if not done.wait(join_timeout):
+    finished, error = call_with_timeout(state.client.connect, join_timeout, "jaxdist-connect")
+    if not finished:
         _abandoned.set()
         raise JoinTimeout(f"not every process registered within {join_timeout:g} s")
-    if "error" in result:
-        raise result["error"]
+    if error is not None:
+        raise error
     state.initialize_preemption_sync_manager()
     partition = os.environ.get("JAX_PARTITION_INDEX")
     state.partition_index = int(partition) if partition is not None else None

@@ -73,11 +73,15 @@ class ClosureQueue:
     def raise_if_error(self) -> None:
         """Raises (and clears) the pending function error, or the sticky cluster error."""
         with self._cond:
-            if self._sticky is not None:
-                raise self._sticky
-            if self._error is not None:
-                e, self._error = self._error, None
-                raise e
+            self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        # Holding self._cond.
+        if self._sticky is not None:
+            raise self._sticky
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
 
     def put(self, closure: Closure) -> None:
         """Queues ``closure``; raises a pending error first (and then does not queue)."""
@@ -124,11 +128,7 @@ class ClosureQueue:
     def done(self) -> bool:
         """True when nothing is queued or in flight (raises a pending error, like TF)."""
         with self._cond:
-            if self._sticky is not None:
-                raise self._sticky
-            if self._error is not None:
-                e, self._error = self._error, None
-                raise e
+            self._raise_pending()
             return self._inflight == 0 and not self._queue
 
     # -------------------------------------------------------------- worker side

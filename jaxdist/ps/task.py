@@ -34,6 +34,15 @@ from jaxdist.ps.worker_service import WorkerServer
 log = logging.getLogger("jaxdist.server")
 
 
+
+def _address(info: Any, job: str, index: int) -> str:
+    """The cluster spec's address of ``job:index``; a clear error when the task is not in it."""
+    addresses = info.cluster.get(job, [])
+    if not 0 <= index < len(addresses):
+        raise ValueError(f"task {job}:{index} is not in the cluster: its {job} job has "
+                         f"{len(addresses)} tasks {addresses}")
+    return addresses[index]
+
 class Server:
     """A ps or worker task of a cluster (``tf.distribute.Server``).
 
@@ -83,15 +92,10 @@ class Server:
                 f"'worker', got {job!r} (the chief runs ParameterServerStrategy and the "
                 f"ClusterCoordinator instead)"
             )
-        addresses = info.cluster.get("ps", [])
-        if not 0 <= index < len(addresses):
-            raise ValueError(
-                f"task ps:{index} is not in the cluster: its ps job has {len(addresses)} tasks "
-                f"{addresses}"
-            )
+        address = _address(info, "ps", index)
         self.task = f"ps:{index}"
         self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
-        self._server = ParameterServer(self.service, addresses[index], token or info.token)
+        self._server = ParameterServer(self.service, address, token or info.token)
         if start:
             self.start()
 
@@ -99,17 +103,12 @@ class Server:
                      start: bool) -> None:
         from dataclasses import replace
 
-        addresses = info.cluster.get("worker", [])
-        if not 0 <= index < len(addresses):
-            raise ValueError(
-                f"task worker:{index} is not in the cluster: its worker job has "
-                f"{len(addresses)} tasks {addresses}"
-            )
+        address = _address(info, "worker", index)
         self.task = f"worker:{index}"
         worker_info = replace(info, task_type="worker", task_id=index,
                               token=token or info.token)
         self.runtime = WorkerRuntime(worker_info, strategy_factory)
-        self._server = WorkerServer(self.runtime, addresses[index], worker_info.token)
+        self._server = WorkerServer(self.runtime, address, worker_info.token)
         self.service = self._server.service
         if start:
             self.start()
