@@ -130,5 +130,10 @@ class Checkpointer:
             return None
         return self.restore(step, like)
 
+    def is_final(self, step: int) -> bool:
+        """Whether ``step`` ends a finished run: not recorded here (the Trainer's checkpoints
+        end at the step its config computes), so always False."""
+        return False
+
     def close(self) -> None:
         self._manager.close()

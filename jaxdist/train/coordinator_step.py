@@ -208,6 +208,7 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
     """
 
     owns_input = True
+    is_chief = True  # the coordinator's process is the chief
 
     def __init__(self, strategy: Any):
         self.strategy = strategy

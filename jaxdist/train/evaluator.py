@@ -66,7 +66,7 @@ class SidecarEvaluator:
         task: this task's name, for messages.
         sleep: the sleep function (tests).
         reader: where checkpoints come from (``latest_step()``, ``all_steps()``,
-            ``restore(step, like)``, optionally ``is_final(step)``); default: the Trainer's
+            ``restore(step, like)``, ``is_final(step)``, ``close()``); default: the Trainer's
             ``Checkpointer`` on ``checkpoint_dir``. ``PSCheckpointState`` reads the
             checkpoints parameter servers write; the evaluator also stops after a step the
             reader calls final.
@@ -122,9 +122,8 @@ class SidecarEvaluator:
                     if record is not None:
                         records.append(record)
                         idle_since = time.monotonic()
-                        is_final = getattr(ckpt, "is_final", lambda s: False)(step)
-                        if is_final or (self.final_step is not None
-                                        and step >= self.final_step):
+                        if ckpt.is_final(step) or (self.final_step is not None
+                                                   and step >= self.final_step):
                             logger.message(f"{self.task}: evaluated the final checkpoint "
                                            f"(step {step}); done")
                             return records
@@ -141,8 +140,7 @@ class SidecarEvaluator:
                 self._sleep(self.poll_seconds)
         finally:
             logger.close()
-            if hasattr(ckpt, "close"):
-                ckpt.close()
+            ckpt.close()
 
     def _evaluate(self, ckpt: Any, step: int, logger: Any) -> dict[str, Any] | None:
         t = self.trainer
@@ -193,6 +191,9 @@ class PSCheckpointState:
 
     def is_final(self, step: int) -> bool:
         return self.reader.is_final(step)
+
+    def close(self) -> None:
+        pass
 
     def restore(self, step: int, like: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
         params = self.reader.restore_tree(step, like["params"], self.collection)

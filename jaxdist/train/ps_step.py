@@ -60,14 +60,19 @@ class PSConfigMixin:
 
         check_config(cfg)
 
+    # Set by the hooks: the variables handle, and whether this task is the chief.
+    variables: Any = None
+    is_chief: bool
+
     def state_version(self, trainer: Any) -> Any:
         """The shards' versions as of the last pull (``current_params``)."""
-        variables = getattr(self, "variables", None)
-        return None if variables is None else tuple(sorted(variables.versions.items()))
+        if self.variables is None:
+            return None
+        return tuple(sorted(self.variables.versions.items()))
 
     def end_fit(self, trainer: Any) -> None:
         """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
-        if (trainer.checkpoint_dir is not None and getattr(self, "is_chief", True)
+        if (trainer.checkpoint_dir is not None and self.is_chief
                 and trainer.last_checkpoint == trainer.step):
             write_checkpoint_pointer(os.path.abspath(trainer.checkpoint_dir), trainer.step,
                                      final=True)
