@@ -114,6 +114,16 @@ def bind_server(
     return server, f"{host}:{port}"
 
 
+def method_path(service_name: str, method: str, unary: bool = False) -> str:
+    """The gRPC path of ``method`` as ``bind_server`` serves it.
+
+    Example:
+        >>> method_path("jaxdist.ps.ParameterService", "Pull", unary=True)
+        '/jaxdist.ps.ParameterService.Unary/Pull'
+    """
+    return f"/{service_name}{UNARY_SUFFIX if unary else ''}/{method}"
+
+
 def _one_chunk(handler: Callable) -> Callable:
     def unary_handler(request: bytes, context: grpc.ServicerContext):
         return handler(iter((request,)), context)
@@ -145,10 +155,8 @@ class ChunkStubs:
             stub = self._stubs.get(key)
             if stub is None:
                 channel = self._channels[task]
-                if unary:
-                    stub = channel.unary_stream(f"/{self._service}{UNARY_SUFFIX}/{method}")
-                else:
-                    stub = channel.stream_stream(f"/{self._service}/{method}")
+                path = method_path(self._service, method, unary)
+                stub = (channel.unary_stream if unary else channel.stream_stream)(path)
                 self._stubs[key] = stub
             return stub
 

@@ -121,9 +121,4 @@ def handle(svc: ParameterService, method: str, meta: dict, arrays: dict) -> Mess
     return METHODS[method](svc, meta, arrays)
 
 
-def method_path(method: str) -> str:
-    """The gRPC path of a method, e.g. ``/jaxdist.ps.ParameterService/Pull``."""
-    return f"/{SERVICE_NAME}/{method}"
-
-
-__all__ = ["IDEMPOTENT", "METHODS", "SERVICE_NAME", "TOKEN_METADATA_KEY", "handle", "method_path"]
+__all__ = ["IDEMPOTENT", "METHODS", "SERVICE_NAME", "TOKEN_METADATA_KEY", "handle"]

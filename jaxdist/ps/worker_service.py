@@ -41,11 +41,6 @@ SERVICE_NAME = "jaxdist.coordinator.WorkerService"
 METHODS = ("Ping", "RunClosure", "CreateResource", "Stop")
 
 
-def method_path(method: str) -> str:
-    """The gRPC path of a worker method, e.g. ``/jaxdist.coordinator.WorkerService/Ping``."""
-    return f"/{SERVICE_NAME}/{method}"
-
-
 def to_bytes_array(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload, dtype=np.uint8)
 
@@ -200,4 +195,4 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService", "method_path"]
+__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService"]
