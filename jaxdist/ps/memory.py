@@ -53,7 +53,10 @@ def aligned_empty(nbytes: int) -> np.ndarray:
         >>> aligned_empty(1000).ctypes.data % ALIGNMENT
         0
     """
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    return _aligned_view(np.empty(nbytes + ALIGNMENT, np.uint8), nbytes)
+
+
+def _aligned_view(raw: np.ndarray, nbytes: int) -> np.ndarray:
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start:start + nbytes]
 
@@ -105,8 +108,7 @@ class BufferPool:
             # references are the pool's list and this loop's temporaries.
             for buf in self._bufs:
                 if buf.nbytes == nbytes + ALIGNMENT and sys.getrefcount(buf) <= _FREE_REFS:
-                    start = (-buf.ctypes.data) % ALIGNMENT
-                    return buf[start:start + nbytes]
+                    return _aligned_view(buf, nbytes)
             free_bytes = 0
             keep = []
             for buf in reversed(self._bufs):  # newest first; drop the oldest free ones
