@@ -61,7 +61,7 @@ def _transform(spec_json: dict[str, Any] | None):
         return optax.apply_updates(param, updates), state
 
     # Dense updates donate the old value and optimizer state: XLA writes the new ones into the
-    # same buffers (a 64 MiB sgd update: 18 -> 5 ms). JAX donates nothing while a pull still
+    # same buffers (a 64 MiB sgd update: 21 -> 4 ms). JAX donates nothing while a pull still
     # holds a numpy view of the value (it allocates instead), so a pull in flight never sees
     # its array change. Row updates work on gathered copies and donate nothing.
     entry = (tx, jax.jit(dense, donate_argnums=(0, 2)), jax.jit(dense))
