@@ -6,6 +6,7 @@ import pytest
 
 from jaxdist.cluster import (
     ClusterConfigError,
+    ClusterMergeError,
     ClusterSpec,
     SimpleClusterResolver,
     SlurmClusterResolver,
@@ -97,26 +98,26 @@ def test_sparse_worker_form():
     ("[1, 2]", "expected a JSON object"),
     ({"cluster": ["a:1"]}, "\"cluster\" is \\[\"a:1\"\\]"),
     ({"cluster": {"master": ["a:1"]}, "task": {"type": "master", "index": 0}},
-     "unknown task type 'master'.*chief, worker, ps, evaluator"),
+     "Disallowed task type found in cluster spec: 'master'.*chief, worker, ps, evaluator"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "driver", "index": 0}},
-     "\"task\" is \\{\"type\": \"driver\", \"index\": 0\\}: unknown task type"),
+     "\"task\" is \\{\"type\": \"driver\", \"index\": 0\\}: Unrecognized task_type"),
     ({"cluster": {"chief": ["a:1", "b:1"], "worker": ["c:1"]}},
-     "\\{\"chief\": \\[\"a:1\", \"b:1\"\\]\\}: there must be at most one 'chief'"),
+     "\\{\"chief\": \\[\"a:1\", \"b:1\"\\]\\}: There must be at most one 'chief' job"),
     ({"cluster": {"worker": ["a:1"], "evaluator": ["b:1", "c:1"]}},
      "at most one 'evaluator'"),
     ({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 2}},
      "has no task 2 \\(indices: \\[0, 1\\]\\)"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}},
-     "the cluster has no 'ps' job"),
+     "`task_type` 'ps' not found in cluster_spec"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": -1}},
-     "non-negative integer"),
+     "\"index\" is -1: expected a task index in 0..2147483647"),
     ({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}}, "has no \"type\""),
     ({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "idx": 0}},
-     "unknown key\\(s\\) \\['idx'\\]"),
+     "unknown key\\(s\\) \\[\"idx\"\\]"),
     ({"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}},
      "\"worker\"\\[0\\] is \"localhost\": expected \"host:port\""),
-    ({"cluster": {"worker": ["a:99999"]}}, "port in 1..65535"),
-    ({"cluster": {"worker": ["a:1"]}, "rpc_layer": 5}, "\"rpc_layer\" is 5"),
+    ({"cluster": {"worker": ["a:99999"]}}, "port \"99999\" is not a port number 1..65535"),
+    ({"cluster": {"worker": ["a:1"]}, "rpc_layer": 5}, "\"rpc_layer\" is 5 of type int"),
 ])
 def test_tf_config_validation_quotes_the_bad_part(config, match):
     raw = config if isinstance(config, str) else json.dumps(config)
@@ -130,7 +131,8 @@ def test_evaluator_may_be_missing_from_cluster_and_stays_out():
     r = resolver({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "evaluator",
                                                                   "index": 0}})
     g = process_group(r)
-    assert not g.in_training_group and g.num_processes == 2 and not g.is_chief
+    # TF's is_chief: the evaluator is the chief of its own partition.
+    assert not g.in_training_group and g.num_processes == 2 and g.is_chief
     r = resolver({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"], "ps": ["p:1"]},
                   "task": {"type": "evaluator", "index": 0}})
     assert process_group(r).tasks == (("worker", 0),)
@@ -174,8 +176,11 @@ def test_simple_and_union_resolvers(monkeypatch):
     assert u.cluster_spec().as_dict() == {"worker": ["a:1", "b:1"], "ps": ["c:1"]}
     assert (u.task_type, u.task_id, u.cluster_token) == ("worker", 1, "t")
     assert u.master("ps", 0) == "grpc://c:1"
-    with pytest.raises(ClusterConfigError, match="job \"worker\" is defined by both"):
-        UnionResolver(w, w).cluster_spec()
+    # TF merges a job that two resolvers define: lists concatenate, sparse indices must differ.
+    assert UnionResolver(w, w).cluster_spec().as_dict() == {"worker": ["a:1", "b:1"] * 2}
+    s1 = SimpleClusterResolver({"worker": {7: "a:1"}})
+    with pytest.raises(ClusterMergeError, match="job \"worker\" has task\\(s\\) \\[7\\]"):
+        UnionResolver(s1, s1).cluster_spec()
 
 
 def test_slurm_resolver(monkeypatch):
@@ -191,7 +196,7 @@ def test_slurm_resolver(monkeypatch):
         "ps": ["node1:9000"], "worker": ["node1:9001", "node2:9000", "node2:9001"]}
     assert (r.task_type, r.task_id) == ("worker", 2)
     assert r.master() == "grpc://node2:9001"
-    with pytest.raises(ClusterConfigError, match="ask for 3 tasks.*SLURM_NTASKS=4"):
+    with pytest.raises(ClusterConfigError, match="ask for 3 tasks, but the Slurm step has 4"):
         SlurmClusterResolver(jobs={"worker": 3})
     monkeypatch.delenv("SLURM_PROCID")
     with pytest.raises(ClusterConfigError, match="SLURM_PROCID is not set"):

@@ -20,8 +20,10 @@ from jaxdist.cluster.cluster_spec import ClusterSpec
 from jaxdist.cluster.errors import (
     ClusterConfigError,
     ClusterError,
+    ClusterMergeError,
     ClusterTimeoutError,
     PeerLostError,
+    TFConfigError,
 )
 from jaxdist.cluster.process_group import ProcessGroup, process_group
 from jaxdist.cluster.resolver import (
@@ -36,10 +38,17 @@ from jaxdist.cluster.tf_config import TF_CONFIG_ENV, TFConfigClusterResolver, pa
 from jaxdist.cluster.tpu_cluster_resolver import TPUClusterResolver, TPUNotFoundError
 from jaxdist.cluster.validation import (
     TASK_TYPES,
+    collective_leader,
+    id_in_cluster,
     is_chief,
+    normalize_cluster_spec,
+    should_load_checkpoint,
+    should_save_checkpoint,
+    task_count,
     task_name,
     training_tasks,
     validate_cluster_spec,
+    worker_count,
 )
 
 __all__ = [
@@ -49,6 +58,7 @@ __all__ = [
     "TOKEN_ENV",
     "ClusterConfigError",
     "ClusterError",
+    "ClusterMergeError",
     "ClusterResolver",
     "ClusterSpec",
     "ClusterTimeoutError",
@@ -57,20 +67,28 @@ __all__ = [
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
+    "TFConfigError",
     "TPUClusterResolver",
     "TPUNotFoundError",
     "UnionClusterResolver",
     "UnionResolver",
+    "collective_leader",
     "current_group",
     "find_lost_tasks",
+    "id_in_cluster",
     "initialize_from_resolver",
     "is_chief",
     "lost_tasks",
+    "normalize_cluster_spec",
     "parse_tf_config",
     "process_group",
+    "should_load_checkpoint",
+    "should_save_checkpoint",
     "shutdown",
+    "task_count",
     "task_name",
     "training_tasks",
     "validate_cluster_spec",
     "wait_for_step",
+    "worker_count",
 ]

@@ -14,6 +14,45 @@ class ClusterConfigError(ValueError):
     """
 
 
+class TFConfigError(ClusterConfigError):
+    """``TF_CONFIG`` is malformed: not JSON, a wrong type, a bad address, a duplicate.
+
+    Every problem with ``TF_CONFIG`` raises this one type (a ``ValueError``), whatever the
+    input; the message names the key (``"cluster"."worker"[1]``) and quotes the bad part,
+    and never contains the cluster token.
+
+    Attributes:
+        key: where in ``TF_CONFIG`` the problem is, e.g. ``'"cluster"."worker"[1]'`` (``""``
+            for the whole document).
+
+    Example:
+        >>> bad = '{"cluster": {"worker": ["h:+80"]}}'
+        >>> try:
+        ...     TFConfigClusterResolver(tf_config=bad).cluster_spec()
+        ... except TFConfigError as e:
+        ...     print(e.key)
+        "cluster"."worker"[0]
+    """
+
+    def __init__(self, message: str, key: str = ""):
+        super().__init__(message)
+        self.key = key
+
+
+class ClusterMergeError(KeyError, ClusterConfigError):
+    """Two resolvers of a ``UnionResolver`` define the same task of a job (TF: ``KeyError``).
+
+    Example:
+        >>> UnionResolver(SimpleClusterResolver({"worker": {7: "a:1"}}),
+        ...               SimpleClusterResolver({"worker": {7: "b:1"}})).cluster_spec()
+        Traceback (most recent call last):
+        ClusterMergeError: Duplicate keys detected when merging two ClusterSpecs: ...
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class ClusterTimeoutError(ClusterError, TimeoutError):
     """Waiting on other tasks took longer than the configured timeout.
 
@@ -41,4 +80,11 @@ class PeerLostError(ClusterError):
         self.tasks = tuple(tasks)
 
 
-__all__ = ["ClusterConfigError", "ClusterError", "ClusterTimeoutError", "PeerLostError"]
+__all__ = [
+    "ClusterConfigError",
+    "ClusterError",
+    "ClusterMergeError",
+    "ClusterTimeoutError",
+    "PeerLostError",
+    "TFConfigError",
+]

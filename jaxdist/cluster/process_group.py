@@ -98,7 +98,12 @@ def process_group(resolver: Any) -> ProcessGroup:
     task_type, task_id = resolver.task_type, resolver.task_id
     if not spec:
         return ProcessGroup((), task_type, task_id, 0, None, None, True)
-    validate_cluster_spec(spec, task_type, task_id, source=type(resolver).__name__)
+    source = getattr(resolver, "config_source", None) or type(resolver).__name__
+    validate_cluster_spec(spec, task_type, task_id, source=source)
+    for job in spec.jobs:
+        for idx in spec.task_indices(job):
+            where = f"{source} \"cluster\" {quote(job)}[{idx}]"
+            split_address(spec.task_address(job, idx), where)
     tasks = tuple(training_tasks(spec))
     if not tasks:
         raise ClusterConfigError(

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from jaxdist.cluster.cluster_spec import ClusterSpec, as_cluster_spec
-from jaxdist.cluster.errors import ClusterConfigError
+from jaxdist.cluster.errors import ClusterConfigError, ClusterMergeError
 from jaxdist.cluster.validation import quote
 
 TOKEN_ENV = "JAXDIST_CLUSTER_TOKEN"
@@ -147,8 +147,9 @@ class SimpleClusterResolver(ClusterResolver):
 class UnionResolver(ClusterResolver):
     """Merges the clusters of several resolvers (``UnionClusterResolver``).
 
-    Jobs must not repeat across resolvers. ``task_type``, ``task_id``, ``rpc_layer``,
-    ``environment`` and the token come from the first resolver unless given.
+    A job that several resolvers define is merged as TF merges it (see ``cluster_spec``).
+    ``task_type``, ``task_id``, ``rpc_layer``, ``environment`` and the token come from the
+    first resolver unless given.
 
     Example:
         >>> ps = SimpleClusterResolver({"ps": ["h9:2222"]})
@@ -174,18 +175,41 @@ class UnionResolver(ClusterResolver):
         self.environment = getattr(first, "environment", "")
 
     def cluster_spec(self) -> ClusterSpec:
+        """The jobs of every resolver, merged as TF merges them.
+
+        A job defined by several resolvers is merged: lists are concatenated in resolver
+        order; as soon as one of them is sparse (a dict), all become index -> address and a
+        task index defined twice raises ``ClusterMergeError`` (a ``KeyError``, as in TF).
+        """
+        specs = [as_cluster_spec(r.cluster_spec()).as_dict() for r in self._resolvers]
         merged: dict[str, Any] = {}
-        owner: dict[str, ClusterResolver] = {}
-        for r in self._resolvers:
-            spec = as_cluster_spec(r.cluster_spec())
-            for job, tasks in spec.as_cluster_def().items():
-                if job in merged:
-                    raise ClusterConfigError(
-                        f"UnionResolver: job {quote(job)} is defined by both {owner[job]!r} and "
-                        f"{r!r}; each job must come from one resolver"
+        for d in specs:  # a job is a dict as soon as one of its parts is
+            for job, tasks in d.items():
+                if job not in merged or isinstance(tasks, dict):
+                    merged[job] = {} if isinstance(tasks, dict) else []
+        for d in specs:
+            for job, tasks in d.items():
+                target = merged[job]
+                if isinstance(target, list):
+                    target.extend(tasks)
+                    continue
+                part = dict(enumerate(tasks)) if isinstance(tasks, list) else dict(tasks)
+                both = sorted(set(part) & set(target))
+                if both:
+                    raise ClusterMergeError(
+                        f"Duplicate keys detected when merging two ClusterSpecs: job "
+                        f"{quote(job)} has task(s) {both} in more than one resolver"
                     )
-                merged[job], owner[job] = tasks, r
+                target.update(part)
         return ClusterSpec(merged)
+
+    def master(self, task_type: str | None = None, task_id: int | None = None,
+               rpc_layer: str | None = None) -> str:
+        """A task's address from the merged cluster, else the first resolver's master."""
+        if task_type is not None and task_id is not None:
+            return format_master_url(self.cluster_spec().task_address(task_type, task_id),
+                                     rpc_layer or self.rpc_layer)
+        return self._resolvers[0].master(rpc_layer=rpc_layer)
 
     @property
     def cluster_token(self) -> str | None:  # type: ignore[override]
