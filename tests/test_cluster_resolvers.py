@@ -131,8 +131,9 @@ def test_evaluator_may_be_missing_from_cluster_and_stays_out():
     r = resolver({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "evaluator",
                                                                   "index": 0}})
     g = process_group(r)
-    # TF's is_chief: the evaluator is the chief of its own partition.
-    assert not g.in_training_group and g.num_processes == 2 and g.is_chief
+    # TF's is_chief calls the evaluator its own chief; the group's chief never is the evaluator
+    # (it must not write the training checkpoints).
+    assert not g.in_training_group and g.num_processes == 2 and not g.is_chief
     r = resolver({"cluster": {"worker": ["a:1"], "evaluator": ["e:1"], "ps": ["p:1"]},
                   "task": {"type": "evaluator", "index": 0}})
     assert process_group(r).tasks == (("worker", 0),)

@@ -134,7 +134,9 @@ def process_group(resolver: Any) -> ProcessGroup:
         process_id=pid,
         coordinator_address=coord if multi else None,
         coordinator_bind_address=bind_address_for(coord) if multi else None,
-        is_chief=is_chief(spec, task_type, task_id),
+        # TF's is_chief counts the evaluator as its own chief; here it never checkpoints the
+        # training state, so it is not the chief of the group (a deliberate difference).
+        is_chief=task_type != "evaluator" and is_chief(spec, task_type, task_id),
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist.cluster.validation import validate_cluster_spec
 from jaxdist.ps import optimizers as ps_optimizers
 from jaxdist.ps.client import LocalClient, PSClient
 from jaxdist.ps.cluster import TaskInfo, task_info
@@ -403,6 +404,10 @@ class ParameterServerStrategy(Strategy):
                  ps_strategy: Any = None, max_staleness: int | None = None,
                  timeout: float = 60.0, compute_devices: Sequence[Any] | None = None):
         info = task_info(cluster_resolver)
+        if info.cluster:  # TF's multi-worker rules (multi_worker_util), as TF's strategy checks
+            validate_cluster_spec(info.cluster, info.task_type,
+                                  info.task_id if info.task_type else None,
+                                  source=getattr(cluster_resolver, "config_source", "cluster"))
         if info.ps_addresses and info.task_type == "ps":
             raise ValueError(
                 "this process is a ps task (TF_CONFIG task type 'ps'): run jaxdist.Server "
