@@ -138,8 +138,11 @@ class ClusterSpec:
         }
 
     def as_cluster_def(self) -> dict[str, dict[int, str]]:
-        """A plain-dict stand-in for TF's ``ClusterDef`` proto: job -> {index: address}."""
-        return {j: dict(t) for j, t in self._jobs.items()}
+        """A plain-dict stand-in for TF's ``ClusterDef`` proto: job -> {index: address}.
+
+        Jobs are sorted by name and tasks by index, as in TF's proto.
+        """
+        return {j: dict(self._jobs[j]) for j in sorted(self._jobs)}
 
     def __contains__(self, job_name: object) -> bool:
         return job_name in self._jobs
