@@ -27,8 +27,8 @@ def _proto(jobs):
 
 
 def verify_cluster_spec_equality(cluster_spec, expected):
-    for spec in (cluster_spec, ClusterSpec(cluster_spec), ClusterSpec(cluster_spec.as_cluster_def()),
-                 ClusterSpec(cluster_spec.as_dict())):
+    for spec in (cluster_spec, ClusterSpec(cluster_spec),
+                 ClusterSpec(cluster_spec.as_cluster_def()), ClusterSpec(cluster_spec.as_dict())):
         assert list(spec.as_cluster_def().items()) == _proto(expected)
 
 
