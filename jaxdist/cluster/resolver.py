@@ -88,10 +88,14 @@ class ClusterResolver(abc.ABC):
         self._cluster_token = value
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(task_type={self.task_type!r}, task_id={self.task_id!r}, "
-            f"cluster_spec={self.cluster_spec().as_dict()!r})"
-        )
+        # Never the token; never an exception (a bad TF_CONFIG shows as its error type).
+        try:
+            return (
+                f"{type(self).__name__}(task_type={self.task_type!r}, task_id={self.task_id!r}, "
+                f"cluster_spec={self.cluster_spec().as_dict()!r})"
+            )
+        except Exception as e:  # noqa: BLE001 - repr must not raise
+            return f"{type(self).__name__}(<invalid configuration: {type(e).__name__}>)"
 
 
 class SimpleClusterResolver(ClusterResolver):

@@ -87,6 +87,14 @@ def _parse_int(text: str) -> int | _HugeNumber:
     return int(text) if len(text) <= 30 else _HugeNumber(text)
 
 
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_address(address: Any, key: str = "address") -> str:
     """Checks one ``"host:port"`` of ``TF_CONFIG`` strictly and returns it.
 
@@ -109,18 +117,12 @@ def check_address(address: Any, key: str = "address") -> str:
     if not sep or not host:
         raise _fail(key, f"is {quote(address)}: expected \"host:port\" (e.g. \"10.0.0.1:2222\")")
     if host.startswith("["):
-        inner = host[1:-1] if host.endswith("]") else None
-        try:
-            ipaddress.IPv6Address(inner) if inner else None
-        except ValueError:
-            inner = None
-        if not inner:
+        if not (host.endswith("]") and _is_ipv6(host[1:-1])):
             raise _fail(key, f"is {quote(address)}: the host {quote(host)} is not a bracketed "
                              f"IPv6 address like \"[::1]\"")
-    elif ":" in host:
+    elif ":" in host and _is_ipv6(host):
         raise _fail(key, f"is {quote(address)}: an IPv6 address must be in brackets, e.g. "
-                         f"\"[{host}]:{port}\"" if _PRINTABLE_RE.fullmatch(address) else
-                    f"is {quote(address)}: expected \"host:port\" with one ':'")
+                         f"\"[{host}]:{port}\"")
     elif len(host) > 253 or not _HOST_RE.fullmatch(host):
         raise _fail(key, f"is {quote(address)}: the host {quote(host)} is not a valid host name "
                          f"(letters, digits, '-', '_' and '.'; no spaces or control characters)")
