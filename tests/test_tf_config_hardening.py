@@ -98,6 +98,8 @@ def test_an_empty_job_is_rejected(job):
     ('{"rpc_layer": ["grpc"]}', '"rpc_layer"', "expected a string"),
     ('{"rpc_layer": "gr pc"}', '"rpc_layer"', "protocol name"),
     ('{"session_master": 3}', '"session_master"', "expected a string"),
+    ('{"session_master": "h:+1"}', '"session_master"', 'the port "+1"'),
+    ('{"session_master": "a b://h:1"}', '"session_master"', "protocol://host:port"),
     ('[1, 2]', "", "expected a JSON object"),
     ('"just text"', "", "expected a JSON object"),
     ("{not json", "", "not valid JSON"),
@@ -152,11 +154,12 @@ def test_what_tf_accepts_is_accepted():
         "cluster": {"123456": ["ps0:2222"], "worker1": ["w10:2222"], "sun": {"3": "h.x:1"},
                     "moon": ["[::1]:2222", "10.0.0.1:65535", "a_b-c.example.com.:1"]},
         "task": {"type": 123456, "index": "0"}, "rpc_layer": "grpc+verbs",
-        "session_master": "sessionmaster:2222", "environment": "cloud", "extra": {"any": [1]}})
+        "session_master": "grpc://sessionmaster:2222", "environment": "cloud",
+        "extra": {"any": [1]}})
     r = TFConfigClusterResolver(tf_config=raw)
     assert (r.task_type, r.task_id, r.rpc_layer) == ("123456", 0, "grpc+verbs")
     assert r.cluster_spec().task_address("sun", 3) == "h.x:1"
-    assert r.master() == "sessionmaster:2222"
+    assert r.master() == "grpc://sessionmaster:2222"
     assert parse_tf_config(raw)["extra"] == {"any": [1]}  # unknown top-level keys are kept
     assert check_address("[fe80::1%eth0]:22") == "[fe80::1%eth0]:22"
 

@@ -268,8 +268,13 @@ def parse_tf_config(raw: str | dict | None) -> dict[str, Any]:
         if key == "rpc_layer" and value and not _RPC_LAYER_RE.fullmatch(value):
             raise _fail(_key(key), f"is {quote(value, 80)}: expected a protocol name such as "
                                    f"\"grpc\"")
-        if key in ("session_master", "environment") and value and not _PRINTABLE_RE.fullmatch(
-                value):
+        if key == "session_master" and value:
+            scheme, sep, address = value.rpartition("://")
+            if sep and not _RPC_LAYER_RE.fullmatch(scheme):
+                raise _fail(_key(key), f"is {quote(value, 80)}: expected \"host:port\" or "
+                                       f"\"protocol://host:port\"")
+            check_address(address, _key(key))
+        if key == "environment" and value and not _PRINTABLE_RE.fullmatch(value):
             raise _fail(_key(key), f"is {quote(value, 80)}: expected printable text without "
                                    f"spaces")
         if key == "token" and not _PRINTABLE_RE.fullmatch(value):
