@@ -2,7 +2,7 @@
 and mutated valid configs give either a usable resolver or the one typed error,
 ``TFConfigError`` (naming the key, never the token); never another exception.
 
-Bounded: 250 derandomized examples per test, about 5 s for the file on one core."""
+Bounded: 200 derandomized examples per test, about 5 s for the file on one core."""
 
 import json
 
@@ -18,7 +18,7 @@ from jaxdist.cluster import (
 )
 
 TOKEN = "fuzz-token-8c1d0e"
-FUZZ = settings(max_examples=250, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 scalars = (st.none() | st.booleans() | st.integers(-2**40, 2**40)
