@@ -235,3 +235,27 @@ def test_local_cluster_and_task_env():
     assert env["JAXDIST_CLUSTER_TOKEN"] == "tok" and env["JAX_NUM_CPU_DEVICES"] == "2"
     r = TFConfigClusterResolver(tf_config=tf_config(cluster, "worker", 1, "tok"))
     assert process_group(r).process_id == 2
+
+
+def test_any_job_name_in_resolvers_and_tfs_master_rules():
+    r = SimpleClusterResolver({"sun": ["a:1"], "moon": ["b:1", "c:1"]}, task_type="moon",
+                              task_id=1)
+    assert r.master() == "c:1" and r.master("sun", 0, rpc_layer="grpc") == "grpc://a:1"
+    with pytest.raises(ValueError, match="No task with index 5"):
+        r.master("moon", 5)  # TF: a task named explicitly must exist
+    with pytest.raises(ClusterConfigError, match="Disallowed task type"):
+        process_group(r)  # the strategies keep TF's multi-worker rules
+
+
+def test_slurm_sorts_jobs_and_hosts_and_leaves_cpu_nodes_alone(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "3")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "b2,a1,c3")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x3)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    r = SlurmClusterResolver(jobs={"worker": 2, "chief": 1})
+    assert r.cluster_spec().as_dict() == {"chief": ["a1:8888"], "worker": ["b2:8888", "c3:8888"]}
+    assert (r.task_type, r.task_id) == ("chief", 0)
+    assert r.num_accelerators() == {} and __import__("os").environ["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(ClusterConfigError, match="need more than the gpus_per_node=1"):
+        SlurmClusterResolver(gpus_per_node=1, gpus_per_task=2)

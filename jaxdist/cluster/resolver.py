@@ -59,13 +59,18 @@ class ClusterResolver(abc.ABC):
 
     def master(self, task_type: str | None = None, task_id: int | None = None,
                rpc_layer: str | None = None) -> str:
-        """The address of a task (default: this one), prefixed ``rpc_layer://`` when set."""
+        """The address of a task (default: this one), prefixed ``rpc_layer://`` when set.
+
+        A task named explicitly must exist (``ValueError``, as in TF); this task's own address
+        is ``""`` when the cluster does not list it.
+        """
+        explicit = task_type is not None and task_id is not None
         task_type = task_type if task_type is not None else self.task_type
         task_id = task_id if task_id is not None else self.task_id
         if task_type is None or task_id is None:
             return ""
-        spec = self.cluster_spec()
-        if task_type not in spec or task_id not in spec.task_indices(task_type):
+        spec = as_cluster_spec(self.cluster_spec())
+        if not explicit and (task_type not in spec or task_id not in spec.task_indices(task_type)):
             return ""
         return format_master_url(
             spec.task_address(task_type, task_id), rpc_layer or self.rpc_layer
