@@ -1,6 +1,7 @@
 """Cluster specs, TF_CONFIG validation and the other resolvers (pure unit tests)."""
 
 import json
+import os
 
 import pytest
 
@@ -256,6 +257,6 @@ def test_slurm_sorts_jobs_and_hosts_and_leaves_cpu_nodes_alone(monkeypatch):
     r = SlurmClusterResolver(jobs={"worker": 2, "chief": 1})
     assert r.cluster_spec().as_dict() == {"chief": ["a1:8888"], "worker": ["b2:8888", "c3:8888"]}
     assert (r.task_type, r.task_id) == ("chief", 0)
-    assert r.num_accelerators() == {} and __import__("os").environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert r.num_accelerators() == {} and os.environ["CUDA_VISIBLE_DEVICES"] == ""
     with pytest.raises(ClusterConfigError, match="need more than the gpus_per_node=1"):
         SlurmClusterResolver(gpus_per_node=1, gpus_per_task=2)

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 from jaxdist.cluster.errors import ClusterConfigError
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 40
+
+
+def _show(value: Any) -> str:
+    """A bounded repr for messages (safe on deep or huge values)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a message must not fail
+        return f"<{type(value).__name__}>"
 
 
 def _parse_index(job: str, key: Any) -> int:
@@ -13,23 +25,24 @@ def _parse_index(job: str, key: Any) -> int:
         idx = int(key)
     except (TypeError, ValueError):
         raise ClusterConfigError(
-            f"cluster job {job!r} has task index {key!r}: expected a non-negative integer "
-            f"(the sparse form is {{{job!r}: {{\"1\": \"host:port\"}}}})"
+            f"cluster job {_show(job)} has task index {_show(key)}: expected a non-negative "
+            f"integer (the sparse form is {{{_show(job)}: {{\"1\": \"host:port\"}}}})"
         ) from None
     if idx < 0 or (isinstance(key, float) and key != idx):
         raise ClusterConfigError(
-            f"cluster job {job!r} has task index {key!r}: expected a non-negative integer"
+            f"cluster job {_show(job)} has task index {_show(key)}: expected a non-negative "
+            f"integer"
         )
     return idx
 
 
 def _parse_job(job: Any, tasks: Any) -> dict[int, str]:
     if not isinstance(job, str) or not job:
-        raise ClusterConfigError(f"cluster job name {job!r}: expected a non-empty string")
+        raise ClusterConfigError(f"cluster job name {_show(job)}: expected a non-empty string")
     if isinstance(tasks, str):
         raise ClusterConfigError(
-            f"cluster job {job!r} is {tasks!r}: expected a list of \"host:port\" addresses "
-            f"(e.g. [{tasks!r}]) or a dict of task index -> address"
+            f"cluster job {_show(job)} is {_show(tasks)}: expected a list of \"host:port\" "
+            f"addresses (e.g. [{_show(tasks)}]) or a dict of task index -> address"
         )
     if isinstance(tasks, Mapping):
         items = [(_parse_index(job, k), v) for k, v in tasks.items()]
@@ -37,18 +50,20 @@ def _parse_job(job: Any, tasks: Any) -> dict[int, str]:
         items = list(enumerate(tasks))
     else:
         raise ClusterConfigError(
-            f"cluster job {job!r} is {tasks!r}: expected a list of \"host:port\" addresses or a "
+            f"cluster job {_show(job)} is {_show(tasks)}: expected a list of \"host:port\" "
+            f"addresses or a "
             f"dict of task index -> address"
         )
     out: dict[int, str] = {}
     for idx, addr in items:
         if not isinstance(addr, str):
             raise ClusterConfigError(
-                f"cluster job {job!r} task {idx} has address {addr!r}: expected a \"host:port\" "
+                f"cluster job {_show(job)} task {idx} has address {_show(addr)}: expected a "
+                f"\"host:port\" "
                 f"string"
             )
         if idx in out:
-            raise ClusterConfigError(f"cluster job {job!r} lists task {idx} twice")
+            raise ClusterConfigError(f"cluster job {_show(job)} lists task {idx} twice")
         out[idx] = addr
     return dict(sorted(out.items()))
 
@@ -84,7 +99,8 @@ class ClusterSpec:
             return
         if not isinstance(cluster, Mapping):
             raise ClusterConfigError(
-                f"cluster {cluster!r}: expected a dict of job name -> addresses or a ClusterSpec"
+                f"cluster {_show(cluster)}: expected a dict of job name -> addresses or a "
+                f"ClusterSpec"
             )
         self._jobs = {job: _parse_job(job, tasks) for job, tasks in cluster.items()}
 
