@@ -149,6 +149,16 @@ def test_a_valid_config_with_a_token_keeps_it_out_of_reprs():
     assert TOKEN not in repr(u)
 
 
+def test_a_dict_tf_config_is_checked_the_same_way():
+    e = _error({"task": {"type": 10**5000, "index": 0}, "token": TOKEN})
+    assert e.key == '"task"."type"'
+    e = _error({"cluster": {"worker": ("h:1", "h:1")}, "token": TOKEN})
+    assert e.key == '"cluster"."worker"[1]' and "the same address" in str(e)
+    r = TFConfigClusterResolver(tf_config={"cluster": {"worker": ("h:1",)},
+                                           "task": {"type": "worker", "index": 0}})
+    assert r.cluster_spec().as_dict() == {"worker": ["h:1"]}
+
+
 def test_what_tf_accepts_is_accepted():
     raw = json.dumps({
         "cluster": {"123456": ["ps0:2222"], "worker1": ["w10:2222"], "sun": {"3": "h.x:1"},

@@ -164,7 +164,7 @@ def _check_cluster(cluster: Any) -> dict[str, Any]:
             raise _fail(_key("cluster"), f"has the job name {quote(job, 80)}: expected a string")
         _check_job_name(job)
         jkey = _key("cluster", job)
-        if isinstance(tasks, list):
+        if isinstance(tasks, (list, tuple)):
             items = list(enumerate(tasks))
         elif isinstance(tasks, dict):
             items = [(_check_index(k, f"{jkey} key {quote(k, 80)}"), v) for k, v in tasks.items()]
@@ -204,7 +204,8 @@ def _check_task(task: Any) -> dict[str, Any]:
         raise _fail(_key("task"), f"is {quote(task)}: it has no \"type\" (chief, worker, ps or "
                                   f"evaluator)")
     task_type = task["type"]
-    if isinstance(task_type, bool) or not isinstance(task_type, (str, int)):
+    if (isinstance(task_type, bool) or not isinstance(task_type, (str, int))
+            or (isinstance(task_type, int) and not -10**30 < task_type < 10**30)):
         raise _fail(_key("task", "type"), f"is {quote(task_type, 80)}: expected a string such "
                                           f"as \"worker\"")
     out["type"] = str(task_type)  # TF casts the task type to str
