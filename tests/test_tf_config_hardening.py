@@ -180,3 +180,14 @@ def test_strategies_keep_tfs_multi_worker_rules_for_any_job_name():
     assert r.cluster_spec().jobs == ["sun", "moon"] and r.master() == "a:1"
     with pytest.raises(ClusterConfigError, match="Disallowed task type found in cluster spec"):
         process_group(r)
+
+
+def test_parameter_server_strategy_keeps_tfs_multi_worker_rules():
+    import jaxdist
+
+    r = SimpleClusterResolver({"sun": ["a:1"], "ps": ["b:1"]}, task_type="sun", task_id=0)
+    with pytest.raises(ClusterConfigError, match="Disallowed task type found in cluster spec"):
+        jaxdist.ParameterServerStrategy(r)
+    r = SimpleClusterResolver({"worker": ["a:1"], "ps": ["b:1"]}, task_type="chief", task_id=0)
+    with pytest.raises(ClusterConfigError, match="`task_type` 'chief' not found in cluster_spec"):
+        jaxdist.ParameterServerStrategy(r)

@@ -405,7 +405,9 @@ class ParameterServerStrategy(Strategy):
                  timeout: float = 60.0, compute_devices: Sequence[Any] | None = None):
         info = task_info(cluster_resolver)
         if info.cluster:  # TF's multi-worker rules (multi_worker_util), as TF's strategy checks
-            validate_cluster_spec(info.cluster, info.task_type,
+            spec = (cluster_resolver.cluster_spec()
+                    if callable(getattr(cluster_resolver, "cluster_spec", None)) else info.cluster)
+            validate_cluster_spec(spec, info.task_type,
                                   info.task_id if info.task_type else None,
                                   source=getattr(cluster_resolver, "config_source", "cluster"))
         if info.ps_addresses and info.task_type == "ps":
