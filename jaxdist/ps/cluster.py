@@ -7,7 +7,6 @@ list of addresses), ``task_type``, ``task_id`` and ``cluster_token``.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -107,36 +106,13 @@ def task_info(resolver: Any) -> TaskInfo:
     return TaskInfo(cluster, task_type or None, int(task_id or 0), cluster_token(resolver))
 
 
-class _TFConfigView:
-    """Minimal TF_CONFIG reader used when ``jaxdist.cluster`` offers no resolver."""
-
-    def __init__(self, config: dict[str, Any]):
-        self._config = config
-        task = config.get("task", {}) or {}
-        self.task_type = task.get("type")
-        self.task_id = int(task.get("index", 0))
-        self.cluster_token = config.get("token") or os.environ.get(TOKEN_ENV)
-        self.rpc_layer = config.get("rpc_layer", "grpc")
-
-    def cluster_spec(self) -> dict[str, list[str]]:
-        return dict(self._config.get("cluster", {}) or {})
-
-
 def _env_resolver() -> Any:
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
+    """The TF_CONFIG resolver (parsed in ``jaxdist.cluster``), or ``None`` without TF_CONFIG."""
+    if not os.environ.get("TF_CONFIG"):
         return None
-    try:
-        from jaxdist.cluster import TFConfigClusterResolver  # type: ignore[attr-defined]
+    from jaxdist.cluster import TFConfigClusterResolver
 
-        return TFConfigClusterResolver()
-    except ImportError:
-        pass
-    try:
-        config = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {raw[:200]!r}") from None
-    return _TFConfigView(config)
+    return TFConfigClusterResolver()
 
 
 __all__ = ["TOKEN_ENV", "TaskInfo", "cluster_dict", "cluster_token", "task_info"]
