@@ -476,9 +476,11 @@ class ParameterServerStrategy(Strategy):
 
     def __repr__(self) -> str:
         ext = self._extended
+        coordinator = getattr(self, "_jaxdist_coordinator", None)
+        # Never probe the workers from repr (they may be down): use what is known.
+        known = getattr(coordinator, "_num_replicas", None) or ext._num_replicas
         return (f"ParameterServerStrategy(task={ext.task_info.name}, "
-                f"ps_tasks={ext.ps_client.num_tasks}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+                f"ps_tasks={ext.ps_client.num_tasks}, num_replicas_in_sync={known})")
 
 
 __all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended"]
