@@ -147,7 +147,8 @@ class _WorkerThread:
             try:
                 self._process(closure)
             finally:
-                self.current = None
+                # Hold no reference to a finished closure: its arguments (iterators) can go.
+                self.current = closure = None
 
     def cancel(self) -> None:
         """Cancels the closure in flight here (an earlier function failed)."""
@@ -491,15 +492,37 @@ class ClusterCoordinator:
             self._num_replicas = next(iter(counts.values()))
             return self._num_replicas
 
-    def _probe_replicas(self, index: int) -> int:
-        fn = closure_pickle.dumps(_worker_num_replicas, index, self._ps_rpc_timeout)
-        args = closure_pickle.dumps(((self._ps_rpc_timeout,), {}), index, self._ps_rpc_timeout)
-        meta, arrays = self._client.call(
+    def _run_direct(self, index: int, fn: Callable[..., Any], args: tuple) -> tuple[dict, dict]:
+        """Runs ``fn(*args)`` on worker ``index`` now, outside the queue (small queries)."""
+        fn_payload = closure_pickle.dumps(fn, index, self._ps_rpc_timeout)
+        args_payload = closure_pickle.dumps((args, {}), index, self._ps_rpc_timeout,
+                                            self._join_timeout)
+        return self._client.call(
             index, "RunClosure", {"closure_id": -1},
-            {"fn": to_bytes_array(fn), "args": to_bytes_array(args)}, timeout=self._rpc_timeout)
+            {"fn": to_bytes_array(fn_payload), "args": to_bytes_array(args_payload)},
+            timeout=self._rpc_timeout)
+
+    def _probe_replicas(self, index: int) -> int:
+        meta, arrays = self._run_direct(index, _worker_num_replicas, (self._ps_rpc_timeout,))
         if not meta.get("ok"):
             raise _remote_exception(meta, arrays)
         return int(pickle.loads(from_bytes_array(arrays["value"])))
+
+    def _fetch_resource(self, resource: WorkerResource) -> Any:
+        """The value of a per-worker resource, copied from its worker (TF fetches the
+        per-worker ``RemoteValue``); waits up to ``rpc_timeout`` for the worker to build it."""
+        deadline = time.monotonic() + self._rpc_timeout
+        while True:
+            with self._resources_lock:
+                broken = self._broken.get(resource.resource_id)
+            if broken is not None:
+                raise broken
+            meta, arrays = self._run_direct(resource.worker_index, _identity_value, (resource,))
+            if meta.get("ok"):
+                return pickle.loads(from_bytes_array(arrays["value"]))
+            if meta.get("kind") != "missing_resource" or time.monotonic() > deadline:
+                raise _remote_exception(meta, arrays)
+            time.sleep(0.05)  # its worker thread has not built it yet
 
     # -------------------------------------------------------------- scheduling
     def schedule(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
@@ -559,6 +582,9 @@ class ClusterCoordinator:
     def fetch(self, val: Any) -> Any:
         """Blocking: the values of the ``RemoteValue``s (and ``PerWorkerValues``) in ``val``.
 
+        A per-worker value (e.g. from ``per_worker_dataset.build()``) is copied from its
+        worker, as TF fetches it; it must be picklable (an iterator is not).
+
         Example:
             >>> coordinator.fetch([rv1, {"b": rv2}, 3])   # -> [v1, {"b": v2}, 3]
         """
@@ -568,10 +594,12 @@ class ClusterCoordinator:
                 return x.fetch()
             if isinstance(x, PerWorkerValues):
                 return tuple(one(v) for v in x.values)
+            if isinstance(x, WorkerResource):
+                return self._fetch_resource(x)
             return x
 
-        return jax.tree.map(one, val,
-                            is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues)))
+        return jax.tree.map(one, val, is_leaf=lambda x: isinstance(
+            x, (RemoteValue, PerWorkerValues, WorkerResource)))
 
     # -------------------------------------------------------------- per-worker resources
     def _create_per_worker_resources(self, fn: Callable[..., Any], args: tuple,
@@ -713,6 +741,11 @@ class ClusterCoordinator:
     def __repr__(self) -> str:
         return (f"ClusterCoordinator(workers={self.num_workers}, "
                 f"down={self._health.down_workers()})")
+
+
+def _identity_value(value: Any) -> Any:
+    """On a worker: the value itself (sent back to the coordinator)."""
+    return value
 
 
 def _worker_num_replicas(timeout: float) -> int:

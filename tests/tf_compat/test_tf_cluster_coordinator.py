@@ -552,10 +552,24 @@ class TestClusterCoordinator:
         assert sorted(elements_in_iterator_1) == sorted(elements_in_iterator_2)
         assert elements_in_iterator_1 != elements_in_iterator_2
 
-    @pytest.mark.skip(reason="fetching a per-worker resource back to the coordinator: "
-                             "jaxdist's per-worker values stay on their worker (no fetch)")
-    def testPerWorkerValue(self):
-        pass
+    def testPerWorkerValue(self, coordinator):
+        # TF's create_var makes a tf.Variable on each worker; here a mutable 0-d array.
+        def create_var():
+            return np.zeros((), np.float32)
+
+        worker_local_var = coordinator._create_per_worker_resources(create_var, ())
+
+        def worker_fn(var):
+            var[...] += 1.0
+
+        for _ in range(10):
+            # Which slice of `worker_local_var` will be used will depend on which
+            # worker the `worker_fn` gets scheduled on.
+            coordinator.schedule(worker_fn, args=(worker_local_var,))
+        coordinator.join()
+
+        var_sum = sum(coordinator.fetch(worker_local_var.values))
+        assert var_sum == 10.0
 
     @pytest.mark.skip(reason="per_worker_variable=True is a tf.Variable option; jaxdist has "
                              "no per-worker variables")
