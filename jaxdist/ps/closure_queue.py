@@ -23,7 +23,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jaxdist.ps.coordinator_errors import CancelledError, CoordinatorShutdownError
@@ -49,9 +49,9 @@ class Closure:
     kwargs: dict
     remote_value: RemoteValue
     attempts: int = 0
-    tags: dict[str, Any] = field(default_factory=dict)
 
     cancel_requested: bool = False
+    tag: Any = None  # put(tag=...): only get(tag=tag) returns it, put_back keeps it there
 
     def mark_cancelled(self) -> None:
         """Its ``fetch()`` raises ``CancelledError`` (TF's message, then which function)."""
@@ -84,6 +84,10 @@ class ClosureQueue:
         self._cond = threading.Condition()
         self._put_wait_lock = threading.Lock()  # TF: no put while a wait decides
         self._queue: collections.deque[Closure] = collections.deque()
+        # TF's tagged queues: closures for one worker (tag = worker index); not counted by
+        # done()/wait() unless whoever tags them counts them in flight.
+        self._tagged: collections.defaultdict[Any, collections.deque[Closure]] = (
+            collections.defaultdict(collections.deque))
         self._inflight = 0
         self._error: BaseException | None = None
         self._sticky: BaseException | None = None  # a cluster error (ps down), until cleared
@@ -127,14 +131,19 @@ class ClosureQueue:
             self._cancelling = False
             self._cond.notify_all()
 
-    def put(self, closure: Closure) -> None:
+    def put(self, closure: Closure, tag: Any = None) -> None:
         """Queues ``closure``; with a pending error, cancels everything (this closure too)
-        and raises the error (TF's ``put``)."""
+        and raises the error (TF's ``put``). With ``tag``, only ``get(tag=tag)`` returns it."""
         with self._put_wait_lock, self._cond:
             if self._stopped:
                 raise CoordinatorShutdownError("the coordinator was shut down; create a new one")
             if self._sticky is not None:
                 raise self._sticky
+            if tag is not None:
+                closure.tag = tag
+                self._tagged[tag].append(closure)
+                self._cond.notify_all()
+                return
             self._queue.append(closure)
             self._raise_if_error()
             self._cond.notify_all()
@@ -180,18 +189,25 @@ class ClosureQueue:
             return self._inflight == 0 and not self._queue
 
     # -------------------------------------------------------------- worker side
-    def get(self, timeout: float | None = None) -> Closure | None:
+    def get(self, timeout: float | None = None, tag: Any = None) -> Closure | None:
         """The next closure (now in flight), or ``None`` after ``timeout``, when stopped or
-        while an error cancels the functions."""
+        while an error cancels the functions. With ``tag``, a closure put with that tag
+        comes first (TF: it is not counted in flight here)."""
         with self._cond:
             deadline = None if timeout is None else time.monotonic() + timeout
-            while (not self._queue or self._cancelling) and not self._stopped:
+
+            def tagged() -> bool:
+                return tag is not None and bool(self._tagged.get(tag))
+
+            while ((not self._queue and not tagged()) or self._cancelling) and not self._stopped:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(left)
             if self._stopped:
                 return None
+            if tagged():
+                return self._tagged[tag].popleft()
             self._inflight += 1
             return self._queue.popleft()
 
@@ -211,10 +227,14 @@ class ClosureQueue:
         """Re-queues an in-flight closure at the front (its worker was lost); with a pending
         error it is cancelled instead (TF)."""
         with self._cond:
-            self._end_inflight("put_back")
             if self._error is not None or self._sticky is not None or self._stopped:
+                self._end_inflight("put_back")
                 closure.mark_cancelled()
+            elif closure.tag is not None:
+                # Still counted in flight by whoever tagged it; get(tag) does not count it.
+                self._tagged[closure.tag].appendleft(closure)
             else:
+                self._end_inflight("put_back")
                 self._queue.appendleft(closure)
             self._cond.notify_all()
 
@@ -256,8 +276,10 @@ class ClosureQueue:
         """Cancels everything queued and wakes every waiter."""
         with self._cond:
             self._stopped = True
-            while self._queue:
-                c = self._queue.popleft()
+            pending = list(self._queue) + [c for q in self._tagged.values() for c in q]
+            self._queue.clear()
+            self._tagged.clear()
+            for c in pending:
                 c.remote_value._set_error(CoordinatorShutdownError(
                     f"the coordinator was shut down before function #{c.closure_id} ran"))
             self._cond.notify_all()

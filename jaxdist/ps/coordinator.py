@@ -80,6 +80,8 @@ class _WorkerThread:
         self._created_for: str | None = None
         self.functions_run = 0
         self.current: Closure | None = None  # the closure in flight on this worker
+        self._call: Any = None  # its RunClosure call
+        self._current_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, daemon=True,
                                        name=f"jaxdist-coordinator-{state.name}")
 
@@ -140,27 +142,34 @@ class _WorkerThread:
             if not self._ensure_resources():
                 time.sleep(0.05)
                 continue
-            closure = c._queue.get(timeout=0.1)
+            closure = c._queue.get(timeout=0.1, tag=self.index)
             if closure is None:
                 continue
-            self.current = closure
+            with self._current_lock:
+                self.current, self._call = closure, None
             try:
                 self._process(closure)
             finally:
                 # Hold no reference to a finished closure: its arguments (iterators) can go.
-                self.current = closure = None
+                with self._current_lock:
+                    self.current = self._call = closure = None
 
     def cancel(self) -> None:
         """Cancels the closure in flight here (an earlier function failed)."""
-        closure = self.current
-        if closure is not None:
+        with self._current_lock:
+            closure, call = self.current, self._call
+            if closure is None:
+                return
             closure.cancel_requested = True
-            self.state.cancel_call()
+        if call is not None:
+            call.cancel()  # that closure's own call, never the next one's
 
     def _on_start(self, call: Any) -> None:
-        self.state.set_call(call)
-        closure = self.current
-        if closure is not None and closure.cancel_requested:
+        self.state.set_call(call)  # heartbeats cancel it when the worker is lost
+        with self._current_lock:
+            self._call = call
+            cancelled = self.current is not None and self.current.cancel_requested
+        if cancelled:
             call.cancel()  # the cancellation came before the call started
 
     def _process(self, closure: Closure) -> None:
@@ -743,6 +752,31 @@ class ClusterCoordinator:
                 f"down={self._health.down_workers()})")
 
 
+def get_current_worker_index() -> int:
+    """The index of the worker task running this code (TF's
+    ``tf.distribute.coordinator.experimental_get_current_worker_index``).
+
+    Call it in a scheduled function or a per-worker ``dataset_fn``.
+
+    Raises:
+        RuntimeError: not on a worker task.
+
+    Example:
+        >>> def dataset_fn():
+        ...     i = jaxdist.coordinator.get_current_worker_index()
+        ...     return jaxdist.Dataset.from_tensor_slices(x[i::num_workers])
+    """
+    from jaxdist.ps import worker_runtime
+
+    try:
+        runtime = worker_runtime.current()
+    except Exception as e:  # noqa: BLE001 - not a worker task
+        raise RuntimeError(
+            f"get_current_worker_index() is only valid on a worker task (in a scheduled "
+            f"function or a per-worker dataset_fn): {e}") from None
+    return runtime.worker_index
+
+
 def _identity_value(value: Any) -> Any:
     """On a worker: the value itself (sent back to the coordinator)."""
     return value
@@ -758,4 +792,5 @@ def _eval_shard(eval_fn: Callable[[Any], Any], dataset_fn: Callable[[int, int], 
     return eval_fn(iter(dataset_fn(shard, num_shards)))
 
 
-__all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerIterator"]
+__all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerIterator",
+           "get_current_worker_index"]

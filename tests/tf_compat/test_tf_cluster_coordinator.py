@@ -345,10 +345,35 @@ class TestCoordinatedClosureQueue:
         for t in threads:
             t.join(30)
 
-    @pytest.mark.skip(reason="tagged closures are TF's internal plumbing for per-worker "
-                             "variables (per_worker_variable=True), which jaxdist does not have")
     def testPutGetWithTag(self):
-        pass
+        queue = ClosureQueue()
+
+        closure1 = _create_closure()
+        closure2 = _create_closure()
+        closure3 = _create_closure()
+
+        def put_fn():
+            queue.put(closure3, tag=1)
+            queue.put(closure2, tag=2)
+            queue.put(closure1)
+
+        def get_fn():
+            # The get should only return the closure with tag 2.
+            assert queue.get(tag=2) is closure2
+
+        coord = _Coord()
+        t = threading.Thread(target=coord.wrap(put_fn))
+        t.start()
+        get_fn()
+        coord.join([t])
+
+        assert not queue.done()
+        assert queue.get() == closure1
+        queue.mark_finished()
+
+        # It will not wait for closure3
+        assert queue.done()
+        queue.wait()
 
     def test_cancel_hook_is_called_for_inflight_closures(self):
         """jaxdist: ``on_cancel`` (the coordinator cancels the calls in flight) runs once."""
@@ -1122,8 +1147,48 @@ class TestStrategyIntegration:
         # TF then compares the workers' dataset type specs (tf.TypeSpec): no counterpart.
 
 
-@pytest.mark.skip(reason="CoordinatorContextTest schedules on one worker through TF's private "
-                         "tagged queues and coordinator_context.get_current_worker_index; "
-                         "jaxdist has neither")
-def testWorkerIndexDatasetFn():
-    pass
+@pytest.mark.slow
+class TestCoordinatorContext:
+    def testWorkerIndexDatasetFn(self, strategy, coordinator):
+        num_workers = coordinator.num_workers
+
+        def dataset_fn(context):
+            del context
+            worker_index = jaxdist.coordinator.get_current_worker_index()
+            # tf.data's dataset.shard(num_shards, index): every num_shards-th element.
+            return jaxdist.Dataset.from_tensor_slices(
+                np.arange(10)[worker_index::num_workers])
+
+        def per_worker_dataset_fn():
+            return strategy.distribute_datasets_from_function(dataset_fn)
+
+        def train_fn(iterator):
+            total = np.int64(0)
+            for batch in iterator:
+                total += np.sum(strategy.experimental_local_results(batch))
+            return total
+
+        per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
+        with strategy.scope():
+            iterator = iter(per_worker_dataset)
+            ret_vals = []
+            # Use private APIs to schedule in tagged queues to ensure each worker
+            # executes only one closure.
+            for ix in range(num_workers):
+                closure = Closure(next(_ids), train_fn, (iterator,), {}, RemoteValue("train"))
+                ret = closure.remote_value
+                # The queue doesn't keep track of tagged closures as inflight by
+                # default, so hack around this for the test.
+                with coordinator._queue._cond:
+                    coordinator._queue._inflight += 1
+                coordinator._queue.put(closure, tag=ix)
+                ret_vals.append(ret)
+        coordinator.join()
+
+        fetched_vals = [rv.fetch() for rv in ret_vals]
+        # jaxdist: tag ix ran on worker ix (also after a put_back).
+        assert [rv.worker for rv in ret_vals] == [f"worker:{i}" for i in range(num_workers)]
+        # TF (5 workers): [5, 7, 9, 11, 13], i.e. the sum of each worker's shard.
+        expected_results = [int(np.arange(10)[i::num_workers].sum())
+                            for i in range(num_workers)]
+        assert sorted(fetched_vals) == expected_results
