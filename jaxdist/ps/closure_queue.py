@@ -247,6 +247,14 @@ class ClosureQueue:
                 self._error = error
             self._cond.notify_all()
 
+    def report_error(self, error: BaseException) -> None:
+        """A failure outside any closure: kept like a closure's error (raised once by the
+        next ``put``/``wait``/``done``, which cancels the functions)."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
     def set_cluster_error(self, error: BaseException | None) -> None:
         """Sets (or clears with ``None``) a sticky cluster error, e.g. a ps that is down."""
         with self._cond:
