@@ -542,9 +542,9 @@ class TestClusterCoordinator:
         # TF also asserts map_fn was traced once (one tf.function trace on the coordinator);
         # jaxdist runs map_fn per element on the workers: there is no trace to count.
 
-    @pytest.mark.skip(reason="creating a tf.Variable inside a dataset function is a "
-                             "tf.function restriction; jaxdist dataset functions are plain "
-                             "Python")
+    @pytest.mark.skip(reason="TF traces dataset_fn on the coordinator and rejects tf.Variable "
+                             "creation there; jaxdist runs dataset_fn (plain Python) on the "
+                             "workers, so nothing is traced on the coordinator to reject")
     def testInputFunctionCreateVariables(self):
         pass
 
