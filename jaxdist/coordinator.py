@@ -11,7 +11,12 @@ Example:
     >>> rv.fetch()
 """
 
-from jaxdist.ps.coordinator import ClusterCoordinator, PerWorkerDataset, PerWorkerIterator
+from jaxdist.ps.coordinator import (
+    ClusterCoordinator,
+    PerWorkerDataset,
+    PerWorkerIterator,
+    get_current_worker_index,
+)
 from jaxdist.ps.coordinator_errors import (
     CancelledError,
     ClosureInputError,
@@ -41,4 +46,5 @@ __all__ = [
     "RemoteValueStatus",
     "WorkerAuthenticationError",
     "WorkerUnavailableError",
+    "get_current_worker_index",
 ]

@@ -35,12 +35,13 @@ def test_queue_first_error_cancels_pending_and_is_raised_once():
     a, b = q.get(0.1), q.get(0.1)
     q.mark_failed(ValueError("first"))
     q.mark_failed(KeyError("second"))  # only the first error is kept
+    assert len(q) == 2  # TF: the queue is cancelled when the error is raised
+    with pytest.raises(ValueError, match="first"):
+        q.wait(1.0, lambda: AssertionError("timeout"))
     assert len(q) == 0
     for c in closures[2:]:
         with pytest.raises(CancelledError, match="cancelled"):
             c.remote_value.fetch(0.1)
-    with pytest.raises(ValueError, match="first"):
-        q.wait(1.0, lambda: AssertionError("timeout"))
     q.wait(1.0, lambda: AssertionError("timeout"))  # raised once, then cleared
     q.put(_closure(9))  # new schedules work
     assert len(q) == 1 and a.closure_id == 0 and b.closure_id == 1

@@ -26,6 +26,20 @@ def _num_rows(struct: Any) -> int:
     return sizes.pop()
 
 
+class _FreshSeed:
+    """An unseeded shuffle's entropy, drawn anew in every process that unpickles it.
+
+    TF: each worker's copy of an unseeded dataset (``create_per_worker_dataset(dataset)``)
+    shuffles differently; within one process, iterating again is repeatable.
+    """
+
+    def __init__(self):
+        self.value = np.random.SeedSequence().entropy
+
+    def __reduce__(self):
+        return (_FreshSeed, ())
+
+
 class Dataset:
     """An iterable of elements (pytrees of numpy arrays) with ``tf.data``-style methods.
 
@@ -91,9 +105,10 @@ class Dataset:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         parent = self
-        base = np.random.SeedSequence(seed).entropy if seed is None else seed
+        fresh = _FreshSeed() if seed is None else None
 
         def it(epoch):
+            base = fresh.value if fresh is not None else seed
             rng = np.random.default_rng([base, epoch if reshuffle_each_iteration else 0])
             buf: list[Any] = []
             for el in parent._make_iter(epoch):

@@ -13,8 +13,9 @@ Fault tolerance (TF's ``fault_tolerance_test.py``):
   once;
 * heartbeats detect dead or hung workers; a worker that answers again rejoins on its own and
   gets its per-worker resources (datasets, iterators) rebuilt;
-* the first error raised by a function cancels the queued functions; ``join``/``schedule``
-  raise it once, after which new schedules work;
+* the first error raised by a function is raised once by the next ``join``/``schedule``/
+  ``done``, which first cancels the functions in flight and queued (their ``fetch()`` raises
+  ``CancelledError``; errors of cancelled functions never surface); new schedules then work;
 * a ps task that stops answering becomes a ``PSUnavailableError`` naming it, raised by
   ``schedule`` and ``join`` until it answers again.
 
@@ -35,11 +36,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,14 +52,16 @@ from jaxdist.ps import closure_pickle
 from jaxdist.ps.closure_pickle import WorkerResource
 from jaxdist.ps.closure_queue import Closure, ClosureQueue
 from jaxdist.ps.coordinator_errors import (
+    ClosureInputError,
     CoordinatorError,
     JoinTimeoutError,
     RemoteError,
+    WorkerUnavailableError,
 )
 from jaxdist.ps.health import HealthWatcher, WorkerState
 from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue
 from jaxdist.ps.worker_client import WorkerClient
-from jaxdist.ps.worker_runtime import make_dataset, make_iterator
+from jaxdist.ps.worker_runtime import make_dataset, make_iterator, resolve_strategy
 from jaxdist.ps.worker_service import from_bytes_array, to_bytes_array
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,9 @@ class _WorkerThread:
         self._created: set[int] = set()
         self._created_for: str | None = None
         self.functions_run = 0
+        self.current: Closure | None = None  # the closure in flight on this worker
+        self._call: Any = None  # its RunClosure call
+        self._current_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, daemon=True,
                                        name=f"jaxdist-coordinator-{state.name}")
 
@@ -91,6 +99,10 @@ class _WorkerThread:
         for rid, fn, args in c._resource_specs():
             if rid in self._created:
                 continue
+            broken = c._broken_input(args, self.index)
+            if broken is not None:  # built from a resource that failed (TF: InputError)
+                c._broken_resource(rid, broken)
+                continue
             try:
                 payload = closure_pickle.dumps((fn, args), self.index, c._ps_rpc_timeout)
                 meta, arrays = c._client.call(self.index, "CreateResource",
@@ -102,7 +114,7 @@ class _WorkerThread:
                 self.state.mark_down(e)
                 return False
             except Exception as e:  # noqa: BLE001 - the resource function cannot be sent
-                c._queue.report_error(e)
+                # TF: a failed resource surfaces only in the functions that use it.
                 c._broken_resource(rid, e)
                 continue
             finally:
@@ -111,7 +123,6 @@ class _WorkerThread:
                 if meta.get("kind") == "missing_resource":
                     self.resources_lost()
                     return False
-                c._queue.report_error(_remote_exception(meta, arrays))
                 c._broken_resource(rid, _remote_exception(meta, arrays))
                 continue
             if meta.get("incarnation") != self._created_for:
@@ -131,14 +142,44 @@ class _WorkerThread:
             if not self._ensure_resources():
                 time.sleep(0.05)
                 continue
-            closure = c._queue.get(timeout=0.1)
+            closure = c._queue.get(timeout=0.1, tag=self.index)
             if closure is None:
                 continue
-            self._process(closure)
+            with self._current_lock:
+                self.current, self._call = closure, None
+            try:
+                self._process(closure)
+            finally:
+                # Hold no reference to a finished closure: its arguments (iterators) can go.
+                with self._current_lock:
+                    self.current = self._call = closure = None
+
+    def cancel(self) -> None:
+        """Cancels the closure in flight here (an earlier function failed)."""
+        with self._current_lock:
+            closure, call = self.current, self._call
+            if closure is None:
+                return
+            closure.cancel_requested = True
+        if call is not None:
+            call.cancel()  # that closure's own call, never the next one's
+
+    def _on_start(self, call: Any) -> None:
+        self.state.set_call(call)  # heartbeats cancel it when the worker is lost
+        with self._current_lock:
+            self._call = call
+            cancelled = self.current is not None and self.current.cancel_requested
+        if cancelled:
+            call.cancel()  # the cancellation came before the call started
 
     def _process(self, closure: Closure) -> None:
         c, st = self._c, self.state
         closure.attempts += 1
+        broken = c._broken_input((closure.args, closure.kwargs), self.index)
+        if broken is not None:
+            closure.remote_value._set_error(broken)
+            c._queue.mark_failed(broken)
+            return
         try:
             fn_payload = closure_pickle.dumps(closure.fn, self.index, c._ps_rpc_timeout)
             args_payload = closure_pickle.dumps((closure.args, closure.kwargs), self.index,
@@ -151,12 +192,14 @@ class _WorkerThread:
             meta, arrays = c._client.call(
                 self.index, "RunClosure", {"closure_id": closure.closure_id},
                 {"fn": to_bytes_array(fn_payload), "args": to_bytes_array(args_payload)},
-                timeout=c._closure_timeout, on_start=st.set_call)
+                timeout=c._closure_timeout, on_start=self._on_start)
         except CoordinatorError as e:
             # The worker died, hung (heartbeats cancelled the call) or is unreachable: run the
             # function again elsewhere (at-least-once).
             st.set_call(None)
-            if c._stopping.is_set():  # shutdown cancelled the call
+            if c._stopping.is_set() or closure.cancel_requested:
+                # Shutdown, or an earlier error, cancelled the call: the queue cancels the
+                # closure (put_back with an error pending); the worker is fine.
                 c._queue.put_back(closure)
                 return
             st.mark_down(e)
@@ -204,12 +247,51 @@ def _remote_exception(meta: dict, arrays: dict) -> BaseException:
     return error
 
 
-class PerWorkerDataset:
-    """A dataset built on every worker by ``dataset_fn`` (``create_per_worker_dataset``).
+def _identity_dataset(dataset: Any) -> Any:
+    """The dataset itself (shipped by value to each worker: each gets a whole copy, as TF)."""
+    return dataset
 
-    ``iter()`` gives a ``PerWorkerIterator``: pass it to scheduled functions; each worker
-    receives its own iterator. A restarted worker rebuilds its dataset (from the start) and
-    iterators.
+
+def _redistribute(dataset: Any, options: Any) -> Any:
+    """A coordinator's distributed dataset rebuilt with this worker's strategy."""
+    return resolve_strategy(60.0).experimental_distribute_dataset(dataset, options)
+
+
+def _redistribute_from_function(dataset: Any, options: Any) -> Any:
+    """A coordinator's ``distribute_datasets_from_function`` result, rebuilt on this worker."""
+    return resolve_strategy(60.0).distribute_datasets_from_function(lambda _: dataset, options)
+
+
+def _as_dataset_fn(dataset_or_fn: Any) -> Callable[..., Any]:
+    """What ``create_per_worker_dataset`` runs on each worker for ``dataset_or_fn``.
+
+    Raises:
+        TypeError: neither a callable nor an iterable dataset.
+    """
+    from jaxdist.input.distributed import DistributedDataset, DistributedDatasetsFromFunction
+
+    if isinstance(dataset_or_fn, DistributedDataset):
+        return functools.partial(_redistribute, dataset_or_fn._dataset, dataset_or_fn.options)
+    if isinstance(dataset_or_fn, DistributedDatasetsFromFunction):
+        return functools.partial(_redistribute_from_function, dataset_or_fn._dataset,
+                                 dataset_or_fn._options)
+    if hasattr(dataset_or_fn, "__iter__") and not isinstance(dataset_or_fn, (str, bytes, dict)):
+        return functools.partial(_identity_dataset, dataset_or_fn)
+    if callable(dataset_or_fn):
+        return dataset_or_fn
+    raise TypeError(
+        f"create_per_worker_dataset expects a dataset (an iterable such as jaxdist.Dataset, or "
+        f"a distributed dataset of this strategy) or a callable dataset_fn, got "
+        f"{type(dataset_or_fn).__name__}")
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker (``create_per_worker_dataset``).
+
+    Built from a ``dataset_fn`` run on each worker, or from a dataset that each worker gets a
+    copy of. ``iter()`` gives a ``PerWorkerIterator``: pass it to scheduled functions; each
+    worker receives its own iterator. A restarted worker rebuilds its dataset (from the
+    start) and iterators.
 
     Example:
         >>> per_worker_dataset = coordinator.create_per_worker_dataset(dataset_fn)
@@ -217,20 +299,33 @@ class PerWorkerDataset:
         >>> coordinator.schedule(step_fn, args=(per_worker_iterator,))
     """
 
-    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any]):
+    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
         self._coordinator = coordinator
         self._dataset_fn = dataset_fn
         self._values = coordinator._create_per_worker_resources(
-            make_dataset, (dataset_fn,), "dataset")
+            make_dataset, (_as_dataset_fn(dataset_fn),), "dataset")
 
     @property
     def per_worker_values(self) -> PerWorkerValues:
         return self._values
 
+    def build(self) -> PerWorkerValues:
+        """The per-worker datasets themselves (TF's ``build()``), to pass to ``schedule``.
+
+        Example:
+            >>> datasets = coordinator.create_per_worker_dataset(ds).build()
+            >>> coordinator.schedule(lambda d: next(iter(d)), args=(datasets,))
+        """
+        return self._values
+
     def __iter__(self) -> PerWorkerIterator:
         dataset_ref = self._values
-        return PerWorkerIterator(self._coordinator._create_per_worker_resources(
+        it = PerWorkerIterator(self._coordinator._create_per_worker_resources(
             make_iterator, (dataset_ref,), "iterator"))
+        # An iterator nobody holds is not rebuilt on restarted workers (TF frees it).
+        rid = it.values[0].resource_id
+        weakref.finalize(it, self._coordinator._release_resource, rid)
+        return it
 
     def __repr__(self) -> str:
         return f"PerWorkerDataset({self._dataset_fn!r}, workers={len(self._values)})"
@@ -275,17 +370,39 @@ class ClusterCoordinator:
         closure_timeout: deadline of one function on a worker.
         rpc_timeout: deadline of the small coordinator -> worker calls.
 
+    As in TF, a strategy has one coordinator: ``ClusterCoordinator(strategy)`` again returns
+    the same object (until it is shut down; asking for other settings is an error).
+
     Example:
         >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
+        >>> assert jaxdist.coordinator.ClusterCoordinator(strategy) is coordinator
         >>> rv = coordinator.schedule(step_fn, args=(per_worker_iterator,))
         >>> coordinator.join()
         >>> rv.fetch()
     """
 
-    def __init__(self, strategy: Any, *, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 10.0, ps_timeout: float | None = None,
-                 join_timeout: float | None = 600.0, closure_timeout: float = 3600.0,
-                 rpc_timeout: float = 60.0):
+    def __new__(cls, strategy: Any, **settings: Any) -> ClusterCoordinator:
+        existing = getattr(strategy, "_jaxdist_coordinator", None)
+        if isinstance(existing, cls) and not existing._stopping.is_set():
+            if settings and settings != existing._settings:
+                raise ValueError(
+                    f"this strategy already has a ClusterCoordinator with settings "
+                    f"{existing._settings}; ClusterCoordinator(strategy) returns it (as in TF), "
+                    f"so other settings ({settings}) cannot apply: shut it down first "
+                    f"(coordinator.shutdown()) or pass no settings")
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, strategy: Any, **settings: Any):
+        if getattr(self, "_initialized", False):
+            return  # TF: the strategy's coordinator, already running
+        self._init(strategy, settings, **settings)
+        self._initialized = True
+
+    def _init(self, strategy: Any, settings: dict[str, Any], *,
+              heartbeat_interval: float = 1.0, heartbeat_timeout: float = 10.0,
+              ps_timeout: float | None = None, join_timeout: float | None = 600.0,
+              closure_timeout: float = 3600.0, rpc_timeout: float = 60.0) -> None:
         ext = getattr(strategy, "extended", None)
         info = getattr(ext, "task_info", None)
         if info is None or not hasattr(ext, "ps_client"):
@@ -301,16 +418,15 @@ class ClusterCoordinator:
             raise ValueError(
                 f"the coordinator runs on the chief task, this process is {info.name} "
                 f"(TF_CONFIG task type must be 'chief')")
-        if existing := getattr(strategy, "_jaxdist_coordinator", None):
-            if not existing._stopping.is_set():
-                raise ValueError("this strategy already has a ClusterCoordinator; shut it down "
-                                 "first (coordinator.shutdown())")
+        self._settings = dict(settings)
         self._strategy = strategy
         self._rpc_timeout = float(rpc_timeout)
         self._closure_timeout = float(closure_timeout)
         self._join_timeout = join_timeout
         self._ps_rpc_timeout = float(getattr(ext, "_timeout", 60.0))
-        self._queue = ClosureQueue()
+        self._queue = ClosureQueue(on_cancel=self._cancel_inflight)
+        self._num_replicas: int | None = None
+        self._num_replicas_lock = threading.Lock()
         self._ids = itertools.count()
         self._resource_ids = itertools.count()
         self._resources: list[tuple[int, Callable, tuple]] = []
@@ -346,14 +462,86 @@ class ClusterCoordinator:
         """Functions each worker completed (as seen by this coordinator)."""
         return [w.functions_run for w in self._workers]
 
+    def _cancel_inflight(self) -> None:
+        """The queue's ``on_cancel``: an error cancels every function in flight (TF)."""
+        for w in self._workers:
+            w.cancel()
+
+    def worker_num_replicas(self) -> int:
+        """The replicas of one worker's strategy (``num_replicas_in_sync`` inside ``schedule``).
+
+        Asked once of every worker that answers (TF: the number of GPUs per worker, or 1).
+
+        Raises:
+            ValueError: the workers have different numbers of replicas.
+            WorkerUnavailableError: no worker answered.
+
+        Example:
+            >>> coordinator.worker_num_replicas()
+            1
+        """
+        with self._num_replicas_lock:
+            if self._num_replicas is not None:
+                return self._num_replicas
+            counts: dict[str, int] = {}
+            errors: list[str] = []
+            for w in self._workers:
+                try:
+                    counts[w.state.name] = self._probe_replicas(w.index)
+                except Exception as e:  # noqa: BLE001 - a worker down: ask the others
+                    errors.append(f"{w.state.name}: {e}")
+            if not counts:
+                raise WorkerUnavailableError(
+                    f"no worker answered the replica-count probe: {errors}",
+                    task=self._workers[0].state.name if self._workers else None)
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"Mismatched number of replicas per worker: {counts}; every worker task "
+                    f"must have the same number of devices (as TF requires of GPUs)")
+            self._num_replicas = next(iter(counts.values()))
+            return self._num_replicas
+
+    def _run_direct(self, index: int, fn: Callable[..., Any], args: tuple) -> tuple[dict, dict]:
+        """Runs ``fn(*args)`` on worker ``index`` now, outside the queue (small queries)."""
+        fn_payload = closure_pickle.dumps(fn, index, self._ps_rpc_timeout)
+        args_payload = closure_pickle.dumps((args, {}), index, self._ps_rpc_timeout,
+                                            self._join_timeout)
+        return self._client.call(
+            index, "RunClosure", {"closure_id": -1},
+            {"fn": to_bytes_array(fn_payload), "args": to_bytes_array(args_payload)},
+            timeout=self._rpc_timeout)
+
+    def _probe_replicas(self, index: int) -> int:
+        meta, arrays = self._run_direct(index, _worker_num_replicas, (self._ps_rpc_timeout,))
+        if not meta.get("ok"):
+            raise _remote_exception(meta, arrays)
+        return int(pickle.loads(from_bytes_array(arrays["value"])))
+
+    def _fetch_resource(self, resource: WorkerResource) -> Any:
+        """The value of a per-worker resource, copied from its worker (TF fetches the
+        per-worker ``RemoteValue``); waits up to ``rpc_timeout`` for the worker to build it."""
+        deadline = time.monotonic() + self._rpc_timeout
+        while True:
+            with self._resources_lock:
+                broken = self._broken.get(resource.resource_id)
+            if broken is not None:
+                raise broken
+            meta, arrays = self._run_direct(resource.worker_index, _identity_value, (resource,))
+            if meta.get("ok"):
+                return pickle.loads(from_bytes_array(arrays["value"]))
+            if meta.get("kind") != "missing_resource" or time.monotonic() > deadline:
+                raise _remote_exception(meta, arrays)
+            time.sleep(0.05)  # its worker thread has not built it yet
+
     # -------------------------------------------------------------- scheduling
     def schedule(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Queues ``fn(*args, **kwargs)`` to run on some worker; returns at once.
 
         ``PerWorkerValues`` arguments (per-worker iterators) are replaced by the executing
-        worker's part; ``RemoteValue`` arguments by their values; the strategy and its
-        variables by the worker's.
+        worker's part (TF); a ``RemoteValue`` argument by its value, waited for on the
+        coordinator before the function is sent (TF raises ``ValueError``: not supported);
+        the strategy and its variables by the worker's. See docs/coordinator.md.
 
         Raises:
             Exception: an error of an earlier function (raised once, then cleared), or the
@@ -403,6 +591,9 @@ class ClusterCoordinator:
     def fetch(self, val: Any) -> Any:
         """Blocking: the values of the ``RemoteValue``s (and ``PerWorkerValues``) in ``val``.
 
+        A per-worker value (e.g. from ``per_worker_dataset.build()``) is copied from its
+        worker, as TF fetches it; it must be picklable (an iterator is not).
+
         Example:
             >>> coordinator.fetch([rv1, {"b": rv2}, 3])   # -> [v1, {"b": v2}, 3]
         """
@@ -412,10 +603,12 @@ class ClusterCoordinator:
                 return x.fetch()
             if isinstance(x, PerWorkerValues):
                 return tuple(one(v) for v in x.values)
+            if isinstance(x, WorkerResource):
+                return self._fetch_resource(x)
             return x
 
-        return jax.tree.map(one, val,
-                            is_leaf=lambda x: isinstance(x, (RemoteValue, PerWorkerValues)))
+        return jax.tree.map(one, val, is_leaf=lambda x: isinstance(
+            x, (RemoteValue, PerWorkerValues, WorkerResource)))
 
     # -------------------------------------------------------------- per-worker resources
     def _create_per_worker_resources(self, fn: Callable[..., Any], args: tuple,
@@ -433,19 +626,57 @@ class ClusterCoordinator:
         with self._resources_lock:
             self._broken.setdefault(rid, error)
 
-    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
-        """Builds ``dataset_fn()`` on every worker (``dataset_fn(input_context)`` if it takes
-        an argument: ``input_pipeline_id`` = worker index, ``num_input_pipelines`` = workers).
+    def _release_resource(self, rid: int) -> None:
+        """Forgets a per-worker resource nobody holds: restarted workers do not rebuild it."""
+        with self._resources_lock:
+            self._resources = [r for r in self._resources if r[0] != rid]
+            self._broken.pop(rid, None)
+
+    def _live_resources(self, kind: str | None = None) -> list[int]:
+        """Ids of the per-worker resources (of ``kind``) restarted workers would rebuild."""
+        with self._resources_lock:
+            return [rid for rid, fn, _ in self._resources
+                    if kind is None or (kind == "iterator") == (fn is make_iterator)]
+
+    def _broken_input(self, structure: Any, worker_index: int) -> ClosureInputError | None:
+        """TF's ``InputError``: a per-worker resource in ``structure`` failed to build."""
+        with self._resources_lock:
+            if not self._broken:
+                return None
+            broken = dict(self._broken)
+        for leaf in jax.tree.leaves(structure, is_leaf=lambda x: isinstance(x, PerWorkerValues)):
+            if isinstance(leaf, PerWorkerValues) and worker_index < len(leaf.values):
+                leaf = leaf.values[worker_index]
+            rid = getattr(leaf, "resource_id", None)
+            if rid in broken:
+                if isinstance(broken[rid], ClosureInputError):
+                    return broken[rid]
+                original = broken[rid]
+                return ClosureInputError(
+                    f"Input has an error, the original exception is {original!r}, error "
+                    f"message is {original}.")
+        return None
+
+    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+        """Builds a dataset on every worker, as TF's ``create_per_worker_dataset``.
+
+        Args:
+            dataset_fn: a function run on each worker: ``dataset_fn()``, or
+                ``dataset_fn(input_context)`` if it takes an argument (``input_pipeline_id``
+                = worker index, ``num_input_pipelines`` = workers); or a dataset (e.g.
+                ``jaxdist.Dataset``), of which every worker gets a whole copy; or a
+                distributed dataset of this strategy, rebuilt with each worker's strategy.
+
+        Raises:
+            TypeError: ``dataset_fn`` is neither.
 
         Example:
             >>> ds = coordinator.create_per_worker_dataset(
             ...     lambda ctx: jaxdist.Dataset.from_tensor_slices(x).shard(
             ...         ctx.num_input_pipelines, ctx.input_pipeline_id).batch(32).repeat())
             >>> it = iter(ds)
+            >>> same = coordinator.create_per_worker_dataset(jaxdist.Dataset.from_tensor_slices(x))
         """
-        if not callable(dataset_fn):
-            raise TypeError(f"create_per_worker_dataset expects a callable dataset_fn, got "
-                            f"{type(dataset_fn).__name__}")
         return PerWorkerDataset(self, dataset_fn)
 
     def _on_restart(self, state: WorkerState) -> None:
@@ -521,9 +752,45 @@ class ClusterCoordinator:
                 f"down={self._health.down_workers()})")
 
 
+def get_current_worker_index() -> int:
+    """The index of the worker task running this code (TF's
+    ``tf.distribute.coordinator.experimental_get_current_worker_index``).
+
+    Call it in a scheduled function or a per-worker ``dataset_fn``.
+
+    Raises:
+        RuntimeError: not on a worker task.
+
+    Example:
+        >>> def dataset_fn():
+        ...     i = jaxdist.coordinator.get_current_worker_index()
+        ...     return jaxdist.Dataset.from_tensor_slices(x[i::num_workers])
+    """
+    from jaxdist.ps import worker_runtime
+
+    try:
+        runtime = worker_runtime.current()
+    except Exception as e:  # noqa: BLE001 - not a worker task
+        raise RuntimeError(
+            f"get_current_worker_index() is only valid on a worker task (in a scheduled "
+            f"function or a per-worker dataset_fn): {e}") from None
+    return runtime.worker_index
+
+
+def _identity_value(value: Any) -> Any:
+    """On a worker: the value itself (sent back to the coordinator)."""
+    return value
+
+
+def _worker_num_replicas(timeout: float) -> int:
+    """On a worker: its strategy's ``num_replicas_in_sync``."""
+    return int(resolve_strategy(timeout).num_replicas_in_sync)
+
+
 def _eval_shard(eval_fn: Callable[[Any], Any], dataset_fn: Callable[[int, int], Any],
                 shard: int, num_shards: int) -> Any:
     return eval_fn(iter(dataset_fn(shard, num_shards)))
 
 
-__all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerIterator"]
+__all__ = ["ClusterCoordinator", "PerWorkerDataset", "PerWorkerIterator",
+           "get_current_worker_index"]

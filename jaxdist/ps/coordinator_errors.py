@@ -27,14 +27,25 @@ class WorkerAuthenticationError(CoordinatorError):
 
 
 class CancelledError(CoordinatorError):
-    """The function was cancelled (an earlier function failed) before it ran; reschedule it.
+    """The function was cancelled, queued or in flight, because an earlier one failed.
 
-    ``RemoteValue.fetch()`` of a cancelled function raises it (TF's ``CancelledError``).
+    ``RemoteValue.fetch()`` of a cancelled function raises it (TF's
+    ``tf.errors.CancelledError``, same message: "The corresponding function is cancelled.
+    Please reschedule the function."). A function cancelled in flight may have pushed some of
+    its updates already.
+
+    Example:
+        >>> with pytest.raises(CancelledError, match="Please reschedule"):
+        ...     rv.fetch()
     """
 
 
 class ClosureInputError(CoordinatorError):
-    """A ``RemoteValue`` passed as an argument failed, so the function could not run."""
+    """An input of the function failed, so it could not run (TF's ``ClosureInputError``).
+
+    The input is a per-worker value (e.g. from ``_create_per_worker_resources`` or a
+    per-worker dataset) whose creation raised on the worker, or a failed ``RemoteValue``.
+    """
 
 
 class MissingResourceError(CoordinatorError):

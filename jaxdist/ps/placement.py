@@ -1,9 +1,11 @@
 """Which ps task holds which variable: ``replica_device_setter`` and its placement strategies.
 
 TF's ``tf.compat.v1.train.replica_device_setter`` returns a device function that sends each
-variable to a ps task. Here a variable is described by a ``VariableSpec`` (name, shape, dtype)
-and the device function returns the TF device string ``"/job:ps/task:<i>"``. Placement depends
-only on the order and sizes of the variables, so every worker computes the same assignment.
+variable to a ps task. Here an op is described by a ``VariableSpec`` (name, shape, dtype, the
+device it already has from enclosing ``tf.device`` scopes, its TF op type) and the device
+function returns exactly TF's device string (``DeviceSpec.to_string()`` form, e.g.
+``"/job:ps/task:0/device:CPU:0"``). Placement depends only on the order and sizes of the
+variables, so every worker computes the same assignment.
 
 Example:
     >>> setter = replica_device_setter(ps_tasks=2)
@@ -30,11 +32,21 @@ class VariableSpec:
         name: the variable's name (e.g. ``"model/dense/kernel"``).
         shape: its shape.
         dtype: its dtype (anything ``numpy.dtype`` accepts, incl. ``ml_dtypes`` names).
+        device: the device the op already has (TF: from the enclosing ``tf.device`` scopes,
+            innermost fields winning), e.g. ``"/cpu:0"`` or ``"/job:moon"``; ``""`` for none.
+        op_type: TF's op type: ops whose type is in ``ps_ops`` (default: variables,
+            ``STANDARD_PS_OPS``) go to a ps; any other (e.g. ``"AddV2"``) to ``worker_device``.
+
+    Example:
+        >>> VariableSpec("w", (10, 10), "float32", device="/cpu:0").nbytes
+        400
     """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = ()
     dtype: Any = "float32"
+    device: str = ""
+    op_type: str = "VarHandleOp"
 
     @property
     def nbytes(self) -> int:
@@ -105,19 +117,114 @@ class GreedyLoadBalancingStrategy:
         return tuple(float(x) for x in self._ps_loads)
 
 
-class ReplicaDeviceSetter:
-    """The device function ``replica_device_setter`` returns.
+# TF's STANDARD_PS_OPS (tensorflow/python/training/device_setter.py): the op types placed on ps.
+STANDARD_PS_OPS = (
+    "Variable", "VariableV2", "AutoReloadVariable", "MutableHashTable",
+    "MutableHashTableV2", "MutableHashTableOfTensors", "MutableHashTableOfTensorsV2",
+    "MutableDenseHashTable", "MutableDenseHashTableV2", "VarHandleOp",
+)
 
-    Call it with a ``VariableSpec`` (or a name and shape) to get the ps device string;
-    ``task_of`` gives the task index.
+@dataclass
+class _DeviceSpec:
+    """TF's ``DeviceSpec`` fields, parsing, ``merge_from`` and ``to_string``."""
+
+    job: str | None = None
+    replica: int | None = None
+    task: int | None = None
+    device_type: str | None = None
+    device_index: int | None = None
+
+    @classmethod
+    def from_string(cls, spec: str) -> _DeviceSpec:
+        out = cls()
+        for part in (spec or "").split("/"):
+            if not part:
+                continue
+            fields = part.split(":")
+            key = fields[0].lower()
+            if len(fields) == 2 and key in ("job", "replica", "task"):
+                if key == "job":
+                    out.job = fields[1]
+                else:
+                    setattr(out, key, _int_field(spec, fields[1]))
+            elif len(fields) == 2 and key in ("cpu", "gpu", "tpu"):
+                out.device_type = key.upper()
+                out.device_index = None if fields[1] == "*" else _int_field(spec, fields[1])
+            elif len(fields) == 3 and key == "device":
+                out.device_type = fields[1].upper() if fields[1].lower() in (
+                    "cpu", "gpu", "tpu") else fields[1]
+                out.device_index = None if fields[2] == "*" else _int_field(spec, fields[2])
+            elif len(fields) == 2 and fields[0] and fields[1].isdigit():
+                out.device_type, out.device_index = fields[0], int(fields[1])
+            else:
+                raise ValueError(
+                    f"cannot parse device {spec!r} at {part!r}: expected TF device fields "
+                    f"like '/job:ps/replica:0/task:1/device:CPU:0' or '/cpu:0'")
+        return out
+
+    def merge_from(self, other: _DeviceSpec) -> None:
+        """Fields set in ``other`` win (TF's ``DeviceSpec.merge_from``)."""
+        for f in ("job", "replica", "task", "device_type", "device_index"):
+            value = getattr(other, f)
+            if value is not None:
+                setattr(self, f, value)
+
+    def to_string(self) -> str:
+        dev = ""
+        if self.job is not None:
+            dev += "/job:" + self.job
+        if self.replica is not None:
+            dev += f"/replica:{self.replica}"
+        if self.task is not None:
+            dev += f"/task:{self.task}"
+        if self.device_type is not None:
+            index = "*" if self.device_index is None else str(self.device_index)
+            dev += f"/device:{self.device_type}:{index}"
+        return dev
+
+
+def _int_field(spec: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"cannot parse device {spec!r}: {value!r} is not an integer") from None
+
+
+def canonical_device(device: str) -> str:
+    """TF's canonical form of a device string (``DeviceSpec.from_string(d).to_string()``).
+
+    Example:
+        >>> canonical_device("/job:ps/task:0/cpu:0")
+        '/job:ps/task:0/device:CPU:0'
+    """
+    return _DeviceSpec.from_string(device).to_string()
+
+
+class ReplicaDeviceSetter:
+    """The device function ``replica_device_setter`` returns (TF's ``_ReplicaDeviceChooser``).
+
+    Call it with a ``VariableSpec`` (or a name and shape) to get the device string TF's device
+    function gives; ``task_of`` gives the ps task index of a variable placed without any
+    device constraint (what ``ParameterServerStrategy`` uses).
+
+    Example:
+        >>> setter = replica_device_setter(ps_tasks=2)
+        >>> setter(VariableSpec("v", (2,), device="/cpu:0"))
+        '/job:ps/task:0/device:CPU:0'
     """
 
     def __init__(self, ps_tasks: int, ps_device: str, worker_device: str,
-                 ps_strategy: Callable[[VariableSpec], int]):
+                 ps_strategy: Callable[[VariableSpec], int], merge_devices: bool = True,
+                 ps_ops: Sequence[str] = STANDARD_PS_OPS):
         self.ps_tasks = ps_tasks
         self.ps_device = ps_device
         self.worker_device = worker_device
         self.ps_strategy = ps_strategy
+        self.merge_devices = merge_devices
+        self.ps_ops = tuple(ps_ops)
+        # Parse once: a malformed ps_device/worker_device fails here, not at the first op.
+        _DeviceSpec.from_string(ps_device or "")
+        _DeviceSpec.from_string(worker_device or "")
 
     def task_of(self, op: VariableSpec) -> int:
         task = int(self.ps_strategy(op))
@@ -131,7 +238,20 @@ class ReplicaDeviceSetter:
                  dtype: Any = "float32") -> str:
         if isinstance(op, str):
             op = VariableSpec(op, tuple(shape), dtype)
-        return f"{self.ps_device}/task:{self.task_of(op)}"
+        if not self.merge_devices and op.device:
+            return op.device
+        current = _DeviceSpec.from_string(op.device)
+        if self.ps_tasks and self.ps_device and op.op_type in self.ps_ops:
+            ps = _DeviceSpec.from_string(self.ps_device)
+            # TF: the task is set only when ps_device names a job that the op's own device
+            # does not change.
+            if ps.job and (not current.job or current.job == ps.job):
+                ps.task = self.task_of(op)
+            ps.merge_from(current)
+            return ps.to_string()
+        worker = _DeviceSpec.from_string(self.worker_device or "")
+        worker.merge_from(current)
+        return worker.to_string()
 
 
 def replica_device_setter(
@@ -145,21 +265,29 @@ def replica_device_setter(
 ) -> ReplicaDeviceSetter:
     """Places variables on ps tasks (``tf.compat.v1.train.replica_device_setter``).
 
+    Device strings are TF's: a variable gets ``ps_device`` plus ``/task:<i>`` when
+    ``ps_device`` names a job (``"/job:moon"`` -> ``"/job:moon/task:0"``; ``"/cpu:0"`` -> no
+    task), merged with the op's own ``device``; other ops get ``worker_device`` merged with
+    theirs.
+
     Args:
         ps_tasks: number of ps tasks (ignored when ``cluster`` is given).
-        ps_device: the ps job's device prefix.
-        worker_device: the worker's device (kept for TF compatibility; compute is local).
-        merge_devices: accepted for TF compatibility.
-        cluster: a ClusterSpec, resolver or ``{job: [addresses]}``: ``ps_tasks`` is the size
-            of its ``ps`` job.
-        ps_ops: accepted for TF compatibility (every variable goes to a ps).
+        ps_device: the ps job's device, e.g. ``"/job:ps"``, ``"/job:moon/cpu:0"``.
+        worker_device: the device of non-variable ops (e.g. ``"/job:worker"``).
+        merge_devices: ``False``: an op that already has a device keeps it unchanged.
+        cluster: a ClusterSpec, its ``as_cluster_def()``, a resolver or ``{job: [addresses]}``:
+            ``ps_tasks`` is the size of the job named in ``ps_device``.
+        ps_ops: op types placed on ps (default: TF's ``STANDARD_PS_OPS``).
         ps_strategy: ``f(VariableSpec) -> task``; default round-robin.
 
     Returns:
-        A device function: ``setter(VariableSpec)`` -> ``"/job:ps/task:<i>"``.
+        A device function: ``setter(VariableSpec)`` -> a TF device string.
 
     Raises:
-        ValueError: no ps task to place on.
+        ValueError: no ps task to place on (TF returns ``None``, a no-op device function;
+            jaxdist has no op that could run without a ps, so it says so instead), or a
+            malformed device string.
+        TypeError: ``ps_strategy`` is not callable.
 
     Example:
         >>> setter = replica_device_setter(cluster={"ps": ["h0:2222", "h1:2222"],
@@ -167,21 +295,30 @@ def replica_device_setter(
         >>> setter("v1"), setter("v2"), setter("v3")
         ('/job:ps/task:0', '/job:ps/task:1', '/job:ps/task:0')
     """
-    del merge_devices, ps_ops
     if cluster is not None:
         from jaxdist.ps.cluster import cluster_dict
 
-        ps_tasks = len(cluster_dict(cluster).get("ps", []))
+        jobs = cluster_dict(cluster)
+        ps_job = _DeviceSpec.from_string(ps_device or "").job
+        if ps_job not in jobs or not jobs[ps_job]:
+            raise ValueError(
+                f"replica_device_setter: ps_device {ps_device!r} names job {ps_job!r}, which "
+                f"the cluster does not have (jobs: {sorted(jobs)}); pass ps_device='/job:<the "
+                f"ps job>'")
+        ps_tasks = len(jobs[ps_job])
     if ps_tasks < 1:
         raise ValueError(
             f"replica_device_setter needs ps_tasks >= 1 (or a cluster with a 'ps' job), got "
             f"ps_tasks={ps_tasks}"
         )
+    if ps_ops is None:
+        ps_ops = STANDARD_PS_OPS
     if ps_strategy is None:
         ps_strategy = _RoundRobinStrategy(ps_tasks)
     elif not callable(ps_strategy):
         raise TypeError(f"ps_strategy must be callable (VariableSpec -> task), got {ps_strategy!r}")
-    return ReplicaDeviceSetter(ps_tasks, ps_device, worker_device, ps_strategy)
+    return ReplicaDeviceSetter(ps_tasks, ps_device, worker_device, ps_strategy,
+                               merge_devices=merge_devices, ps_ops=ps_ops)
 
 
 _TASK_RE = re.compile(r"/job:(?P<job>[^/]+)/(?:replica:\d+/)?task:(?P<task>\d+)")
@@ -200,10 +337,12 @@ def parse_task(device: str) -> int:
 
 
 __all__ = [
+    "STANDARD_PS_OPS",
     "GreedyLoadBalancingStrategy",
     "ReplicaDeviceSetter",
     "VariableSpec",
     "byte_size_load_fn",
+    "canonical_device",
     "parse_task",
     "replica_device_setter",
 ]

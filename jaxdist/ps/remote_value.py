@@ -27,7 +27,9 @@ class RemoteValueStatus(enum.Enum):
         True
     """
 
-    NOT_READY = "NOT_READY"
+    NOT_READY = "NOT_READY"  # the function has not ended
+    # READY: it ended with a value or an error (``fetch()`` returns or raises); ABORTED: TF's
+    # state for a function lost with its worker, which jaxdist runs again instead.
     READY = "READY"
     ABORTED = "ABORTED"
 
@@ -67,7 +69,9 @@ class RemoteValue:
             if self._status is not RemoteValueStatus.NOT_READY:
                 return
             self._error, self.worker = error, worker
-            self._status = RemoteValueStatus.ABORTED
+            # TF: a value or a non-retryable error (a cancellation too) is READY; ABORTED
+            # is TF's "worker lost, will be retried", which jaxdist handles by re-running.
+            self._status = RemoteValueStatus.READY
             self._cond.notify_all()
 
     # -------------------------------------------------------------- public

@@ -13,6 +13,7 @@ compute runs on the local devices, like TF's contrib strategy.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
 from jaxdist.strategies.values import PerReplica, is_per_replica
+
+log = logging.getLogger(__name__)
 
 
 def _is_ps_leaf(x: Any) -> bool:
@@ -294,6 +297,14 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 )
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+        if getattr(self._container_strategy, "_jaxdist_coordinator", None) is not None:
+            # This is the coordinator (workers' strategies have no coordinator): TF's warning.
+            log.warning(
+                "A `ParameterServerStrategy` method is invoked without using "
+                "`ClusterCoordinator.schedule`. This method is executed on the coordinator, "
+                "which can be slow. To properly dispatch functions to run on workers, methods "
+                "like `run` or `reduce` should be used within a function passed to "
+                "`jaxdist.coordinator.ClusterCoordinator.schedule`.")
         if not isinstance(args, (list, tuple)):
             return super()._run(fn, args, kwargs)  # raises the usual error
         tree = (tuple(args), dict(kwargs or {}))
@@ -425,6 +436,25 @@ class ParameterServerStrategy(Strategy):
     def cluster_resolver(self) -> Any:
         return self._cluster_resolver
 
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas of one worker's step (TF: GPUs per worker, or 1).
+
+        On the chief with a ``ClusterCoordinator`` the steps run on the worker tasks, so this
+        is the workers' replica count (asked of them once), not this process's devices: a
+        global batch computed from it on the coordinator matches what ``strategy.run`` sees
+        inside a scheduled function, as in TF.
+
+        Example:
+            >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
+            >>> strategy.num_replicas_in_sync   # the workers', e.g. 1 for CPU workers
+            1
+        """
+        coordinator = getattr(self, "_jaxdist_coordinator", None)
+        if coordinator is not None and not coordinator._stopping.is_set():
+            return coordinator.worker_num_replicas()
+        return super().num_replicas_in_sync
+
     def create_variables(self, init: Any, optimizer: Any = None,
                          name: str = "variables") -> PSVariables:
         """See ``ParameterServerStrategyExtended.create_variables``."""
@@ -453,9 +483,11 @@ class ParameterServerStrategy(Strategy):
 
     def __repr__(self) -> str:
         ext = self._extended
+        coordinator = getattr(self, "_jaxdist_coordinator", None)
+        # Never probe the workers from repr (they may be down): use what is known.
+        known = getattr(coordinator, "_num_replicas", None) or ext._num_replicas
         return (f"ParameterServerStrategy(task={ext.task_info.name}, "
-                f"ps_tasks={ext.ps_client.num_tasks}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+                f"ps_tasks={ext.ps_client.num_tasks}, num_replicas_in_sync={known})")
 
 
 __all__ = ["ParameterServerStrategy", "ParameterServerStrategyExtended"]
