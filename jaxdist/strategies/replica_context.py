@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist.strategies import replica_reduce
 from jaxdist.strategies.cross_device_ops import all_gather_invariant, varying_axes
 from jaxdist.strategies.reduce_util import ReduceOp
 
@@ -76,16 +77,31 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Reduces ``value`` (a pytree) across replicas with the strategy's cross-device op.
 
-        The result is identical on every replica. A value that is already the same on every
-        replica is treated as TF does: ``SUM`` multiplies it by the replica count, ``MEAN``
-        returns it.
+        The result is identical on every replica. As in TF:
+
+        * a value that is the same on every replica and was never reduced (a constant, a
+          function of replicated state) is treated as one copy per replica: ``SUM`` multiplies
+          it by the replica count, ``MEAN`` returns it;
+        * the gradient of ``all_reduce`` is the same all-reduce of the upstream gradients (TF's
+          registered gradient), so ``jax.grad`` through it gives TF's numbers.
+
+        Raises:
+            DoubleReductionError: a leaf is already summed over the replicas, typically
+                ``jax.grad(loss_fn)(params)`` with ``params`` replicated (JAX already summed it).
+                Drop the ``all_reduce``, or differentiate w.r.t. ``ctx.local(params)``.
+
+        Example:
+            >>> ctx = jaxdist.get_replica_context()
+            >>> total = ctx.all_reduce("SUM", per_replica_loss)
         """
         del options
         op = ReduceOp.from_value(reduce_op)
         if self._axes is None:
             return value
         ext = self._strategy.extended
-        return ext._cross_device_ops.all_reduce(op, value, self._axes, self.num_replicas_in_sync)
+        return replica_reduce.all_reduce(
+            ext._cross_device_ops, op, value, self._axes, self.num_replicas_in_sync
+        )
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis``, in replica order."""
