@@ -66,62 +66,156 @@ class _Sharder:
         local = [d for d in extended._devices if d.process_index == jax.process_index()]
         self.num_local = len(local)
         self.multi_process = jax.process_count() > 1
+        self.declared_rows: int | None = None  # the first global batch's size (TF's split)
 
     def split(self, element: Any, what: str = "global batch") -> Any:
-        """Splits a host batch (leading axis = this process's rows) into PerReplica values."""
+        """Splits a host batch (leading axis = this process's rows) into PerReplica values.
+
+        As TF's rebatching: the first batch fixes each replica's share (``B // k``, the first
+        ``B % k`` replicas one more); a later, shorter batch fills the replicas in order, so
+        ``range(9).batch(2)`` on 2 replicas ends with ``[[8], []]``.
+        """
         element = _as_numpy_tree(element)
         leaves = jax.tree.leaves(element)
         if not leaves:
             raise ValueError("a dataset element has no arrays")
         rows = {x.shape[0] if x.ndim else None for x in leaves}
+        k = self.num_local
         if None in rows:
-            raise ValueError("dataset elements must be batched arrays (rank >= 1); got a scalar")
+            if k == 1 and not self.multi_process:
+                # One replica: an unbatched element is that replica's value (TF does the same).
+                return jax.tree.map(lambda x: self._place(x[None]), element)
+            raise ValueError(
+                f"dataset elements must be batched arrays (rank >= 1) to split across {k} "
+                f"replicas; got a scalar. Batch the dataset (Dataset.batch(global_batch_size))"
+            )
         if len(rows) != 1:
             raise ValueError(f"arrays in one {what} have different batch sizes: {sorted(rows)}")
         b = rows.pop()
-        k = self.num_local
-        mask = None
-        if b % k:
-            policy = self.options.partial_batch
-            if policy == "error":
-                raise ValueError(
-                    f"The {what} of {b} rows does not divide across {k} replicas. Use a batch "
-                    f"size that is a multiple of {k}, drop_remainder=True, or "
-                    f"InputOptions(partial_batch='drop'|'pad')"
-                )
-            if policy == "drop":
-                return None
+        if self.declared_rows is None:
+            self.declared_rows = b
+        sizes = split_sizes(b, self.declared_rows, k)
+        if self.multi_process and b % k == 0:
+            sizes = (b // k,) * k  # processes cannot yet exchange ragged batches
+        if len(set(sizes)) == 1 and sum(sizes) == b:
+            mask = np.ones(b, np.float32) if self.options.partial_batch == "pad" else None
+            out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
+            return out if mask is None else (out, self._place(mask.reshape(k, b // k)))
+        policy = self.options.partial_batch
+        if policy == "error":
+            raise ValueError(
+                f"The {what} of {b} rows does not split evenly across {k} replicas "
+                f"(per-replica rows {list(sizes)}). Use a batch size that is a multiple of {k}, "
+                f"drop_remainder=True, or InputOptions(partial_batch='split'|'drop'|'pad')"
+            )
+        if policy == "drop":
+            return None
+        if policy == "pad":
             padded = -(-b // k) * k
             element = jax.tree.map(
                 lambda x: np.concatenate([x, np.zeros((padded - b, *x.shape[1:]), x.dtype)]),
                 element,
             )
             mask = np.concatenate([np.ones(b, np.float32), np.zeros(padded - b, np.float32)])
-            b = padded
-        elif self.options.partial_batch == "pad":
-            mask = np.ones(b, np.float32)
-        out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
-        if self.options.partial_batch == "pad":
-            return out, self._place(mask.reshape(k, b // k))
-        return out
+            out = jax.tree.map(
+                lambda x: self._place(x.reshape(k, padded // k, *x.shape[1:])), element
+            )
+            return out, self._place(mask.reshape(k, padded // k))
+        starts = np.cumsum([0, *sizes[:-1]])
+        parts = [jax.tree.map(lambda x, s=s, n=n: x[s : s + n], element)
+                 for s, n in zip(starts, sizes)]
+        return self._stack_ragged(parts, what)
 
     def stack(self, elements: list[Any]) -> Any:
-        """One element per local replica -> PerReplica values."""
+        """One element per local replica -> PerReplica values (an incomplete group: TF's empty
+        batches for the replicas without an element)."""
         elements = [_as_numpy_tree(e) for e in elements]
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *elements)
-        return jax.tree.map(self._place, stacked)
+        k = self.num_local
+        rows = [{x.shape[0] if x.ndim else None for x in jax.tree.leaves(e)} for e in elements]
+        full_shapes = len(elements) == k and all(
+            len({x.shape for x in xs}) == 1
+            for xs in zip(*(jax.tree.leaves(e) for e in elements))
+        )
+        if full_shapes:
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *elements)
+            return jax.tree.map(self._place, stacked)
+        policy = self.options.partial_batch
+        what = (
+            f"last group of {len(elements)} per-replica elements for {k} replicas"
+            if len(elements) < k else "group of per-replica elements of different batch sizes"
+        )
+        if any(None in r for r in rows):
+            if policy == "drop":
+                return None
+            raise ValueError(
+                f"The {what} cannot be distributed: the elements are unbatched (scalars), so "
+                f"a replica without data cannot get an empty batch. Batch the per-replica "
+                f"datasets, or use InputOptions(partial_batch='drop')"
+            )
+        if policy == "error":
+            raise ValueError(
+                f"The {what} does not fill every replica. Use drop_remainder=True, or "
+                f"InputOptions(partial_batch='split'|'drop')"
+            )
+        if policy == "drop":
+            return None
+        empty = jax.tree.map(lambda x: x[:0], elements[0])
+        parts = list(elements) + [empty] * (k - len(elements))
+        return self._stack_ragged(parts, what)
 
-    def _place(self, local: np.ndarray) -> PerReplica:
+    def _stack_ragged(self, parts: list[Any], what: str) -> Any:
+        """Per-replica pieces of different lengths -> PerReplica(padded, lengths)."""
+        if self.multi_process:
+            raise ValueError(
+                f"The {what} gives the replicas different numbers of rows, which jaxdist cannot "
+                f"yet assemble across processes. Use drop_remainder=True or "
+                f"InputOptions(partial_batch='drop')"
+            )
+        lengths = tuple(int(jax.tree.leaves(p)[0].shape[0]) for p in parts)
+        longest = max(lengths)
+
+        def pad_stack(*xs):
+            out = np.zeros((len(xs), longest, *xs[0].shape[1:]), xs[0].dtype)
+            for i, x in enumerate(xs):
+                out[i, : x.shape[0]] = x
+            return self._place(out, lengths)
+
+        return jax.tree.map(pad_stack, *parts)
+
+    def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> PerReplica:
         if not self.options.experimental_fetch_to_device:
             if self.multi_process:
                 raise ValueError("experimental_fetch_to_device=False needs a single process")
-            return PerReplica(local)
+            return PerReplica(local, lengths)
         if self.multi_process:
             global_shape = (self.num_replicas, *local.shape[1:])
             arr = jax.make_array_from_process_local_data(self.sharding, local, global_shape)
         else:
             arr = jax.device_put(local, self.sharding)
-        return PerReplica(arr)
+        return PerReplica(arr, lengths)
+
+
+def split_sizes(rows: int, declared_rows: int, num_replicas: int) -> tuple[int, ...]:
+    """Each replica's rows of a batch of ``rows``, as TF's rebatching splits it.
+
+    ``declared_rows`` (the dataset's batch size) gives replica ``i`` a share of
+    ``declared // n + (i < declared % n)`` rows; a shorter batch fills the shares in order.
+
+    Example:
+        >>> split_sizes(1, 2, 2)      # range(9).batch(2), last batch, 2 replicas
+        (1, 0)
+        >>> split_sizes(29, 64, 4)
+        (16, 13, 0, 0)
+    """
+    n = num_replicas
+    declared = max(declared_rows, rows)
+    shares = [declared // n + (i < declared % n) for i in range(n)]
+    out, left = [], rows
+    for share in shares:
+        take = min(share, left)
+        out.append(take)
+        left -= take
+    return tuple(out)
 
 
 class _Prefetcher:
@@ -292,6 +386,8 @@ class DistributedDatasetsFromFunction:
                     try:
                         group.append(next(source))
                     except StopIteration:
+                        if group:  # TF: the last group gives the other replicas empty batches
+                            yield group
                         return
                 yield group
 

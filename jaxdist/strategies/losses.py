@@ -16,6 +16,16 @@ def _num_replicas() -> int:
     return rctx.num_replicas_in_sync
 
 
+def _mask_padding(per_example_loss: Any) -> Any:
+    """Zeroes the padding rows of TF's partial last batch (see ``ReplicaContext.valid_rows``)."""
+    rctx = ctx_lib.get_replica_context()
+    padded = getattr(rctx, "padded_rows", None)
+    if padded is None or per_example_loss.shape[0] != padded:
+        return per_example_loss
+    mask = rctx.row_mask(padded).reshape((padded,) + (1,) * (per_example_loss.ndim - 1))
+    return jnp.where(mask, per_example_loss, jnp.zeros_like(per_example_loss))
+
+
 def compute_average_loss(
     per_example_loss: Any,
     sample_weight: Any = None,
@@ -43,6 +53,7 @@ def compute_average_loss(
         )
     if sample_weight is not None:
         per_example_loss = per_example_loss * jnp.asarray(sample_weight, per_example_loss.dtype)
+    per_example_loss = _mask_padding(per_example_loss)
     if global_batch_size is None:
         global_batch_size = per_example_loss.shape[0] * _num_replicas()
     if isinstance(global_batch_size, int) and global_batch_size <= 0:

@@ -29,6 +29,44 @@ class ReplicaContext:
     def __init__(self, strategy: Strategy, axes: tuple[str, ...] | None):
         self._strategy = strategy
         self._axes = axes
+        self._partial: tuple[tuple[int, ...], int] | None = None
+
+    def _set_partial_batch(self, lengths: tuple[int, ...], padded_rows: int) -> None:
+        self._partial = (tuple(lengths), int(padded_rows))
+
+    @property
+    def valid_rows(self) -> Any:
+        """This replica's real row count on a partial-batch step, else ``None``.
+
+        On TF's last partial batch replicas get different numbers of rows (some none); jaxdist
+        passes each replica its rows zero-padded to ``padded_rows``. ``compute_average_loss``
+        ignores the padding by itself; mask other per-row computations with
+        ``jnp.arange(padded_rows) < ctx.valid_rows``.
+
+        Example:
+            >>> ctx = jaxdist.get_replica_context()
+            >>> if ctx.valid_rows is not None:
+            ...     mask = jnp.arange(x.shape[0]) < ctx.valid_rows
+        """
+        if self._partial is None:
+            return None
+        lengths = jnp.asarray(self._partial[0], jnp.int32)
+        return lengths[self.replica_id_in_sync_group]
+
+    @property
+    def padded_rows(self) -> int | None:
+        """The padded per-replica row count on a partial-batch step, else ``None``."""
+        return None if self._partial is None else self._partial[1]
+
+    def row_mask(self, rows: int) -> Any:
+        """A bool mask of the real rows among ``rows`` (all True outside a partial step).
+
+        Example:
+            >>> mask = jaxdist.get_replica_context().row_mask(x.shape[0])
+        """
+        if self._partial is None or rows != self._partial[1]:
+            return jnp.ones((rows,), bool)
+        return jnp.arange(rows) < self.valid_rows
 
     @property
     def strategy(self) -> Strategy:
