@@ -242,6 +242,11 @@ class StrategyExtended:
                 kinds.append("pr")
                 tracing |= isinstance(leaf.stacked, jax.core.Tracer)
                 dyn.append(leaf)
+            elif _is_dynamic(leaf) and np.size(leaf) == 0 and hasattr(leaf, "shape"):
+                # An empty array carries no data: rebuilt inside (XLA rejects size-0 operands
+                # of a shard_map body).
+                kinds.append("empty")
+                statics.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
             elif _is_dynamic(leaf):
                 kinds.append("arr")
                 tracing |= isinstance(leaf, jax.core.Tracer)
@@ -259,7 +264,7 @@ class StrategyExtended:
                 statics.append(leaf)
         key = (fn, treedef, tuple(kinds), tuple(statics), partial)
         compiled = self._lookup(key, fn, treedef, kinds, statics, partial)
-        dyn_kinds = [k for k in kinds if k != "static"]
+        dyn_kinds = [k for k in kinds if k not in ("static", "empty")]
         dyn = [self._prepare_leaf(x, k) for x, k in zip(dyn, dyn_kinds)]
         if tracing:
             return compiled.raw(*dyn)
@@ -510,6 +515,9 @@ class _CompiledRun:
         for k in self.kinds:
             if k == "static":
                 leaves.append(next(it_static))
+            elif k == "empty":
+                shape, dtype = next(it_static)
+                leaves.append(jnp.zeros(shape, dtype))
             elif k == "pr":
                 leaves.append(next(it_dyn)[0])
             else:
@@ -529,7 +537,7 @@ class _CompiledRun:
     def raw(self, *dyn):
         ext = self.extended
         axes, mesh = ext._axes, ext._mesh
-        dyn_kinds = [k for k in self.kinds if k != "static"]
+        dyn_kinds = [k for k in self.kinds if k not in ("static", "empty")]
         dyn = [x.stacked if isinstance(x, PerReplica) else x for x in dyn]
         if ext._num_replicas == 1:
             # One replica: no mesh program needed. Every output is trivially the same on all
