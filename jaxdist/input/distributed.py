@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxdist.input.options import InputContext, InputOptions
-from jaxdist.strategies.values import PerReplica
+from jaxdist.strategies.values import PerReplica, PerReplicaSpec
 
 if TYPE_CHECKING:
     from jaxdist.strategies.strategy import StrategyExtended
@@ -182,7 +182,12 @@ class _Sharder:
 
         return jax.tree.map(pad_stack, *parts)
 
-    def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> PerReplica:
+    def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> Any:
+        if self.num_replicas == 1 and not self.multi_process:
+            # One replica: TF's regroup of one value is the value itself (a plain array).
+            if not self.options.experimental_fetch_to_device:
+                return local[0]
+            return jax.device_put(local[0], self.ext._replicated)
         if not self.options.experimental_fetch_to_device:
             if self.multi_process:
                 raise ValueError("experimental_fetch_to_device=False needs a single process")
@@ -216,6 +221,33 @@ def split_sizes(rows: int, declared_rows: int, num_replicas: int) -> tuple[int, 
         out.append(take)
         left -= take
     return tuple(out)
+
+
+def _spec_tree(element: Any, rows_per_replica: list[int | None]) -> Any:
+    """TF's element_spec: per array, one ShapeDtypeStruct per replica (plain with one)."""
+
+    def one(x: np.ndarray) -> Any:
+        specs = [
+            jax.ShapeDtypeStruct(
+                x.shape if r is None else (r, *x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype)
+            )
+            for r in rows_per_replica
+        ]
+        return specs[0] if len(specs) == 1 else PerReplicaSpec(*specs)
+
+    return jax.tree.map(one, element)
+
+
+def _first_element(dataset: Any) -> Any:
+    if iter(dataset) is dataset if not hasattr(dataset, "as_numpy_iterator") else False:
+        raise ValueError(
+            "element_spec needs a dataset that can be iterated again (a jaxdist.Dataset, a list, "
+            "a tf.data.Dataset); reading the first element of a one-shot iterator would lose it"
+        )
+    try:
+        return _as_numpy_tree(next(_iterate(dataset)))
+    except StopIteration:
+        raise ValueError("element_spec of an empty dataset is unknown") from None
 
 
 class _Prefetcher:
@@ -282,7 +314,14 @@ class DistributedIterator:
         >>> maybe = it.get_next_as_optional()  # None at the end of the data
     """
 
-    def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], options: InputOptions):
+    def __init__(
+        self,
+        source: Iterator[Any],
+        produce: Callable[[Any], Any],
+        options: InputOptions,
+        spec: Callable[[], Any] | None = None,
+    ):
+        self._spec = spec
         buffer = options.experimental_per_replica_buffer_size
         self._produce = produce
         self._source = source
@@ -298,6 +337,13 @@ class DistributedIterator:
             out = self._produce(next(self._source))
             if out is not None:
                 return out
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element (see ``DistributedDataset.element_spec``)."""
+        if self._spec is None:
+            raise ValueError("this iterator does not know its element_spec")
+        return self._spec()
 
     def get_next(self) -> Any:
         """The next per-replica batch (raises ``StopIteration`` at the end)."""
@@ -349,7 +395,34 @@ class DistributedDataset:
         self._sharder = _Sharder(extended, self._options)
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(_iterate(self._dataset), self._sharder.split, self._options)
+        return DistributedIterator(
+            _iterate(self._dataset), self._sharder.split, self._options,
+            lambda: self.element_spec,
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element: per array, one ``jax.ShapeDtypeStruct`` per replica.
+
+        With several replicas each array's spec is a ``PerReplicaSpec`` (TF's type of a
+        ``PerReplica``), with one replica the plain ``jax.ShapeDtypeStruct``. The row count is a
+        full batch's share (TF's split of the first batch); the last batch may be shorter.
+
+        Example:
+            >>> dist = strategy.experimental_distribute_dataset(
+            ...     jaxdist.Dataset.from_tensor_slices(x).batch(8))
+            >>> dist.element_spec          # 2 replicas: PerReplicaSpec((4, ...), (4, ...))
+        """
+        if not hasattr(self, "_element_spec"):
+            first = _first_element(self._dataset)
+            k = self._sharder.num_local
+            leaves = jax.tree.leaves(first)
+            if leaves and leaves[0].ndim == 0:
+                rows: list[int | None] = [None] * k
+            else:
+                rows = list(split_sizes(leaves[0].shape[0], leaves[0].shape[0], k))
+            self._element_spec = _spec_tree(first, rows)
+        return self._element_spec
 
     @property
     def options(self) -> InputOptions:
@@ -391,4 +464,22 @@ class DistributedDatasetsFromFunction:
                         return
                 yield group
 
-        return DistributedIterator(grouped(), self._sharder.stack, self._options)
+        return DistributedIterator(
+            grouped(), self._sharder.stack, self._options, lambda: self.element_spec
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element: per array, one ``jax.ShapeDtypeStruct`` per replica.
+
+        Each replica gets whole elements of the dataset ``dataset_fn`` returned, so every
+        replica's spec is that dataset's element type (``PerReplicaSpec`` with several replicas).
+
+        Example:
+            >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+            >>> dist.element_spec
+        """
+        if not hasattr(self, "_element_spec"):
+            first = _first_element(self._dataset)
+            self._element_spec = _spec_tree(first, [None] * self._sharder.num_local)
+        return self._element_spec

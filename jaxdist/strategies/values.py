@@ -90,6 +90,35 @@ class PerReplica:
         )
 
 
+class PerReplicaSpec:
+    """The type of a ``PerReplica`` value: one ``jax.ShapeDtypeStruct`` per replica.
+
+    ``DistributedDataset.element_spec`` has one of these per array of an element (with one
+    replica, the plain ``jax.ShapeDtypeStruct``), as TF's ``PerReplicaSpec`` of ``TensorSpec``s.
+
+    Example:
+        >>> spec = dist_dataset.element_spec      # (PerReplicaSpec, PerReplicaSpec) for (x, y)
+        >>> spec[0].value_specs[0].shape           # replica 0's batch of x
+        (8, 784)
+    """
+
+    def __init__(self, *value_specs: jax.ShapeDtypeStruct):
+        self.value_specs = tuple(value_specs)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.value_specs)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, PerReplicaSpec) and self.value_specs == other.value_specs
+
+    def __hash__(self) -> int:
+        return hash(self.value_specs)
+
+    def __repr__(self) -> str:
+        return f"PerReplicaSpec({', '.join(repr(v) for v in self.value_specs)})"
+
+
 def is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
 
