@@ -750,11 +750,28 @@ class Strategy:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
+def _trace_state_clean() -> bool:
+    try:
+        from jax._src import core
+    except ImportError:  # pragma: no cover
+        return True
+    return core.trace_state_clean()
+
+
 def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
     """Builds a pytree of ``PerReplica`` from one pytree per replica, each on its device."""
     n = len(values)
     leaves_per = [jax.tree.leaves(v) for v in values]
     treedef = jax.tree.structure(values[0])
+    if not _trace_state_clean() or any(
+        isinstance(x, jax.core.Tracer) for leaves in leaves_per for x in leaves
+    ):
+        # Inside a user's jax.jit (TF: inside tf.function): stack and constrain the sharding.
+        return treedef.unflatten([
+            PerReplica(jax.sharding.reshard(
+                jnp.stack([jnp.asarray(leaves_per[i][j]) for i in range(n)]), sharding))
+            for j in range(treedef.num_leaves)
+        ])
     out = []
     for j in range(treedef.num_leaves):
         parts = [np.asarray(jax.device_get(leaves_per[i][j])) for i in range(n)]

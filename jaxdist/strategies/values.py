@@ -71,6 +71,17 @@ class PerReplica:
         return local_components(self.stacked, self.lengths)
 
     @property
+    def spec(self) -> PerReplicaSpec:
+        """The type of this value: one ``jax.ShapeDtypeStruct`` per replica (TF's type spec)."""
+        dtype = self.stacked.dtype
+        if self.lengths is None:
+            return PerReplicaSpec(
+                *(jax.ShapeDtypeStruct(self.shape, dtype) for _ in range(self.num_replicas))
+            )
+        rest = self.shape[1:]
+        return PerReplicaSpec(*(jax.ShapeDtypeStruct((n, *rest), dtype) for n in self.lengths))
+
+    @property
     def is_partial(self) -> bool:
         """Whether some replica's value is shorter than ``shape`` (a partial batch)."""
         return self.lengths is not None
