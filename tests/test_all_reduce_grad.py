@@ -130,3 +130,15 @@ def test_all_reduce_of_reduced_value_made_of_all_reduce_keeps_tf_meaning(two):
         return ctx.all_reduce("SUM", ctx.all_reduce("SUM", c))
 
     assert float(two.run(step, args=(c,))) == 8.0
+
+
+def test_forward_mode_through_all_reduce(two):
+    """jax.jvp: the tangent of an all-reduce is the all-reduce of the tangents."""
+    v = _per_replica(two, [1.0, 3.0])
+
+    def step(v):
+        ctx = jaxdist.get_replica_context()
+        f = lambda x: ctx.all_reduce("SUM", x * x)  # noqa: E731
+        return jax.jvp(f, (v,), (jnp.ones_like(v),))[1]
+
+    assert float(two.run(step, args=(v,))) == 8.0  # 2*1 + 2*3

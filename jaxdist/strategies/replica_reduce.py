@@ -43,20 +43,26 @@ class DoubleReductionError(ValueError):
     """
 
 
-def _autodiff_tracer_types() -> tuple[type, ...]:
+def _tracer_type(name: str) -> tuple[type, ...]:
     try:
         from jax._src.interpreters import ad
     except ImportError:  # pragma: no cover - JAX moved its internals
         return ()
-    return tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None))
-                 if t is not None)
+    t = getattr(ad, name, None)
+    return (t,) if t is not None else ()
 
 
-_AD_TRACERS = _autodiff_tracer_types()
+_JVP_TRACERS = _tracer_type("JVPTracer")  # forward mode (jax.jvp, jacfwd)
+_LIN_TRACERS = _tracer_type("LinearizeTracer")  # reverse mode (jax.grad, vjp)
+_AD_TRACERS = _JVP_TRACERS + _LIN_TRACERS
 
 
 def _under_autodiff(leaves: list[Any]) -> bool:
     return bool(_AD_TRACERS) and any(isinstance(x, _AD_TRACERS) for x in leaves)
+
+
+def _forward_mode(leaves: list[Any]) -> bool:
+    return bool(_JVP_TRACERS) and any(isinstance(x, _JVP_TRACERS) for x in leaves)
 
 
 def _reduction_primitives() -> tuple[Any, ...]:
@@ -193,6 +199,10 @@ def all_reduce(cdo: CrossDeviceOps, op: ReduceOp, value: Any, axes: tuple[str, .
     if not leaves:
         return value
     leaves = [jnp.asarray(x) for x in leaves]
+    if _forward_mode(leaves):
+        # Forward mode: a custom_vjp has no JVP; the tangent of an all-reduce is the same
+        # all-reduce of the tangents, which the plain reduction gives.
+        return treedef.unflatten(list(cdo.all_reduce(op, leaves, axes, n)))
     in_varying = tuple(bool(set(axes) & varying_axes(x)) for x in leaves)
     vary_out = _under_autodiff(leaves)
     out = _all_reduce(cdo, op, tuple(axes), n, in_varying, vary_out, tuple(leaves))
