@@ -71,9 +71,11 @@ class _Sharder:
     def split(self, element: Any, what: str = "global batch") -> Any:
         """Splits a host batch (leading axis = this process's rows) into PerReplica values.
 
-        As TF's rebatching: the first batch fixes each replica's share (``B // k``, the first
-        ``B % k`` replicas one more); a later, shorter batch fills the replicas in order, so
-        ``range(9).batch(2)`` on 2 replicas ends with ``[[8], []]``.
+        A batch that divides by ``k`` is split evenly. Otherwise, as TF's rebatching: the first
+        batch fixes each replica's share (``B // k``, the first ``B % k`` replicas one more) and
+        a shorter batch fills the shares in order, so ``range(9).batch(2)`` on 2 replicas ends
+        with ``[[8], []]`` and a last batch of 29 rows after batches of 64 on 4 replicas is split
+        16, 13, 0, 0.
         """
         element = _as_numpy_tree(element)
         leaves = jax.tree.leaves(element)
@@ -94,9 +96,12 @@ class _Sharder:
         b = rows.pop()
         if self.declared_rows is None:
             self.declared_rows = b
-        sizes = split_sizes(b, self.declared_rows, k)
-        if self.multi_process and b % k == 0:
-            sizes = (b // k,) * k  # processes cannot yet exchange ragged batches
+        if b % k == 0:
+            # An even split whenever one exists: batches of legitimately different sizes (a
+            # Trainer's k-step chunks, a generator) are not forced into the first batch's shares.
+            sizes = (b // k,) * k
+        else:
+            sizes = split_sizes(b, self.declared_rows, k)
         if len(set(sizes)) == 1 and sum(sizes) == b:
             mask = np.ones(b, np.float32) if self.options.partial_batch == "pad" else None
             out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
