@@ -53,7 +53,9 @@ from jaxdist.strategies import (
 )
 from jaxdist.strategies.context import get_cross_replica_context
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
+from jaxdist.strategies.replica_reduce import DoubleReductionError
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
+from jaxdist.strategies.values import PerReplicaSpec
 
 __version__ = "0.1.0"
 
@@ -89,6 +91,8 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "PerReplicaSpec",
+    "DoubleReductionError",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",

@@ -63,9 +63,18 @@ def test_dataset_shuffle_is_deterministic_and_reshuffles_per_epoch():
     assert [int(v) for v in rep] == [10, 20, 30, 0, 10]
 
 
-def test_indivisible_batch_is_an_error_by_default(strategy):
-    with pytest.raises(ValueError, match="6 rows does not divide across 4 replicas"):
-        list(strategy.experimental_distribute_dataset([np.zeros((6, 2))]))
+def test_indivisible_batch_is_split_as_tf_by_default(strategy):
+    """TF's rebatching: 6 rows on 4 replicas -> 2, 2, 1, 1 (nothing dropped)."""
+    (x,) = list(strategy.experimental_distribute_dataset([np.arange(6)]))
+    assert x.lengths == (2, 2, 1, 1)
+    got = [np.asarray(v).tolist() for v in strategy.experimental_local_results(x)]
+    assert got == [[0, 1], [2, 3], [4], [5]]
+
+
+def test_indivisible_batch_is_an_error_when_asked(strategy):
+    with pytest.raises(ValueError, match="6 rows does not split evenly across 4 replicas"):
+        list(strategy.experimental_distribute_dataset(
+            [np.zeros((6, 2))], InputOptions(partial_batch="error")))
 
 
 def test_partial_batch_drop_and_pad(strategy):

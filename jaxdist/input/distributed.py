@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxdist.input.options import InputContext, InputOptions
-from jaxdist.strategies.values import PerReplica
+from jaxdist.strategies.values import PerReplica, PerReplicaSpec
 
 if TYPE_CHECKING:
     from jaxdist.strategies.strategy import StrategyExtended
@@ -66,62 +66,193 @@ class _Sharder:
         local = [d for d in extended._devices if d.process_index == jax.process_index()]
         self.num_local = len(local)
         self.multi_process = jax.process_count() > 1
+        self.declared_rows: int | None = None  # the first global batch's size (TF's split)
 
     def split(self, element: Any, what: str = "global batch") -> Any:
-        """Splits a host batch (leading axis = this process's rows) into PerReplica values."""
+        """Splits a host batch (leading axis = this process's rows) into PerReplica values.
+
+        A batch that divides by ``k`` is split evenly. Otherwise, as TF's rebatching: the first
+        batch fixes each replica's share (``B // k``, the first ``B % k`` replicas one more) and
+        a shorter batch fills the shares in order, so ``range(9).batch(2)`` on 2 replicas ends
+        with ``[[8], []]`` and a last batch of 29 rows after batches of 64 on 4 replicas is split
+        16, 13, 0, 0.
+        """
         element = _as_numpy_tree(element)
         leaves = jax.tree.leaves(element)
         if not leaves:
             raise ValueError("a dataset element has no arrays")
         rows = {x.shape[0] if x.ndim else None for x in leaves}
+        k = self.num_local
         if None in rows:
-            raise ValueError("dataset elements must be batched arrays (rank >= 1); got a scalar")
+            if k == 1 and not self.multi_process:
+                # One replica: an unbatched element is that replica's value (TF does the same).
+                return jax.tree.map(lambda x: self._place(x[None]), element)
+            raise ValueError(
+                f"dataset elements must be batched arrays (rank >= 1) to split across {k} "
+                f"replicas; got a scalar. Batch the dataset (Dataset.batch(global_batch_size))"
+            )
         if len(rows) != 1:
             raise ValueError(f"arrays in one {what} have different batch sizes: {sorted(rows)}")
         b = rows.pop()
-        k = self.num_local
-        mask = None
-        if b % k:
-            policy = self.options.partial_batch
-            if policy == "error":
-                raise ValueError(
-                    f"The {what} of {b} rows does not divide across {k} replicas. Use a batch "
-                    f"size that is a multiple of {k}, drop_remainder=True, or "
-                    f"InputOptions(partial_batch='drop'|'pad')"
-                )
-            if policy == "drop":
-                return None
+        if self.declared_rows is None:
+            self.declared_rows = b
+        if b % k == 0:
+            # An even split whenever one exists: batches of legitimately different sizes (a
+            # Trainer's k-step chunks, a generator) are not forced into the first batch's shares.
+            sizes = (b // k,) * k
+        else:
+            sizes = split_sizes(b, self.declared_rows, k)
+        if len(set(sizes)) == 1 and sum(sizes) == b:
+            mask = np.ones(b, np.float32) if self.options.partial_batch == "pad" else None
+            out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
+            return out if mask is None else (out, self._place(mask.reshape(k, b // k)))
+        policy = self.options.partial_batch
+        if policy == "error":
+            raise ValueError(
+                f"The {what} of {b} rows does not split evenly across {k} replicas "
+                f"(per-replica rows {list(sizes)}). Use a batch size that is a multiple of {k}, "
+                f"drop_remainder=True, or InputOptions(partial_batch='split'|'drop'|'pad')"
+            )
+        if policy == "drop":
+            return None
+        if policy == "pad":
             padded = -(-b // k) * k
             element = jax.tree.map(
                 lambda x: np.concatenate([x, np.zeros((padded - b, *x.shape[1:]), x.dtype)]),
                 element,
             )
             mask = np.concatenate([np.ones(b, np.float32), np.zeros(padded - b, np.float32)])
-            b = padded
-        elif self.options.partial_batch == "pad":
-            mask = np.ones(b, np.float32)
-        out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
-        if self.options.partial_batch == "pad":
-            return out, self._place(mask.reshape(k, b // k))
-        return out
+            out = jax.tree.map(
+                lambda x: self._place(x.reshape(k, padded // k, *x.shape[1:])), element
+            )
+            return out, self._place(mask.reshape(k, padded // k))
+        starts = np.cumsum([0, *sizes[:-1]])
+        parts = [jax.tree.map(lambda x, s=s, n=n: x[s : s + n], element)
+                 for s, n in zip(starts, sizes)]
+        return self._stack_ragged(parts, what)
 
     def stack(self, elements: list[Any]) -> Any:
-        """One element per local replica -> PerReplica values."""
+        """One element per local replica -> PerReplica values (an incomplete group: TF's empty
+        batches for the replicas without an element)."""
         elements = [_as_numpy_tree(e) for e in elements]
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *elements)
-        return jax.tree.map(self._place, stacked)
+        k = self.num_local
+        rows = [{x.shape[0] if x.ndim else None for x in jax.tree.leaves(e)} for e in elements]
+        full_shapes = len(elements) == k and all(
+            len({x.shape for x in xs}) == 1
+            for xs in zip(*(jax.tree.leaves(e) for e in elements))
+        )
+        if full_shapes:
+            stacked = jax.tree.map(lambda *xs: np.stack(xs), *elements)
+            return jax.tree.map(self._place, stacked)
+        policy = self.options.partial_batch
+        what = (
+            f"last group of {len(elements)} per-replica elements for {k} replicas"
+            if len(elements) < k else "group of per-replica elements of different batch sizes"
+        )
+        if any(None in r for r in rows):
+            if policy == "drop":
+                return None
+            raise ValueError(
+                f"The {what} cannot be distributed: the elements are unbatched (scalars), so "
+                f"a replica without data cannot get an empty batch. Batch the per-replica "
+                f"datasets, or use InputOptions(partial_batch='drop')"
+            )
+        if policy == "error":
+            raise ValueError(
+                f"The {what} does not fill every replica. Use drop_remainder=True, or "
+                f"InputOptions(partial_batch='split'|'drop')"
+            )
+        if policy == "drop":
+            return None
+        empty = jax.tree.map(lambda x: x[:0], elements[0])
+        parts = list(elements) + [empty] * (k - len(elements))
+        return self._stack_ragged(parts, what)
 
-    def _place(self, local: np.ndarray) -> PerReplica:
+    def _stack_ragged(self, parts: list[Any], what: str) -> Any:
+        """Per-replica pieces of different lengths -> PerReplica(padded, lengths)."""
+        if self.multi_process:
+            raise ValueError(
+                f"The {what} gives the replicas different numbers of rows, which jaxdist cannot "
+                f"yet assemble across processes. Use drop_remainder=True or "
+                f"InputOptions(partial_batch='drop')"
+            )
+        lengths = tuple(int(jax.tree.leaves(p)[0].shape[0]) for p in parts)
+        longest = max(lengths)
+
+        def pad_stack(*xs):
+            out = np.zeros((len(xs), longest, *xs[0].shape[1:]), xs[0].dtype)
+            for i, x in enumerate(xs):
+                out[i, : x.shape[0]] = x
+            return self._place(out, lengths)
+
+        return jax.tree.map(pad_stack, *parts)
+
+    def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> Any:
+        if self.num_replicas == 1 and not self.multi_process:
+            # One replica: TF's regroup of one value is the value itself (a plain array).
+            if not self.options.experimental_fetch_to_device:
+                return local[0]
+            return jax.device_put(local[0], self.ext._replicated)
         if not self.options.experimental_fetch_to_device:
             if self.multi_process:
                 raise ValueError("experimental_fetch_to_device=False needs a single process")
-            return PerReplica(local)
+            return PerReplica(local, lengths)
         if self.multi_process:
             global_shape = (self.num_replicas, *local.shape[1:])
             arr = jax.make_array_from_process_local_data(self.sharding, local, global_shape)
         else:
             arr = jax.device_put(local, self.sharding)
-        return PerReplica(arr)
+        return PerReplica(arr, lengths)
+
+
+def split_sizes(rows: int, declared_rows: int, num_replicas: int) -> tuple[int, ...]:
+    """Each replica's rows of a batch of ``rows``, as TF's rebatching splits it.
+
+    ``declared_rows`` (the dataset's batch size) gives replica ``i`` a share of
+    ``declared // n + (i < declared % n)`` rows; a shorter batch fills the shares in order.
+
+    Example:
+        >>> split_sizes(1, 2, 2)      # range(9).batch(2), last batch, 2 replicas
+        (1, 0)
+        >>> split_sizes(29, 64, 4)
+        (16, 13, 0, 0)
+    """
+    n = num_replicas
+    declared = max(declared_rows, rows)
+    shares = [declared // n + (i < declared % n) for i in range(n)]
+    out, left = [], rows
+    for share in shares:
+        take = min(share, left)
+        out.append(take)
+        left -= take
+    return tuple(out)
+
+
+def _spec_tree(element: Any, rows_per_replica: list[int | None]) -> Any:
+    """TF's element_spec: per array, one ShapeDtypeStruct per replica (plain with one)."""
+
+    def one(x: np.ndarray) -> Any:
+        specs = [
+            jax.ShapeDtypeStruct(
+                x.shape if r is None else (r, *x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype)
+            )
+            for r in rows_per_replica
+        ]
+        return specs[0] if len(specs) == 1 else PerReplicaSpec(*specs)
+
+    return jax.tree.map(one, element)
+
+
+def _first_element(dataset: Any) -> Any:
+    if iter(dataset) is dataset if not hasattr(dataset, "as_numpy_iterator") else False:
+        raise ValueError(
+            "element_spec needs a dataset that can be iterated again (a jaxdist.Dataset, a list, "
+            "a tf.data.Dataset); reading the first element of a one-shot iterator would lose it"
+        )
+    try:
+        return _as_numpy_tree(next(_iterate(dataset)))
+    except StopIteration:
+        raise ValueError("element_spec of an empty dataset is unknown") from None
 
 
 class _Prefetcher:
@@ -188,7 +319,14 @@ class DistributedIterator:
         >>> maybe = it.get_next_as_optional()  # None at the end of the data
     """
 
-    def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], options: InputOptions):
+    def __init__(
+        self,
+        source: Iterator[Any],
+        produce: Callable[[Any], Any],
+        options: InputOptions,
+        spec: Callable[[], Any] | None = None,
+    ):
+        self._spec = spec
         buffer = options.experimental_per_replica_buffer_size
         self._produce = produce
         self._source = source
@@ -204,6 +342,13 @@ class DistributedIterator:
             out = self._produce(next(self._source))
             if out is not None:
                 return out
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element (see ``DistributedDataset.element_spec``)."""
+        if self._spec is None:
+            raise ValueError("this iterator does not know its element_spec")
+        return self._spec()
 
     def get_next(self) -> Any:
         """The next per-replica batch (raises ``StopIteration`` at the end)."""
@@ -255,7 +400,34 @@ class DistributedDataset:
         self._sharder = _Sharder(extended, self._options)
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(_iterate(self._dataset), self._sharder.split, self._options)
+        return DistributedIterator(
+            _iterate(self._dataset), self._sharder.split, self._options,
+            lambda: self.element_spec,
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element: per array, one ``jax.ShapeDtypeStruct`` per replica.
+
+        With several replicas each array's spec is a ``PerReplicaSpec`` (TF's type of a
+        ``PerReplica``), with one replica the plain ``jax.ShapeDtypeStruct``. The row count is a
+        full batch's share (TF's split of the first batch); the last batch may be shorter.
+
+        Example:
+            >>> dist = strategy.experimental_distribute_dataset(
+            ...     jaxdist.Dataset.from_tensor_slices(x).batch(8))
+            >>> dist.element_spec          # 2 replicas: PerReplicaSpec((4, ...), (4, ...))
+        """
+        if not hasattr(self, "_element_spec"):
+            first = _first_element(self._dataset)
+            k = self._sharder.num_local
+            leaves = jax.tree.leaves(first)
+            if leaves and leaves[0].ndim == 0:
+                rows: list[int | None] = [None] * k
+            else:
+                rows = list(split_sizes(leaves[0].shape[0], leaves[0].shape[0], k))
+            self._element_spec = _spec_tree(first, rows)
+        return self._element_spec
 
     @property
     def options(self) -> InputOptions:
@@ -292,7 +464,27 @@ class DistributedDatasetsFromFunction:
                     try:
                         group.append(next(source))
                     except StopIteration:
+                        if group:  # TF: the last group gives the other replicas empty batches
+                            yield group
                         return
                 yield group
 
-        return DistributedIterator(grouped(), self._sharder.stack, self._options)
+        return DistributedIterator(
+            grouped(), self._sharder.stack, self._options, lambda: self.element_spec
+        )
+
+    @property
+    def element_spec(self) -> Any:
+        """The type of each element: per array, one ``jax.ShapeDtypeStruct`` per replica.
+
+        Each replica gets whole elements of the dataset ``dataset_fn`` returned, so every
+        replica's spec is that dataset's element type (``PerReplicaSpec`` with several replicas).
+
+        Example:
+            >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+            >>> dist.element_spec
+        """
+        if not hasattr(self, "_element_spec"):
+            first = _first_element(self._dataset)
+            self._element_spec = _spec_tree(first, [None] * self._sharder.num_local)
+        return self._element_spec

@@ -22,7 +22,7 @@ class AutoShardPolicy(enum.Enum):
     HINT = "HINT"
 
 
-_PARTIAL = ("error", "drop", "pad")
+_PARTIAL = ("split", "error", "drop", "pad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +35,15 @@ class InputOptions:
         experimental_per_replica_buffer_size: how many batches are prefetched ahead.
         experimental_replication_mode: accepted for compatibility (per-worker only).
         experimental_place_dataset_on_device: accepted for compatibility.
-        partial_batch: what to do with a global batch whose size does not divide by the replica
-            count: ``"error"`` (default), ``"drop"`` it, or ``"pad"`` it with zeros and yield
-            ``(batch, mask)`` pairs where ``mask`` is 1.0 for real rows and 0.0 for padding.
+        partial_batch: what to do with a batch that does not split evenly across the replicas
+            (the last partial batch of an epoch, or a group of per-replica elements that does
+            not fill every replica): ``"split"`` (default, TF's behaviour) splits it as TF does,
+            possibly into empty per-replica batches (``range(9).batch(2)`` on 2 replicas ends
+            with ``[[8], []]``): the ``PerReplica`` values record each replica's real length,
+            ``strategy.run`` passes zero-padded batches and ``compute_average_loss`` ignores the
+            padding (``ReplicaContext.valid_rows``). ``"error"`` raises, ``"drop"`` drops the
+            batch, ``"pad"`` pads it with zeros and yields ``(batch, mask)`` pairs where
+            ``mask`` is 1.0 for real rows and 0.0 for padding.
 
     Example:
         >>> opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2,
@@ -48,7 +54,7 @@ class InputOptions:
     experimental_per_replica_buffer_size: int = 1
     experimental_replication_mode: str = "PER_WORKER"
     experimental_place_dataset_on_device: bool = False
-    partial_batch: str = "error"
+    partial_batch: str = "split"
 
     def __post_init__(self):
         if self.partial_batch not in _PARTIAL:

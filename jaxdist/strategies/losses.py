@@ -1,10 +1,19 @@
-"""Loss scaling for synchronous training (``tf.nn.compute_average_loss`` and friends)."""
+"""Loss scaling for synchronous training (``tf.nn.compute_average_loss`` and friends).
+
+The checks and messages are TF's (``tensorflow/python/ops/nn_impl_distribute.py``): both
+functions raise ``RuntimeError`` in the cross-replica context (inside ``strategy.scope()`` but
+outside ``strategy.run``), ``global_batch_size`` must be a scalar int, and a zero batch size or an
+empty batch gives a loss of 0 (TF's ``div_no_nan``).
+"""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxdist.strategies import context as ctx_lib
 
@@ -16,6 +25,55 @@ def _num_replicas() -> int:
     return rctx.num_replicas_in_sync
 
 
+def _check_replica_context(name: str) -> None:
+    if ctx_lib.in_cross_replica_context():
+        raise RuntimeError(
+            f"You are calling `{name}` in cross replica context, while it was expected to be "
+            f"called in replica context: call it inside the function given to strategy.run"
+        )
+
+
+def _mask_padding(per_example_loss: Any) -> Any:
+    """Zeroes the padding rows of TF's partial last batch (see ``ReplicaContext.valid_rows``)."""
+    rctx = ctx_lib.get_replica_context()
+    padded = getattr(rctx, "padded_rows", None)
+    if padded is None or per_example_loss.shape[0] != padded:
+        return per_example_loss
+    mask = rctx.row_mask(padded).reshape((padded,) + (1,) * (per_example_loss.ndim - 1))
+    return jnp.where(mask, per_example_loss, jnp.zeros_like(per_example_loss))
+
+
+def _check_global_batch_size(global_batch_size: Any) -> Any:
+    """TF's checks: a scalar, an integer, not negative (when known)."""
+    if isinstance(global_batch_size, bool):
+        raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}")
+    shape = np.shape(global_batch_size) if not isinstance(global_batch_size, jax.Array) else (
+        global_batch_size.shape
+    )
+    if shape != ():
+        raise ValueError(f"global_batch_size must be scalar, got {global_batch_size!r}")
+    dtype = getattr(global_batch_size, "dtype", None)
+    if dtype is not None:
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"global_batch_size must be an int, got {global_batch_size!r}")
+    else:
+        try:
+            operator.index(global_batch_size)
+        except TypeError:
+            raise TypeError(
+                f"global_batch_size must be an int, got {global_batch_size!r}"
+            ) from None
+    if not isinstance(global_batch_size, jax.core.Tracer) and int(global_batch_size) < 0:
+        raise ValueError(f"global_batch_size must be non-negative, got {global_batch_size}")
+    return global_batch_size
+
+
+def _div_no_nan(total: Any, denominator: Any) -> Any:
+    denominator = jnp.asarray(denominator, total.dtype)
+    safe = jnp.where(denominator == 0, jnp.ones_like(denominator), denominator)
+    return jnp.where(denominator == 0, jnp.zeros_like(total), total / safe)
+
+
 def compute_average_loss(
     per_example_loss: Any,
     sample_weight: Any = None,
@@ -25,37 +83,59 @@ def compute_average_loss(
 
     ``sum(per_example_loss * sample_weight) / global_batch_size``. Summing the result over the
     replicas gives the mean loss over the global batch, so gradients match a single-device run.
+    On TF's partial last batch the padding rows jaxdist adds are ignored.
 
     Args:
         per_example_loss: losses, leading axis = this replica's examples (rank >= 1).
         sample_weight: optional weights broadcastable to ``per_example_loss``.
-        global_batch_size: the global batch size; default: this replica's batch size times
-            ``num_replicas_in_sync``.
+        global_batch_size: the global batch size, a scalar int; default: this replica's batch
+            size times ``num_replicas_in_sync``. 0 gives a loss of 0.
+
+    Raises:
+        RuntimeError: called in the cross-replica context (inside ``scope()``, outside ``run``).
+        ValueError: ``per_example_loss`` is a scalar, shapes are incompatible,
+            ``global_batch_size`` is not a scalar or is negative.
+        TypeError: ``global_batch_size`` is not an int.
 
     Example:
         >>> loss = jaxdist.compute_average_loss(per_example, global_batch_size=64)
     """
+    _check_replica_context("compute_average_loss")
     per_example_loss = jnp.asarray(per_example_loss)
     if per_example_loss.ndim == 0:
         raise ValueError(
-            "compute_average_loss expects per-example losses of rank >= 1, got a scalar; "
-            "compute the loss without reducing over the batch"
+            "Invalid value passed for `per_example_loss`. Expected a tensor with at least "
+            f"rank 1, got a scalar of shape {per_example_loss.shape}"
         )
+    if not jnp.issubdtype(per_example_loss.dtype, jnp.inexact):
+        per_example_loss = per_example_loss.astype(jnp.float32)
     if sample_weight is not None:
-        per_example_loss = per_example_loss * jnp.asarray(sample_weight, per_example_loss.dtype)
+        sample_weight = jnp.asarray(sample_weight, per_example_loss.dtype)
+        try:
+            jnp.broadcast_shapes(per_example_loss.shape, sample_weight.shape)
+        except ValueError:
+            raise ValueError(
+                f"Incompatible shapes: {list(per_example_loss.shape)} vs. "
+                f"{list(sample_weight.shape)} (per_example_loss and sample_weight)"
+            ) from None
+        per_example_loss = per_example_loss * sample_weight
+    per_example_loss = _mask_padding(per_example_loss)
     if global_batch_size is None:
         global_batch_size = per_example_loss.shape[0] * _num_replicas()
-    if isinstance(global_batch_size, int) and global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    total = jnp.sum(per_example_loss)
-    return total / jnp.asarray(global_batch_size, total.dtype)
+    else:
+        global_batch_size = _check_global_batch_size(global_batch_size)
+    return _div_no_nan(jnp.sum(per_example_loss), global_batch_size)
 
 
 def scale_regularization_loss(regularization_loss: Any) -> Any:
     """Divides a regularisation loss by the replica count (``tf.nn.scale_regularization_loss``).
 
+    Raises:
+        RuntimeError: called in the cross-replica context (inside ``scope()``, outside ``run``).
+
     Example:
         >>> loss = loss + jaxdist.scale_regularization_loss(1e-4 * l2)
     """
+    _check_replica_context("scale_regularization_loss")
     total = jnp.sum(jnp.asarray(regularization_loss))
     return total / _num_replicas()

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist.strategies import replica_reduce
 from jaxdist.strategies.cross_device_ops import all_gather_invariant, varying_axes
 from jaxdist.strategies.reduce_util import ReduceOp
 
@@ -28,6 +29,44 @@ class ReplicaContext:
     def __init__(self, strategy: Strategy, axes: tuple[str, ...] | None):
         self._strategy = strategy
         self._axes = axes
+        self._partial: tuple[tuple[int, ...], int] | None = None
+
+    def _set_partial_batch(self, lengths: tuple[int, ...], padded_rows: int) -> None:
+        self._partial = (tuple(lengths), int(padded_rows))
+
+    @property
+    def valid_rows(self) -> Any:
+        """This replica's real row count on a partial-batch step, else ``None``.
+
+        On TF's last partial batch replicas get different numbers of rows (some none); jaxdist
+        passes each replica its rows zero-padded to ``padded_rows``. ``compute_average_loss``
+        ignores the padding by itself; mask other per-row computations with
+        ``jnp.arange(padded_rows) < ctx.valid_rows``.
+
+        Example:
+            >>> ctx = jaxdist.get_replica_context()
+            >>> if ctx.valid_rows is not None:
+            ...     mask = jnp.arange(x.shape[0]) < ctx.valid_rows
+        """
+        if self._partial is None:
+            return None
+        lengths = jnp.asarray(self._partial[0], jnp.int32)
+        return lengths[self.replica_id_in_sync_group]
+
+    @property
+    def padded_rows(self) -> int | None:
+        """The padded per-replica row count on a partial-batch step, else ``None``."""
+        return None if self._partial is None else self._partial[1]
+
+    def row_mask(self, rows: int) -> Any:
+        """A bool mask of the real rows among ``rows`` (all True outside a partial step).
+
+        Example:
+            >>> mask = jaxdist.get_replica_context().row_mask(x.shape[0])
+        """
+        if self._partial is None or rows != self._partial[1]:
+            return jnp.ones((rows,), bool)
+        return jnp.arange(rows) < self.valid_rows
 
     @property
     def strategy(self) -> Strategy:
@@ -76,16 +115,31 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: Any = None) -> Any:
         """Reduces ``value`` (a pytree) across replicas with the strategy's cross-device op.
 
-        The result is identical on every replica. A value that is already the same on every
-        replica is treated as TF does: ``SUM`` multiplies it by the replica count, ``MEAN``
-        returns it.
+        The result is identical on every replica. As in TF:
+
+        * a value that is the same on every replica and was never reduced (a constant, a
+          function of replicated state) is treated as one copy per replica: ``SUM`` multiplies
+          it by the replica count, ``MEAN`` returns it;
+        * the gradient of ``all_reduce`` is the same all-reduce of the upstream gradients (TF's
+          registered gradient), so ``jax.grad`` through it gives TF's numbers.
+
+        Raises:
+            DoubleReductionError: a leaf is already summed over the replicas, typically
+                ``jax.grad(loss_fn)(params)`` with ``params`` replicated (JAX already summed it).
+                Drop the ``all_reduce``, or differentiate w.r.t. ``ctx.local(params)``.
+
+        Example:
+            >>> ctx = jaxdist.get_replica_context()
+            >>> total = ctx.all_reduce("SUM", per_replica_loss)
         """
         del options
         op = ReduceOp.from_value(reduce_op)
         if self._axes is None:
             return value
         ext = self._strategy.extended
-        return ext._cross_device_ops.all_reduce(op, value, self._axes, self.num_replicas_in_sync)
+        return replica_reduce.all_reduce(
+            ext._cross_device_ops, op, value, self._axes, self.num_replicas_in_sync
+        )
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenates every replica's ``value`` along ``axis``, in replica order."""

@@ -228,6 +228,7 @@ class StrategyExtended:
         kinds: list[str] = []
         statics: list[Any] = []
         dyn: list[Any] = []
+        partial = None  # (lengths, padded rows) of the first partial-batch PerReplica
         tracing = False
         for leaf in leaves:
             if isinstance(leaf, PerReplica):
@@ -236,9 +237,16 @@ class StrategyExtended:
                         f"PerReplica value has {leaf.stacked.shape[0]} replicas, but "
                         f"{self._container_strategy!r} has {n}"
                     )
+                if leaf.lengths is not None and partial is None:
+                    partial = (leaf.lengths, int(leaf.stacked.shape[1]))
                 kinds.append("pr")
                 tracing |= isinstance(leaf.stacked, jax.core.Tracer)
                 dyn.append(leaf)
+            elif _is_dynamic(leaf) and np.size(leaf) == 0 and hasattr(leaf, "shape"):
+                # An empty array carries no data: rebuilt inside (XLA rejects size-0 operands
+                # of a shard_map body).
+                kinds.append("empty")
+                statics.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
             elif _is_dynamic(leaf):
                 kinds.append("arr")
                 tracing |= isinstance(leaf, jax.core.Tracer)
@@ -254,9 +262,9 @@ class StrategyExtended:
                     ) from None
                 kinds.append("static")
                 statics.append(leaf)
-        key = (fn, treedef, tuple(kinds), tuple(statics))
-        compiled = self._lookup(key, fn, treedef, kinds, statics)
-        dyn_kinds = [k for k in kinds if k != "static"]
+        key = (fn, treedef, tuple(kinds), tuple(statics), partial)
+        compiled = self._lookup(key, fn, treedef, kinds, statics, partial)
+        dyn_kinds = [k for k in kinds if k not in ("static", "empty")]
         dyn = [self._prepare_leaf(x, k) for x, k in zip(dyn, dyn_kinds)]
         if tracing:
             return compiled.raw(*dyn)
@@ -284,7 +292,7 @@ class StrategyExtended:
                 stacklevel=4,
             )
 
-    def _lookup(self, key, fn, treedef, kinds, statics):
+    def _lookup(self, key, fn, treedef, kinds, statics, partial=None):
         try:
             hash(key)
         except TypeError:
@@ -293,7 +301,7 @@ class StrategyExtended:
             if key is not None and key in self._run_cache:
                 self._run_cache.move_to_end(key)
                 return self._run_cache[key]
-        compiled = _CompiledRun(self, fn, treedef, kinds, statics)
+        compiled = _CompiledRun(self, fn, treedef, kinds, statics, partial)
         self._note_new_function(fn)
         if key is not None:
             with self._cache_lock:
@@ -388,6 +396,8 @@ class StrategyExtended:
 
     def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         n = self._num_replicas
+        if isinstance(v, PerReplica) and v.lengths is not None:
+            return _reduce_partial(op, v, axis)
         if isinstance(v, PerReplica):
             stacked = self._prepare_leaf(v, "pr")
             if axis is not None and not -v.stacked.ndim + 1 <= axis < v.stacked.ndim - 1:
@@ -443,6 +453,31 @@ class StrategyExtended:
         return self.parameter_devices
 
 
+def _reduce_partial(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
+    """Reduces a partial-batch ``PerReplica`` (replicas with different row counts) as TF does:
+    along ``axis=0`` over the real rows only; across replicas only if the shapes agree."""
+    parts = [np.asarray(jax.device_get(p)) for p in v.values]
+    if axis is None:
+        if len({p.shape for p in parts}) != 1:
+            raise ValueError(
+                f"Cannot reduce per-replica values of different shapes "
+                f"{[p.shape for p in parts]} (a partial batch) with axis=None; pass axis=0 to "
+                f"reduce over the rows"
+            )
+        total = np.sum(parts, axis=0)
+        return jnp.asarray(total / len(parts) if op is ReduceOp.MEAN else total)
+    if axis % parts[0].ndim != 0:
+        raise ValueError(
+            f"A partial batch (per-replica rows {list(v.lengths or ())}) can only be reduced "
+            f"along axis 0, got axis={axis}"
+        )
+    rows = np.concatenate(parts, axis=0)
+    total = np.sum(rows, axis=0)
+    if op is ReduceOp.MEAN:
+        return jnp.asarray(total / rows.shape[0] if rows.shape[0] else np.full_like(total, np.nan))
+    return jnp.asarray(total)
+
+
 _UPDATE_CACHE: dict = {}
 
 
@@ -462,8 +497,11 @@ def _jit_update(fn: Callable) -> Callable:
 class _CompiledRun:
     """One replica function compiled for one argument structure."""
 
-    def __init__(self, extended: StrategyExtended, fn: Callable, treedef, kinds, statics):
+    def __init__(
+        self, extended: StrategyExtended, fn: Callable, treedef, kinds, statics, partial=None
+    ):
         self.extended = extended
+        self.partial = partial  # (per-replica lengths, padded rows) on a partial-batch step
         self.fn = fn
         self.treedef = treedef
         self.kinds = tuple(kinds)
@@ -477,6 +515,9 @@ class _CompiledRun:
         for k in self.kinds:
             if k == "static":
                 leaves.append(next(it_static))
+            elif k == "empty":
+                shape, dtype = next(it_static)
+                leaves.append(jnp.zeros(shape, dtype))
             elif k == "pr":
                 leaves.append(next(it_dyn)[0])
             else:
@@ -487,6 +528,8 @@ class _CompiledRun:
         ext = self.extended
         args, kwargs = self._args(dyn)
         rctx = ReplicaContext(ext._container_strategy, axes)
+        if self.partial is not None:
+            rctx._set_partial_batch(*self.partial)
         with ctx_lib.enter_replica(ext._container_strategy, rctx):
             self.traces += 1
             return self.fn(*args, **kwargs)
@@ -494,7 +537,7 @@ class _CompiledRun:
     def raw(self, *dyn):
         ext = self.extended
         axes, mesh = ext._axes, ext._mesh
-        dyn_kinds = [k for k in self.kinds if k != "static"]
+        dyn_kinds = [k for k in self.kinds if k not in ("static", "empty")]
         dyn = [x.stacked if isinstance(x, PerReplica) else x for x in dyn]
         if ext._num_replicas == 1:
             # One replica: no mesh program needed. Every output is trivially the same on all
@@ -615,6 +658,14 @@ class Strategy:
         ext = self._extended
 
         def one(v):
+            if isinstance(v, PerReplica) and v.lengths is not None:
+                parts = [np.asarray(jax.device_get(p)) for p in v.values]
+                if axis % max(parts[0].ndim, 1) != 0:
+                    raise ValueError(
+                        f"A partial batch (per-replica rows {list(v.lengths)}) can only be "
+                        f"gathered along axis 0, got axis={axis}"
+                    )
+                return jax.device_put(np.concatenate(parts, axis=0), ext._replicated)
             if isinstance(v, PerReplica):
                 stacked = ext._prepare_leaf(v, "pr")
             elif ext._is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):
@@ -699,11 +750,28 @@ class Strategy:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
+def _trace_state_clean() -> bool:
+    try:
+        from jax._src import core
+    except ImportError:  # pragma: no cover
+        return True
+    return core.trace_state_clean()
+
+
 def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
     """Builds a pytree of ``PerReplica`` from one pytree per replica, each on its device."""
     n = len(values)
     leaves_per = [jax.tree.leaves(v) for v in values]
     treedef = jax.tree.structure(values[0])
+    if not _trace_state_clean() or any(
+        isinstance(x, jax.core.Tracer) for leaves in leaves_per for x in leaves
+    ):
+        # Inside a user's jax.jit (TF: inside tf.function): stack and constrain the sharding.
+        return treedef.unflatten([
+            PerReplica(jax.sharding.reshard(
+                jnp.stack([jnp.asarray(leaves_per[i][j]) for i in range(n)]), sharding))
+            for j in range(treedef.num_leaves)
+        ])
     out = []
     for j in range(treedef.num_leaves):
         parts = [np.asarray(jax.device_get(leaves_per[i][j])) for i in range(n)]
