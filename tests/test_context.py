@@ -75,7 +75,7 @@ def test_mixing_strategies_is_an_error():
     a = jaxdist.MirroredStrategy()
     b = jaxdist.OneDeviceStrategy("/cpu:0")
     with a.scope():
-        with pytest.raises(ValueError, match="Mixing different distribution strategies"):
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
             with b.scope():
                 pass
         assert jaxdist.get_strategy() is a

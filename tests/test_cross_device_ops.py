@@ -100,11 +100,26 @@ def test_reduction_to_one_device_accumulation_fn():
     assert calls and all(c == 4 for c in calls)
 
 
+def test_reduce_to_device_outside_the_strategy_devices():
+    # As in TF, the accumulating device may be outside the compute devices (the host CPU while
+    # the replicas run elsewhere): cross-replica reductions really gather there.
+    s = jaxdist.MirroredStrategy(
+        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:5")
+    )
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.float32(c.replica_id_in_sync_group + 1)
+    )
+    assert float(s.reduce("SUM", v, axis=None)) == 3.0
+    assert float(s.reduce("MEAN", v, axis=None)) == 1.5
+    out = s.extended.reduce_to("SUM", v, "/cpu:6")
+    assert float(out) == 3.0 and out.sharding.device_set == {jax.devices()[6]}
+    inside = s.run(lambda x: jaxdist.get_replica_context().all_reduce("MEAN", x), args=(v,))
+    assert float(inside) == 1.5
+
+
 def test_invalid_arguments():
-    with pytest.raises(ValueError, match="not one of the strategy's devices"):
-        jaxdist.MirroredStrategy(
-            jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:5")
-        )
+    with pytest.raises(ValueError, match="does not exist"):
+        jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:99")
     with pytest.raises(ValueError, match="num_packs"):
         jaxdist.NcclAllReduce(num_packs=-1)
     with pytest.raises(TypeError, match="cross_device_ops must be"):
