@@ -656,8 +656,11 @@ class Strategy:
 
     @property
     def cluster_resolver(self) -> Any:
-        """The cluster resolver (``None`` for single-host strategies)."""
-        return None
+        """The cluster resolver (``None`` for single-host strategies).
+
+        As in TF, it is ``extended._cluster_resolver`` when a strategy sets one.
+        """
+        return getattr(self._extended, "_cluster_resolver", None)
 
     def scope(self) -> ctx_lib.StrategyScope:
         """Makes this the current strategy; arrays created inside are placed as it keeps state.
