@@ -158,6 +158,11 @@ class StrategyExtended:
     def _placement_mesh(self) -> jax.sharding.Mesh:
         return self._mesh
 
+    def _scope_context(self) -> Any:
+        """The JAX context ``scope()`` enters so new arrays are placed as state (or ``None``)."""
+        mesh = self._placement_mesh()
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
     def _state_needs_move(self, x: Any) -> bool:
         if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
             return False
@@ -262,7 +267,10 @@ class StrategyExtended:
         if tracing:
             return compiled.raw(*dyn)
         self._throttle.before_dispatch()
-        out = self._post_run(compiled.jitted(*dyn))
+        out = compiled.jitted(*dyn)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+            return out  # under a user's jax.jit with no traced argument: nothing to throttle
+        out = self._post_run(out)
         self._throttle.after_dispatch(out)
         return out
 
@@ -676,9 +684,7 @@ class Strategy:
             >>> with strategy.scope():
             ...     params = {"w": jnp.zeros((3,))}   # replicated on every device
         """
-        mesh = self._extended._placement_mesh()
-        on_enter = None if mesh is None else (lambda: jax.set_mesh(mesh))
-        return ctx_lib.StrategyScope(self, on_enter)
+        return ctx_lib.StrategyScope(self, self._extended._scope_context)
 
     def run(self, fn: Callable, args=(), kwargs=None, options: Any = None) -> Any:
         """Runs ``fn`` once per replica and returns its (per-replica or replicated) outputs.
