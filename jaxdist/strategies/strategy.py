@@ -202,8 +202,12 @@ class StrategyExtended:
         return len(self._devices)
 
     def call_for_each_replica(self, fn: Callable, args=(), kwargs=None) -> Any:
-        """compat.v1 name for ``Strategy.run``."""
-        return self._run(fn, args, kwargs)
+        """compat.v1 name for ``Strategy.run``.
+
+        Example:
+            >>> strategy.extended.call_for_each_replica(step, args=(batch,))
+        """
+        return self._container_strategy.run(fn, args, kwargs)
 
     def _prepare_leaf(self, leaf: Any, kind: str) -> Any:
         if kind == "pr":
@@ -703,7 +707,24 @@ class Strategy:
         """
         del options
         self._extended._check_not_mixing()
-        return self._extended._run(fn, args, kwargs)
+        merged = ctx_lib.merged_from()
+        if merged is not None and merged.axis_name is not None and merged.strategy is self:
+            # run inside a merge_call's merge function, inside this strategy's compiled step:
+            # the trace is already per replica, so fn runs in the replica context it came from.
+            with ctx_lib.enter_replica(self, merged):
+                return fn(*args, **(kwargs or {}))
+        try:
+            return self._extended._run(fn, args, kwargs)
+        except NotImplementedError as e:
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            raise ValueError(
+                f"The replica function {getattr(fn, '__qualname__', fn)!r} closes over an array "
+                f"placed by {self!r} (created under strategy.scope() or by strategy.place), "
+                f"which JAX cannot capture inside the compiled replica step. Pass that state as "
+                f"an argument instead: strategy.run(fn, args=(state, ...)) (a pytree of arrays, "
+                f"e.g. a flax nnx module's state, is passed whole to every replica)."
+            ) from e
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
