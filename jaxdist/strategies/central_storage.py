@@ -32,7 +32,7 @@ class CentralStorageExtended(StrategyExtended):
         self._parameter_device = parameter_device
         self._param_sharding = SingleDeviceSharding(parameter_device)
         self._param_mesh = jax.make_mesh(
-            (1,), ("replica",), axis_types=(AxisType.Explicit,), devices=[parameter_device]
+            (1,), ("replica",), axis_types=(AxisType.Auto,), devices=[parameter_device]
         )
 
     @property

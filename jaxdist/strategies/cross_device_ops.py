@@ -283,7 +283,7 @@ class CrossDeviceOps:
             mesh = jax.make_mesh(
                 shape,
                 tuple(axes),
-                axis_types=(jax.sharding.AxisType.Explicit,) * len(axes),
+                axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
                 devices=list(devs),
             )
             spec = jax.sharding.PartitionSpec(tuple(axes))
@@ -298,7 +298,11 @@ class CrossDeviceOps:
             )
             cache[key] = (fn, jax.sharding.NamedSharding(mesh, spec))
         fn, in_sharding = cache[key]
-        return fn(jax.device_put(stacked, in_sharding))
+        if isinstance(stacked, jax.core.Tracer):
+            return fn(stacked)
+        # Its own mesh as the context (a strategy scope may have set another one).
+        with jax.set_mesh(in_sharding.mesh):
+            return fn(jax.device_put(stacked, in_sharding))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -108,7 +108,7 @@ class StrategyExtended:
         self._mesh = jax.make_mesh(
             shape,
             self._axes,
-            axis_types=(AxisType.Explicit,) * len(axes),
+            axis_types=(AxisType.Auto,) * len(axes),
             devices=list(self._devices),
         )
         self._mesh_devices = frozenset(self._devices)

@@ -557,25 +557,11 @@ def test_sync_on_read_variable_assign():
 # ---------------------------------------------------------------- MirroredStrategyDefunTest
 
 
-@jax.tree_util.register_pytree_node_class
 class MockModel:
-    # A pytree, so the replica function gets its state as an argument (jaxdist cannot capture
-    # arrays placed under scope() by closure inside the compiled step: it raises and says so).
-    def __init__(self, two_variables=False, variables=None):
-        if variables is not None:
-            self.variables = list(variables)
-            return
+    def __init__(self, two_variables=False):
         self.variables = [jnp.asarray(1.25)]
         if two_variables:
             self.variables.append(jnp.asarray(2.0))
-
-    def tree_flatten(self):
-        return (self.variables,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(variables=children[0])
 
     def __call__(self, factor=2, variables=None):
         variables = self.variables if variables is None else variables
@@ -656,13 +642,12 @@ def test_gradient_tape_over_nested_defuns():
     assert [list(r) for r in zip(*per_var)] == [[2.0, 1.0], [2.0, 1.0]]
 
 
-def test_closing_over_scoped_state_fails_loudly():
-    # Not in TF's file: TF code often closes over variables; jaxdist must say how to fix it.
+def test_closing_over_scoped_state():
+    # Not in TF's file: TF code closes over variables created under scope(); so can jaxdist's.
     distribution = _strategy("GPUAndCPU")
     with distribution.scope():
         w = jnp.asarray(1.25)
-    with pytest.raises(ValueError, match="Pass that state as an argument"):
-        distribution.run(lambda: w * 2)
+    assert _local(distribution, distribution.run(lambda: w * 2)) == [2.5, 2.5]
 
 
 def test_pass_per_replica():
