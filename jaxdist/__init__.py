@@ -51,7 +51,7 @@ from jaxdist.strategies import (
     in_cross_replica_context,
     scale_regularization_loss,
 )
-from jaxdist.strategies.context import get_cross_replica_context
+from jaxdist.strategies.context import experimental_set_strategy, get_cross_replica_context
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.replica_reduce import DoubleReductionError
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
@@ -107,6 +107,7 @@ __all__ = [
     "coordinator",
     "compute_average_loss",
     "experimental_connect_to_cluster",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

@@ -75,7 +75,7 @@ def test_mixing_strategies_is_an_error():
     a = jaxdist.MirroredStrategy()
     b = jaxdist.OneDeviceStrategy("/cpu:0")
     with a.scope():
-        with pytest.raises(ValueError, match="Mixing different distribution strategies"):
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
             with b.scope():
                 pass
         assert jaxdist.get_strategy() is a
@@ -98,3 +98,71 @@ def test_default_strategy_replica_context_reductions_identity():
     x = jnp.arange(3.0)
     assert (rctx.all_reduce("SUM", x) == x).all()
     assert (rctx.all_gather(x, 0) == x).all()
+
+
+def test_cross_replica_methods_raise_inside_the_replica_function():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(1.0))
+
+    def fn(x):
+        s.reduce("SUM", x, axis=None)
+        return x
+
+    with pytest.raises(RuntimeError, match="requires being in cross-replica context"):
+        s.run(fn, args=(v,))
+
+
+def test_experimental_set_strategy_is_thread_local_and_replaceable():
+    import threading
+
+    a = jaxdist.MirroredStrategy(jax.devices()[:2])
+    b = jaxdist.OneDeviceStrategy("/cpu:0")
+    seen = []
+    jaxdist.experimental_set_strategy(a)
+    try:
+        assert jaxdist.get_strategy() is a and jaxdist.in_cross_replica_context()
+        t = threading.Thread(target=lambda: seen.append(jaxdist.has_strategy()))
+        t.start()
+        t.join(5)
+        jaxdist.experimental_set_strategy(b)
+        assert jaxdist.get_strategy() is b
+    finally:
+        jaxdist.experimental_set_strategy(None)
+    assert seen == [False]
+    assert not jaxdist.has_strategy()
+
+
+def test_merge_call_in_compiled_step_reduces_and_reruns_in_replica_context():
+    s = jaxdist.MirroredStrategy(jax.devices()[:4])
+    v = s.experimental_distribute_values_from_function(
+        lambda c: jnp.float32(c.replica_id_in_sync_group + 1)
+    )
+    seen = {}
+
+    def merge_fn(strategy, x):
+        seen["replica_ctx"] = jaxdist.get_replica_context()
+        seen["cross"] = jaxdist.get_cross_replica_context()
+        total = strategy.reduce("SUM", x, axis=None)
+        mean = strategy.extended.reduce_to("MEAN", x)
+        again = strategy.run(lambda y: y * 10, args=(x,))
+        return total, mean, again
+
+    out = s.run(lambda x: jaxdist.get_replica_context().merge_call(merge_fn, args=(x,)),
+                args=(v,))
+    total, mean, again = out
+    assert seen["replica_ctx"] is None and seen["cross"] is s
+    assert float(total) == 10.0 and float(mean) == 2.5
+    assert [float(a) for a in s.experimental_local_results(again)] == [10.0, 20.0, 30.0, 40.0]
+
+
+def test_update_non_slot_runs_once_cross_replica_and_places_result():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    calls = []
+
+    def fn(step):
+        calls.append(jaxdist.in_cross_replica_context())
+        return step + 1
+
+    out = s.extended.update_non_slot(None, fn, args=(jnp.int32(4),))
+    assert calls == [True]
+    assert int(out) == 5 and out.sharding.device_set == set(jax.devices()[:2])

@@ -100,12 +100,77 @@ def test_reduction_to_one_device_accumulation_fn():
     assert calls and all(c == 4 for c in calls)
 
 
+def test_reduce_to_device_outside_the_strategy_devices():
+    # As in TF, the accumulating device may be outside the compute devices (the host CPU while
+    # the replicas run elsewhere): cross-replica reductions really gather there.
+    s = jaxdist.MirroredStrategy(
+        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:5")
+    )
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.float32(c.replica_id_in_sync_group + 1)
+    )
+    assert float(s.reduce("SUM", v, axis=None)) == 3.0
+    assert float(s.reduce("MEAN", v, axis=None)) == 1.5
+    out = s.extended.reduce_to("SUM", v, "/cpu:6")
+    assert float(out) == 3.0 and out.sharding.device_set == {jax.devices()[6]}
+    inside = s.run(lambda x: jaxdist.get_replica_context().all_reduce("MEAN", x), args=(v,))
+    assert float(inside) == 1.5
+
+
 def test_invalid_arguments():
-    with pytest.raises(ValueError, match="not one of the strategy's devices"):
-        jaxdist.MirroredStrategy(
-            jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:5")
-        )
+    with pytest.raises(ValueError, match="does not exist"):
+        jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:99")
     with pytest.raises(ValueError, match="num_packs"):
         jaxdist.NcclAllReduce(num_packs=-1)
     with pytest.raises(TypeError, match="cross_device_ops must be"):
         jaxdist.MirroredStrategy(cross_device_ops="nccl")
+
+
+def test_reduce_to_every_tf_destination():
+    devs = jax.devices()[:2]
+    s = jaxdist.MirroredStrategy(devs)
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.float32(c.replica_id_in_sync_group + 1)
+    )
+    cases = {
+        "string": ("/cpu:5", {jax.devices()[5]}),
+        "device": (jax.devices()[6], {jax.devices()[6]}),
+        "list": (["/cpu:3", "/cpu:4"], {jax.devices()[3], jax.devices()[4]}),
+        "mirrored": (s.place(jnp.zeros(())), set(devs)),
+        "per_replica": (v, set(devs)),
+        "none": (None, set(devs)),
+    }
+    for name, (dest, want) in cases.items():
+        out = s.extended.reduce_to("SUM", v, dest)
+        assert float(out) == 3.0, name
+        assert out.sharding.device_set == want, name
+        assert out.sharding.is_fully_replicated, name
+    a, b = s.extended.batch_reduce_to("MEAN", [(v, "/cpu:7"), (v, ["/cpu:0", "/cpu:1"])])
+    assert float(a) == float(b) == 1.5
+    with pytest.raises(ValueError, match="can not be empty"):
+        s.extended.reduce_to("SUM", v, [])
+    with pytest.raises(ValueError, match="destinations must be"):
+        s.extended.reduce_to("SUM", v, {"bad": 1})
+    with pytest.raises(ValueError, match="pairs"):
+        s.extended.batch_reduce_to("SUM", [v])
+
+
+def test_broadcast_to():
+    s = jaxdist.MirroredStrategy(jax.devices()[:2])
+    assert s.extended.broadcast_to(1.5, ["/cpu:0"]) == 1.5  # Python numbers as they are (TF)
+    out = s.extended.broadcast_to(jnp.arange(3.0), ["/cpu:2", "/cpu:3"])
+    assert out.sharding.device_set == {jax.devices()[2], jax.devices()[3]}
+    np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
+    out = s.extended.broadcast_to(jnp.ones(2), None)
+    assert out.sharding.device_set == set(jax.devices()[:2])
+
+
+def test_reduce_to_outside_device_with_axis():
+    s = jaxdist.MirroredStrategy(
+        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:7")
+    )
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.arange(3, dtype=np.float32) + c.replica_id_in_sync_group
+    )
+    assert float(s.reduce("SUM", v, axis=0)) == 3.0 + 6.0
+    assert float(s.reduce("MEAN", v, axis=0)) == 9.0 / 6

@@ -2,6 +2,7 @@
 
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.context import (
+    experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
     get_strategy,
@@ -54,6 +55,7 @@ __all__ = [
     "TPUStrategy",
     "ValueContext",
     "compute_average_loss",
+    "experimental_set_strategy",
     "get_cross_replica_context",
     "get_default_strategy",
     "get_replica_context",

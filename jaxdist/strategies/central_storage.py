@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, SingleDeviceSharding
 
 from jaxdist.strategies.devices import resolve_device, resolve_devices
+from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
 from jaxdist.strategies.values import PerReplica
 
@@ -30,7 +32,7 @@ class CentralStorageExtended(StrategyExtended):
         self._parameter_device = parameter_device
         self._param_sharding = SingleDeviceSharding(parameter_device)
         self._param_mesh = jax.make_mesh(
-            (1,), ("replica",), axis_types=(AxisType.Explicit,), devices=[parameter_device]
+            (1,), ("replica",), axis_types=(AxisType.Auto,), devices=[parameter_device]
         )
 
     @property
@@ -44,6 +46,11 @@ class CentralStorageExtended(StrategyExtended):
     def _placement_mesh(self):
         return self._param_mesh
 
+    def _scope_context(self):
+        # Arrays created under scope() go to the parameter device. A context mesh of the
+        # parameter device would clash with the compute mesh of run/reduce under the scope.
+        return jax.default_device(self._parameter_device)
+
     def _post_run(self, out):
         # Outputs that are the same on every replica (new state, reduced gradients) are kept
         # once, on the parameter device: between steps exactly one copy exists.
@@ -53,6 +60,22 @@ class CentralStorageExtended(StrategyExtended):
             return jax.device_put(x, self._param_sharding)
 
         return jax.tree.map(to_param, out, is_leaf=lambda x: isinstance(x, PerReplica))
+
+    def _reduce_leaf(self, op, v, axis):
+        # Outputs of ``run`` that are the same on every replica are kept once, on the parameter
+        # device (``_post_run``): they still stand for one value per replica, as TF's outputs
+        # of a central-storage step do (SUM of them is num_replicas x the value).
+        if (
+            isinstance(v, jax.Array)
+            and not isinstance(v, jax.core.Tracer)
+            and not self._is_mirrored(v)
+            and v.sharding.device_set == self._param_sharding.device_set
+        ):
+            x = v
+            if axis is not None:
+                x = jnp.mean(x, axis=axis) if op is ReduceOp.MEAN else jnp.sum(x, axis=axis)
+            return x * self._num_replicas if op is ReduceOp.SUM else x
+        return super()._reduce_leaf(op, v, axis)
 
     def reduce_to(self, reduce_op, value, destinations=None, options=None):
         if destinations is None:

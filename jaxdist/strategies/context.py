@@ -22,16 +22,18 @@ if TYPE_CHECKING:
 
 
 class _Frame:
-    __slots__ = ("strategy", "replica_context")
+    __slots__ = ("strategy", "replica_context", "merged_from")
 
     def __init__(self, strategy: Strategy, replica_context: ReplicaContext | None):
         self.strategy = strategy
         self.replica_context = replica_context
+        self.merged_from: ReplicaContext | None = None
 
 
 class _State(threading.local):
     def __init__(self):
         self.stack: list[_Frame] = []
+        self.global_scope: StrategyScope | None = None
 
 
 _state = _State()
@@ -110,42 +112,187 @@ def get_replica_context() -> ReplicaContext | None:
 def get_cross_replica_context() -> Strategy | None:
     """The strategy if in a cross-replica context, else ``None``.
 
+    As in TF, this is ``None`` outside every scope (the default replica context) and inside a
+    replica function; it is the strategy inside ``strategy.scope()`` and inside a
+    ``merge_call``'s merge function.
+
     Example:
+        >>> jaxdist.get_cross_replica_context() is None
+        True
         >>> with strategy.scope():
         ...     jaxdist.get_cross_replica_context() is strategy
         True
     """
     frame = _top()
     if frame is None:
-        from jaxdist.strategies.default import get_default_strategy
-
-        return get_default_strategy()
+        return None
     return frame.strategy if frame.replica_context is None else None
 
 
-@contextlib.contextmanager
-def enter_scope(strategy: Strategy) -> Iterator[None]:
-    """Pushes a cross-replica frame for ``strategy`` (used by ``Strategy.scope``)."""
-    frame = _top()
-    if frame is not None and frame.strategy is not strategy:
-        from jaxdist.strategies.default import DefaultStrategy
+def _is_default(strategy: Any) -> bool:
+    from jaxdist.strategies.default import DefaultStrategy
 
-        if not isinstance(frame.strategy, DefaultStrategy):
-            raise ValueError(
-                f"Mixing different distribution strategies is not allowed: tried to enter the "
-                f"scope of {strategy!r} inside the scope of {frame.strategy!r}. Leave the outer "
-                f"scope first."
+    return isinstance(strategy, DefaultStrategy)
+
+
+def _mixing_error(current: Strategy, wanted: Strategy) -> RuntimeError:
+    return RuntimeError(
+        f"Mixing different tf.distribute.Strategy objects: {current!r} is not {wanted!r}. "
+        f"Use {wanted!r} outside the scope of {current!r} (or inside its own scope)."
+    )
+
+
+def require_cross_replica_or_default_context(strategy: Strategy) -> None:
+    """Raises unless ``strategy``'s cross-replica methods may be called here (TF's rule).
+
+    They may be called in the default replica context (outside every scope) and in
+    ``strategy``'s own cross-replica context (its ``scope()`` or a ``merge_call``).
+
+    Raises:
+        RuntimeError: inside another strategy's scope ("Mixing different
+            tf.distribute.Strategy objects"), inside a merge function of the default strategy
+            ("Need to be inside ``with strategy.scope()``"), or in a replica context
+            ("Method requires being in cross-replica context").
+
+    Example:
+        >>> require_cross_replica_or_default_context(strategy)   # outside any scope: fine
+    """
+    frame = _top()
+    if frame is None:
+        return
+    if frame.replica_context is None and frame.strategy is strategy:
+        return
+    if frame.strategy is not strategy:
+        if not has_strategy():
+            raise RuntimeError(
+                f'Need to be inside "with strategy.scope()" for {strategy!r}: the current '
+                f"context is the default strategy's cross-replica context (a merge_call)."
             )
-    if frame is not None and frame.replica_context is not None:
+        raise _mixing_error(frame.strategy, strategy)
+    raise RuntimeError(
+        f"Method requires being in cross-replica context, use "
+        f"get_replica_context().merge_call(): {strategy!r} was called inside its own replica "
+        f"function (strategy.run)."
+    )
+
+
+class StrategyScope:
+    """The object ``strategy.scope()`` returns: a context manager that may be re-entered.
+
+    Entering it while the same strategy is already the current cross-replica context only
+    counts the nesting (as TF's ``_CurrentDistributionContext``); entering it inside another
+    strategy's scope raises TF's mixing error; entering it inside the strategy's own replica
+    function raises TF's cross-replica error.
+
+    Example:
+        >>> scope = strategy.scope()
+        >>> with scope:
+        ...     with scope:          # nested re-entry of the same object is allowed
+        ...         pass
+    """
+
+    def __init__(self, strategy: Strategy, on_enter: Any = None):
+        self._strategy = strategy
+        self._on_enter = on_enter
+        self._same_scope_again = 0
+        self._pushed: list[tuple[_Frame, Any]] = []
+
+    def __enter__(self) -> Strategy:
+        if has_strategy():
+            require_cross_replica_or_default_context(self._strategy)
+            self._same_scope_again += 1
+            return self._strategy
+        frame = _Frame(self._strategy, None)
+        _state.stack.append(frame)
+        extra = None
+        try:
+            if self._on_enter is not None:
+                extra = self._on_enter()
+                extra.__enter__()
+        except BaseException:
+            _state.stack.remove(frame)
+            raise
+        self._pushed.append((frame, extra))
+        return self._strategy
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._same_scope_again > 0:
+            self._same_scope_again -= 1
+            return
+        frame, extra = self._pushed.pop()
+        try:
+            if extra is not None:
+                extra.__exit__(exc_type, exc, tb)
+        finally:
+            if _state.stack and _state.stack[-1] is frame:
+                _state.stack.pop()
+            else:
+                if frame in _state.stack:
+                    _state.stack.remove(frame)
+                raise RuntimeError(
+                    f"Strategy scope nesting error: the scope of {self._strategy!r} was exited "
+                    f"while an inner scope was still open; exit scopes in reverse order."
+                )
+
+
+class DefaultStrategyScope:
+    """``scope()`` of the default strategy: a no-op for the contexts, as in TF.
+
+    Raises:
+        RuntimeError: entered inside another strategy's scope ("Must not nest
+            tf.distribute.Strategy scopes").
+
+    Example:
+        >>> with jaxdist.get_strategy().scope():
+        ...     jaxdist.get_replica_context() is not None
+        True
+    """
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+
+    def __enter__(self) -> Strategy:
+        if has_strategy():
+            raise RuntimeError(
+                f"Must not nest tf.distribute.Strategy scopes: the default strategy's scope was "
+                f"entered inside the scope of {get_strategy()!r}."
+            )
+        return self._strategy
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        return None
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Sets ``strategy`` as the current strategy of this thread, without a ``with`` block.
+
+    ``tf.distribute.experimental_set_strategy``: equivalent to entering ``strategy.scope()``
+    and never leaving it; ``None`` leaves the scope set before. A strategy set this way is
+    replaced by the next call.
+
+    Raises:
+        RuntimeError: called inside a ``strategy.scope()`` ("Must not be called inside a
+            `tf.distribute.Strategy` scope").
+
+    Example:
+        >>> jaxdist.experimental_set_strategy(jaxdist.MirroredStrategy())
+        >>> jaxdist.in_cross_replica_context()
+        True
+        >>> jaxdist.experimental_set_strategy(None)
+    """
+    old = _state.global_scope
+    if old is not None:
+        old.__exit__(None, None, None)
+        _state.global_scope = None
+    if has_strategy():
         raise RuntimeError(
-            f"Cannot enter {strategy!r}.scope() inside a replica function (strategy.run): "
-            f"create state in the cross-replica context."
+            "Must not be called inside a `tf.distribute.Strategy` scope: leave the scope of "
+            f"{get_strategy()!r} first."
         )
-    _state.stack.append(_Frame(strategy, None))
-    try:
-        yield
-    finally:
-        _state.stack.pop()
+    if strategy is not None:
+        scope = strategy.scope()
+        scope.__enter__()
+        _state.global_scope = scope
 
 
 @contextlib.contextmanager
@@ -156,3 +303,25 @@ def enter_replica(strategy: Strategy, replica_context: Any) -> Iterator[None]:
         yield
     finally:
         _state.stack.pop()
+
+
+@contextlib.contextmanager
+def enter_merge(strategy: Strategy, replica_context: Any = None) -> Iterator[None]:
+    """Pushes a cross-replica frame for a ``merge_call``'s merge function.
+
+    ``replica_context`` is the context ``merge_call`` was called from (inside a compiled replica
+    function it carries the replica axes, so cross-replica reductions there can all-reduce).
+    """
+    frame = _Frame(strategy, None)
+    frame.merged_from = replica_context
+    _state.stack.append(frame)
+    try:
+        yield
+    finally:
+        _state.stack.pop()
+
+
+def merged_from() -> Any:
+    """The replica context whose ``merge_call`` is running (``None`` elsewhere)."""
+    frame = _top()
+    return None if frame is None else frame.merged_from

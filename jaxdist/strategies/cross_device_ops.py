@@ -58,6 +58,101 @@ def _varies(x: Any, axes: tuple[str, ...]) -> bool:
     return bool(set(axes) & varying_axes(x))
 
 
+def _is_per_replica(x: Any) -> bool:
+    from jaxdist.strategies.values import PerReplica
+
+    return isinstance(x, PerReplica)
+
+
+def per_replica_devices(stacked: Any) -> tuple[Any, ...]:
+    """The devices of a stacked ``(num_replicas, ...)`` array, in replica order."""
+    by_start: dict[int, Any] = {}
+    for sh in stacked.addressable_shards:
+        start = (sh.index[0].start or 0) if sh.index else 0
+        by_start.setdefault(start, sh.device)
+    return tuple(by_start[k] for k in sorted(by_start))
+
+
+def _first_device(sharding: jax.sharding.Sharding) -> Any:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding.mesh.devices.flat[0]
+    return min(sharding.device_set, key=lambda d: d.id)
+
+
+def _replicated_over(devices: Sequence[Any]) -> jax.sharding.Sharding:
+    devices = list(devices)
+    if len(devices) == 1:
+        return jax.sharding.SingleDeviceSharding(devices[0])
+    mesh = jax.sharding.Mesh(np.array(devices), ("destinations",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def destination_sharding(destinations: Any) -> jax.sharding.Sharding | None:
+    """Where a reduction's result goes, for every destination TF accepts.
+
+    Args:
+        destinations: ``None`` (returns ``None``: the caller's default), a device or TF device
+            string, a list/tuple of them (the result is replicated on each), a
+            ``jax.sharding.Sharding``, an array (a replicated array gives its own sharding, any
+            other array a copy on each of its devices), or a ``PerReplica`` (a copy on each
+            replica's device).
+
+    Raises:
+        ValueError: an empty list, or a value that names no device.
+
+    Example:
+        >>> destination_sharding(["/cpu:0", "/cpu:1"]).device_set
+        {CpuDevice(id=0), CpuDevice(id=1)}
+    """
+    from jaxdist.strategies.devices import resolve_device
+
+    if destinations is None:
+        return None
+    if isinstance(destinations, jax.sharding.Sharding):
+        return destinations
+    if _is_per_replica(destinations):
+        if isinstance(destinations.stacked, jax.core.Tracer):
+            return None
+        return _replicated_over(per_replica_devices(destinations.stacked))
+    if isinstance(destinations, jax.core.Tracer):
+        return None
+    if isinstance(destinations, jax.Array):
+        sh = destinations.sharding
+        if sh.is_fully_replicated:
+            return sh
+        return _replicated_over(sorted(sh.device_set, key=lambda d: d.id))
+    if isinstance(destinations, (str, jax.Device)):
+        return jax.sharding.SingleDeviceSharding(resolve_device(destinations))
+    if isinstance(destinations, (list, tuple)):
+        if not destinations:
+            raise ValueError("destinations can not be empty")
+        devs: list[Any] = []
+        for d in destinations:
+            if not isinstance(d, (str, jax.Device)):
+                raise ValueError(
+                    f"a destinations list must hold devices or device strings, got {d!r}"
+                )
+            dev = resolve_device(d)
+            if dev not in devs:
+                devs.append(dev)
+        return _replicated_over(devs)
+    if isinstance(destinations, (np.ndarray, np.generic, float, int)):
+        # A host value (TF: a tensor on the host CPU).
+        return jax.sharding.SingleDeviceSharding(_host_device())
+    raise ValueError(
+        f"destinations must be a device or device string, a list of them, an array, a "
+        f"PerReplica or a jax.sharding.Sharding, got {destinations!r} of type "
+        f"{type(destinations).__name__}"
+    )
+
+
+def _host_device() -> Any:
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # pragma: no cover - no CPU backend
+        return jax.local_devices()[0]
+
+
 class CrossDeviceOps:
     """Base class: how a strategy reduces values across its replicas.
 
@@ -104,6 +199,110 @@ class CrossDeviceOps:
         if op is ReduceOp.MEAN:
             out = [(x / n).astype(x.dtype) if i in varying else x for i, x in enumerate(out)]
         return treedef.unflatten(out)
+
+    # ------------------------------------------------------------ cross-replica API (TF's)
+    def reduce(
+        self, reduce_op: ReduceOp | str, per_replica_value: Any, destinations: Any, options=None
+    ) -> Any:
+        """Reduces ``per_replica_value`` across its replicas and puts the result on
+        ``destinations`` (TF's ``CrossDeviceOps.reduce``), outside any ``run``.
+
+        ``per_replica_value`` is a pytree of ``PerReplica`` values (reduced with this pattern
+        over their devices), of replicated arrays (one copy per device, as a TF ``Mirrored``:
+        ``SUM`` gives copies x value) or of single-device arrays (one value: returned as is).
+
+        Raises:
+            ValueError: ``destinations`` is ``None`` or empty or names no device.
+
+        Example:
+            >>> total = jaxdist.NcclAllReduce().reduce("SUM", per_replica, ["/cpu:0", "/cpu:1"])
+        """
+        del options
+        op = ReduceOp.from_value(reduce_op)
+        if destinations is None:
+            raise ValueError("destinations can not be None")
+        target = destination_sharding(destinations)
+        out = jax.tree.map(
+            lambda v: self._reduce_value(op, v, target), per_replica_value, is_leaf=_is_per_replica
+        )
+        return jax.tree.map(lambda x: jax.device_put(x, target), out)
+
+    def batch_reduce(
+        self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any], options=None
+    ) -> list[Any]:
+        """``reduce`` for a list of ``(value, destinations)`` pairs.
+
+        Example:
+            >>> a, b = jaxdist.NcclAllReduce().batch_reduce("MEAN", [(x, x), (y, "/cpu:0")])
+        """
+        pairs = list(value_destination_pairs)
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"batch_reduce expects (value, destinations) pairs, got {pair!r}")
+        return [self.reduce(reduce_op, v, d, options) for v, d in pairs]
+
+    def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to every device of ``destinations`` (TF's ``broadcast``).
+
+        Example:
+            >>> m = jaxdist.NcclAllReduce().broadcast(jnp.ones(()), ["/cpu:0", "/cpu:1"])
+        """
+        if destinations is None:
+            raise ValueError("destinations can not be None")
+        target = destination_sharding(destinations)
+        return jax.tree.map(lambda x: jax.device_put(x, target), tensor)
+
+    def _reduce_value(self, op: ReduceOp, v: Any, target: Any) -> Any:
+        if _is_per_replica(v):
+            stacked = v.stacked
+            if not isinstance(stacked, jax.Array):
+                stacked = jnp.asarray(stacked)
+            devs = per_replica_devices(stacked)
+            if stacked.shape[0] == 1:
+                return stacked[0]
+            if len(devs) != stacked.shape[0]:
+                raise ValueError(
+                    f"a PerReplica value with {stacked.shape[0]} replicas on {len(devs)} devices "
+                    f"cannot be reduced with {self!r}: each replica needs its own device"
+                )
+            return self._reduce_stacked(op, stacked, devs, target)
+        x = jnp.asarray(v)
+        copies = len(x.sharding.device_set) if isinstance(x, jax.Array) else 1
+        if op is ReduceOp.SUM and copies > 1 and x.sharding.is_fully_replicated:
+            return x * copies
+        return x
+
+    def _reduce_stacked(self, op: ReduceOp, stacked: Any, devs: tuple, target: Any) -> Any:
+        """Reduces a stacked per-replica array with this pattern over a mesh of ``devs``."""
+        del target
+        cache = self.__dict__.setdefault("_standalone_cache", {})
+        key = (devs, op)
+        if key not in cache:
+            n = len(devs)
+            shape, axes = self.mesh_layout(n)
+            mesh = jax.make_mesh(
+                shape,
+                tuple(axes),
+                axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+                devices=list(devs),
+            )
+            spec = jax.sharding.PartitionSpec(tuple(axes))
+
+            def body(x):
+                return self.all_reduce(op, x[0], tuple(axes), n)
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=spec, out_specs=jax.sharding.PartitionSpec()
+                )
+            )
+            cache[key] = (fn, jax.sharding.NamedSharding(mesh, spec))
+        fn, in_sharding = cache[key]
+        if isinstance(stacked, jax.core.Tracer):
+            return fn(stacked)
+        # Its own mesh as the context (a strategy scope may have set another one).
+        with jax.set_mesh(in_sharding.mesh):
+            return fn(jax.device_put(stacked, in_sharding))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -248,8 +447,13 @@ class ReductionToOneDevice(CrossDeviceOps):
     """Gathers every replica's value on one device, reduces there, broadcasts the result.
 
     Args:
-        reduce_to_device: the device (JAX device or TF string) that accumulates; it must be one
-            of the strategy's devices. ``None`` means the first replica's device.
+        reduce_to_device: the device (JAX device or TF string) that accumulates. ``None`` means
+            the first destination device (cross-replica ``reduce``) or the first replica's device
+            (inside ``run``). It may be a device outside the strategy's devices (e.g. the host
+            CPU while the replicas run on GPUs): cross-replica reductions (``strategy.reduce``,
+            ``extended.reduce_to``, ``reduce``) then really gather there; inside a compiled step
+            (``ReplicaContext.all_reduce``) no device outside the mesh can take part, so the
+            values are accumulated on the first replica's device instead (same numbers).
         accumulation_fn: combines the list of gathered values (default: their sum, like
             ``tf.math.add_n``).
 
@@ -262,21 +466,48 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn or _add_n
         self._target = 0
+        self._outside_device = None
+        if reduce_to_device is not None:
+            from jaxdist.strategies.devices import resolve_device
+
+            self._device = resolve_device(reduce_to_device)  # a bad string fails here, early
+        else:
+            self._device = None
 
     def bind(self, devices):
         super().bind(devices)
-        if self.reduce_to_device is None:
-            self._target = 0
+        self._target = 0
+        self._outside_device = None
+        if self._device is None:
             return
-        from jaxdist.strategies.devices import resolve_device
+        if self._device in self._devices:
+            self._target = self._devices.index(self._device)
+        else:
+            self._outside_device = self._device
 
-        dev = resolve_device(self.reduce_to_device)
-        if dev not in self._devices:
-            raise ValueError(
-                f"reduce_to_device {self.reduce_to_device!r} resolves to {dev}, which is not one "
-                f"of the strategy's devices {list(self._devices)}"
-            )
-        self._target = self._devices.index(dev)
+    def _reduce_on_device(self, op: ReduceOp, stacked: Any, axis: int | None, device: Any) -> Any:
+        """Copies every replica's value to ``device``, accumulates there (TF's _simple_reduce).
+
+        ``axis`` (optional) is first summed over on each replica; ``MEAN`` divides by the
+        replica count (times the size of ``axis``).
+        """
+        from jaxdist.strategies.values import local_components
+
+        parts = [jax.device_put(p, device) for p in local_components(stacked)]
+        count = 1
+        if axis is not None:
+            count = parts[0].shape[axis]
+            parts = [jnp.sum(p, axis=axis) for p in parts]
+        acc = self.accumulation_fn(parts)
+        if op is ReduceOp.MEAN:
+            acc = (acc / (count * len(parts))).astype(acc.dtype)
+        return acc
+
+    def _reduce_stacked(self, op, stacked, devs, target):
+        device = self._device
+        if device is None:
+            device = _first_device(target) if target is not None else devs[0]
+        return self._reduce_on_device(op, stacked, None, device)
 
     def _sum_varying(self, xs, axes, n):
         target = self._target

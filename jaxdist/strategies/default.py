@@ -33,10 +33,20 @@ class _DefaultExtended(StrategyExtended):
         return jnp.mean(v, axis=axis) if op is ReduceOp.MEAN else jnp.sum(v, axis=axis)
 
     def reduce_to(self, reduce_op, value, destinations=None, options=None):
+        from jaxdist.strategies import context as ctx_lib
+
         ReduceOp.from_value(reduce_op)
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         return self._to_destination(value, destinations)
 
+    def broadcast_to(self, tensor, destinations):
+        from jaxdist.strategies import context as ctx_lib
+
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
+        return tensor
+
     def update(self, var, fn, args=(), kwargs=None, group=True):
+        self._check_not_mixing()
         return fn(var, *args, **(kwargs or {}))
 
 
@@ -51,6 +61,18 @@ class DefaultStrategy(Strategy):
     def __init__(self):
         super().__init__(_DefaultExtended(self))
         self._default_replica_context = ReplicaContext(self, None)
+
+    def scope(self):
+        """A no-op for the contexts (as in TF); raises inside another strategy's scope.
+
+        Example:
+            >>> with jaxdist.get_strategy().scope():
+            ...     jaxdist.get_replica_context() is not None
+            True
+        """
+        from jaxdist.strategies.context import DefaultStrategyScope
+
+        return DefaultStrategyScope(self)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """The default strategy distributes nothing: the dataset is returned as it is."""

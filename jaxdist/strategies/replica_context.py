@@ -151,8 +151,22 @@ class ReplicaContext:
         )
 
     def merge_call(self, merge_fn, args=(), kwargs=None) -> Any:
-        """Calls ``merge_fn(strategy, *args, **kwargs)`` (values stay per replica in JAX)."""
-        return merge_fn(self._strategy, *args, **(kwargs or {}))
+        """Calls ``merge_fn(strategy, *args, **kwargs)`` in the cross-replica context.
+
+        Inside ``merge_fn``, ``get_replica_context()`` is ``None`` and
+        ``get_cross_replica_context()`` is the strategy, as in TF. In a compiled step the
+        function is traced once (not once per replica) and ``args`` are this replica's values;
+        ``strategy.reduce`` / ``extended.reduce_to`` on them reduce across the replicas.
+
+        Example:
+            >>> def merge_fn(strategy, x):
+            ...     return strategy.reduce("SUM", x, axis=None)
+            >>> total = jaxdist.get_replica_context().merge_call(merge_fn, args=(x,))
+        """
+        from jaxdist.strategies import context as ctx_lib
+
+        with ctx_lib.enter_merge(self._strategy, self):
+            return merge_fn(self._strategy, *args, **(kwargs or {}))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"

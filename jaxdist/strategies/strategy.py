@@ -26,6 +26,7 @@ from jaxdist.strategies.cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
     all_gather_invariant,
+    destination_sharding,
     varying_axes,
 )
 from jaxdist.strategies.inflight import StepThrottle
@@ -107,7 +108,7 @@ class StrategyExtended:
         self._mesh = jax.make_mesh(
             shape,
             self._axes,
-            axis_types=(AxisType.Explicit,) * len(axes),
+            axis_types=(AxisType.Auto,) * len(axes),
             devices=list(self._devices),
         )
         self._mesh_devices = frozenset(self._devices)
@@ -157,6 +158,11 @@ class StrategyExtended:
     def _placement_mesh(self) -> jax.sharding.Mesh:
         return self._mesh
 
+    def _scope_context(self) -> Any:
+        """The JAX context ``scope()`` enters so new arrays are placed as state (or ``None``)."""
+        mesh = self._placement_mesh()
+        return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
     def _state_needs_move(self, x: Any) -> bool:
         if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
             return False
@@ -196,8 +202,12 @@ class StrategyExtended:
         return len(self._devices)
 
     def call_for_each_replica(self, fn: Callable, args=(), kwargs=None) -> Any:
-        """compat.v1 name for ``Strategy.run``."""
-        return self._run(fn, args, kwargs)
+        """compat.v1 name for ``Strategy.run``.
+
+        Example:
+            >>> strategy.extended.call_for_each_replica(step, args=(batch,))
+        """
+        return self._container_strategy.run(fn, args, kwargs)
 
     def _prepare_leaf(self, leaf: Any, kind: str) -> Any:
         if kind == "pr":
@@ -269,7 +279,10 @@ class StrategyExtended:
         if tracing:
             return compiled.raw(*dyn)
         self._throttle.before_dispatch()
-        out = self._post_run(compiled.jitted(*dyn))
+        out = compiled.jitted(*dyn)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+            return out  # under a user's jax.jit with no traced argument: nothing to throttle
+        out = self._post_run(out)
         self._throttle.after_dispatch(out)
         return out
 
@@ -355,6 +368,12 @@ class StrategyExtended:
             )
         return self._reduce_cache[key]
 
+    def _check_not_mixing(self) -> None:
+        """Raises TF's mixing error when called inside another (non-default) strategy's scope."""
+        strategy = self._container_strategy
+        if ctx_lib.has_strategy() and ctx_lib.get_strategy() is not strategy:
+            raise ctx_lib._mixing_error(ctx_lib.get_strategy(), strategy)
+
     def reduce_to(
         self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None
     ) -> Any:
@@ -363,14 +382,25 @@ class StrategyExtended:
         Args:
             reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or their names.
             value: the values to reduce.
-            destinations: where the result goes: ``None`` (replicated over the replicas), a
-                device, a TF device string, or a ``jax.sharding.Sharding``.
+            destinations: where the result goes, any destination TF accepts: ``None``
+                (replicated over the replicas), a device or TF device string, a list of them,
+                an array (the result is placed as it is: a replicated array gives a replicated
+                result), a ``PerReplica`` (replicated over its devices), or a
+                ``jax.sharding.Sharding``.
             options: accepted for TF compatibility.
+
+        Raises:
+            RuntimeError: called inside another strategy's scope or in a replica context.
+
+        Example:
+            >>> total = strategy.extended.reduce_to("SUM", per_replica, "/cpu:0")
         """
         del options
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         op = ReduceOp.from_value(reduce_op)
+        target = destination_sharding(destinations)
         out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
-        return self._to_destination(out, destinations)
+        return self._place_result(out, target)
 
     def batch_reduce_to(
         self,
@@ -378,21 +408,50 @@ class StrategyExtended:
         value_destination_pairs: Sequence[tuple[Any, Any]],
         options: Any = None,
     ) -> list[Any]:
-        """``reduce_to`` for a list of ``(value, destinations)`` pairs."""
-        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+        """``reduce_to`` for a list of ``(value, destinations)`` pairs.
+
+        Example:
+            >>> a, b = strategy.extended.batch_reduce_to("MEAN", [(x, x), (y, "/cpu:0")])
+        """
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
+        pairs = list(value_destination_pairs)
+        for pair in pairs:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(
+                    f"batch_reduce_to expects (value, destinations) pairs, got {pair!r}"
+                )
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in pairs]
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copies ``tensor`` to ``destinations`` (TF's ``extended.broadcast_to``).
+
+        Python ints and floats are returned as they are (as in TF); ``destinations`` ``None``
+        means every replica's device (a replicated array).
+
+        Example:
+            >>> w = strategy.extended.broadcast_to(jnp.ones(3), strategy.extended.worker_devices)
+        """
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
+        if isinstance(tensor, (float, int)):
+            return tensor
+        target = destination_sharding(destinations)
+        if target is None:
+            target = self._replicated
+        return jax.tree.map(lambda x: jax.device_put(x, target), tensor)
 
     def _to_destination(self, tree: Any, destinations: Any) -> Any:
-        if destinations is None:
-            return tree
-        from jaxdist.strategies.devices import resolve_device
+        return self._place_result(tree, destination_sharding(destinations))
 
-        if isinstance(destinations, jax.sharding.Sharding):
-            target = destinations
-        elif isinstance(destinations, jax.Array):
-            target = destinations.sharding
-        else:
-            target = jax.sharding.SingleDeviceSharding(resolve_device(destinations))
-        return jax.device_put(tree, target)
+    def _place_result(self, tree: Any, target: Any) -> Any:
+        if target is None:
+            return tree
+
+        def put(x):
+            if isinstance(x, jax.core.Tracer) or isinstance(x, PerReplica):
+                return x
+            return jax.device_put(x, target)
+
+        return jax.tree.map(put, tree, is_leaf=is_per_replica)
 
     def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         n = self._num_replicas
@@ -405,7 +464,25 @@ class StrategyExtended:
                     f"axis {axis} is out of range for per-replica values of shape {v.shape}"
                 )
             ax = None if axis is None else axis % (v.stacked.ndim - 1)
+            outside = getattr(self._cross_device_ops, "_outside_device", None)
+            if outside is not None and not isinstance(stacked, jax.core.Tracer):
+                # ReductionToOneDevice naming a device outside the mesh: gather there, really.
+                return self._cross_device_ops._reduce_on_device(op, stacked, ax, outside)
             return self._reduce_fn(op, ax, stacked.ndim)(stacked)
+        merged = ctx_lib.merged_from()
+        if merged is not None and merged.axis_name is not None and isinstance(
+            v, jax.core.Tracer
+        ):
+            # strategy.reduce inside a merge_call's merge function, in a compiled step: the
+            # value is this replica's; reduce it across the replicas as TF does.
+            axes = merged.axis_name
+            x = jnp.asarray(v)
+            count = 1
+            if axis is not None:
+                count = x.shape[axis]
+                x = jnp.sum(x, axis=axis)
+            total = self._cross_device_ops.all_reduce(ReduceOp.SUM, x, axes, n)
+            return total / (count * n) if op is ReduceOp.MEAN else total
         if self._is_mirrored(v):
             x = v
             if axis is not None:
@@ -437,14 +514,43 @@ class StrategyExtended:
                 "extended.update got a PerReplica argument: reduce it first "
                 "(strategy.extended.reduce_to) so the update is the same on every copy"
             )
+        self._check_not_mixing()
         var = self.place(var)
         args, kwargs = self.place((tuple(args), dict(kwargs or {})))
-        return _jit_update(fn)(var, *args, **kwargs)
+        with self._container_strategy.scope():
+            return _jit_update(fn)(var, *args, **kwargs)
+
+    def update_non_slot(
+        self, colocate_with: Any, fn: Callable, args=(), kwargs=None, group: bool = True
+    ) -> Any:
+        """Runs ``fn(*args, **kwargs)`` once, in the cross-replica context (TF's update_non_slot).
+
+        For state that is not a slot of one variable (a step counter, a loss scale):
+        ``colocate_with`` names the state it lives with; the result's arrays are placed as the
+        strategy keeps state.
+
+        Raises:
+            RuntimeError: called inside another strategy's scope or in a replica context.
+
+        Example:
+            >>> step = strategy.extended.update_non_slot(step, lambda: step + 1)
+        """
+        del colocate_with, group
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
+        with self._container_strategy.scope():
+            result = fn(*args, **(kwargs or {}))
+        return self.place(result)
 
     def value_container(self, value: Any) -> Any:
         return value
 
     def experimental_make_numpy_dataset(self, numpy_input: Any):
+        """A ``jaxdist.Dataset`` of the slices of ``numpy_input``.
+
+        Example:
+            >>> strategy.extended.experimental_make_numpy_dataset(np.ones([10]))
+        """
+        ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         from jaxdist.input.dataset import Dataset
 
         return Dataset.from_tensor_slices(numpy_input)
@@ -605,23 +711,27 @@ class Strategy:
 
     @property
     def cluster_resolver(self) -> Any:
-        """The cluster resolver (``None`` for single-host strategies)."""
-        return None
+        """The cluster resolver (``None`` for single-host strategies).
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
+        As in TF, it is ``extended._cluster_resolver`` when a strategy sets one.
+        """
+        return getattr(self._extended, "_cluster_resolver", None)
+
+    def scope(self) -> ctx_lib.StrategyScope:
         """Makes this the current strategy; arrays created inside are placed as it keeps state.
 
+        The returned object may be entered again (also while it is entered), as in TF.
+
         Raises:
-            ValueError: another strategy's scope is already entered.
+            RuntimeError: another strategy's scope is already entered ("Mixing different
+                tf.distribute.Strategy objects"), or this is called inside this strategy's
+                replica function.
+
+        Example:
+            >>> with strategy.scope():
+            ...     params = {"w": jnp.zeros((3,))}   # replicated on every device
         """
-        with ctx_lib.enter_scope(self):
-            mesh = self._extended._placement_mesh()
-            if mesh is None:
-                yield self
-            else:
-                with jax.set_mesh(mesh):
-                    yield self
+        return ctx_lib.StrategyScope(self, self._extended._scope_context)
 
     def run(self, fn: Callable, args=(), kwargs=None, options: Any = None) -> Any:
         """Runs ``fn`` once per replica and returns its (per-replica or replicated) outputs.
@@ -639,7 +749,25 @@ class Strategy:
             that varies is a ``PerReplica``.
         """
         del options
-        return self._extended._run(fn, args, kwargs)
+        self._extended._check_not_mixing()
+        merged = ctx_lib.merged_from()
+        if merged is not None and merged.axis_name is not None and merged.strategy is self:
+            # run inside a merge_call's merge function, inside this strategy's compiled step:
+            # the trace is already per replica, so fn runs in the replica context it came from.
+            with ctx_lib.enter_replica(self, merged):
+                return fn(*args, **(kwargs or {}))
+        try:
+            return self._extended._run(fn, args, kwargs)
+        except NotImplementedError as e:
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            raise ValueError(
+                f"The replica function {getattr(fn, '__qualname__', fn)!r} closes over an array "
+                f"placed by {self!r} (created under strategy.scope() or by strategy.place), "
+                f"which JAX cannot capture inside the compiled replica step. Pass that state as "
+                f"an argument instead: strategy.run(fn, args=(state, ...)) (a pytree of arrays, "
+                f"e.g. a flax nnx module's state, is passed whole to every replica)."
+            ) from e
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
@@ -648,6 +776,7 @@ class Strategy:
             >>> strategy.reduce("SUM", per_replica_losses, axis=None)
         """
         op = ReduceOp.from_value(reduce_op)
+        ctx_lib.require_cross_replica_or_default_context(self)
         return jax.tree.map(
             lambda v: self._extended._reduce_leaf(op, v, axis), value, is_leaf=is_per_replica
         )
@@ -738,8 +867,29 @@ class Strategy:
 
         return DistributedDatasetsFromFunction(self._extended, dataset_fn, options)
 
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable, options: Any = None
+    ):
+        """Deprecated TF alias of ``distribute_datasets_from_function``.
+
+        Example:
+            >>> dist = strategy.experimental_distribute_datasets_from_function(dataset_fn)
+        """
+        warnings.warn(
+            "experimental_distribute_datasets_from_function is deprecated (as in TF): use "
+            "distribute_datasets_from_function",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
     def experimental_make_numpy_dataset(self, numpy_input: Any):
-        """A ``jaxdist.Dataset`` of the slices of ``numpy_input`` (batch it yourself)."""
+        """A ``jaxdist.Dataset`` of the slices of ``numpy_input`` (batch it yourself).
+
+        Example:
+            >>> ds = strategy.experimental_make_numpy_dataset(np.ones([10], np.float32))
+        """
+        ctx_lib.require_cross_replica_or_default_context(self)
         return self._extended.experimental_make_numpy_dataset(numpy_input)
 
     def place(self, tree: Any) -> Any:
