@@ -92,8 +92,9 @@ def test_a_certificate_from_another_ca_is_refused():
 
 def test_the_chief_names_the_processes_that_never_proved_the_token():
     port = pick_free_ports(1)[0]
-    with pytest.raises(ClusterTimeoutError, match=r"\['worker:1', 'worker:2'\] did not complete "
-                                                  r"the cluster handshake within 1 s"):
+    with pytest.raises(ClusterTimeoutError, match=r"worker:0 could not join the cluster within "
+                                                  r"1 s: the tasks \['worker:1', 'worker:2'\] "
+                                                  r"must all start and prove the cluster token"):
         serve_handshake(_group(0, port), "s3cret", 1.0, tls_material=None)
 
 

@@ -158,8 +158,10 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
             if left <= 0:
                 missing = tuple(group.task_name(i) for i in sorted(expected - set(joined)))
                 raise ClusterTimeoutError(
-                    f"{group.name}: {list(missing)} did not complete the cluster handshake "
-                    f"within {timeout:g} s (not started, or holding another cluster token)",
+                    f"{group.name} could not join the cluster within {timeout:g} s: the "
+                    f"tasks {list(missing)} must all start and prove the cluster token in the "
+                    f"handshake with {group.name} at {group.coordinator_address} (none did, "
+                    f"or with another token)",
                     tasks=missing, timeout_seconds=timeout)
             listener.settimeout(min(left, 1.0))
             try:
@@ -296,8 +298,9 @@ def join_handshake(group: Any, token: str, timeout: float, tls_material: Any = "
         finally:
             raw.close()
     raise ClusterTimeoutError(
-        f"{group.name} could not complete the cluster handshake with {chief} within "
-        f"{timeout:g} s ({last}); start it with the same cluster spec and token",
+        f"{group.name} could not join the cluster within {timeout:g} s: the coordinator "
+        f"{chief} did not answer the cluster handshake ({last}); start it with the same "
+        f"cluster spec and token",
         tasks=(group.task_name(0),), timeout_seconds=timeout)
 
 
