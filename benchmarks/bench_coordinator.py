@@ -142,6 +142,7 @@ def coordinator_steps_per_s(steps: int, warmup: int) -> float:
             c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
         for name in ("ps:0", "worker:0", "worker:1"):
             c.wait_for_output(name, "listening on", 60)
+        os.environ.update(c.security_env("chief:0"))  # this process is the chief
         strategy = jaxdist.ParameterServerStrategy(_Chief(c.cluster, c.token), timeout=60)
         init, grad_fn = _model()
         with strategy.scope():

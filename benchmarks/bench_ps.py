@@ -43,6 +43,10 @@ def _env(cluster: dict, task_type: str, index: int) -> dict[str, str]:
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": task_type,
                                                                 "index": index},
                                    "token": TOKEN})
+    if not os.environ.get("JAXDIST_INSECURE"):  # mutual TLS, as python -m jaxdist.launch
+        from jaxdist.testing.tls import task_tls
+
+        env.update(task_tls().env())
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=1",
                PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
@@ -298,9 +302,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="repeats per transfer (default 7, 3 quick)")
     parser.add_argument("--no-training", action="store_true",
                         help="only the pull/push table, no asynchronous training")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext gRPC on loopback instead of mutual TLS (the default)")
     parser.add_argument("--tcp-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.insecure:
+        os.environ["JAXDIST_INSECURE"] = "1"
+        for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY"):
+            os.environ.pop(key, None)
+    elif not (args.tcp_server or args.worker):
+        from jaxdist.testing.tls import install_process_tls
+
+        install_process_tls()
     if args.tcp_server:
         return _tcp_server(args.tcp_server)
     if args.worker:
@@ -308,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (3 if args.quick else 7)
     steps = 50 if args.quick else 200
     sizes = [1 * MiB, 16 * MiB, 64 * MiB]
-    print(f"jaxdist parameter-server benchmark ({os.cpu_count()} CPUs, loopback)")
+    transport = "plaintext" if args.insecure else "mutual TLS"
+    print(f"jaxdist parameter-server benchmark ({os.cpu_count()} CPUs, loopback, {transport})")
     times = _transfer_times(sizes, repeats)
     print(f"\n{'size':>7} {'memcpy GB/s':>11} {'TCP get':>8} {'TCP put':>8} {'ps pull':>8} "
           f"{'ps push':>8} {'pull/TCP':>8} {'push/TCP':>8}")

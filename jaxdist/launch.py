@@ -3,6 +3,13 @@
 Starts one process per task on this machine, each with its own ``TF_CONFIG`` (free ports on
 127.0.0.1, a fresh cluster token), prints each output line prefixed with the task name, and:
 
+* generates a throwaway CA and one certificate per task in a private temporary directory
+  (0700, deleted at exit) and gives each task its own (``JAXDIST_TLS_CA/CERT/KEY``): every
+  gRPC service of the cluster speaks mutual TLS. ``--insecure`` uses plaintext on loopback
+  instead (``JAXDIST_INSECURE=1``);
+* gives the chief a fresh coordinator token (the right to run code on the workers) and the
+  workers only its SHA-256 (``jaxdist.cluster.credentials``);
+
 * exits 0 when every chief/worker task exits 0 (ps tasks, which serve forever, are then
   stopped; an evaluator gets ``--evaluator-grace`` seconds to finish);
 * when a task fails, stops the others and exits with that task's exit code;
@@ -26,6 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from jaxdist.cluster.credentials import new_coordinator_token
 from jaxdist.cluster.local import (
     TaskProcess,
     exit_status,
@@ -34,6 +42,7 @@ from jaxdist.cluster.local import (
     task_env,
     task_list,
 )
+from jaxdist.cluster.pki import LocalPKI, apply_task_security, local_pki
 from jaxdist.cluster.validation import task_name
 
 
@@ -56,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping tasks")
     p.add_argument("--evaluator-grace", type=float, default=60.0,
                    help="seconds the evaluator may run after training finished")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC on loopback instead of mutual TLS with a throwaway CA "
+                        "(sets JAXDIST_INSECURE=1 in every task)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return p
 
@@ -70,13 +82,17 @@ class Launcher:
     def __init__(self, command: Sequence[str], workers: int = 1, ps: int = 0,
                  chief: bool = False, evaluator: bool = False,
                  devices_per_process: int | None = None, grace: float = 10.0,
-                 evaluator_grace: float = 60.0, out=None, coordinator: bool = False):
+                 evaluator_grace: float = 60.0, out=None, coordinator: bool = False,
+                 insecure: bool = False):
         if not command:
             raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
         self.command = list(command)
         self.coordinator = coordinator
         self.cluster = local_cluster(workers, ps, chief or coordinator, evaluator)
         self.token = new_token()
+        self.coordinator_token = new_coordinator_token()
+        self.insecure = insecure
+        self.pki: LocalPKI | None = None
         self.devices_per_process = devices_per_process
         self.grace = grace
         self.evaluator_grace = evaluator_grace
@@ -91,9 +107,12 @@ class Launcher:
             self.out.flush()
 
     def start(self) -> None:
+        if not self.insecure and self.pki is None:
+            self.pki = local_pki([task_name(j, i) for j, i in task_list(self.cluster)])
         for job, i in task_list(self.cluster):
             name = task_name(job, i)
             env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
+            apply_task_security(env, job, i, self.pki, self.coordinator_token)
             argv = self.command
             if self.coordinator and job in ("ps", "worker"):
                 argv = [sys.executable, "-m", "jaxdist.server"]
@@ -123,6 +142,8 @@ class Launcher:
             return self._supervise()
         finally:
             self.stop_all()
+            if self.pki is not None:
+                self.pki.cleanup()
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -167,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("need --workers >= 1 (or --chief)")
     launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
                         args.devices_per_process, args.grace, args.evaluator_grace,
-                        coordinator=args.coordinator)
+                        coordinator=args.coordinator, insecure=args.insecure)
     return launcher.run()
 
 

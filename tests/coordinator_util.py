@@ -7,6 +7,7 @@ within a second.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -34,6 +35,10 @@ def start_cluster(workers: int = 2, ps: int = 1, ps_args: tuple[str, ...] = ()) 
     """Starts ps and worker tasks (not the chief: that is this process)."""
     c = LocalCluster(workers=workers, ps=ps, chief=True, devices_per_process=1,
                      env={"JAX_NUM_CPU_DEVICES": "1"})
+    # This process is the chief: its TLS identity and the coordinator token.
+    for key in ("JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN_SHA256"):
+        os.environ.pop(key, None)
+    os.environ.update(c.security_env("chief:0"))
     names = [n for n in c.task_names if not n.startswith("chief")]
     for n in names:
         c.start_task(n, [*SERVER, *ps_args] if n.startswith("ps") else SERVER)

@@ -12,8 +12,11 @@ import subprocess
 import sys
 import time
 
+from jaxdist.testing.tls import install_process_tls, task_tls
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "ps-test-token"
+CLIENT_TLS = install_process_tls()  # this process speaks mutual TLS to the tasks it starts
 
 
 def free_ports(n: int) -> list[int]:
@@ -44,6 +47,7 @@ def task_env(cluster: dict, task_type: str, index: int, token: str | None = TOKE
         config["token"] = token
     env["TF_CONFIG"] = json.dumps(config)
     env.pop("JAXDIST_CLUSTER_TOKEN", None)
+    env.update(task_tls().env())
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

@@ -148,7 +148,7 @@ def test_process_order_chief_first_then_workers_ps_excluded():
         assert g.tasks == (("chief", 0), ("worker", 0), ("worker", 1))
         assert (g.process_id, g.is_chief) == (pid, chief)
         assert g.coordinator_address == "h0:2222"
-        assert g.coordinator_bind_address == "[::]:2222"
+        assert g.coordinator_bind_address == "h0:2222"  # only the interface named
         assert g.task_name(2) == "worker:1"
     g = process_group(resolver({"cluster": CLUSTER, "task": {"type": "ps", "index": 0}}))
     assert g.process_id is None and not g.in_training_group

@@ -152,8 +152,9 @@ def test_first_error_cancels_pending_and_is_raised_once(coordinator):
     assert again.fetch() == 7
 
 
-def test_worker_refuses_requests_without_the_token(cluster):
-    for token, match in ((None, "no cluster token"), ("wrong", "wrong cluster token")):
+def test_worker_refuses_requests_without_the_coordinator_token(cluster):
+    for token, match in ((cluster.token, "wrong coordinator token"),
+                         ("wrong", "wrong coordinator token")):
         client = WorkerClient(cluster.cluster["worker"], token)
         try:
             with pytest.raises(WorkerAuthenticationError, match=match):

@@ -66,7 +66,7 @@ def make_counter(strategy):
 
 def busy_worker(cluster, index: int, timeout: float = 20.0) -> None:
     """Waits until worker ``index`` is in the middle of a function."""
-    client = WorkerClient(cluster.cluster["worker"], cluster.token)
+    client = WorkerClient(cluster.cluster["worker"], cluster.coordinator_token)
     try:
         wait_until(lambda: client.call(index, "Ping", timeout=5.0)[0]["busy"], timeout,
                    f"worker:{index} to run a function")

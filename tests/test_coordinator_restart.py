@@ -44,7 +44,7 @@ def test_new_coordinator_continues_from_the_ps_checkpoint(cluster, tmp_path):
     code = cluster.wait("chief:0", 90)
     assert code == -9, cluster.describe()  # it was killed with functions in flight
     assert _json(cluster.output("chief:0")) == {"before_kill": 9.0}
-    client = WorkerClient(cluster.cluster["worker"], cluster.token)
+    client = WorkerClient(cluster.cluster["worker"], cluster.coordinator_token)
     try:  # the workers finish what they were running; then restart the ps from its checkpoint
         wait_until(lambda: not any(client.call(i, "Ping", timeout=5)[0]["busy"]
                                    for i in range(2)), 20, "workers idle")

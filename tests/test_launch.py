@@ -100,3 +100,43 @@ def test_ctrl_c_stops_every_task():
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_with(marker), f"tasks left running after Ctrl-C:\n{out}"
+
+
+SECURITY_PROBE = textwrap.dedent("""
+    import json, os, stat
+    t = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{t['type']}:{t['index']}"
+    ca, cert, key = (os.environ.get(k) for k in
+                     ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY"))
+    if ca:
+        from cryptography import x509
+        cn = x509.load_pem_x509_certificate(open(cert, "rb").read()).subject.rfc4514_string()
+        mode = oct(stat.S_IMODE(os.stat(os.path.dirname(key)).st_mode))
+        print("tls", name, cn, mode, oct(stat.S_IMODE(os.stat(key).st_mode)),
+              os.path.dirname(key))
+    print("creds", name, os.environ.get("JAXDIST_INSECURE"),
+          "JAXDIST_COORDINATOR_TOKEN" in os.environ,
+          "JAXDIST_COORDINATOR_TOKEN_SHA256" in os.environ)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_launch_gives_each_task_its_own_certificate_in_a_private_dir_removed_at_exit():
+    r = _launch("--workers", "1", "--chief", "--grace", "2", "--", sys.executable, "-c",
+                SECURITY_PROBE, env={"JAXDIST_INSECURE": "1"})  # inherited: ignored
+    assert r.returncode == 0, r.stdout + r.stderr
+    tls = [ln.split()[2:] for ln in r.stdout.splitlines() if " tls " in ln]
+    assert sorted((n, cn, d, k) for n, cn, d, k, _ in tls) == [
+        ("chief:0", "OU=chief,CN=chief:0", "0o700", "0o600"),
+        ("worker:0", "OU=worker,CN=worker:0", "0o700", "0o600")]
+    assert not os.path.exists(tls[0][4])  # the keys are gone with the launcher
+    assert "[chief:0] creds chief:0 None True False" in r.stdout  # the coordinator token
+    assert "[worker:0] creds worker:0 None False True" in r.stdout  # only its digest
+
+
+@pytest.mark.timeout(90)
+def test_launch_insecure_is_plaintext_and_issues_no_certificate():
+    r = _launch("--insecure", "--workers", "1", "--grace", "2", "--", sys.executable, "-c",
+                SECURITY_PROBE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " tls " not in r.stdout and "[worker:0] creds worker:0 1 " in r.stdout

@@ -13,6 +13,7 @@ from jaxdist.ps.errors import PSAuthenticationError
 from jaxdist.ps.memory import BufferPool
 from jaxdist.ps.server import ParameterServer
 from jaxdist.ps.service import ParameterService
+from jaxdist.testing.tls import process_pki
 
 MiB = 1 << 20
 
@@ -130,8 +131,10 @@ def test_assign_add_converts_the_delta_to_the_variable_dtype():
 
 @pytest.fixture()
 def served():
-    server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token="t0k").start()
-    client = PSClient([server.address], "t0k", timeout=30)
+    pki = process_pki()
+    server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token="t0k",
+                             tls=pki.identities["task"]).start()
+    client = PSClient([server.address], "t0k", timeout=30, tls=pki.identities["client"])
     yield server, client
     client.close()
     server.stop(0)
@@ -160,7 +163,7 @@ def test_large_pull_and_push_are_bit_exact(served, dtype):
 
 def test_large_calls_still_check_the_token(served):
     server, _ = served
-    bad = PSClient([server.address], "wrong", timeout=10)
+    bad = PSClient([server.address], "wrong", timeout=10, tls=process_pki().identities["client"])
     try:
         with pytest.raises(PSAuthenticationError, match="ps:0"):
             bad.call(0, "Push", {"versions": {}}, {"x": np.ones(2 * MiB, np.uint8)})
@@ -176,13 +179,14 @@ def test_servers_refuse_to_start_without_a_token():
     with pytest.raises(ValueError, match="ps:3: needs the cluster token"):
         ParameterServer(ParameterService("ps:3"), "127.0.0.1:0", token=None)
     with pytest.raises(ValueError, match="not host:port"):
-        ParameterServer(ParameterService("ps:3"), "localhost", token="t")
+        ParameterServer(ParameterService("ps:3"), "localhost", token="t", tls="insecure")
     assert require_token("t", "ps:0", "x") == b"t"
 
 
 def test_one_chunk_requests_go_unary_and_longer_ones_stream(served):
     server, _ = served
-    client = PSClient([server.address], "t0k", timeout=30, chunk_bytes=1 << 16)
+    client = PSClient([server.address], "t0k", timeout=30, chunk_bytes=1 << 16,
+                      tls=process_pki().identities["client"])
     try:
         x = np.arange(100_000, dtype=np.float32)  # 400 kB: 7 chunks of 64 KiB
         client.call(0, "Create", {"specs": {"x": {}}}, {"x": x})
@@ -200,7 +204,8 @@ def test_both_request_paths_refuse_calls_without_the_token(served, path):
     import grpc
 
     server, _ = served
-    with grpc.insecure_channel(server.address) as channel:
+    client_tls = process_pki().identities["client"]
+    with grpc.secure_channel(server.address, client_tls.channel_credentials()) as channel:
         request = next(wire.encode({}))
         if path.endswith(".Unary/Ping"):
             call = channel.unary_stream(path)(request, timeout=10)

@@ -25,6 +25,7 @@ from jaxdist.cluster.errors import (
     PeerLostError,
     TFConfigError,
 )
+from jaxdist.cluster.handshake import ClusterAuthenticationError
 from jaxdist.cluster.process_group import ProcessGroup, process_group
 from jaxdist.cluster.resolver import (
     TOKEN_ENV,
@@ -52,6 +53,7 @@ from jaxdist.cluster.validation import (
 )
 
 __all__ = [
+    "ClusterAuthenticationError",
     "DEFAULT_TIMEOUT_SECONDS",
     "TASK_TYPES",
     "TF_CONFIG_ENV",

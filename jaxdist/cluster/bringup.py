@@ -11,6 +11,13 @@ the cluster is broken (or a registration timed out), a process exits with status
 its exit hooks, without interpreter shutdown: threads stuck in a broken collective would abort
 it ("FATAL: exception not rethrown").
 
+Before JAX starts, every process proves the cluster token to process 0 (and process 0 to it)
+in an HMAC challenge-response on the coordinator's port (``jaxdist.cluster.handshake``); a
+process with another token gets ``ClusterAuthenticationError`` and the cluster refuses it. The
+coordination service and gloo listen only on the interface the cluster spec names for their
+task. What this does not protect (JAX's service itself authenticates nobody) is in
+docs/security.md.
+
 Limitation: the helper process lives on process 0's host and in its own session; if the whole
 host (or pod/container) of process 0 goes away, JAX still terminates the survivors ("the JAX
 distributed service detected fatal errors", exit status 134).
@@ -31,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
+from jaxdist.cluster.handshake import join_handshake, serve_handshake
 from jaxdist.cluster.process_group import ProcessGroup, process_group
 from jaxdist.cluster.runtime import join_abandoned, start_runtime
 from jaxdist.cluster.waiting import call_with_timeout
@@ -69,7 +77,7 @@ def _jax_distributed():
     return distributed
 
 
-def _configure_jax(collectives: str | None) -> None:
+def _configure_jax(collectives: str | None, gloo_host: str | None = None) -> None:
     import jax
 
     if collectives is not None:
@@ -77,10 +85,63 @@ def _configure_jax(collectives: str | None) -> None:
             jax.config.update("jax_cpu_collectives_implementation", collectives)
         except (AttributeError, ValueError) as e:  # pragma: no cover - other JAX versions
             log.warning("could not select CPU collectives %r: %s", collectives, e)
+    if collectives == "gloo" and gloo_host:
+        _bind_gloo(gloo_host)
     try:
         jax.config.update("jax_enable_recoverability", True)
     except AttributeError:  # pragma: no cover - other JAX versions
         log.warning("this JAX has no recoverable mode: a lost peer aborts the survivors")
+
+
+def _bind_gloo(host: str) -> None:
+    """Makes gloo listen on ``host`` (this task's interface in the cluster spec).
+
+    JAX creates gloo without a host name, so gloo binds the address the machine's host name
+    resolves to, whatever the cluster spec says; the CPU backend factory is replaced by one
+    that passes ``hostname=host`` (JAX 0.10's ``make_gloo_tcp_collectives`` parameter).
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=host)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    try:
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0,
+                                            fail_quietly=False)
+    except (AttributeError, TypeError, RuntimeError) as e:  # pragma: no cover - other JAX
+        log.warning("could not bind gloo to %s: %s", host, e)
+
+
+def _own_host(resolver: Any, group: ProcessGroup) -> str | None:
+    """This task's host in the cluster spec (``localhost`` as 127.0.0.1)."""
+    from jaxdist.cluster.cluster_spec import as_cluster_spec
+    from jaxdist.cluster.validation import split_address
+
+    try:
+        address = as_cluster_spec(resolver.cluster_spec()).task_address(group.task_type,
+                                                                         group.task_id)
+        host, _ = split_address(address)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    host = host.strip("[]")
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _cluster_token(resolver: Any, group: ProcessGroup) -> str:
+    from jaxdist.cluster.resolver import TOKEN_ENV
+
+    token = getattr(resolver, "cluster_token", None)
+    token = (token() if callable(token) else token) or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ClusterConfigError(
+            f"{group.name}: a multi-process group needs the cluster token, which every process "
+            f"proves to {group.task_name(0)} before jax.distributed starts: set TF_CONFIG "
+            f"\"token\" or {TOKEN_ENV} to the same secret on every task (python -m "
+            f"jaxdist.launch sets it)")
+    return token
 
 
 def _recoverable() -> bool:
@@ -115,6 +176,8 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
             initialized differently, or JAX already ran computations in this process.
         ClusterTimeoutError: not every task registered within ``timeout_seconds``; the message
             names the coordinator and the tasks expected.
+        ClusterAuthenticationError: this process failed the cluster handshake (another cluster
+            token or cluster spec than process 0's).
 
     Example:
         >>> group = jaxdist.cluster.initialize_from_resolver(
@@ -154,12 +217,17 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
                 f"or ran a computation). Create MultiWorkerMirroredStrategy (or call "
                 f"jaxdist.experimental_connect_to_cluster) before any other JAX call"
             )
-        _configure_jax(cpu_collectives)
+        token = _cluster_token(resolver, group)
+        _configure_jax(cpu_collectives, _own_host(resolver, group))
         hb = int(heartbeat_timeout_seconds or max(3, math.ceil(timeout / 2)))
         deadline = time.monotonic() + timeout
-        if group.process_id != 0:
+        # Every process proves the token to process 0 (and it to them) before JAX starts.
+        if group.process_id == 0:
+            serve_handshake(group, token, timeout)
+        else:
+            join_handshake(group, token, timeout)
             # JAX aborts the process when the coordinator never answers: probe it first.
-            _wait_for_coordinator(group, timeout)
+            _wait_for_coordinator(group, max(1.0, deadline - time.monotonic()))
         try:
             start_runtime(
                 coordinator_address=group.coordinator_address,

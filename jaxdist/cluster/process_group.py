@@ -2,8 +2,8 @@
 
 Process order is the chief first, then the workers by index; ``ps`` and ``evaluator`` tasks are
 not members. The coordinator (JAX's coordination service) runs in process 0 and listens on the
-port that the cluster spec gives that task, on the spec's host (loopback names bind loopback
-only).
+port that the cluster spec gives that task, on the spec's host only (loopback names bind
+loopback only).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def bind_address_for(address: str) -> str:
     host, port = split_address(address)
     if host in LOOPBACK_HOSTS:
         return f"{'[::1]' if host in ('::1', '[::1]') else '127.0.0.1'}:{port}"
-    return f"[::]:{port}"
+    return f"{host}:{port}"  # only the interface the spec names, never every interface
 
 
 def process_group(resolver: Any) -> ProcessGroup:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.ps import protocol, wire
 from jaxdist.ps.errors import (
     PSAuthenticationError,
@@ -31,7 +32,7 @@ from jaxdist.ps.errors import (
     PSNotFoundError,
     PSUnavailableError,
 )
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
@@ -88,10 +89,16 @@ class PSClient(_Base):
         timeout: default deadline in seconds of one call.
         chunk_bytes: size of the chunks large arrays are streamed in.
         job: the job name used in messages (``"ps"``).
+        tls: this client's mutual-TLS identity; ``"insecure"`` for plaintext (loopback only);
+            ``None`` reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
+
+    Raises:
+        TLSConfigError: no TLS material and plaintext not asked for.
     """
 
     def __init__(self, addresses: Sequence[str], token: str | None, timeout: float = 30.0,
-                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, job: str = "ps"):
+                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, job: str = "ps", *,
+                 tls: TLSConfig | str | None = None):
         if not addresses:
             raise ValueError("PSClient needs at least one ps address, got none")
         if timeout <= 0:
@@ -103,7 +110,8 @@ class PSClient(_Base):
         self.job = job
         self._metadata = ((protocol.TOKEN_METADATA_KEY, token),) if token else ()
         tune_malloc()
-        self._channels = [grpc.insecure_channel(a, options=_CLIENT_OPTIONS) for a in addresses]
+        self.tls = resolve_tls(tls, f"the client of the {job} job")
+        self._channels = open_channels(self.addresses, self.tls, job, _CLIENT_OPTIONS)
         self._stubs = ChunkStubs(self._channels, protocol.SERVICE_NAME)
         self._pool = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * self.num_tasks), thread_name_prefix="jaxdist-psclient"

@@ -2,7 +2,8 @@
 
 The coordinator (the chief) holds a ``ParameterServerStrategy``; the variables live on the ps
 tasks. ``schedule(fn, args)`` queues a function and returns a ``RemoteValue`` at once; one
-thread per worker sends queued functions (cloudpickle, over the token-checked channel) to its
+thread per worker sends queued functions (cloudpickle, over the mutual-TLS channel, with the
+coordinator token, see ``jaxdist.cluster.credentials``) to its
 worker task (``python -m jaxdist.server`` with a ``worker`` TF_CONFIG), which runs them
 against the ps tasks with its own strategy.
 
@@ -433,7 +434,8 @@ class ClusterCoordinator:
         self._broken: dict[int, BaseException] = {}
         self._resources_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._client = WorkerClient(workers, info.token)
+        # The coordinator token (not the ps token) lets it run code on the workers.
+        self._client = WorkerClient(workers, tls=getattr(ext.ps_client, "tls", None))
         ps_client = ext.ps_client if info.ps_addresses else None
         self._health = HealthWatcher(
             self._client, ps_client, heartbeat_interval, heartbeat_timeout,

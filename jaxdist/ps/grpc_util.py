@@ -1,7 +1,9 @@
-"""gRPC plumbing shared by the ps and worker servers: token check and binding.
+"""gRPC plumbing shared by the ps and worker servers: token check, binding, channels.
 
 One implementation of the cluster-token check, so every service refuses the same requests with
-the same ``UNAUTHENTICATED`` messages, and one way to bind a ``host:port`` from a cluster spec.
+the same ``UNAUTHENTICATED`` messages, and one way to bind a ``host:port`` from a cluster spec
+and to open a channel to one: mutual TLS (``jaxdist.cluster.tls``), or plaintext on loopback
+when explicitly asked for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from jaxdist.cluster.tls import TLSConfig, add_port, open_channel
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 
 # Each method is served twice: under ``service_name`` as a bidirectional stream of chunks, and
@@ -76,18 +79,25 @@ def bind_server(
     make_handler: Callable[[str], Callable],
     max_workers: int,
     thread_prefix: str,
+    *,
+    tls: TLSConfig | None,
 ) -> tuple[grpc.Server, str]:
     """A gRPC server with one bidirectional-stream handler per method, bound to ``address``.
+
+    ``tls`` is the task's mutual-TLS identity (clients must present a certificate signed by
+    its CA); ``None`` serves plaintext, which ``jaxdist.cluster.tls`` allows only on loopback.
 
     Returns:
         ``(server, "host:port")`` with the port actually bound (``address`` may say port 0).
 
     Raises:
         ValueError: ``address`` is not ``host:port``.
+        TLSConfigError: plaintext asked for on an address that is not loopback.
         OSError: the address cannot be bound (the message names the task and the address).
 
     Example:
-        >>> server, addr = bind_server("ps:0", "127.0.0.1:0", "svc", ["Ping"], make, 4, "ps")
+        >>> server, addr = bind_server("ps:0", "127.0.0.1:0", "svc", ["Ping"], make, 4, "ps",
+        ...                            tls=resolve_tls())
     """
     if ":" not in address:
         raise ValueError(f"{task}: address {address!r} is not host:port")
@@ -106,12 +116,23 @@ def bind_server(
     ))
     host = address.rsplit(":", 1)[0]
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, tls, task)
     except RuntimeError as e:
         raise OSError(f"{task}: cannot bind {address}: {e}") from None
     if not port:
         raise OSError(f"{task}: cannot bind {address} (address in use?)")
     return server, f"{host}:{port}"
+
+
+def open_channels(addresses: Sequence[str], tls: TLSConfig | None, job: str,
+                  options: Sequence[tuple[str, Any]]) -> list[grpc.Channel]:
+    """One channel per task address: mutual TLS, or plaintext (loopback only) when ``tls`` is
+    ``None``.
+
+    Example:
+        >>> channels = open_channels(["127.0.0.1:2222"], resolve_tls(), "ps", CHANNEL_OPTIONS)
+    """
+    return [open_channel(a, tls, f"{job}:{i}", options) for i, a in enumerate(addresses)]
 
 
 def method_path(service_name: str, method: str, unary: bool = False) -> str:

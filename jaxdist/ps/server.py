@@ -3,7 +3,9 @@
 Every method is a bidirectional stream of ``jaxdist.ps.wire`` chunks: the request streams in,
 the response streams out, so tensors of any size pass without gRPC message-size limits. Every
 call must carry the cluster token in the ``x-jaxdist-token`` metadata; a call without it, or
-with another token, is refused with ``UNAUTHENTICATED``.
+with another token, is refused with ``UNAUTHENTICATED``. The server speaks mutual TLS (the
+certificates from ``tls=``, TF_CONFIG ``"tls"`` or ``JAXDIST_TLS_*``); it refuses to start
+without them unless plaintext on loopback was asked for (``JAXDIST_INSECURE=1``).
 
 Example:
     >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:2222", token="s3cret")
@@ -18,6 +20,7 @@ import threading
 
 import grpc
 
+from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.ps import protocol, wire
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.grpc_util import (
@@ -42,17 +45,24 @@ class ParameterServer(GrpcTaskServer):
         address: ``host:port`` from the cluster spec (port 0 picks a free port).
         token: the cluster token every request must carry (``None`` refuses to start).
         max_workers: gRPC handler threads.
+        tls: the mutual-TLS identity; ``"insecure"`` for plaintext (loopback only); ``None``
+            reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
+
+    Raises:
+        TLSConfigError: no TLS material and plaintext not asked for (the message says how to
+            fix it), or plaintext asked for on an address that is not loopback.
     """
 
     def __init__(self, service: ParameterService, address: str, token: str | None,
-                 max_workers: int = 16):
+                 max_workers: int = 16, *, tls: TLSConfig | str | None = None):
         self.service = service
         self._token = require_token(token, service.task, "a parameter server refuses requests "
                                     "without it")
+        self.tls = resolve_tls(tls, service.task)
         tune_malloc()
         self._server, self.address = bind_server(
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
-            max_workers, "jaxdist-ps")
+            max_workers, "jaxdist-ps", tls=self.tls)
         self.port = int(self.address.rsplit(":", 1)[1])
         self._init_lifecycle()
 

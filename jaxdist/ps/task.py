@@ -6,7 +6,7 @@ cluster token on every request, and runs until told to stop (a ``Stop`` RPC, ``s
 SIGTERM or SIGINT). With ``checkpoint_dir`` it restores the latest checkpoint at start.
 
 A worker task (TF2 ``ClusterCoordinator`` mode) serves the worker service: it runs the
-functions the coordinator sends (cloudpickle, accepted only with the cluster token) against
+functions the coordinator sends (cloudpickle, accepted only with the coordinator token) against
 the ps tasks, with its own ``ParameterServerStrategy`` over its local devices.
 
 Example:
@@ -58,9 +58,15 @@ class Server:
             directory.
         strategy_factory: (worker) ``(task_info, timeout) -> strategy`` used to run the
             functions (default: a ``ParameterServerStrategy`` over the local devices).
+        tls: the mutual-TLS identity (``jaxdist.cluster.tls.TLSConfig``), ``"insecure"``
+            for plaintext on loopback, or ``None`` to read TF_CONFIG ``"tls"`` /
+            ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
+        coordinator: (worker) the coordinator token or its SHA-256 (``None``: TF_CONFIG
+            ``"coordinator_token_sha256"`` / ``JAXDIST_COORDINATOR_TOKEN_SHA256``).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
+        TLSConfigError: no TLS material and plaintext on loopback not asked for.
 
     Example:
         >>> server = jaxdist.Server(jaxdist.cluster.TFConfigClusterResolver())
@@ -70,7 +76,8 @@ class Server:
     def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
                  *, token: str | None = None, checkpoint_dir: str | None = None,
-                 strategy_factory: Any = None):
+                 strategy_factory: Any = None, tls: Any = None,
+                 coordinator: str | None = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
@@ -84,7 +91,7 @@ class Server:
         index = info.task_id if task_index is None else int(task_index)
         self.job = job
         if job == "worker":
-            self._init_worker(info, index, token, strategy_factory, start)
+            self._init_worker(info, index, token, strategy_factory, start, tls, coordinator)
             return
         if job != "ps":
             raise ValueError(
@@ -95,12 +102,12 @@ class Server:
         address = _address(info, "ps", index)
         self.task = f"ps:{index}"
         self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
-        self._server = ParameterServer(self.service, address, token or info.token)
+        self._server = ParameterServer(self.service, address, token or info.token, tls=tls)
         if start:
             self.start()
 
     def _init_worker(self, info: Any, index: int, token: str | None, strategy_factory: Any,
-                     start: bool) -> None:
+                     start: bool, tls: Any, coordinator: str | None) -> None:
         from dataclasses import replace
 
         address = _address(info, "worker", index)
@@ -108,7 +115,7 @@ class Server:
         worker_info = replace(info, task_type="worker", task_id=index,
                               token=token or info.token)
         self.runtime = WorkerRuntime(worker_info, strategy_factory)
-        self._server = WorkerServer(self.runtime, address, worker_info.token)
+        self._server = WorkerServer(self.runtime, address, coordinator, tls=tls)
         self.service = self._server.service
         if start:
             self.start()

@@ -5,28 +5,37 @@ Every call has a deadline and a task name; failures become typed errors naming t
 (...)")``. An in-flight call can be cancelled from another thread (the health watcher does so
 when a worker stops answering heartbeats).
 
+Every call carries the coordinator token and a fresh nonce; a response whose arrays (pickled
+results) do not carry the worker's MAC for that nonce is refused before anything is unpickled
+(``WorkerAuthenticationError``). The channel is mutual TLS unless plaintext on loopback was
+asked for.
+
 Example:
-    >>> client = WorkerClient(["127.0.0.1:2224"], token="s3cret")
+    >>> client = WorkerClient(["127.0.0.1:2224"], coordinator_token="c0ffee")
     >>> meta, _ = client.call(0, "Ping", timeout=2.0)
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
+from jaxdist.cluster.credentials import COORDINATOR_METADATA_KEY, coordinator_token
+from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.ps import wire
 from jaxdist.ps.coordinator_errors import (
     CoordinatorError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs
-from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.worker_service import SERVICE_NAME
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist.ps.worker_service import MAC_KEY, NONCE_KEY, SERVICE_NAME, arrays_mac
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
@@ -43,17 +52,28 @@ class WorkerClient:
 
     Args:
         addresses: ``host:port`` of ``worker:0``, ``worker:1``, ...
-        token: the cluster token sent with every call.
+        coordinator_token: the coordinator token sent with every call (``None``: TF_CONFIG
+            ``"coordinator_token"`` / ``JAXDIST_COORDINATOR_TOKEN``).
         job: the job name used in messages.
+        tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
+            TF_CONFIG / the environment.
+
+    Raises:
+        ValueError: no coordinator token configured.
+        TLSConfigError: no TLS material and plaintext not asked for.
     """
 
-    def __init__(self, addresses: Sequence[str], token: str | None, job: str = "worker"):
+    def __init__(self, addresses: Sequence[str], coordinator_token: str | None = None,
+                 job: str = "worker", *, tls: TLSConfig | str | None = None):
         if not addresses:
             raise ValueError("the coordinator needs at least one worker address, got none")
+        token = _coordinator_token(coordinator_token)
         self.addresses = list(addresses)
         self.job = job
-        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-        self._channels = [grpc.insecure_channel(a, options=_OPTIONS) for a in self.addresses]
+        self._key = hashlib.sha256(token.encode()).digest()
+        self._metadata = ((COORDINATOR_METADATA_KEY, token),)
+        self.tls = resolve_tls(tls, "the coordinator")
+        self._channels = open_channels(self.addresses, self.tls, job, _OPTIONS)
         self._stubs = ChunkStubs(self._channels, SERVICE_NAME)
 
     @property
@@ -79,15 +99,26 @@ class WorkerClient:
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"worker task {task} does not exist: the cluster has "
                              f"{self.num_tasks}")
+        nonce = secrets.token_hex(16)
         try:
             responses = self._stubs(
-                task, method, wire.encode(meta, arrays), timeout=timeout, metadata=self._metadata,
-                wait_for_ready=False)
+                task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
+                timeout=timeout, metadata=self._metadata, wait_for_ready=False)
             if on_start is not None:
                 on_start(responses)
-            return wire.decode(responses)
+            out_meta, out_arrays = wire.decode(responses)
         except grpc.RpcError as e:
             raise self._translate(task, method, timeout, e) from None
+        mac = out_meta.pop(MAC_KEY, None)
+        if not isinstance(mac, str) or not hmac.compare_digest(
+                mac, arrays_mac(self._key, nonce, out_arrays)):
+            name = self.task_name(task)
+            raise WorkerAuthenticationError(
+                f"{name} at {self.addresses[task]}: the answer to {method} does not carry the "
+                f"worker's MAC for this call; refusing to unpickle it (is something else "
+                f"listening on that address, or does the worker have another coordinator "
+                f"credential?)", task=name, address=self.addresses[task])
+        return out_meta, out_arrays
 
     def _translate(self, task: int, method: str, timeout: float,
                    e: grpc.RpcError) -> CoordinatorError:
@@ -99,7 +130,7 @@ class WorkerClient:
             return WorkerUnavailableError(
                 f"{name} at {addr} did not answer {method} within {timeout:.1f} s "
                 f"({details or code.name})", task=name, address=addr)
-        if code == grpc.StatusCode.UNAUTHENTICATED:
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             return WorkerAuthenticationError(f"{name} at {addr}: {details}", task=name,
                                              address=addr)
         return CoordinatorError(f"{name} at {addr} failed {method}: {code}: {details}",
@@ -108,6 +139,17 @@ class WorkerClient:
     def close(self) -> None:
         for ch in self._channels:
             ch.close()
+
+
+def _coordinator_token(token: str | None) -> str:
+    found = coordinator_token(token)
+    if not found:
+        raise ValueError(
+            "the coordinator needs the coordinator token (the right to run code on the "
+            "workers): set TF_CONFIG 'coordinator_token' or JAXDIST_COORDINATOR_TOKEN on the "
+            "chief (python -m jaxdist.launch --coordinator sets it), or pass "
+            "coordinator_token=")
+    return found
 
 
 __all__ = ["WorkerClient"]

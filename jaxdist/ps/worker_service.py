@@ -9,16 +9,24 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
 * ``Stop``: stops the task.
 
-Pickled payloads are accepted only from callers that carry the cluster token; a request
-without it is refused with ``UNAUTHENTICATED`` before anything is unpickled.
+Running code is a separate right from pulling/pushing parameters: every call must carry the
+*coordinator* token (``x-jaxdist-coordinator-token``, see ``jaxdist.cluster.credentials``),
+which the worker checks against its SHA-256 digest before anything is unpickled. A request with
+only the cluster (ps) token is refused with ``PERMISSION_DENIED``, one without either with
+``UNAUTHENTICATED``. Every response's arrays (the pickled result or exception) carry a MAC
+keyed with that digest over the caller's nonce, so the coordinator unpickles only what a holder
+of the digest (a worker) sent. The transport is mutual TLS unless plaintext on loopback was
+asked for (``jaxdist.cluster.tls``).
 
 Example:
-    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224", token="s3cret").start()
+    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224", coordinator=digest).start()
     >>> server.wait_for_stop()
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import pickle
 import threading
@@ -30,9 +38,16 @@ import cloudpickle
 import grpc
 import numpy as np
 
+from jaxdist.cluster.credentials import (
+    COORDINATOR_METADATA_KEY,
+    CoordinatorVerifier,
+    coordinator_verifier,
+)
+from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.ps import closure_pickle, wire
 from jaxdist.ps.coordinator_errors import MissingResourceError
-from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server, check_token, require_token
+from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server
+from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
 
 log = logging.getLogger(__name__)
@@ -47,6 +62,47 @@ def to_bytes_array(payload: bytes) -> np.ndarray:
 
 def from_bytes_array(arr: np.ndarray) -> bytes:
     return np.asarray(arr, dtype=np.uint8).tobytes()
+
+
+NONCE_KEY = "nonce"
+MAC_KEY = "mac"
+
+
+def arrays_mac(key: bytes, nonce: str, arrays: dict) -> str:
+    """HMAC-SHA256 of a response's arrays (names and bytes, sorted by name) for ``nonce``.
+
+    Example:
+        >>> meta["mac"] = arrays_mac(verifier.digest, meta_in["nonce"], out_arrays)
+    """
+    mac = hmac.new(key, nonce.encode() + b"\0", hashlib.sha256)
+    for name in sorted(arrays):
+        data = np.ascontiguousarray(arrays[name])
+        mac.update(f"{name}:{data.dtype.str}:{data.nbytes}\0".encode())
+        mac.update(memoryview(data).cast("B"))
+    return mac.hexdigest()
+
+
+def check_coordinator(context: grpc.ServicerContext, verifier: CoordinatorVerifier, task: str,
+                      method: str) -> None:
+    """Aborts the call unless it carries the coordinator token (constant-time digest check).
+
+    Example:
+        >>> check_coordinator(context, verifier, "worker:0", "RunClosure")   # in a handler
+    """
+    metadata = dict(context.invocation_metadata() or ())
+    presented = metadata.get(COORDINATOR_METADATA_KEY)
+    if verifier.accepts(presented):
+        return
+    if presented is None and TOKEN_METADATA_KEY in metadata:
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{task} refused {method}: the cluster (ps) token allows pulling and pushing "
+            f"parameters only; running code on a worker needs the coordinator token "
+            f"(metadata {COORDINATOR_METADATA_KEY!r}, held by the chief)")
+    context.abort(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{task} refused {method}: " + ("wrong coordinator token" if presented is not None
+                                        else "the request carries no coordinator token"))
 
 
 def _host_value(value: Any) -> Any:
@@ -157,31 +213,50 @@ class WorkerServer(GrpcTaskServer):
     Args:
         runtime: the worker runtime (made current for reference resolution).
         address: ``host:port`` from the cluster spec.
-        token: the cluster token; required.
+        coordinator: the coordinator token's SHA-256 (hex) or the token itself; ``None`` reads
+            TF_CONFIG ``"coordinator_token_sha256"`` / ``JAXDIST_COORDINATOR_TOKEN_SHA256`` (or
+            the token's keys). Required.
         max_workers: gRPC handler threads (pings are answered while a function runs).
+        tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
+            TF_CONFIG / the environment.
+
+    Raises:
+        ValueError: no coordinator credential configured.
+        TLSConfigError: no TLS material and plaintext not asked for.
     """
 
-    def __init__(self, runtime: WorkerRuntime, address: str, token: str | None,
-                 max_workers: int = 8):
-        self._token = require_token(token, runtime.name, "a worker task runs the functions "
-                                    "it is sent")
+    def __init__(self, runtime: WorkerRuntime, address: str, coordinator: str | None = None,
+                 max_workers: int = 8, *, tls: TLSConfig | str | None = None):
+        verifier = coordinator_verifier(coordinator)
+        if verifier is None:
+            raise ValueError(
+                f"{runtime.name}: needs the coordinator credential because a worker task runs "
+                f"the functions it is sent: set TF_CONFIG 'coordinator_token_sha256' (or "
+                f"JAXDIST_COORDINATOR_TOKEN_SHA256) to the SHA-256 of the chief's "
+                f"coordinator token; python -m jaxdist.launch --coordinator sets it")
+        self._verifier = verifier
+        self.tls = resolve_tls(tls, runtime.name)
         self.service = WorkerService(runtime)
         set_current(runtime)
         self._server, self.address = bind_server(
             runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
-            "jaxdist-worker")
+            "jaxdist-worker", tls=self.tls)
         self._init_lifecycle()
 
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
             # Before any byte is unpickled.
-            check_token(context, self._token, self.service.task, method)
+            check_coordinator(context, self._verifier, self.service.task, method)
             try:
                 meta, arrays = wire.decode(request_iterator)
                 out_meta, out_arrays = self.service.handle(method, meta, arrays)
             except (wire.WireError, KeyError, ValueError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
+            nonce = meta.get(NONCE_KEY)
+            if isinstance(nonce, str):
+                out_meta = {**out_meta, MAC_KEY: arrays_mac(self._verifier.digest, nonce,
+                                                            out_arrays)}
             if method == "Stop":
                 threading.Thread(target=self.stop, args=(0.5,), daemon=True,
                                  name="jaxdist-worker-stop").start()
@@ -195,4 +270,5 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService"]
+__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService", "arrays_mac",
+           "check_coordinator"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import re
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from jaxdist.cluster.credentials import new_coordinator_token
 from jaxdist.cluster.errors import ClusterTimeoutError
 from jaxdist.cluster.local import (
     TaskProcess,
@@ -23,6 +25,8 @@ from jaxdist.cluster.local import (
     task_env,
     task_list,
 )
+from jaxdist.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist.cluster.tls import TLSConfig
 from jaxdist.cluster.validation import task_name
 
 Command = Sequence[str] | Callable[[str, int], Sequence[str]]
@@ -40,14 +44,30 @@ class LocalCluster:
         env: extra environment variables for every task.
         echo: a stream to copy prefixed output lines to (``None``: only collect them).
         cwd: working directory of the tasks.
+        tls: mutual TLS between the tasks with a throwaway CA (default); ``False``: plaintext
+            on loopback (``JAXDIST_INSECURE=1``).
+
+    Attributes:
+        token: the cluster (ps) token every task holds.
+        coordinator_token: the right to run code on the workers (the chief holds it, workers
+            its digest).
+        tls: the test process's own client identity (``TLSConfig``; ``"insecure"`` when
+            plaintext), to build ``PSClient`` / ``WorkerClient`` in the test.
     """
 
     def __init__(self, workers: int = 2, ps: int = 0, chief: bool = False,
                  evaluator: bool = False, devices_per_process: int | None = 1,
                  env: dict[str, str] | None = None, echo: IO[str] | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, tls: bool = True):
         self.cluster = local_cluster(workers, ps, chief, evaluator)
         self.token = new_token()
+        self.coordinator_token = new_coordinator_token()
+        self.pki: LocalPKI | None = (
+            local_pki([task_name(j, i) for j, i in task_list(self.cluster)] + ["client"])
+            if tls else None)
+        self.tls: TLSConfig | str = self.pki.identities["client"] if self.pki else "insecure"
+        if self.pki is not None:  # the keys go when the cluster object does, at the latest
+            weakref.finalize(self, self.pki.cleanup)
         self.devices_per_process = devices_per_process
         self.extra_env = dict(env or {})
         self.echo = echo
@@ -64,10 +84,24 @@ class LocalCluster:
     def env_for(self, name: str) -> dict[str, str]:
         job, _, idx = name.partition(":")
         env = task_env(self.cluster, job, int(idx), self.token, self.devices_per_process)
+        apply_task_security(env, job, int(idx), self.pki, self.coordinator_token)
         if self.devices_per_process:
             env.setdefault("JAX_PLATFORMS", "cpu")
         env.update(self.extra_env)
         return env
+
+    def security_env(self, name: str) -> dict[str, str]:
+        """Task ``name``'s TLS identity and coordinator credential as environment variables.
+
+        A test that plays a task in its own process (e.g. the chief) applies them with
+        ``os.environ.update(c.security_env("chief:0"))``.
+
+        Example:
+            >>> os.environ.update(cluster.security_env("chief:0"))
+        """
+        self._check(name)
+        job, _, idx = name.partition(":")
+        return apply_task_security({}, job, int(idx), self.pki, self.coordinator_token)
 
     def _check(self, name: str) -> None:
         if name not in self.task_names:
@@ -201,8 +235,14 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """Stops every task and deletes the generated keys."""
         self.stop()
+        if self.pki is not None:
+            self.pki.cleanup()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _tail(text: str, lines: int = 30) -> str:

@@ -124,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    return run_linreg(args)
+    from jaxdist.cluster.handshake import ClusterAuthenticationError
+
+    try:
+        return run_linreg(args)
+    except ClusterAuthenticationError as e:  # refused by the cluster: a message, no traceback
+        print(f"jaxdist.testing.workloads: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
