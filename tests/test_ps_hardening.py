@@ -256,3 +256,21 @@ def test_the_token_never_appears_in_errors_logs_or_files(served, tmp_path, caplo
     assert len(texts) > len(messages) + 3
     for text in texts:
         assert TOKEN not in text
+
+
+# ---------------------------------------------------------------------- configuration
+def test_server_flags_and_arguments_set_the_limits(monkeypatch, capsys):
+    from jaxdist.ps.task import Server, main
+
+    cluster = {"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:1"]}
+    server = Server(cluster, job_name="ps", task_index=0, token=TOKEN,
+                    limits=ServerLimits(max_request_bytes=3 * MiB, max_call_seconds=7.0,
+                                        max_calls_per_client=2))
+    try:
+        assert server._server.limits == ServerLimits(3 * MiB, 7.0, 2)
+    finally:
+        server.stop()
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "token": TOKEN,
+                                                "task": {"type": "ps", "index": 0}}))
+    assert main(["--max_calls_per_client", "0"]) == 2
+    assert "max_calls_per_client=0: expected a positive number" in capsys.readouterr().err

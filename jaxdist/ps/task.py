@@ -58,6 +58,8 @@ class Server:
             directory.
         strategy_factory: (worker) ``(task_info, timeout) -> strategy`` used to run the
             functions (default: a ``ParameterServerStrategy`` over the local devices).
+        limits: (ps) request size, call duration and calls per client
+            (``jaxdist.ps.limits.ServerLimits``; default: from the environment).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
@@ -70,7 +72,7 @@ class Server:
     def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
                  *, token: str | None = None, checkpoint_dir: str | None = None,
-                 strategy_factory: Any = None):
+                 strategy_factory: Any = None, limits: Any = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
@@ -95,7 +97,8 @@ class Server:
         address = _address(info, "ps", index)
         self.task = f"ps:{index}"
         self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
-        self._server = ParameterServer(self.service, address, token or info.token)
+        self._server = ParameterServer(self.service, address, token or info.token,
+                                       limits=limits)
         if start:
             self.start()
 
@@ -143,11 +146,25 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                         help="restore the latest checkpoint from here at start")
     parser.add_argument("--task_index", type=int, default=None,
                         help="override TF_CONFIG's task index")
+    parser.add_argument("--max_request_bytes", type=int, default=None,
+                        help="(ps) payload bytes one request may declare (default: "
+                        "$JAXDIST_PS_MAX_REQUEST_BYTES, else 1 GiB or a quarter of RAM)")
+    parser.add_argument("--max_call_seconds", type=float, default=None,
+                        help="(ps) cancel a call still running after this long (default: "
+                        "$JAXDIST_PS_MAX_CALL_SECONDS, else 300)")
+    parser.add_argument("--max_calls_per_client", type=int, default=None,
+                        help="(ps) calls in flight per client connection (default: "
+                        "$JAXDIST_PS_MAX_CALLS_PER_CLIENT, else 8)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        from jaxdist.ps.limits import ServerLimits
+
+        limits = ServerLimits.from_env(args.max_request_bytes, args.max_call_seconds,
+                                       args.max_calls_per_client)
         server = Server(None, task_index=args.task_index, start=False,
-                        checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory)
+                        checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory,
+                        limits=limits)
     except (ValueError, OSError) as e:
         print(f"jaxdist.server: {e}", file=sys.stderr)
         return 2
