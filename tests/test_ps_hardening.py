@@ -274,3 +274,19 @@ def test_server_flags_and_arguments_set_the_limits(monkeypatch, capsys):
                                                 "task": {"type": "ps", "index": 0}}))
     assert main(["--max_calls_per_client", "0"]) == 2
     assert "max_calls_per_client=0: expected a positive number" in capsys.readouterr().err
+
+
+def test_clock_requests_are_bounded(served):
+    server, client = served
+    code, details = _raw_call(server.address, "Clock", _frame(
+        {"worker": 0, "clock": 1, "num_workers": 10**9, "wait_s": 0.0}, []))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "'num_workers' is '1000000000': expected an integer in [1, 65536]" in details
+    code, details = _raw_call(server.address, "Clock", _frame(
+        {"worker": 0, "clock": 1, "num_workers": 2, "wait_s": float("nan")}, []))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "'wait_s'" in details, details
+    server.service.max_wait_seconds = 0.5  # as ServerLimits(max_call_seconds=0.5) sets it
+    t0 = time.monotonic()
+    meta, _ = client.call(0, "Clock", {"worker": 0, "clock": 5, "num_workers": 2,
+                                       "max_staleness": 0, "wait_s": 60.0})
+    assert meta["ok"] is False and time.monotonic() - t0 < 5.0

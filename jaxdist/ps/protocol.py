@@ -104,14 +104,28 @@ def _set_marker(svc, meta, arrays) -> Message:
     return {}, {}
 
 
+MAX_WORKERS = 1 << 16
+
+
+def _number(meta: dict, field: str, default: Any, low: float, high: float) -> float:
+    value = meta.get(field, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not low <= value <= high):
+        raise _bad(field, value, f"a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
 def _clock(svc, meta, arrays) -> Message:
     clock = meta.get("clock")
+    num_workers = _int(meta, "num_workers")
+    if not 0 < num_workers <= MAX_WORKERS:
+        raise _bad("num_workers", num_workers, f"an integer in [1, {MAX_WORKERS}]")
     return svc.clock(
-        int(meta["worker"]),
-        float("inf") if clock is None else float(clock),
-        int(meta["num_workers"]),
-        meta.get("max_staleness"),
-        float(meta.get("wait_s", 1.0)),
+        _int(meta, "worker"),
+        float("inf") if clock is None else _number(meta, "clock", None, 0, float("inf")),
+        num_workers,
+        _int(meta, "max_staleness", optional=True),
+        _number(meta, "wait_s", 1.0, 0.0, 86400.0),
     ), {}
 
 

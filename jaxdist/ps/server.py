@@ -58,6 +58,7 @@ class ParameterServer(GrpcTaskServer):
         self.limits = limits or ServerLimits.from_env(max_workers=max_workers)
         self._guard = CallGuard(service.task, self.limits)
         service.confine_checkpoints()
+        service.max_wait_seconds = self.limits.max_call_seconds
         tune_malloc()
         # gRPC itself refuses a single message (chunk) past the request limit.
         options = [*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),

@@ -120,6 +120,8 @@ class ParameterService:
         self.incarnation = uuid.uuid4().hex
         self.checkpoint_dir = checkpoint_dir
         self._confined = False
+        #: Bound on how long one ``clock`` call waits (a server sets its ``max_call_seconds``).
+        self.max_wait_seconds = float("inf")
         self._vars: dict[str, _Var] = {}
         self._vars_lock = threading.Lock()
         self._markers: set[str] = set()
@@ -347,7 +349,7 @@ class ParameterService:
 
         ``clock = inf`` marks a worker as finished (it no longer holds others back).
         """
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + min(wait_s, self.max_wait_seconds)
         with self._clock_cond:
             self._clocks[worker] = max(self._clocks.get(worker, 0), clock)
             self._clock_cond.notify_all()
