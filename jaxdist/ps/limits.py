@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import os
@@ -155,8 +154,8 @@ class CallGuard:
         self.limits = limits
         self._lock = threading.Condition()
         self._per_client: dict[str, int] = {}
-        self._deadlines: list[tuple[float, int, Any, str, str]] = []
-        self._live: set[int] = set()
+        # call id -> (deadline, context, client, method) of every call in flight
+        self._live: dict[int, tuple[float, Any, str, str]] = {}
         self._ids = itertools.count()
         self.cancelled = 0
         self._thread: threading.Thread | None = None
@@ -178,11 +177,11 @@ class CallGuard:
             if admitted:
                 self._per_client[client] = n + 1
                 call_id = next(self._ids)
-                self._live.add(call_id)
-                heapq.heappush(self._deadlines, (time.monotonic() + self.limits.max_call_seconds,
-                                                 call_id, context, client, method))
+                self._live[call_id] = (time.monotonic() + self.limits.max_call_seconds,
+                                       context, client, method)
                 self._ensure_thread()
-                self._lock.notify()
+                if len(self._live) == 1:
+                    self._lock.notify()
         if not admitted:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -194,7 +193,7 @@ class CallGuard:
             yield
         finally:
             with self._lock:
-                self._live.discard(call_id)
+                self._live.pop(call_id, None)
                 left = self._per_client.get(client, 1) - 1
                 if left:
                     self._per_client[client] = left
@@ -209,23 +208,18 @@ class CallGuard:
 
     def _watch(self) -> None:
         while True:
-            overdue = []
             with self._lock:
-                while self._deadlines and self._deadlines[0][1] not in self._live:
-                    heapq.heappop(self._deadlines)  # finished in time
-                if not self._deadlines:
+                if not self._live:
                     self._lock.wait()
                     continue
-                deadline = self._deadlines[0][0]
                 now = time.monotonic()
-                if deadline > now:
-                    self._lock.wait(deadline - now)
+                earliest = min(d for d, _, _, _ in self._live.values())
+                if earliest > now:
+                    self._lock.wait(earliest - now)
                     continue
-                while self._deadlines and self._deadlines[0][0] <= now:
-                    _, call_id, context, client, method = heapq.heappop(self._deadlines)
-                    if call_id in self._live:
-                        overdue.append((context, client, method))
-            for context, client, method in overdue:
+                overdue = [self._live.pop(i) for i, (d, _, _, _) in list(self._live.items())
+                           if d <= now]
+            for _, context, client, method in overdue:
                 self.cancelled += 1
                 log.warning("%s cancelled %s from %s: still running after %g s "
                             "(max_call_seconds)", self.task, method, client,
