@@ -178,7 +178,7 @@ def test_a_server_without_checkpoint_root_refuses_save(tmp_path):
     client = PSClient([server.address], TOKEN, timeout=10)
     try:
         with pytest.raises(PSInvalidArgumentError, match="no checkpoint root; start it with "
-                                                         "--checkpoint_dir"):
+                                                         "--checkpoint_root or --checkpoint_dir"):
             client.call(0, "Save", {"directory": str(tmp_path), "step": 1})
         assert os.listdir(tmp_path) == []
     finally:
@@ -272,6 +272,9 @@ def test_server_flags_and_arguments_set_the_limits(monkeypatch, capsys):
         server.stop()
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "token": TOKEN,
                                                 "task": {"type": "ps", "index": 0}}))
+    root = Server(cluster, job_name="ps", task_index=0, token=TOKEN, start=False,
+                  checkpoint_root="/some/root")
+    assert root.service.checkpoint_root == "/some/root" and root.service.checkpoint_dir is None
     assert main(["--max_calls_per_client", "0"]) == 2
     assert "max_calls_per_client=0: expected a positive number" in capsys.readouterr().err
 

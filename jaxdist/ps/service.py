@@ -113,12 +113,16 @@ class ParameterService:
             at start (if a checkpoint exists there). Once ``confine_checkpoints()`` was called
             (``ParameterServer`` calls it), it is also the checkpoint root: ``save`` and
             ``restore`` refuse any directory outside it.
+        checkpoint_root: the checkpoint root when it differs from ``checkpoint_dir`` (a
+            server that should save under a directory without restoring from it at start).
     """
 
-    def __init__(self, task: str = "ps:0", checkpoint_dir: str | None = None):
+    def __init__(self, task: str = "ps:0", checkpoint_dir: str | None = None,
+                 checkpoint_root: str | None = None):
         self.task = task
         self.incarnation = uuid.uuid4().hex
         self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_root = checkpoint_root or checkpoint_dir
         self._confined = False
         #: Bound on how long one ``clock`` call waits (a server sets its ``max_call_seconds``).
         self.max_wait_seconds = float("inf")
@@ -373,7 +377,7 @@ class ParameterService:
 
     # ------------------------------------------------------------------ checkpoints
     def confine_checkpoints(self) -> None:
-        """From now on ``save`` / ``restore`` only use directories under ``checkpoint_dir``.
+        """From now on ``save`` / ``restore`` only use directories under the checkpoint root.
 
         A directory a request names is resolved (relative to the root, symlinks followed)
         and refused unless it lies under the root; without a root every ``save`` / ``restore``
@@ -395,11 +399,12 @@ class ParameterService:
                 task=self.task)
         if not self._confined:
             return requested or self.checkpoint_dir
-        root = self.checkpoint_dir
+        root = self.checkpoint_root
         if not root:
             raise PSInvalidArgumentError(
                 f"{self.task} refuses {what}: the server has no checkpoint root; start it with "
-                f"--checkpoint_dir (jaxdist.Server(checkpoint_dir=...)) and save under it",
+                f"--checkpoint_root or --checkpoint_dir (jaxdist.Server(checkpoint_root=...)) "
+                f"and save under it",
                 task=self.task)
         real_root = os.path.realpath(root)
         path = os.path.realpath(os.path.join(real_root, requested or real_root))
@@ -407,7 +412,7 @@ class ParameterService:
             raise PSInvalidArgumentError(
                 f"{self.task} refuses {what} to {requested!r}: it resolves to {path!r}, outside "
                 f"the server's checkpoint root {real_root!r} (start the server with "
-                f"--checkpoint_dir set to the training's checkpoint directory)",
+                f"--checkpoint_root set to the training's checkpoint directory)",
                 task=self.task)
         task_dir = os.path.join(path, self.task.replace(":", "-"))
         if os.path.lexists(task_dir) and os.path.commonpath(

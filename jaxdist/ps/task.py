@@ -33,6 +33,9 @@ from jaxdist.ps.worker_service import WorkerServer
 
 log = logging.getLogger("jaxdist.server")
 
+#: Default of ``--checkpoint_root`` (``jaxdist.launch --coordinator`` sets its working directory).
+CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
+
 
 
 def _address(info: Any, job: str, index: int) -> str:
@@ -58,6 +61,8 @@ class Server:
             directory.
         strategy_factory: (worker) ``(task_info, timeout) -> strategy`` used to run the
             functions (default: a ``ParameterServerStrategy`` over the local devices).
+        checkpoint_root: (ps) the only directory ``Save`` / ``Restore`` requests may use
+            (and its subdirectories); default ``checkpoint_dir``.
         limits: (ps) request size, call duration and calls per client
             (``jaxdist.ps.limits.ServerLimits``; default: from the environment).
 
@@ -72,7 +77,8 @@ class Server:
     def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
                  *, token: str | None = None, checkpoint_dir: str | None = None,
-                 strategy_factory: Any = None, limits: Any = None):
+                 strategy_factory: Any = None, limits: Any = None,
+                 checkpoint_root: str | None = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
@@ -96,7 +102,8 @@ class Server:
             )
         address = _address(info, "ps", index)
         self.task = f"ps:{index}"
-        self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
+        self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir,
+                                        checkpoint_root=checkpoint_root)
         self._server = ParameterServer(self.service, address, token or info.token,
                                        limits=limits)
         if start:
@@ -146,6 +153,10 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                         help="restore the latest checkpoint from here at start")
     parser.add_argument("--task_index", type=int, default=None,
                         help="override TF_CONFIG's task index")
+    parser.add_argument("--checkpoint_root", default=os.environ.get(CHECKPOINT_ROOT_ENV),
+                        help="(ps) Save/Restore requests may only use this directory and its "
+                        f"subdirectories (default: ${CHECKPOINT_ROOT_ENV}, else "
+                        "--checkpoint_dir; neither: refused)")
     parser.add_argument("--max_request_bytes", type=int, default=None,
                         help="(ps) payload bytes one request may declare (default: "
                         "$JAXDIST_PS_MAX_REQUEST_BYTES, else 1 GiB or a quarter of RAM)")
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                                        args.max_calls_per_client)
         server = Server(None, task_index=args.task_index, start=False,
                         checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory,
-                        limits=limits)
+                        limits=limits, checkpoint_root=args.checkpoint_root)
     except (ValueError, OSError) as e:
         print(f"jaxdist.server: {e}", file=sys.stderr)
         return 2
