@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -116,6 +117,8 @@ class Launcher:
             argv = self.command
             if self.coordinator and job in ("ps", "worker"):
                 argv = [sys.executable, "-m", "jaxdist.server"]
+                # A ps saves only under its checkpoint root: the chief's working directory.
+                env.setdefault("JAXDIST_PS_CHECKPOINT_ROOT", os.getcwd())
             self.tasks[name] = TaskProcess(name, argv, env, echo=self.out,
                                            echo_lock=self.lock)
         self._say(f"started {', '.join(self.tasks)} on {self.cluster}")

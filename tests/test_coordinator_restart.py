@@ -28,8 +28,14 @@ CHIEF = [sys.executable, os.path.join(os.path.dirname(__file__), "coordinator_ch
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = start_cluster(workers=2, ps=1)
+def checkpoint_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ps_root")
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint_root):
+    # A ps saves only under the --checkpoint_dir it was started with (its checkpoint root).
+    c = start_cluster(workers=2, ps=1, ps_args=("--checkpoint_dir", str(checkpoint_root)))
     yield c
     c.stop()
 
@@ -38,8 +44,8 @@ def _json(output: str) -> dict:
     return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
 
 
-def test_new_coordinator_continues_from_the_ps_checkpoint(cluster, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+def test_new_coordinator_continues_from_the_ps_checkpoint(cluster, checkpoint_root):
+    ckpt = str(checkpoint_root / "ckpt")
     cluster.start_task("chief:0", [*CHIEF, "train", ckpt])
     code = cluster.wait("chief:0", 90)
     assert code == -9, cluster.describe()  # it was killed with functions in flight

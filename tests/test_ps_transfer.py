@@ -9,7 +9,7 @@ import pytest
 
 from jaxdist.ps import wire
 from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSAuthenticationError
+from jaxdist.ps.errors import PSAuthenticationError, PSInvalidArgumentError
 from jaxdist.ps.memory import BufferPool
 from jaxdist.ps.server import ParameterServer
 from jaxdist.ps.service import ParameterService
@@ -121,12 +121,17 @@ def test_updates_run_in_place_but_never_under_a_pull_in_flight(spec):
         np.testing.assert_array_equal(after, np.full(4096, 9.0, np.float32))
 
 
-def test_assign_add_converts_the_delta_to_the_variable_dtype():
+def test_a_push_of_another_dtype_is_rejected_never_cast():
     svc = ParameterService("ps:0")
-    svc.create({"h": np.ones(8, np.float16)}, {})
-    svc.push({"h": np.full(8, 0.5, np.float32)}, {"h": 0})
-    (h, _), = svc.pull(["h"]).values()
-    assert h.dtype == np.float16 and h.tolist() == [1.5] * 8
+    svc.create({"h": np.ones(8, np.float16), "r": np.ones(2, np.float32)}, {})
+    with pytest.raises(PSInvalidArgumentError, match="'h' has dtype float32, the variable "
+                                                     "has float16; cast it to float16"):
+        svc.push({"h": np.full(8, 0.5, np.float32)}, {"h": 0})
+    with pytest.raises(PSInvalidArgumentError, match="'r' has dtype complex64"):
+        svc.push({"r": np.array([1 + 2j, 3j], np.complex64)}, {"r": 0})
+    svc.push({"h": np.full(8, 0.5, np.float16)}, {"h": 0})
+    (h, version), = svc.pull(["h"]).values()
+    assert h.dtype == np.float16 and h.tolist() == [1.5] * 8 and version == 1
 
 
 @pytest.fixture()

@@ -115,7 +115,9 @@ def _launch(tmp_path, *overrides, timeout=120):
     cmd = [sys.executable, "-m", "jaxdist.launch", "--coordinator", "--workers", "2", "--ps",
            "1", "--grace", "5", "--", sys.executable, *_train_args(tmp_path, *overrides)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+    # The ps saves only under its checkpoint root (the launcher's default: its working dir).
+    env = dict(_env(), JAXDIST_PS_CHECKPOINT_ROOT=str(tmp_path))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -172,8 +174,9 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path):
     c = LocalCluster(workers=2, ps=1, chief=True, devices_per_process=1,
                      env={"JAX_NUM_CPU_DEVICES": "1"}, cwd=str(ROOT))
     try:
-        for name in ("ps:0", "worker:0", "worker:1"):
-            c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
+        for name in ("ps:0", "worker:0", "worker:1"):  # the ps saves under its checkpoint root
+            c.start_task(name, [sys.executable, "-m", "jaxdist.server",
+                                *(["--checkpoint_root", str(tmp_path)] if name == "ps:0" else [])])
         for name in ("ps:0", "worker:0", "worker:1"):
             c.wait_for_output(name, r"listening on", 60)
         c.start_task("chief:0", [sys.executable, *_train_args(

@@ -7,7 +7,9 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 def call_with_timeout(fn: Callable[[], object], timeout: float,
@@ -40,4 +42,62 @@ def call_with_timeout(fn: Callable[[], object], timeout: float,
     return True, result.get("error")
 
 
-__all__ = ["call_with_timeout"]
+class Watchdog:
+    """Calls ``on_overrun`` from a daemon thread when a watched section runs past its deadline.
+
+    For calls that block inside C++ and cannot be interrupted: a collective on a frozen peer
+    blocks the dispatching thread itself (XLA's CPU client runs small computations inline), so
+    no bounded wait in that thread can ever run. ``on_overrun(elapsed)`` runs while the section
+    is still in progress; it returns True when it dealt with it (typically by ending the
+    process with a typed error) or False to keep watching for another period.
+
+    Example:
+        >>> dog = Watchdog("jaxdist-step-watchdog")
+        >>> with dog.watch(30.0, lambda elapsed: report_and_exit()):
+        ...     run_step()
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._armed: tuple[int, float, float, float, Callable[[float], bool]] | None = None
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watch(self, seconds: float, on_overrun: Callable[[float], bool]) -> Iterator[None]:
+        """Watches the body of the ``with`` block for ``seconds`` at a time."""
+        now = time.monotonic()
+        with self._cond:
+            self._generation += 1
+            self._armed = (self._generation, now, now + seconds, seconds, on_overrun)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._armed = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                armed = self._armed
+                if armed is None:
+                    self._cond.wait()
+                    continue
+                generation, start, deadline, seconds, on_overrun = armed
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+            handled = on_overrun(time.monotonic() - start)
+            with self._cond:
+                if self._armed is not None and self._armed[0] == generation:
+                    self._armed = None if handled else (
+                        generation, start, time.monotonic() + seconds, seconds, on_overrun)
+
+
+__all__ = ["Watchdog", "call_with_timeout"]

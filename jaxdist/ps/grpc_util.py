@@ -79,6 +79,7 @@ def bind_server(
     make_handler: Callable[[str], Callable],
     max_workers: int,
     thread_prefix: str,
+    options: Sequence[tuple[str, Any]] | None = None,
     *,
     tls: TLSConfig | None,
 ) -> tuple[grpc.Server, str]:
@@ -103,7 +104,7 @@ def bind_server(
         raise ValueError(f"{task}: address {address!r} is not host:port")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_prefix),
-        options=CHANNEL_OPTIONS,
+        options=CHANNEL_OPTIONS if options is None else list(options),
     )
     streaming, unary = {}, {}
     for m in methods:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist.ps.errors import PSInvalidArgumentError
 from jaxdist.ps.service import ParameterService
 
 SERVICE_NAME = "jaxdist.ps.ParameterService"
@@ -25,18 +26,50 @@ IDEMPOTENT = frozenset(
 )
 
 
+def _bad(field: str, value: Any, expected: str) -> PSInvalidArgumentError:
+    return PSInvalidArgumentError(f"request field {field!r} is {str(value)[:100]!r}: expected "
+                                  f"{expected}")
+
+
+def _keys(meta: dict) -> list[str]:
+    keys = meta.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _bad("keys", keys, "a list of variable names")
+    return keys
+
+
+def _int(meta: dict, field: str, default: Any = None, optional: bool = False) -> Any:
+    value = meta.get(field, default)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(field, value, "an integer")
+    return value
+
+
+def _versions(meta: dict) -> dict[str, int]:
+    versions = meta.get("versions", {})
+    if not isinstance(versions, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in versions.values()):
+        raise _bad("versions", versions, "an object of variable name -> integer version")
+    return versions
+
+
 def _create(svc: ParameterService, meta, arrays) -> Message:
-    return {"versions": svc.create(arrays, meta.get("specs", {}))}, {}
+    specs = meta.get("specs", {})
+    if not isinstance(specs, dict) or not all(isinstance(v, dict) for v in specs.values()):
+        raise _bad("specs", specs, "an object of variable name -> spec object")
+    return {"versions": svc.create(arrays, specs)}, {}
 
 
 def _pull(svc, meta, arrays) -> Message:
-    got = svc.pull(list(meta["keys"]))
+    got = svc.pull(_keys(meta))
     return {"versions": {k: v for k, (_, v) in got.items()}}, {k: a for k, (a, _) in got.items()}
 
 
 def _pull_rows(svc, meta, arrays) -> Message:
     versions, out = {}, {}
-    for key in meta["keys"]:
+    for key in _keys(meta):
         rows, version = svc.pull_rows(key, arrays[f"ids/{key}"])
         versions[key] = version
         out[f"rows/{key}"] = rows
@@ -44,15 +77,16 @@ def _pull_rows(svc, meta, arrays) -> Message:
 
 
 def _push(svc, meta, arrays) -> Message:
-    results = svc.push(arrays, meta.get("versions", {}), meta.get("worker", 0))
+    results = svc.push(arrays, _versions(meta), _int(meta, "worker", 0))
     return {"results": results}, {}
 
 
 def _push_rows(svc, meta, arrays) -> Message:
     results = {}
-    for key, version in meta["versions"].items():
+    worker = _int(meta, "worker", 0)
+    for key, version in _versions(meta).items():
         results[key] = svc.push_rows(
-            key, arrays[f"ids/{key}"], arrays[f"grads/{key}"], version, meta.get("worker", 0)
+            key, arrays[f"ids/{key}"], arrays[f"grads/{key}"], version, worker
         )
     return {"results": results}, {}
 
@@ -70,25 +104,38 @@ def _set_marker(svc, meta, arrays) -> Message:
     return {}, {}
 
 
+MAX_WORKERS = 1 << 16
+
+
+def _number(meta: dict, field: str, default: Any, low: float, high: float) -> float:
+    value = meta.get(field, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not low <= value <= high):
+        raise _bad(field, value, f"a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
 def _clock(svc, meta, arrays) -> Message:
     clock = meta.get("clock")
+    num_workers = _int(meta, "num_workers")
+    if not 0 < num_workers <= MAX_WORKERS:
+        raise _bad("num_workers", num_workers, f"an integer in [1, {MAX_WORKERS}]")
     return svc.clock(
-        int(meta["worker"]),
-        float("inf") if clock is None else float(clock),
-        int(meta["num_workers"]),
-        meta.get("max_staleness"),
-        float(meta.get("wait_s", 1.0)),
+        _int(meta, "worker"),
+        float("inf") if clock is None else _number(meta, "clock", None, 0, float("inf")),
+        num_workers,
+        _int(meta, "max_staleness", optional=True),
+        _number(meta, "wait_s", 1.0, 0.0, 86400.0),
     ), {}
 
 
 def _save(svc, meta, arrays) -> Message:
-    keep = meta.get("keep")
-    return {"path": svc.save(meta.get("directory"), int(meta["step"]),
-                             None if keep is None else int(keep))}, {}
+    return {"path": svc.save(meta.get("directory"), _int(meta, "step"),
+                             _int(meta, "keep", optional=True))}, {}
 
 
 def _restore(svc, meta, arrays) -> Message:
-    return {"step": svc.restore(meta.get("directory"), meta.get("step"))}, {}
+    return {"step": svc.restore(meta.get("directory"), _int(meta, "step", optional=True))}, {}
 
 
 def _stop(svc, meta, arrays) -> Message:

@@ -30,6 +30,7 @@ from jaxdist.ps.grpc_util import (
     check_token,
     require_token,
 )
+from jaxdist.ps.limits import CallGuard, ServerLimits
 from jaxdist.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist.ps.service import ParameterService
 
@@ -47,6 +48,11 @@ class ParameterServer(GrpcTaskServer):
         max_workers: gRPC handler threads.
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext (loopback only); ``None``
             reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
+        limits: request size, call duration and calls per client (default:
+            ``ServerLimits.from_env()``, see ``jaxdist.ps.limits``).
+
+    The server confines ``Save`` / ``Restore`` to the service's checkpoint root (see
+    ``ParameterService``): a request naming a directory outside it is refused.
 
     Raises:
         TLSConfigError: no TLS material and plaintext not asked for (the message says how to
@@ -54,41 +60,85 @@ class ParameterServer(GrpcTaskServer):
     """
 
     def __init__(self, service: ParameterService, address: str, token: str | None,
-                 max_workers: int = 16, *, tls: TLSConfig | str | None = None):
+                 max_workers: int = 16, *, tls: TLSConfig | str | None = None,
+                 limits: ServerLimits | None = None):
         self.service = service
         self._token = require_token(token, service.task, "a parameter server refuses requests "
                                     "without it")
         self.tls = resolve_tls(tls, service.task)
+        self.limits = limits or ServerLimits.from_env(max_workers=max_workers)
+        self._guard = CallGuard(service.task, self.limits)
+        service.confine_checkpoints()
+        service.max_wait_seconds = self.limits.max_call_seconds
         tune_malloc()
+        # gRPC itself refuses a single message (chunk) past the request limit.
+        options = [*(o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+                   ("grpc.max_receive_message_length",
+                    min(self.limits.max_request_bytes + (1 << 20), 2**31 - 1))]
         self._server, self.address = bind_server(
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
-            max_workers, "jaxdist-ps", tls=self.tls)
+            max_workers, "jaxdist-ps", options=options, tls=self.tls)
         self.port = int(self.address.rsplit(":", 1)[1])
         self._init_lifecycle()
 
     # ------------------------------------------------------------------ handlers
     def _make_handler(self, method: str):
+        task = self.service.task
+
         def handler(request_iterator, context):
-            check_token(context, self._token, self.service.task, method)
-            try:
-                meta, arrays = wire.decode(request_iterator, RECEIVE_POOL)
-                out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
-                del arrays
-            except PSNotFoundError as e:
-                context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-            except (PSInvalidArgumentError, wire.WireError, ValueError, TypeError, KeyError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{self.service.task} {method}: {type(e).__name__}: {e}")
-            except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
-                log.exception("%s %s failed", self.service.task, method)
-                context.abort(grpc.StatusCode.INTERNAL,
-                              f"{self.service.task} {method}: {type(e).__name__}: {e}")
-            if method == "Stop":
-                threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
-            chunk = int(meta.get("chunk_bytes", wire.DEFAULT_CHUNK_BYTES))
-            yield from wire.encode(out_meta, out_arrays, max(1 << 16, min(chunk, 1 << 30)))
+            check_token(context, self._token, task, method)
+            with self._guard.call(context, method):
+                try:
+                    meta, arrays = wire.decode(request_iterator, RECEIVE_POOL,
+                                               max_bytes=self.limits.max_request_bytes)
+                    chunk = response_chunk_bytes(meta)
+                    out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
+                    del arrays
+                except wire.MessageTooLargeError as e:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"{task} {method}: {e}; raise the server's max_request_bytes "
+                                  f"or send smaller requests")
+                except PSNotFoundError as e:
+                    context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+                except (PSInvalidArgumentError, wire.WireError, ValueError, TypeError,
+                        KeyError) as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{task} {method}: {type(e).__name__}: {e}")
+                except grpc.RpcError:
+                    if not context.is_active():  # cancelled: overdue, or the client left
+                        return
+                    raise
+                except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
+                    log.exception("%s %s failed", task, method)
+                    context.abort(grpc.StatusCode.INTERNAL,
+                                  f"{task} {method}: {type(e).__name__}: {e}")
+                if method == "Stop":
+                    threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
+                yield from wire.encode(out_meta, out_arrays, chunk)
 
         return handler
 
 
-__all__ = ["CHANNEL_OPTIONS", "ParameterServer"]
+_MIN_CHUNK, _MAX_CHUNK = 1 << 16, 1 << 30
+
+
+def response_chunk_bytes(meta: dict) -> int:
+    """The chunk size a request asks its response to be cut into (``chunk_bytes``), clamped to
+    [64 KiB, 1 GiB].
+
+    Raises:
+        PSInvalidArgumentError: ``chunk_bytes`` is not a positive integer.
+
+    Example:
+        >>> response_chunk_bytes({"chunk_bytes": 4 << 20})
+        4194304
+    """
+    chunk = meta.get("chunk_bytes", wire.DEFAULT_CHUNK_BYTES)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise PSInvalidArgumentError(
+            f"chunk_bytes={chunk!r}: expected a positive integer (the response is cut into "
+            f"chunks of that many bytes, clamped to [{_MIN_CHUNK}, {_MAX_CHUNK}])")
+    return max(_MIN_CHUNK, min(chunk, _MAX_CHUNK))
+
+
+__all__ = ["CHANNEL_OPTIONS", "ParameterServer", "response_chunk_bytes"]

@@ -110,13 +110,22 @@ class ParameterService:
     Args:
         task: the task's name for messages, e.g. ``"ps:0"``.
         checkpoint_dir: where ``save`` writes by default and where the service restores from
-            at start (if a checkpoint exists there).
+            at start (if a checkpoint exists there). Once ``confine_checkpoints()`` was called
+            (``ParameterServer`` calls it), it is also the checkpoint root: ``save`` and
+            ``restore`` refuse any directory outside it.
+        checkpoint_root: the checkpoint root when it differs from ``checkpoint_dir`` (a
+            server that should save under a directory without restoring from it at start).
     """
 
-    def __init__(self, task: str = "ps:0", checkpoint_dir: str | None = None):
+    def __init__(self, task: str = "ps:0", checkpoint_dir: str | None = None,
+                 checkpoint_root: str | None = None):
         self.task = task
         self.incarnation = uuid.uuid4().hex
         self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_root = checkpoint_root or checkpoint_dir
+        self._confined = False
+        #: Bound on how long one ``clock`` call waits (a server sets its ``max_call_seconds``).
+        self.max_wait_seconds = float("inf")
         self._vars: dict[str, _Var] = {}
         self._vars_lock = threading.Lock()
         self._markers: set[str] = set()
@@ -200,7 +209,13 @@ class ParameterService:
             return var.value[ids], var.version
 
     def _check_ids(self, var: _Var, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids).reshape(-1).astype(np.int64)
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise PSInvalidArgumentError(
+                f"{self.task}: row ids for {var.key!r} have dtype {ids.dtype}: expected integers",
+                task=self.task,
+            )
+        ids = ids.reshape(-1).astype(np.int64)
         n = var.value.shape[0] if var.value.ndim else 0
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             bad = ids[(ids < 0) | (ids >= n)][0]
@@ -209,6 +224,15 @@ class ParameterService:
                 task=self.task,
             )
         return ids
+
+    def _check_dtype(self, var: _Var, x: np.ndarray, what: str) -> None:
+        if x.dtype != var.value.dtype:
+            raise PSInvalidArgumentError(
+                f"{self.task}: {what} for {var.key!r} has dtype {x.dtype}, the variable has "
+                f"{var.value.dtype}; cast it to {var.value.dtype} before pushing (the ps never "
+                f"casts: {x.dtype} -> {var.value.dtype} could lose values)",
+                task=self.task,
+            )
 
     def _record(self, var: _Var, version: int) -> int:
         stale = max(0, var.version - int(version))
@@ -227,12 +251,14 @@ class ParameterService:
         out = {}
         for key, grad in grads.items():
             var = self._get(key)
+            grad = np.asarray(grad)
             if grad.shape != var.value.shape:
                 raise PSInvalidArgumentError(
                     f"{self.task}: gradient for {key!r} has shape {grad.shape}, the variable "
                     f"has {var.value.shape}",
                     task=self.task,
                 )
+            self._check_dtype(var, grad, "gradient")
             with var.lock:
                 stale = self._record(var, versions.get(key, var.version))
                 if var.optimizer is None:
@@ -265,6 +291,7 @@ class ParameterService:
                 f"{(ids.size, *var.value.shape[1:])} for {ids.size} ids",
                 task=self.task,
             )
+        self._check_dtype(var, grads, "row gradients")
         uniq, inv = np.unique(ids, return_inverse=True)
         if uniq.size != ids.size:
             summed = np.zeros((uniq.size, *grads.shape[1:]), grads.dtype)
@@ -326,7 +353,7 @@ class ParameterService:
 
         ``clock = inf`` marks a worker as finished (it no longer holds others back).
         """
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + min(wait_s, self.max_wait_seconds)
         with self._clock_cond:
             self._clocks[worker] = max(self._clocks.get(worker, 0), clock)
             self._clock_cond.notify_all()
@@ -349,6 +376,52 @@ class ParameterService:
                 self._clock_cond.wait(left)
 
     # ------------------------------------------------------------------ checkpoints
+    def confine_checkpoints(self) -> None:
+        """From now on ``save`` / ``restore`` only use directories under the checkpoint root.
+
+        A directory a request names is resolved (relative to the root, symlinks followed)
+        and refused unless it lies under the root; without a root every ``save`` / ``restore``
+        is refused. A server reachable over the network calls this: a token holder then
+        cannot make it write, prune or read files elsewhere.
+
+        Example:
+            >>> svc = ParameterService("ps:0", checkpoint_dir="/ckpt")
+            >>> svc.confine_checkpoints()
+            >>> svc.save("/etc", step=1)      # PSInvalidArgumentError: outside /ckpt
+        """
+        self._confined = True
+
+    def _checkpoint_directory(self, requested: str | None, what: str) -> str | None:
+        """The directory ``what`` (save / restore) may use for ``requested``."""
+        if requested is not None and not isinstance(requested, str):
+            raise PSInvalidArgumentError(
+                f"{self.task}: {what} directory {requested!r}: expected a string path",
+                task=self.task)
+        if not self._confined:
+            return requested or self.checkpoint_dir
+        root = self.checkpoint_root
+        if not root:
+            raise PSInvalidArgumentError(
+                f"{self.task} refuses {what}: the server has no checkpoint root; start it with "
+                f"--checkpoint_root or --checkpoint_dir (jaxdist.Server(checkpoint_root=...)) "
+                f"and save under it",
+                task=self.task)
+        real_root = os.path.realpath(root)
+        path = os.path.realpath(os.path.join(real_root, requested or real_root))
+        if os.path.commonpath([path, real_root]) != real_root:
+            raise PSInvalidArgumentError(
+                f"{self.task} refuses {what} to {requested!r}: it resolves to {path!r}, outside "
+                f"the server's checkpoint root {real_root!r} (start the server with "
+                f"--checkpoint_root set to the training's checkpoint directory)",
+                task=self.task)
+        task_dir = os.path.join(path, self.task.replace(":", "-"))
+        if os.path.lexists(task_dir) and os.path.commonpath(
+                [os.path.realpath(task_dir), real_root]) != real_root:
+            raise PSInvalidArgumentError(
+                f"{self.task} refuses {what}: {task_dir!r} is a link out of the checkpoint "
+                f"root {real_root!r}", task=self.task)
+        return path
+
     def save(self, directory: str | None, step: int, keep: int | None = None) -> str:
         """Writes every variable, its optimizer state and version to
         ``<directory>/<task>/ckpt-<step>`` atomically (temp dir, then rename); returns the path.
@@ -361,7 +434,7 @@ class ParameterService:
         if keep is not None and int(keep) < 1:
             raise PSInvalidArgumentError(f"{self.task}: keep must be >= 1 checkpoints, got "
                                          f"{keep!r}", task=self.task)
-        directory = directory or self.checkpoint_dir
+        directory = self._checkpoint_directory(directory, "save")
         if not directory:
             raise PSInvalidArgumentError(
                 f"{self.task}: save needs a directory (none given, and the server was started "
@@ -405,7 +478,7 @@ class ParameterService:
 
     def restore(self, directory: str | None = None, step: int | None = None) -> int:
         """Replaces all state with checkpoint ``step`` (default: the latest); returns the step."""
-        directory = directory or self.checkpoint_dir
+        directory = self._checkpoint_directory(directory, "restore")
         if step is None:
             step = latest_step(directory, self.task) if directory else None
         if step is None:

@@ -33,6 +33,9 @@ from jaxdist.ps.worker_service import WorkerServer
 
 log = logging.getLogger("jaxdist.server")
 
+#: Default of ``--checkpoint_root`` (``jaxdist.launch --coordinator`` sets its working directory).
+CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
+
 
 
 def _address(info: Any, job: str, index: int) -> str:
@@ -63,6 +66,10 @@ class Server:
             ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
         coordinator: (worker) the coordinator token or its SHA-256 (``None``: TF_CONFIG
             ``"coordinator_token_sha256"`` / ``JAXDIST_COORDINATOR_TOKEN_SHA256``).
+        checkpoint_root: (ps) the only directory ``Save`` / ``Restore`` requests may use
+            (and its subdirectories); default ``checkpoint_dir``.
+        limits: (ps) request size, call duration and calls per client
+            (``jaxdist.ps.limits.ServerLimits``; default: from the environment).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
@@ -77,7 +84,8 @@ class Server:
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
                  *, token: str | None = None, checkpoint_dir: str | None = None,
                  strategy_factory: Any = None, tls: Any = None,
-                 coordinator: str | None = None):
+                 coordinator: str | None = None, limits: Any = None,
+                 checkpoint_root: str | None = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
@@ -101,8 +109,10 @@ class Server:
             )
         address = _address(info, "ps", index)
         self.task = f"ps:{index}"
-        self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir)
-        self._server = ParameterServer(self.service, address, token or info.token, tls=tls)
+        self.service = ParameterService(self.task, checkpoint_dir=checkpoint_dir,
+                                        checkpoint_root=checkpoint_root)
+        self._server = ParameterServer(self.service, address, token or info.token,
+                                       limits=limits, tls=tls)
         if start:
             self.start()
 
@@ -150,11 +160,29 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                         help="restore the latest checkpoint from here at start")
     parser.add_argument("--task_index", type=int, default=None,
                         help="override TF_CONFIG's task index")
+    parser.add_argument("--checkpoint_root", default=os.environ.get(CHECKPOINT_ROOT_ENV),
+                        help="(ps) Save/Restore requests may only use this directory and its "
+                        f"subdirectories (default: ${CHECKPOINT_ROOT_ENV}, else "
+                        "--checkpoint_dir; neither: refused)")
+    parser.add_argument("--max_request_bytes", type=int, default=None,
+                        help="(ps) payload bytes one request may declare (default: "
+                        "$JAXDIST_PS_MAX_REQUEST_BYTES, else 1 GiB or a quarter of RAM)")
+    parser.add_argument("--max_call_seconds", type=float, default=None,
+                        help="(ps) cancel a call still running after this long (default: "
+                        "$JAXDIST_PS_MAX_CALL_SECONDS, else 300)")
+    parser.add_argument("--max_calls_per_client", type=int, default=None,
+                        help="(ps) calls in flight per client connection (default: "
+                        "$JAXDIST_PS_MAX_CALLS_PER_CLIENT, else 8)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
+        from jaxdist.ps.limits import ServerLimits
+
+        limits = ServerLimits.from_env(args.max_request_bytes, args.max_call_seconds,
+                                       args.max_calls_per_client)
         server = Server(None, task_index=args.task_index, start=False,
-                        checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory)
+                        checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory,
+                        limits=limits, checkpoint_root=args.checkpoint_root)
     except (ValueError, OSError) as e:
         print(f"jaxdist.server: {e}", file=sys.stderr)
         return 2

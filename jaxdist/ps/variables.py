@@ -106,7 +106,13 @@ class Layout:
         return out
 
     def split(self, tree: Any, what: str = "value") -> dict[int, dict[str, np.ndarray]]:
-        """Cuts a pytree shaped like the layout into ``{task: {key: shard array}}``."""
+        """Cuts a pytree shaped like the layout into ``{task: {key: shard array}}``.
+
+        A ``"gradient"`` of another dtype than its variable is cast to the variable's dtype
+        when the cast stays within its kind (float32 -> bfloat16, int -> float), as the ps
+        accepts only the variable's own dtype; any other (complex -> float, float -> int)
+        raises, naming both dtypes.
+        """
         leaves = self.treedef.flatten_up_to(tree)
         out: dict[int, dict[str, np.ndarray]] = {}
         for info, x in zip(self.leaves, leaves):
@@ -115,6 +121,14 @@ class Layout:
                 raise PSInvalidArgumentError(
                     f"{what} for {info.name!r} has shape {x.shape}, the variable has {info.shape}"
                 )
+            if what == "gradient" and x.dtype != info.dtype:
+                if not np.can_cast(x.dtype, info.dtype, "same_kind"):
+                    raise PSInvalidArgumentError(
+                        f"{what} for {info.name!r} has dtype {x.dtype}, the variable has "
+                        f"{info.dtype}: a {x.dtype} -> {info.dtype} cast would lose values "
+                        f"(e.g. an imaginary part); compute the gradient in {info.dtype}"
+                    )
+                x = x.astype(info.dtype)
             for s in info.shards:
                 part = x if len(info.shards) == 1 else x[s.start:s.stop]
                 out.setdefault(s.task, {})[s.key] = part

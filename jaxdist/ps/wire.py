@@ -37,6 +37,16 @@ class WireError(ValueError):
     """A message that cannot be encoded or decoded (bad dtype, truncated data, bad header)."""
 
 
+class MessageTooLargeError(WireError):
+    """A message declares more payload bytes than the receiver accepts (``max_bytes``).
+
+    Raised from the frame prefix, before any payload buffer is allocated.
+
+    Example:
+        >>> wire.decode(chunks, max_bytes=1 << 30)   # a 20 GiB header raises this
+    """
+
+
 def dtype_from_name(name: str) -> np.dtype:
     """The numpy dtype called ``name`` (numpy names, or an ``ml_dtypes`` name like bfloat16).
 
@@ -44,16 +54,20 @@ def dtype_from_name(name: str) -> np.dtype:
         >>> dtype_from_name("bfloat16")
         dtype(bfloat16)
     """
-    ml = getattr(ml_dtypes, name, None)
-    if ml is not None and isinstance(ml, type):
-        return np.dtype(ml)
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise WireError(f"bad dtype name {str(name)[:64]!r}: expected a numpy or ml_dtypes name")
+    ml = getattr(ml_dtypes, name, None) if not name.startswith("_") else None
     try:
-        dt = np.dtype(name)
-    except TypeError:
+        if ml is not None and isinstance(ml, type) and issubclass(ml, np.generic):
+            dt = np.dtype(ml)
+        else:
+            dt = np.dtype(name)
+    except Exception:  # noqa: BLE001 - numpy's dtype parser raises several types
         raise WireError(
             f"unknown dtype name {name!r}: expected a numpy or ml_dtypes name"
         ) from None
-    if dt.kind in "OUSV" or dt.fields is not None:
+    if dt.kind in "OUS" or dt.fields is not None or dt.subdtype is not None or (
+            dt.kind == "V" and getattr(ml_dtypes, dt.name, None) is None):
         raise WireError(f"dtype {name!r} has no raw-bytes wire form: expected a numeric dtype")
     return dt
 
@@ -132,7 +146,7 @@ def encode(
 
 
 def decode(
-    chunks: Iterable[bytes], pool: BufferPool | None = None
+    chunks: Iterable[bytes], pool: BufferPool | None = None, max_bytes: int | None = None
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Reassembles one message from its chunks: returns ``(meta, arrays)``.
 
@@ -141,30 +155,57 @@ def decode(
     longer use). Each starts on a 64-byte boundary (the encoder pads between arrays), so JAX
     on CPU takes it without a copy.
 
+    Every field of the frame is checked before it is used: the declared payload size against
+    ``max_bytes`` (before the payload buffer is allocated), the header length against the first
+    chunk, and each array's dtype, shape (non-negative dimensions), offset and byte count
+    against the payload. Any input either decodes or raises ``WireError``.
+
+    Args:
+        chunks: the message's chunks.
+        pool: recycles payload buffers.
+        max_bytes: the most payload bytes accepted (``None``: no limit).
+
     Raises:
-        WireError: the chunks do not form a complete message.
+        MessageTooLargeError: the message declares more than ``max_bytes`` payload bytes.
+        WireError: the chunks do not form a complete, consistent message.
+
+    Example:
+        >>> meta, arrays = decode(encode({"op": "pull"}, {"w": np.ones(3)}), max_bytes=1 << 20)
     """
     it = iter(chunks)
     try:
         first = next(it)
     except StopIteration:
         raise WireError("empty message: expected at least one chunk") from None
+    first = _as_bytes(first)
     if len(first) < _PREFIX.size:
-        raise WireError(f"first chunk has {len(first)} bytes, shorter than the frame prefix")
+        raise WireError(f"first chunk has {len(first)} bytes, shorter than the frame prefix "
+                        f"({_PREFIX.size} bytes)")
     magic, hlen, total = _PREFIX.unpack_from(first)
     if magic != MAGIC:
         raise WireError(f"bad frame magic {magic!r}: expected {MAGIC!r}")
+    if max_bytes is not None and total > max_bytes:
+        raise MessageTooLargeError(
+            f"message declares {total} payload bytes, more than the {max_bytes} this receiver "
+            f"accepts (max_request_bytes)"
+        )
     start = _PREFIX.size
-    try:
-        header = json.loads(bytes(first[start : start + hlen]))
-    except ValueError as e:
-        raise WireError(f"bad message header: {e}") from None
-    payload = pool.take(total) if pool is not None else aligned_empty(total)
+    if hlen > len(first) - start:
+        raise WireError(f"header length {hlen} runs past the first chunk's "
+                        f"{len(first) - start} bytes after the prefix")
+    header = _parse_header(first[start : start + hlen])
+    specs = [_check_spec(s, total) for s in header["arrays"]]
     got = len(first) - start - hlen
     if got > total:
         raise WireError(f"first chunk carries {got} payload bytes, message declares {total}")
+    try:
+        payload = pool.take(total) if pool is not None else aligned_empty(total)
+    except (MemoryError, ValueError):
+        raise MessageTooLargeError(
+            f"message declares {total} payload bytes: cannot allocate them") from None
     payload[:got] = np.frombuffer(first, np.uint8, count=got, offset=start + hlen)
     for chunk in it:
+        chunk = _as_bytes(chunk)
         n = len(chunk)
         if got + n > total:
             raise WireError(f"message has more than the {total} payload bytes it declares")
@@ -173,10 +214,60 @@ def decode(
     if got != total:
         raise WireError(f"truncated message: got {got} of {total} payload bytes")
     arrays = {}
-    for name, dname, shape, off, nbytes in header["arrays"]:
-        dt = dtype_from_name(dname)
+    for name, dt, shape, off, nbytes in specs:
         arrays[name] = payload[off : off + nbytes].view(dt).reshape(shape)
     return header["meta"], arrays
+
+
+def _as_bytes(chunk: Any) -> bytes:
+    if not isinstance(chunk, (bytes, bytearray, memoryview)):
+        raise WireError(f"a chunk is {type(chunk).__name__}: expected bytes")
+    return chunk
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"bad message header: {type(e).__name__}: {str(e)[:200]}") from None
+    if (not isinstance(header, dict) or not isinstance(header.get("meta"), dict)
+            or not isinstance(header.get("arrays"), list)):
+        raise WireError("bad message header: expected a JSON object with a 'meta' object and "
+                        "an 'arrays' list")
+    return header
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_spec(spec: Any, total: int) -> tuple[str, np.dtype, tuple[int, ...], int, int]:
+    """One array's ``[name, dtype, shape, offset, nbytes]`` checked against the payload."""
+    if not isinstance(spec, list) or len(spec) != 5:
+        raise WireError(f"bad array spec {str(spec)[:100]}: expected [name, dtype, shape, "
+                        f"offset, nbytes]")
+    name, dname, shape, off, nbytes = spec
+    if not isinstance(name, str) or not isinstance(dname, str):
+        raise WireError(f"bad array spec {str(spec)[:100]}: name and dtype must be strings")
+    dt = dtype_from_name(dname)
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(_is_int(d) and d >= 0 for d in shape)):
+        raise WireError(f"array {name[:100]!r}: bad shape {str(shape)[:100]}: expected a list "
+                        f"of at most 64 non-negative integers")
+    if not (_is_int(off) and _is_int(nbytes) and 0 <= off and 0 <= nbytes
+            and off + nbytes <= total):
+        raise WireError(f"array {name[:100]!r}: bytes [{off!r}, +{nbytes!r}) lie outside the "
+                        f"{total}-byte payload")
+    count = 1
+    for d in shape:
+        count *= d
+    if count * dt.itemsize != nbytes:
+        raise WireError(f"array {name[:100]!r}: shape {shape} of {dname} needs "
+                        f"{count * dt.itemsize} bytes, the header says {nbytes}")
+    if nbytes and off % dt.alignment:
+        raise WireError(f"array {name[:100]!r}: offset {off} is not a multiple of {dname}'s "
+                        f"alignment {dt.alignment}")
+    return name, dt, tuple(shape), off, nbytes
 
 
 def message_nbytes(arrays: Mapping[str, Any]) -> int:
@@ -186,6 +277,7 @@ def message_nbytes(arrays: Mapping[str, Any]) -> int:
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MessageTooLargeError",
     "WireError",
     "decode",
     "dtype_from_name",

@@ -6,12 +6,23 @@ out), builds one global mesh over every process's devices (ordered process by pr
 steps with ``jit(shard_map(...))`` over it, as ``MirroredStrategy`` does on one host. Each process
 feeds its own replicas; collectives go over gloo on CPU and NCCL on GPU. Every step is waited on
 with ``CommunicationOptions.timeout_seconds``: a dead peer becomes ``PeerLostError`` naming it.
+
+A frozen peer (SIGSTOP, a hung host) can block the dispatching thread itself inside XLA's
+collective (the CPU client runs small computations inline), where no Python code runs and no
+exception can be raised. A step watchdog covers that case: when a step is still running
+``timeout_seconds`` + heartbeat timeout + 4 s after it started, it asks the coordination
+service which peers are gone and, if any is (or the service does not answer), prints the typed
+error (``jaxdist.cluster.errors.PeerLostError: worker:0: lost peer task(s) worker:1 ...``) and
+ends the process with status 1, as an uncaught exception would, instead of hanging. While every
+peer is alive (a long compilation, a slow step) it keeps waiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import sys
 from typing import Any
 
 import jax
@@ -24,11 +35,14 @@ from jaxdist.cluster.bringup import (
     raise_if_peer_lost,
     wait_for_step,
 )
-from jaxdist.cluster.errors import ClusterConfigError
+from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist.cluster.process_group import ProcessGroup
 from jaxdist.cluster.tf_config import TFConfigClusterResolver
+from jaxdist.cluster.waiting import Watchdog
 from jaxdist.strategies.cross_device_ops import NcclAllReduce, pack_by_bytes
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
+
+log = logging.getLogger(__name__)
 
 
 class CommunicationImplementation(enum.Enum):
@@ -145,6 +159,7 @@ class MultiWorkerExtended(StrategyExtended):
             )
         cdo = PackedAllReduce(options.bytes_per_pack) if options.bytes_per_pack else None
         super().__init__(strategy, devices, cdo)
+        self._watchdog = Watchdog("jaxdist-step-watchdog")
 
     # ------------------------------------------------------------------ role (TF names)
     @property
@@ -203,12 +218,61 @@ class MultiWorkerExtended(StrategyExtended):
     # ------------------------------------------------------------------ steps
     def _run(self, fn, args=(), kwargs=None):
         check_healthy()
+        if not self._group.multi_process:
+            return self._run_unwatched(fn, args, kwargs)
+        with self._watchdog.watch(self._watch_seconds(), self._on_stuck_step):
+            return self._run_unwatched(fn, args, kwargs)
+
+    def _run_unwatched(self, fn, args, kwargs):
         try:
             return super()._run(fn, args, kwargs)
         except Exception as e:
             # A collective that failed at dispatch: name the lost peer if there is one.
             raise_if_peer_lost(e, "a step", self._timeout)
             raise
+
+    def _watch_seconds(self) -> float:
+        # Past the step's own bounded wait (timeout, then up to heartbeat + 2 s asking the
+        # service), so the watchdog only acts when that wait could not run.
+        from jaxdist.cluster import bringup
+
+        return self._timeout + float(bringup._state["heartbeat"] or self._timeout) + 4.0
+
+    def _on_stuck_step(self, elapsed: float) -> bool:
+        """The step has run ``elapsed`` s, blocked where no exception can reach it: if a peer
+        is gone, print the typed error and end the process (status 1); else keep waiting."""
+        from jaxdist.cluster import bringup
+
+        group = self._group
+        hb = float(bringup._state["heartbeat"] or self._timeout)
+        lost = bringup.find_lost_tasks(hb + 2.0, until_lost=True)
+        if lost == ():
+            log.warning("%s: a step has run for %.0f s and every peer is alive; still waiting",
+                        group.name, elapsed)
+            return False
+        if lost:
+            lost = bringup._mark_lost(lost)
+            error: Exception = PeerLostError(
+                f"{group.name}: lost peer task(s) {', '.join(lost)} during a step; the "
+                f"training cluster is broken. Restart the job (it resumes from the last "
+                f"checkpoint)", tasks=lost)
+        else:
+            peers = tuple(group.task_name(i) for i in range(group.num_processes)
+                          if i != group.process_id)
+            error = ClusterTimeoutError(
+                f"{group.name}: a step did not finish within {elapsed:.0f} s and the "
+                f"coordination service did not answer. Waiting on peers {list(peers)}",
+                tasks=peers, timeout_seconds=self._timeout)
+        bringup._state["broken"] = True
+        try:
+            sys.stderr.write(
+                f"jaxdist: {group.name}: the step is blocked inside XLA's collectives, where no "
+                f"exception can be raised; the step watchdog ends the process:\n"
+                f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        bringup._exit_broken(group, f"{type(error).__name__} in a step")
+        return True
 
     def _post_run(self, out: Any) -> Any:
         # Every step is waited on, bounded: a dead or hung peer becomes a typed error here.

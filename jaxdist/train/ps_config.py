@@ -151,6 +151,8 @@ def serve(cfg: Mapping[str, Any]) -> int:
 
     args: list[str] = []
     ckpt = cfg["checkpoint"]
+    if ckpt["dir"] is not None:  # the ps saves only under its checkpoint root
+        args += ["--checkpoint_root", os.path.abspath(ckpt["dir"])]
     if ckpt["dir"] is not None and ckpt["resume"]:
         args += ["--checkpoint_dir", os.path.abspath(ckpt["dir"])]
     return main(args)
