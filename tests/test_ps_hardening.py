@@ -26,6 +26,12 @@ TOKEN = "hardening-Secret-7f3a9c"
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _plaintext_on_loopback(monkeypatch):
+    """These tests send hand-made frames over plaintext loopback, which must be asked for."""
+    monkeypatch.setenv("JAXDIST_INSECURE", "1")
+
+
 def _serve(checkpoint_dir=None, **limits):
     svc = ParameterService("ps:0", checkpoint_dir=checkpoint_dir)
     kwargs = {"limits": ServerLimits.from_env(**limits)} if limits else {}
