@@ -121,10 +121,15 @@ class Checkpointer:
         Example:
             >>> ckpt.check_compatible(ckpt.latest_step(), trainer.state)
         """
+        from pathlib import Path
+
         try:
-            stored_tree = self._manager.item_metadata(int(step))["state"]
+            handler = self._ocp.StandardCheckpointHandler()
+            stored_tree = handler.metadata(Path(self.directory) / str(int(step)) / "state")
             stored_tree = getattr(stored_tree, "tree", stored_tree)
         except Exception:  # noqa: BLE001 - no metadata to compare: restore will tell
+            return
+        if stored_tree is None:
             return
         stored, here = _shapes_with_paths(stored_tree), _shapes_with_paths(like)
         fix = "use another checkpoint.dir or checkpoint.resume=false"
