@@ -174,9 +174,10 @@ def load_npz(path: str | os.PathLike, validation_split: float = 0.2, seed: int =
         DataError: a missing array or mismatched rows.
     """
     try:
-        with np.load(path) as f:
-            if not hasattr(f, "files"):  # a plain .npy array
-                raise ValueError("it holds one array, not named arrays")
+        f = np.load(path)
+        if not hasattr(f, "files"):  # a plain .npy array
+            raise ValueError("it holds one array, not named arrays")
+        with f:
             arrays = {k: f[k] for k in f.files}
     except (ValueError, OSError, EOFError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

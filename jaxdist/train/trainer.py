@@ -703,7 +703,8 @@ class Trainer:
 
         opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
         while self.step < total:
-            order = self._epoch_order(len(train), self.epoch)
+            order = (None if isinstance(train, inputs_lib.StreamSource)
+                     else self._epoch_order(len(train), self.epoch))
             start = self.step_in_epoch
             stop = min(spe, start + (total - self.step))
             # Full chunks of k steps, then single steps: at most two compiled programs, however
