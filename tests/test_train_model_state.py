@@ -183,3 +183,34 @@ def test_batch_norm_option_is_checked():
     with pytest.raises(ValueError, match="batch_norm='local'"):
         Trainer(Net(rngs=nnx.Rngs(0)), optax.sgd(0.1), global_batch_size=GBS,
                 batch_norm="local")
+
+
+def _ps_strategy():
+    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+
+
+def test_parameter_servers_train_dropout_and_reject_batch_norm(data, monkeypatch):
+    from jaxdist.ps import optimizers as O
+
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    x, y = data
+    runs = []
+    for _ in range(2):
+        strategy = _ps_strategy()
+        with strategy.scope():
+            t = Trainer(Net(dropout=0.5, rngs=nnx.Rngs(0)), O.sgd(0.1), global_batch_size=GBS,
+                        strategy=strategy, progress_bar="never", shuffle=False)
+        t.fit((x, y), steps=3)
+        runs.append((_params(t), t.evaluate((x, y))["loss"]))
+    for u, v in zip(runs[0][0], runs[1][0]):   # one worker: deterministic given the seed
+        np.testing.assert_allclose(u, v, rtol=1e-6)
+    assert runs[0][1] == pytest.approx(runs[1][1])
+    # the same steps as MirroredStrategy over the worker's 2 devices (same dropout keys)
+    ref, _ = _fit(_mirrored(2), data, steps=3, dropout=0.5)
+    for u, v in zip(_params(ref), runs[0][0]):
+        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)
+    strategy = _ps_strategy()
+    with pytest.raises(ValueError, match=r"batch_norm='per_replica' .* is not supported"):
+        with strategy.scope():
+            Trainer(Net(bn=True, rngs=nnx.Rngs(0)), O.sgd(0.1), global_batch_size=GBS,
+                    strategy=strategy, batch_norm="per_replica")

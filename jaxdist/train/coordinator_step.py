@@ -140,10 +140,11 @@ class WorkerStep:
         self.variables, self.rest, self.strategy = variables, rest, strategy
         self.compute_dtype = compute_dtype
         self._replica_fn: Callable | None = None
+        self._rngs: Any = None
         self._count = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_replica_fn": None}
+        return {**self.__dict__, "_replica_fn": None, "_rngs": None}
 
     def __call__(self, iterator: Iterator) -> dict[str, np.ndarray]:
         x, y = next(iterator)
@@ -155,6 +156,7 @@ class WorkerStep:
         if self._replica_fn is None:  # once per worker: strategy.run keeps it compiled
             self._replica_fn = _make_grad_replica(self.model_state, self.loss_fn, b,
                                                   self.compute_dtype)
+            self._rngs = strategy.place(self.model_state.rngs)
         per = b // n
 
         def part(a: np.ndarray) -> Any:
@@ -165,7 +167,7 @@ class WorkerStep:
         worker = int(getattr(strategy.extended, "worker_index", 0) or 0)
         step, self._count = self._count, self._count + 1
         stats, grads = strategy.run(self._replica_fn,
-                                    args=(self.variables, self.rest, self.model_state.rngs,
+                                    args=(self.variables, self.rest, self._rngs,
                                           part(x), part(y), np.int32(step), np.int32(worker)))
         self.variables.apply_gradients(grads)
         return jax.device_get(stats)

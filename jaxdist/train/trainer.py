@@ -219,7 +219,8 @@ class Trainer:
                     f"BatchNorm (LayerNorm, GroupNorm), or MirroredStrategy / "
                     f"MultiWorkerMirroredStrategy (Dropout is supported)")
             self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
-            self._rngs = self._ms.rngs
+            with self.strategy.scope():
+                self._rngs = self.strategy.place(self._ms.rngs)
         else:
             with self.strategy.scope():
                 self.params = self.strategy.place(params)
@@ -240,10 +241,10 @@ class Trainer:
         self._predict_replica = self._make_predict_replica()
 
     # ------------------------------------------------------------------ replica functions
-    def _apply(self, params: Any, rest: Any, x: jax.Array) -> jax.Array:
+    def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
         """The model's outputs in inference mode (Dropout off, BatchNorm's running stats)."""
         return self._ms.apply(params, rest, x, training=False,
-                              compute_dtype=self._compute_dtype)[0]
+                              compute_dtype=self._compute_dtype, rngs=rngs)[0]
 
     def _sync_axes(self) -> Any:
         """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
@@ -298,8 +299,8 @@ class Trainer:
     def _make_eval_replica(self) -> Callable:
         loss_fn, apply = self.loss_fn, self._apply
 
-        def eval_replica(params, rest, x, y, w, mask):
-            logits = apply(params, rest, x)
+        def eval_replica(params, rest, rngs, x, y, w, mask):
+            logits = apply(params, rest, x, rngs)
             per_example = loss_fn(logits, y)
             stats = {
                 "loss": jnp.sum(per_example * w),
@@ -314,8 +315,8 @@ class Trainer:
     def _make_predict_replica(self) -> Callable:
         apply = self._apply
 
-        def predict_replica(params, rest, x):
-            return apply(params, rest, x)
+        def predict_replica(params, rest, rngs, x):
+            return apply(params, rest, x, rngs)
 
         return predict_replica
 
@@ -428,7 +429,7 @@ class Trainer:
         params = self._current_params()
         for xb, yb, wb, mb in self._distribute(self._eval_chunks(d, labels=True)):
             totals.append(self.strategy.run(self._eval_replica,
-                                            args=(params, self.rest, xb, yb, wb, mb)))
+                                            args=(params, self.rest, self._rngs, xb, yb, wb, mb)))
         fetched = jax.device_get(totals)
         count = sum(float(t["count"]) for t in fetched)
         if count == 0:
@@ -453,7 +454,7 @@ class Trainer:
         outs, n = [], 0
         params = self._current_params()
         for xb, mb in self._distribute(self._eval_chunks(d, labels=False)):
-            out = self.strategy.run(self._predict_replica, args=(params, self.rest, xb))
+            out = self.strategy.run(self._predict_replica, args=(params, self.rest, self._rngs, xb))
             mask = np.asarray(self.strategy.gather(mb, axis=0)) > 0
             outs.append(np.asarray(self.strategy.gather(out, axis=0))[mask])
             n += int(mask.sum())
