@@ -30,12 +30,16 @@ class Net(nnx.Module):
         return self.l2(h)
 
 
-@pytest.fixture(scope="module")
-def data():
+def make_data():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((64, 4)) * [1, 2, 3, 4] + [0, 1, -1, 2]).astype(np.float32)
     y = rng.integers(0, 3, 64).astype(np.int32)
     return x, y
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_data()
 
 
 def _fit(strategy, data, steps=2, seed=0, **kw):
@@ -214,3 +218,29 @@ def test_parameter_servers_train_dropout_and_reject_batch_norm(data, monkeypatch
         with strategy.scope():
             Trainer(Net(bn=True, rngs=nnx.Rngs(0)), O.sgd(0.1), global_batch_size=GBS,
                     strategy=strategy, batch_norm="per_replica")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_multi_worker_dropout_and_sync_batch_norm_equal_one_mirrored_process(data, tmp_path):
+    """2 processes x 2 devices give the same steps as one process with 4 devices: the same
+    dropout keys per global replica and step, batch statistics over the global batch."""
+    import os
+    import sys
+
+    from jaxdist.testing import LocalCluster
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "state.npz"
+    script = os.path.join(root, "tests", "mw_model_state_worker.py")
+    with LocalCluster(workers=2, devices_per_process=2, cwd=root,
+                      env={"PYTHONPATH": root}) as c:
+        c.start([sys.executable, script, str(out)])
+        codes = c.join(timeout=150)
+        assert codes == {"worker:0": 0, "worker:1": 0}, c.describe()
+    ref, _ = _fit(_mirrored(4), data, steps=3, dropout=0.5, bn=True)
+    got = np.load(out)
+    mine = _params(ref) + _rest(ref)
+    for i, a in enumerate(mine):
+        np.testing.assert_allclose(got[f"arr_{i}"], a, rtol=1e-4, atol=1e-5)
+    assert float(got["loss"]) == pytest.approx(ref.evaluate(data)["loss"], rel=1e-4)
