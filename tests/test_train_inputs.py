@@ -244,3 +244,47 @@ def test_not_an_npz_file_names_the_path(tmp_path):
     np.save(tmp_path / "one.npy", np.zeros(3))
     with pytest.raises(DataError, match="one.npy: is not a .npz file"):
         load_npz(tmp_path / "one.npy")
+
+
+def _cli(tmp_path, *overrides):
+    import pathlib
+
+    from jaxdist.train.__main__ import main
+
+    config = pathlib.Path(__file__).parent.parent / "configs" / "one_device.yaml"
+    args = ["--config", str(config)]
+    for o in ("logging.progress_bar=never", "logging.tensorboard=false", "model.name=mlp",
+              "model.hidden_sizes=[8]", "train.global_batch_size=16", "train.steps=2",
+              f"logging.dir={tmp_path / 'logs'}", *overrides):
+        args += ["--set", o]
+    return main(args)
+
+
+def test_cli_float_labels_and_a_file_that_is_not_npz_exit_2(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+    np.savez(tmp_path / "float.npz", x=x, y=rng.random(64).astype(np.float32))
+    rc = _cli(tmp_path, "data.name=npz", f"data.path={tmp_path / 'float.npz'}",
+              "model.num_classes=3")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "labels are floats such as" in err[0] and "expects integer class ids" in err[0]
+    (tmp_path / "table.npz").write_text("x,y\n1,2\n")
+    rc = _cli(tmp_path, "data.name=npz", f"data.path={tmp_path / 'table.npz'}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert f"{tmp_path / 'table.npz'}: is not a .npz file" in err[0]
+
+
+def test_cli_checkpoint_of_another_model_exits_2_in_one_line(tmp_path, capsys):
+    ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    assert _cli(tmp_path, "data.name=synthetic", "data.num_examples=128", "data.num_features=4",
+                ckpt) == 0
+    capsys.readouterr()
+    rc = _cli(tmp_path, "data.name=synthetic", "data.num_examples=128", "data.num_features=4",
+              "model.hidden_sizes=[16]", "train.steps=4", ckpt)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "was written for another model" in err[0]
+    assert "(4, 8) there and (4, 16) here" in err[0] or "(8,) there and (16,) here" in err[0]
+    assert err[0].endswith("use another checkpoint.dir or checkpoint.resume=false")
