@@ -1,7 +1,8 @@
 """``python -m jaxdist.train --config configs/default.yaml [--set section.key=value ...]``.
 
-Exit status: 0 when training finishes, 2 for a bad config (or command line), 1 when training
-fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130 when interrupted.
+Exit status: 0 when training finishes, 2 for a bad config (or command line, labels of the wrong
+kind for the loss, a data file that is not .npz, a checkpoint written for another model), 1 when
+training fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from jaxdist.cluster_resolver import TPUNotFoundError
+    from jaxdist.train.checkpoint import CheckpointMismatchError
     from jaxdist.train.data import DataError
     from jaxdist.train.job import run_job
     from jaxdist.train.trainer import NaNLossError
@@ -80,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except DataError as e:
         print(f"{_PROG}: data error: {_one_line(e)}", file=err)
-        return EXIT_FAILED
+        return getattr(e, "exit_code", EXIT_FAILED)
+    except CheckpointMismatchError as e:
+        print(f"{_PROG}: checkpoint error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
     except TPUNotFoundError as e:
         print(f"{_PROG}: no TPU: {_one_line(e)} (use configs/mirrored.yaml, or set "
               f"strategy.devices)", file=err)

@@ -22,6 +22,29 @@ import jax
 import numpy as np
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit the state to restore into (another model).
+
+    ``exit_code`` is 2 for the CLI: the config must change before the job can run.
+    """
+
+    exit_code = 2
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _shapes_with_paths(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: hasattr(x, "shape") and not isinstance(x, dict))[0]
+    return [("/".join(_key_name(k) for k in path), tuple(int(d) for d in leaf.shape))
+            for path, leaf in leaves if hasattr(leaf, "shape")]
+
+
 class Checkpointer:
     """Saves and restores the training state in one directory.
 
@@ -91,17 +114,57 @@ class Checkpointer:
         )
         self._manager.wait_until_finished()
 
-    def restore(self, step: int, like: Any = None) -> tuple[Any, dict[str, Any]]:
+    def check_compatible(self, step: int, like: Any, what: str = "model") -> None:
+        """Raises ``CheckpointMismatchError`` if checkpoint ``step`` holds arrays of other
+        shapes (or other arrays) than ``like``: one line naming the first difference.
+
+        Example:
+            >>> ckpt.check_compatible(ckpt.latest_step(), trainer.state)
+        """
+        from pathlib import Path
+
+        try:
+            handler = self._ocp.StandardCheckpointHandler()
+            stored_tree = handler.metadata(Path(self.directory) / str(int(step)) / "state")
+            stored_tree = getattr(stored_tree, "tree", stored_tree)
+        except Exception:  # noqa: BLE001 - no metadata to compare: restore will tell
+            return
+        if stored_tree is None:
+            return
+        stored, here = _shapes_with_paths(stored_tree), _shapes_with_paths(like)
+        fix = "use another checkpoint.dir or checkpoint.resume=false"
+        where = f"the checkpoint in {self.directory} was written for another {what}"
+        if len(stored) == len(here):
+            for (_, a), (name, b) in zip(stored, here):
+                if a != b:
+                    raise CheckpointMismatchError(
+                        f"{where}: {name} has {a} there and {b} here; {fix}")
+            return
+        there = {n for n, _ in stored}
+        missing = [n for n, _ in here if n not in there]
+        detail = f"; {missing[0]} is not in it" if missing else ""
+        raise CheckpointMismatchError(
+            f"{where}: it holds {len(stored)} arrays and this {what} has {len(here)}{detail}; "
+            f"{fix}")
+
+    def restore(self, step: int, like: Any = None, what: str = "model"
+                ) -> tuple[Any, dict[str, Any]]:
         """Reads checkpoint ``step``.
 
         Args:
             step: which checkpoint.
             like: a pytree with the structure, shapes and placements to restore into (e.g.
                 the current state); ``None`` gives nested dicts of arrays as stored.
+            what: what ``like`` is, for the mismatch message.
 
         Returns:
             ``(state, meta)``.
+
+        Raises:
+            CheckpointMismatchError: the checkpoint does not fit ``like``.
         """
+        if like is not None:
+            self.check_compatible(step, like, what)
         ocp = self._ocp
         target = None
         if like is not None and self._process_local:
@@ -111,24 +174,34 @@ class Checkpointer:
             target = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
             )
-        out = self._manager.restore(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            out = self._manager.restore(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            if like is None:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointMismatchError(
+                f"the checkpoint in {self.directory} (step {step}) does not fit this {what}: "
+                f"{first[:300]}; use another checkpoint.dir or checkpoint.resume=false"
+            ) from None
         state = out.state
         if like is not None and self._process_local:
             state = jax.tree.map(lambda v, x: jax.device_put(np.asarray(v), x.sharding),
                                  state, like)
         return state, dict(out.meta)
 
-    def restore_latest(self, like: Any = None) -> tuple[Any, dict[str, Any]] | None:
+    def restore_latest(self, like: Any = None, what: str = "model"
+                       ) -> tuple[Any, dict[str, Any]] | None:
         """``restore(latest_step())``, or ``None`` when the directory has no checkpoint."""
         step = self.latest_step()
         if step is None:
             return None
-        return self.restore(step, like)
+        return self.restore(step, like, what)
 
     def is_final(self, step: int) -> bool:
         """Whether ``step`` ends a finished run: not recorded here (the Trainer's checkpoints

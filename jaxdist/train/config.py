@@ -124,6 +124,12 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                      "(a lax.scan over k batches)", minimum=1),
         "loss": Field(str, "sparse_categorical_crossentropy", "per-example loss",
                       choices=("sparse_categorical_crossentropy",)),
+        "precision": Field(str, "float32", "float32, or bfloat16 (Keras' mixed_bfloat16: "
+                           "compute in bfloat16, parameters and optimizer in float32)",
+                           choices=("float32", "bfloat16")),
+        "batch_norm": Field(str, "sync", "BatchNorm statistics over the global batch (sync, "
+                            "TF's SyncBatchNormalization) or each replica's rows "
+                            "(per_replica, TF's default)", choices=("sync", "per_replica")),
         "validation_freq": Field(int, 1, "validate every this many epochs (0: never)",
                                  minimum=0),
         "halt_on_nan": Field(bool, True, "stop with an error when the loss becomes NaN or "

@@ -119,24 +119,32 @@ class WorkerStep:
     batch split across them, gradients all-reduced), pushes the gradient and returns
     ``{"loss", "correct"}`` of the step.
 
+    Dropout keys differ per step (a counter of the steps this worker ran), per worker and per
+    replica.
+
     Args:
-        graphdef: the model's ``nnx.GraphDef``.
+        model_state: the model's ``ModelState`` (graph definition, random streams; no
+            parameters).
         loss_fn: ``(logits, labels) -> per-example loss``.
         global_batch_size: rows per step (per worker; split across its devices).
         variables: the model's ``PSVariables``.
         rest: the model's non-parameter state (host arrays).
         strategy: the coordinator's strategy (the worker's own one when this runs there).
+        compute_dtype: mixed precision's compute dtype, or ``None``.
     """
 
-    def __init__(self, graphdef: Any, loss_fn: Callable, global_batch_size: int,
-                 variables: Any, rest: Any, strategy: Any):
-        self.graphdef, self.loss_fn = graphdef, loss_fn
+    def __init__(self, model_state: Any, loss_fn: Callable, global_batch_size: int,
+                 variables: Any, rest: Any, strategy: Any, compute_dtype: Any = None):
+        self.model_state, self.loss_fn = model_state, loss_fn
         self.global_batch_size = int(global_batch_size)
         self.variables, self.rest, self.strategy = variables, rest, strategy
+        self.compute_dtype = compute_dtype
         self._replica_fn: Callable | None = None
+        self._rngs: Any = None
+        self._count = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_replica_fn": None}
+        return {**self.__dict__, "_replica_fn": None, "_rngs": None}
 
     def __call__(self, iterator: Iterator) -> dict[str, np.ndarray]:
         x, y = next(iterator)
@@ -146,7 +154,9 @@ class WorkerStep:
             raise ValueError(f"global_batch_size={b} does not divide across the {n} local "
                              f"devices of this worker; expected a multiple of {n}")
         if self._replica_fn is None:  # once per worker: strategy.run keeps it compiled
-            self._replica_fn = _make_grad_replica(self.graphdef, self.loss_fn, b)
+            self._replica_fn = _make_grad_replica(self.model_state, self.loss_fn, b,
+                                                  self.compute_dtype)
+            self._rngs = strategy.place(self.model_state.rngs)
         per = b // n
 
         def part(a: np.ndarray) -> Any:
@@ -154,22 +164,26 @@ class WorkerStep:
                 lambda ctx: a[ctx.replica_id_in_sync_group * per:
                               (ctx.replica_id_in_sync_group + 1) * per])
 
+        worker = int(getattr(strategy.extended, "worker_index", 0) or 0)
+        step, self._count = self._count, self._count + 1
         stats, grads = strategy.run(self._replica_fn,
-                                    args=(self.variables, self.rest, part(x), part(y)))
+                                    args=(self.variables, self.rest, self._rngs,
+                                          part(x), part(y), np.int32(step), np.int32(worker)))
         self.variables.apply_gradients(grads)
         return jax.device_get(stats)
 
 
-def _make_grad_replica(graphdef: Any, loss_fn: Callable, global_batch_size: int) -> Callable:
-    from flax import nnx
-
+def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
+                       compute_dtype: Any = None) -> Callable:
     from jaxdist.train.trainer import _correct
 
-    def grad_replica(params, rest, x, y):
+    def grad_replica(params, rest, rngs, x, y, step, worker):
         ctx = jaxdist.get_replica_context()
+        replica = worker * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group
 
         def objective(p):
-            logits = nnx.merge(graphdef, p, rest)(x)
+            logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
+                                 compute_dtype=compute_dtype, rngs=rngs)
             per_example = loss_fn(logits, y)
             loss = jaxdist.compute_average_loss(per_example, global_batch_size=global_batch_size)
             return loss, logits
@@ -229,9 +243,12 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
         with self.strategy.scope():
             self.variables = self.strategy.create_variables(host, spec, name=COLLECTION)
             rest = self.strategy.place(rest)
-        self._step_fn = WorkerStep(trainer._graphdef, trainer.loss_fn,
-                                   trainer.global_batch_size, self.variables, host_rest,
-                                   self.strategy)
+        import dataclasses
+
+        ms = dataclasses.replace(trainer._ms, params=None)  # the parameters live on the ps
+        self._step_fn = WorkerStep(ms, trainer.loss_fn, trainer.global_batch_size,
+                                   self.variables, host_rest, self.strategy,
+                                   trainer._compute_dtype)
         return host, rest, None
 
     def current_params(self, trainer: Any) -> Any:
@@ -241,6 +258,11 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
 
     # ------------------------------------------------------------------ data and steps
     def begin_fit(self, trainer: Any, train: Any) -> None:
+        if train.w is not None or isinstance(train.x, dict):
+            raise data_lib.DataError(
+                "ClusterCoordinator training takes (x, y) arrays: sample_weight, class_weight "
+                "and dict features are not sent to the workers; train without them or use "
+                "ParameterServerStrategy without a coordinator (between-graph)")
         if self._train is not train:
             self._train, self._iterator = train, None
 
@@ -262,8 +284,9 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
         dataset = self.coordinator.create_per_worker_dataset(shard)
         self._iterator = iter(dataset)
 
-    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int) -> dict[str, Any]:
-        del x, y  # the workers read their own shares (per-worker datasets)
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
+                   w: Any = None) -> dict[str, Any]:
+        del x, y, w  # the workers read their own shares (per-worker datasets)
         if self._iterator is None:
             self._start_input(trainer)
         rvs = [self.coordinator.schedule(self._step_fn, args=(self._iterator,))

@@ -22,12 +22,23 @@ import numpy as np
 
 
 class DataError(ValueError):
-    """Arrays that cannot be used for training (mismatched rows, wrong dtype or rank)."""
+    """Arrays that cannot be used for training (mismatched rows, wrong dtype or rank).
+
+    ``exit_code`` is the CLI's exit status for it: 1 (training failed), or 2 for input the
+    user must fix before anything can run (labels of the wrong kind, a file that is not .npz).
+    """
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclasses.dataclass
 class ArrayData:
-    """In-memory examples: features ``x`` and labels ``y`` with the same number of rows.
+    """In-memory examples: features ``x`` and labels ``y`` with the same number of rows, and
+    optional per-example weights ``w`` (Keras' ``sample_weight``).
+
+    ``x`` is an array or a dict of arrays (named features, passed to the model as a dict).
 
     Example:
         >>> data = ArrayData(np.zeros((10, 4), np.float32), np.zeros((10,), np.int32))
@@ -35,25 +46,45 @@ class ArrayData:
         10
     """
 
-    x: np.ndarray
+    x: Any
     y: np.ndarray
+    w: np.ndarray | None = None
 
     def __post_init__(self):
-        self.x = np.asarray(self.x)
+        if isinstance(self.x, Mapping):
+            self.x = {str(k): _features(v, f"x[{k!r}]", float_only=False)
+                      for k, v in self.x.items()}
+            if not self.x:
+                raise DataError("x is an empty dict; expected named feature arrays")
+        else:
+            self.x = _features(self.x, "x", float_only=True)
         self.y = np.asarray(self.y)
-        if self.x.ndim < 1 or self.y.ndim < 1:
-            raise DataError(f"x and y must be batched arrays (rank >= 1), got shapes "
-                            f"{self.x.shape} and {self.y.shape}")
-        if self.x.shape[0] != self.y.shape[0]:
-            raise DataError(f"x has {self.x.shape[0]} rows but y has {self.y.shape[0]}; "
-                            f"expected one label per example")
-        if not np.issubdtype(self.x.dtype, np.number):
-            raise DataError(f"x must be numeric, got dtype {self.x.dtype}")
-        if self.x.dtype != np.float32:
-            self.x = self.x.astype(np.float32)
+        if self.y.ndim < 1:
+            raise DataError(f"x and y must be batched arrays (rank >= 1), got y of shape "
+                            f"{self.y.shape}")
+        rows = {k: v.shape[0] for k, v in self.features().items()}
+        for name, n in rows.items():
+            if n != self.y.shape[0]:
+                raise DataError(f"{name} has {n} rows but y has {self.y.shape[0]}; "
+                                f"expected one label per example")
+        if self.w is not None:
+            self.w = np.asarray(self.w, np.float32)
+            if self.w.shape != (self.y.shape[0],):
+                raise DataError(f"sample_weight has shape {self.w.shape}; expected one weight "
+                                f"per example, shape ({self.y.shape[0]},)")
+
+    def features(self) -> dict[str, np.ndarray]:
+        """``{name: array}`` of the features (``{"x": x}`` for a single array)."""
+        return dict(self.x) if isinstance(self.x, dict) else {"x": self.x}
 
     def __len__(self) -> int:
-        return int(self.x.shape[0])
+        return int(self.y.shape[0])
+
+    def take(self, idx: np.ndarray) -> ArrayData:
+        """The examples at ``idx``."""
+        x = ({k: v[idx] for k, v in self.x.items()} if isinstance(self.x, dict)
+             else self.x[idx])
+        return ArrayData(x, self.y[idx], None if self.w is None else self.w[idx])
 
     @property
     def num_classes(self) -> int:
@@ -61,13 +92,26 @@ class ArrayData:
         return int(self.y.max()) + 1 if len(self) else 0
 
 
+def _features(x: Any, name: str, float_only: bool) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim < 1:
+        raise DataError(f"x and y must be batched arrays (rank >= 1), got {name} of shape "
+                        f"{x.shape}")
+    if not np.issubdtype(x.dtype, np.number) and x.dtype != np.bool_:
+        raise DataError(f"{name} must be numeric, got dtype {x.dtype}")
+    if float_only or np.issubdtype(x.dtype, np.floating):
+        return x.astype(np.float32) if x.dtype != np.float32 else x
+    return x
+
+
 def as_array_data(data: Any, what: str = "data") -> ArrayData:
-    """Accepts ``ArrayData``, an ``(x, y)`` pair, or a mapping with ``"x"`` and ``"y"``."""
+    """Accepts ``ArrayData``, an ``(x, y)`` or ``(x, y, sample_weight)`` tuple, or a mapping
+    with ``"x"`` and ``"y"`` (and optionally ``"sample_weight"``)."""
     if isinstance(data, ArrayData):
         return data
     if isinstance(data, Mapping) and "x" in data and "y" in data:
-        return ArrayData(data["x"], data["y"])
-    if isinstance(data, (tuple, list)) and len(data) == 2:
+        return ArrayData(data["x"], data["y"], data.get("sample_weight"))
+    if isinstance(data, (tuple, list)) and len(data) in (2, 3):
         return ArrayData(*data)
     raise DataError(f"{what}: expected an (x, y) pair of arrays or ArrayData, got "
                     f"{type(data).__name__}")
@@ -88,8 +132,7 @@ def split(data: ArrayData, validation_split: float, seed: int = 0
         idx_tr, idx_va = train_test_split(np.arange(len(data)), test_size=validation_split,
                                           random_state=seed)
     idx_tr, idx_va = np.sort(idx_tr), np.sort(idx_va)
-    return (ArrayData(data.x[idx_tr], data.y[idx_tr]),
-            ArrayData(data.x[idx_va], data.y[idx_va]))
+    return data.take(idx_tr), data.take(idx_va)
 
 
 def load_digits(validation_split: float = 0.2, seed: int = 0
@@ -130,8 +173,17 @@ def load_npz(path: str | os.PathLike, validation_split: float = 0.2, seed: int =
     Raises:
         DataError: a missing array or mismatched rows.
     """
-    with np.load(path) as f:
-        arrays = {k: f[k] for k in f.files}
+    try:
+        f = np.load(path)
+        if not hasattr(f, "files"):  # a plain .npy array
+            raise ValueError("it holds one array, not named arrays")
+        with f:
+            arrays = {k: f[k] for k in f.files}
+    except (ValueError, OSError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{os.fspath(path)}: is not a .npz file ({first}); expected a file "
+                        f"written by numpy.savez with arrays 'x' and 'y'",
+                        exit_code=2) from None
     for key in ("x", "y"):
         if key not in arrays:
             raise DataError(f"{os.fspath(path)}: has no array {key!r} (found "
@@ -173,19 +225,34 @@ def batch_index(order: np.ndarray, step: int, global_batch_size: int) -> np.ndar
 
 
 def eval_batches(data: ArrayData, global_batch_size: int
-                 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Every example once, in order, as ``(x, y, mask)`` global batches of a fixed size.
+                 ) -> Iterator[tuple[Any, np.ndarray, np.ndarray, np.ndarray]]:
+    """Every example once, in order, as ``(x, y, weight, mask)`` global batches of a fixed size.
 
     The last batch is padded with zero rows whose ``mask`` is 0, so every batch has the same
     shape (one compiled evaluation step) and no example is dropped.
     """
     n, b = len(data), global_batch_size
     for start in range(0, n, b):
-        x, y = data.x[start:start + b], data.y[start:start + b]
-        real = x.shape[0]
-        mask = np.ones((b,), np.float32)
-        if real < b:
-            x = np.concatenate([x, np.zeros((b - real, *x.shape[1:]), x.dtype)])
-            y = np.concatenate([y, np.zeros((b - real, *y.shape[1:]), y.dtype)])
-            mask[real:] = 0.0
-        yield x, y, mask
+        part = data.take(np.arange(start, min(start + b, n)))
+        yield pad_batch(part.x, part.y, part.w, b)
+
+
+def pad_batch(x: Any, y: np.ndarray, w: np.ndarray | None, size: int
+              ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray]:
+    """Pads a batch with zero rows to ``size`` rows; returns ``(x, y, weight, mask)``: ``mask``
+    is 1 for real rows and 0 for padding, ``weight`` the sample weight (1 without ``w``) times
+    the mask."""
+    real = y.shape[0]
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        if a.shape[0] == size:
+            return a
+        return np.concatenate([a, np.zeros((size - a.shape[0], *a.shape[1:]), a.dtype)])
+
+    mask = np.zeros((size,), np.float32)
+    mask[:real] = 1.0
+    weight = mask.copy()
+    if w is not None:
+        weight[:real] = w
+    x = {k: pad(v) for k, v in x.items()} if isinstance(x, dict) else pad(x)
+    return x, pad(y), weight, mask

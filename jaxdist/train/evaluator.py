@@ -238,7 +238,8 @@ def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
         trainer = Trainer(model, optimizer_from_config(cfg["optimizer"]), tcfg["loss"],
-                          global_batch_size=b, strategy=strategy, progress_bar="never")
+                          global_batch_size=b, strategy=strategy, progress_bar="never",
+                          precision=tcfg.get("precision", "float32"))
     log_dir = ecfg["log_dir"]
     if log_dir is None and lcfg["dir"] is not None:
         log_dir = os.path.join(lcfg["dir"], "eval")

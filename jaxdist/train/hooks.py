@@ -66,9 +66,11 @@ class TrainerHook:
 
         return data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
 
-    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int) -> dict[str, Any]:
-        """Runs ``num_steps`` steps on the distributed chunk ``(x, y)`` (ordered as the
-        trainer's ``_local_rows``); returns ``{"loss", "correct"}`` with one entry per step."""
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
+                   w: Any = None) -> dict[str, Any]:
+        """Runs ``num_steps`` steps on the distributed chunk ``(x, y)`` with sample weights
+        ``w`` (ordered as the trainer's ``_local_rows``); returns ``{"loss", "correct",
+        "weight"}`` with one entry per step (``weight``: the sum of the sample weights)."""
         raise NotImplementedError
 
     def current_params(self, trainer: Any) -> Any:

@@ -135,6 +135,8 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
             tensorboard=lcfg["tensorboard"],
             progress_bar=lcfg["progress_bar"],
             halt_on_nan=tcfg["halt_on_nan"],
+            precision=tcfg["precision"],
+            batch_norm=tcfg["batch_norm"],
         )
     if lcfg["dir"] is not None and trainer.should_save_summary:
         from jaxdist.train.config import dump

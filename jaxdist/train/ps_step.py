@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -117,12 +118,16 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
         share = num_examples // self.num_workers
         return order[self.worker_index::self.num_workers][:share]
 
-    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int) -> dict[str, Any]:
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
+                   w: Any = None) -> dict[str, Any]:
         out = []
         for i in range(num_steps):
             # run() pulls the variables (after the SSP wait), computes on the local devices.
+            # Dropout keys: the global step, this worker and the replica (per-step, distinct).
             stats, grads = self.strategy.run(
-                self._grad_replica, args=(self.variables, trainer.rest, x, y, np.int32(i)))
+                self._grad_replica,
+                args=(self.variables, trainer.rest, trainer._rngs, x, y, w, np.int32(i),
+                      np.int32(trainer.step + i), np.int32(self.worker_index)))
             self.variables.apply_gradients(grads)   # push; each ps applies its optimizer
             out.append(stats)
         fetched = jax.device_get(out)
@@ -186,24 +191,31 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
 
 def _make_grad_replica(trainer: Any):
     """The per-replica step: loss, gradient (all-reduced over local replicas), stats."""
-    from jaxdist.train.trainer import _correct
+    from jaxdist.train.trainer import _correct_per_example
 
-    gbs, loss_fn, apply = trainer.global_batch_size, trainer.loss_fn, trainer._apply
+    gbs, loss_fn, ms = trainer.global_batch_size, trainer.loss_fn, trainer._ms
+    dtype = trainer._compute_dtype
     per = gbs // trainer.strategy.num_replicas_in_sync
 
-    def grad_replica(params, rest, x, y, i):
+    def grad_replica(params, rest, rngs, x, y, w, i, step, worker):
         ctx = jaxdist.get_replica_context()
-        xb = lax.dynamic_slice_in_dim(x, i * per, per)
-        yb = lax.dynamic_slice_in_dim(y, i * per, per)
+        part = lambda a: lax.dynamic_slice_in_dim(a, i * per, per)  # noqa: E731
+        xb, yb, wb = jax.tree.map(part, x), part(y), part(w)
+        replica = worker * trainer.strategy.num_replicas_in_sync + ctx.replica_id_in_sync_group
 
         def objective(p):
-            logits = apply(p, rest, xb)
+            logits, _ = ms.apply(p, rest, xb, training=True, step=step, replica_id=replica,
+                                 compute_dtype=dtype, rngs=rngs)
             per_example = loss_fn(logits, yb)
-            return jaxdist.compute_average_loss(per_example, global_batch_size=gbs), logits
+            loss = jaxdist.compute_average_loss(per_example, sample_weight=wb,
+                                                global_batch_size=gbs)
+            return loss, logits
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
         grads = ctx.all_reduce("SUM", grads)
-        stats = ctx.all_reduce("SUM", {"loss": loss, "correct": _correct(logits, yb)})
+        stats = ctx.all_reduce("SUM", {"loss": loss,
+                                       "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
+                                       "weight": jnp.sum(wb)})
         return stats, grads
 
     return grad_replica

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,9 +33,12 @@ from jax import lax
 
 import jaxdist
 from jaxdist.train import data as data_lib
+from jaxdist.train import inputs as inputs_lib
 from jaxdist.train.checkpoint import Checkpointer
 from jaxdist.train.hooks import hook_for
 from jaxdist.train.metrics import MetricsLogger
+from jaxdist.train.model_state import ModelState, check_batch_norm
+from jaxdist.train.precision import compute_dtype
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -53,7 +57,13 @@ def sparse_categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
 
 
-LOSSES: dict[str, LossFn] = {"sparse_categorical_crossentropy": sparse_categorical_crossentropy}
+def categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example cross-entropy of one-hot (or probability) ``labels`` (Keras' name)."""
+    return optax.softmax_cross_entropy(logits, labels.astype(logits.dtype))
+
+
+LOSSES: dict[str, LossFn] = {"sparse_categorical_crossentropy": sparse_categorical_crossentropy,
+                             "categorical_crossentropy": categorical_crossentropy}
 
 
 class History:
@@ -105,6 +115,19 @@ class Trainer:
         halt_on_nan: raise ``NaNLossError`` when the loss is NaN or inf (no checkpoint is written
             from the bad state).
         accuracy: compute accuracy (argmax of the logits against integer labels).
+        batch_norm: ``"sync"``: ``BatchNorm`` layers normalize with the statistics of the whole
+            global batch (averaged across replicas, TF's ``SyncBatchNormalization``; a step
+            equals a one-device step on the global batch); ``"per_replica"``: each replica
+            uses its own rows' statistics (TF's default ``BatchNormalization`` under a
+            strategy). Either way the running statistics are averaged across replicas, kept
+            in the checkpoints and used by ``evaluate``/``predict``. Parameter-server
+            strategies support neither (they keep only ``nnx.Param`` variables).
+        precision: ``"float32"`` or ``"bfloat16"`` (Keras' ``mixed_bfloat16``: compute in
+            bfloat16, parameters and optimizer state in float32, no loss scaling).
+
+    Dropout (and any layer with a ``deterministic`` attribute) is on in ``fit`` with keys that
+    differ per replica and per step and are fixed by the model's ``nnx.Rngs`` seed; it is off
+    in ``evaluate`` and ``predict``.
 
     Raises:
         ValueError: ``global_batch_size`` does not divide across the replicas.
@@ -136,6 +159,8 @@ class Trainer:
         progress_bar: str = "auto",
         halt_on_nan: bool = True,
         accuracy: bool = True,
+        batch_norm: str = "sync",
+        precision: str = "float32",
     ):
         self.strategy = strategy or _default_strategy()
         n = self.strategy.num_replicas_in_sync
@@ -168,6 +193,9 @@ class Trainer:
         self.progress_bar = progress_bar
         self.halt_on_nan = halt_on_nan
         self.accuracy = accuracy
+        self.batch_norm = check_batch_norm(batch_norm)
+        self.precision = precision
+        self._compute_dtype = compute_dtype(precision)
 
         ext = self.strategy.extended
         self.should_checkpoint = bool(getattr(ext, "should_checkpoint", True))
@@ -176,15 +204,28 @@ class Trainer:
         me = jax.process_index()
         self._local_replicas = [i for i, d in enumerate(devices) if d.process_index == me]
 
-        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._ms = ModelState.split(model)
+        self._graphdef = self._ms.graphdef
+        params, rest = self._ms.params, self._ms.rest
         # A strategy whose state lives elsewhere (parameter servers) handles it in its hook.
         self._hook = hook_for(self.strategy)
         if self._hook is not None:
+            if self._ms.has_batch_stats:
+                raise ValueError(
+                    f"{type(self.strategy).__name__} keeps only the model's nnx.Param "
+                    f"variables on the parameter servers; BatchNorm's running statistics "
+                    f"(nnx.BatchStat) cannot be updated there, so batch_norm={batch_norm!r} "
+                    f"(and 'sync'/'per_replica' alike) is not supported: use a model without "
+                    f"BatchNorm (LayerNorm, GroupNorm), or MirroredStrategy / "
+                    f"MultiWorkerMirroredStrategy (Dropout is supported)")
             self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
+            with self.strategy.scope():
+                self._rngs = self.strategy.place(self._ms.rngs)
         else:
             with self.strategy.scope():
                 self.params = self.strategy.place(params)
                 self.rest = self.strategy.place(rest)
+                self._rngs = self.strategy.place(self._ms.rngs)
                 self.opt_state = self.strategy.place(optimizer.init(self.params))
         self.step = 0
         self.epoch = 0
@@ -192,58 +233,79 @@ class Trainer:
         self.last_checkpoint: int | None = None
         self._checkpointer: Checkpointer | None = None
         self._resumed = False
+        self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
+        self._restored_position: dict[str, Any] | None = None
         # One function object each, so strategy.run reuses its compiled steps.
         self._train_replica = self._make_train_replica()
         self._eval_replica = self._make_eval_replica()
         self._predict_replica = self._make_predict_replica()
 
     # ------------------------------------------------------------------ replica functions
-    def _apply(self, params: Any, rest: Any, x: jax.Array) -> jax.Array:
-        return nnx.merge(self._graphdef, params, rest)(x)
+    def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
+        """The model's outputs in inference mode (Dropout off, BatchNorm's running stats)."""
+        return self._ms.apply(params, rest, x, training=False,
+                              compute_dtype=self._compute_dtype, rngs=rngs)[0]
+
+    def _sync_axes(self) -> Any:
+        """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
+        if self.batch_norm != "sync":
+            return None
+        return jaxdist.get_replica_context().axis_name
 
     def _make_train_replica(self) -> Callable:
-        gbs, tx, loss_fn, apply = self.global_batch_size, self.optimizer, self.loss_fn, self._apply
+        gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
+        dtype, sync_axes = self._compute_dtype, self._sync_axes
 
         per_replica = gbs // self.strategy.num_replicas_in_sync
 
-        def train_replica(params, rest, opt_state, x, y):
+        def train_replica(params, rest, rngs, opt_state, x, y, w, step):
             ctx = jaxdist.get_replica_context()
-            num_steps = x.shape[0] // per_replica
-            xs = x.reshape(num_steps, -1, *x.shape[1:])
-            ys = y.reshape(num_steps, -1, *y.shape[1:])
+            num_steps = y.shape[0] // per_replica
+            split = lambda a: a.reshape(num_steps, -1, *a.shape[1:])  # noqa: E731
+            xs, ys, ws = jax.tree.map(split, x), split(y), split(w)
+            replica, axes = ctx.replica_id_in_sync_group, sync_axes()
 
             def one_step(carry, batch):
-                params, opt_state = carry
-                xb, yb = batch
+                params, rest, opt_state, i = carry
+                xb, yb, wb = batch
 
                 def objective(p):
-                    logits = apply(p, rest, xb)
+                    logits, new_rest = ms.apply(p, rest, xb, training=True, step=step + i,
+                                                replica_id=replica, sync_axes=axes,
+                                                compute_dtype=dtype, rngs=rngs)
                     per_example = loss_fn(logits, yb)
-                    return jaxdist.compute_average_loss(per_example, global_batch_size=gbs), logits
+                    loss = jaxdist.compute_average_loss(per_example, sample_weight=wb,
+                                                        global_batch_size=gbs)
+                    return loss, (logits, new_rest)
 
-                (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(
-                    ctx.local(params)
-                )
+                (loss, (logits, new_rest)), grads = jax.value_and_grad(
+                    objective, has_aux=True)(ctx.local(params))
                 grads = ctx.all_reduce("SUM", grads)
+                # Running statistics: the mean over replicas (TF's ON_READ MEAN aggregation;
+                # with sync batch statistics they are already equal everywhere).
+                rest = ctx.all_reduce("MEAN", new_rest)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
-                stats = {"loss": loss, "correct": _correct(logits, yb)}
-                return (params, opt_state), ctx.all_reduce("SUM", stats)
+                stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
+                         "weight": jnp.sum(wb)}
+                return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
 
-            (params, opt_state), stats = lax.scan(one_step, (params, opt_state), (xs, ys))
-            return params, opt_state, stats
+            (params, rest, opt_state, _), stats = lax.scan(
+                one_step, (params, rest, opt_state, jnp.int32(0)), (xs, ys, ws))
+            return params, rest, opt_state, stats
 
         return train_replica
 
     def _make_eval_replica(self) -> Callable:
         loss_fn, apply = self.loss_fn, self._apply
 
-        def eval_replica(params, rest, x, y, mask):
-            logits = apply(params, rest, x)
+        def eval_replica(params, rest, rngs, x, y, w, mask):
+            logits = apply(params, rest, x, rngs)
             per_example = loss_fn(logits, y)
             stats = {
-                "loss": jnp.sum(per_example * mask),
-                "correct": jnp.sum(_correct_per_example(logits, y) * mask),
+                "loss": jnp.sum(per_example * w),
+                "correct": jnp.sum(_correct_per_example(logits, y) * w),
+                "weight": jnp.sum(w),
                 "count": jnp.sum(mask),
             }
             return jaxdist.get_replica_context().all_reduce("SUM", stats)
@@ -253,16 +315,16 @@ class Trainer:
     def _make_predict_replica(self) -> Callable:
         apply = self._apply
 
-        def predict_replica(params, rest, x):
-            return apply(params, rest, x)
+        def predict_replica(params, rest, rngs, x):
+            return apply(params, rest, x, rngs)
 
         return predict_replica
 
     # ------------------------------------------------------------------ public API
     @property
     def model(self) -> nnx.Module:
-        """The model with the current parameters."""
-        return nnx.merge(self._graphdef, self._current_params(), self.rest)
+        """The model with the current parameters and state (e.g. BatchNorm statistics)."""
+        return self._ms.merge(self._current_params(), self.rest)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -270,7 +332,9 @@ class Trainer:
         return {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
 
     def fit(self, train_data: Any, epochs: int | None = None, steps: int | None = None,
-            validation_data: Any = None, validation_freq: int = 1) -> History:
+            validation_data: Any = None, validation_freq: int = 1, *, y: Any = None,
+            sample_weight: Any = None, class_weight: Mapping[int, float] | None = None,
+            validation_split: float = 0.0, steps_per_epoch: int | None = None) -> History:
         """Trains for ``epochs`` passes over ``train_data`` (or exactly ``steps`` steps).
 
         With a ``checkpoint_dir``, training resumes from the latest checkpoint there: the
@@ -278,12 +342,22 @@ class Trainer:
         the steps already done (as with TF's ``BackupAndRestore``).
 
         Args:
-            train_data: an ``(x, y)`` pair of arrays (or ``ArrayData``).
+            train_data: arrays ``(x, y)`` / ``(x, y, sample_weight)`` / ``{"x", "y"}`` (``x`` an
+                array or a dict of feature arrays), or features with ``y=``; or a stream of
+                batches: a ``jaxdist.Dataset``, a grain dataset, a ``tf.data.Dataset``, a
+                generator or any iterable (see ``jaxdist.train.inputs``).
             epochs: number of epochs (default 1 when ``steps`` is not given).
             steps: total number of steps, instead of ``epochs``.
-            validation_data: an ``(x, y)`` pair evaluated every ``validation_freq`` epochs and
-                at the end.
+            validation_data: data (arrays or a stream) evaluated every ``validation_freq``
+                epochs and at the end.
             validation_freq: validate every this many epochs (0: only at the end).
+            y: labels, when ``train_data`` is only the features.
+            sample_weight: per-example weights of the loss and the metrics.
+            class_weight: ``{class: weight}``; multiplies the sample weights by the weight of
+                each example's label.
+            validation_split: hold out this last fraction of array data (before shuffling, as
+                Keras) for validation.
+            steps_per_epoch: steps per epoch (needed for a stream without a length).
 
         Returns:
             A ``History``.
@@ -292,19 +366,37 @@ class Trainer:
             DataError: the data does not fit the model or the batch size.
             NaNLossError: ``halt_on_nan`` and the loss became NaN or inf.
         """
-        train = data_lib.as_array_data(train_data, "train_data")
-        val = None if validation_data is None else data_lib.as_array_data(
-            validation_data, "validation_data")
+        train = inputs_lib.source(train_data, y, sample_weight, class_weight, "train_data")
+        if validation_split:
+            if not isinstance(train, data_lib.ArrayData):
+                raise data_lib.DataError(
+                    f"validation_split works with array data only (as in Keras), not a "
+                    f"{train.name}; pass validation_data instead")
+            if validation_data is not None:
+                raise data_lib.DataError("pass validation_split or validation_data, not both")
+            train, validation_data = inputs_lib.split_last(train, validation_split)
+        val = None if validation_data is None else inputs_lib.source(
+            validation_data, what="validation_data")
+        stream = isinstance(train, inputs_lib.StreamSource)
+        if stream and self._hook is not None:
+            raise data_lib.DataError(
+                f"{type(self.strategy).__name__} trains on in-memory arrays (each worker takes "
+                f"its share of every epoch); got a {train.name}: pass (x, y) arrays")
         if self._hook is not None:
             self._hook.begin_fit(self, train)
         b = self.global_batch_size
-        spe = data_lib.steps_per_epoch(len(self._epoch_order(len(train), 0)), b)
+        if stream:
+            spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)
+        else:
+            spe = data_lib.steps_per_epoch(len(self._epoch_order(len(train), 0)), b)
+            if steps_per_epoch is not None:
+                spe = min(spe, int(steps_per_epoch))
         if spe == 0:
             raise data_lib.DataError(f"train_data has {len(train)} examples, fewer than one "
                                      f"global batch of {b}")
-        self._check_shapes(train, "train_data")
+        self._check_shapes(self._example(train), "train_data")
         if val is not None:
-            self._check_shapes(val, "validation_data")
+            self._check_shapes(self._example(val), "validation_data")
         if self._hook is not None and not self._hook.should_evaluate:
             val = None
         if steps is None:
@@ -327,51 +419,54 @@ class Trainer:
             logger.close()
         return history
 
-    def evaluate(self, data: Any) -> dict[str, float]:
-        """Mean loss and accuracy over every example of ``data`` (an ``(x, y)`` pair)."""
-        d = data_lib.as_array_data(data, "evaluate data")
-        if len(d) == 0:
-            raise data_lib.DataError("evaluate data has no examples")
-        self._check_shapes(d, "evaluate data")
-        dist = self._distribute(
-            (self._local_rows(x, 1), self._local_rows(y, 1), self._local_rows(m, 1))
-            for x, y, m in data_lib.eval_batches(d, self.global_batch_size)
-        )
+    def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+        """Mean loss and accuracy over every example of ``data`` (arrays or a stream, as in
+        ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` and the
+        accuracy ``sum(w * correct) / sum(w)`` (Keras)."""
+        d = inputs_lib.source(data, y, sample_weight, what="evaluate data")
+        self._check_shapes(self._example(d), "evaluate data")
         totals: list[Any] = []
         params = self._current_params()
-        for xb, yb, mb in dist:
+        for xb, yb, wb, mb in self._distribute(self._eval_chunks(d, labels=True)):
             totals.append(self.strategy.run(self._eval_replica,
-                                            args=(params, self.rest, xb, yb, mb)))
+                                            args=(params, self.rest, self._rngs, xb, yb, wb, mb)))
         fetched = jax.device_get(totals)
+        count = sum(float(t["count"]) for t in fetched)
+        if count == 0:
+            raise data_lib.DataError("evaluate data has no examples")
         loss = sum(float(t["loss"]) for t in fetched)
         correct = sum(float(t["correct"]) for t in fetched)
-        count = sum(float(t["count"]) for t in fetched)
+        weight = sum(float(t["weight"]) for t in fetched)
         out = {"loss": loss / count}
         if self.accuracy:
-            out["accuracy"] = correct / count
+            out["accuracy"] = correct / weight if weight else 0.0
         return out
 
     def predict(self, x: Any) -> np.ndarray:
-        """The model's outputs for every row of ``x``, batched by ``global_batch_size``."""
-        x = np.asarray(x, np.float32)
-        n, b = x.shape[0], self.global_batch_size
-        dummy = np.zeros((n,), np.int32)
-        outs = []
-        dist = self._distribute(
-            (self._local_rows(xb, 1),) for xb, _, _ in data_lib.eval_batches(
-                data_lib.ArrayData(x, dummy), b)
-        )
+        """The model's outputs for every row of ``x`` (an array, a dict of feature arrays or a
+        stream of batches; labels in it are ignored), batched by ``global_batch_size``."""
+        if isinstance(x, data_lib.ArrayData) or inputs_lib._is_features(x):
+            feats = x.x if isinstance(x, data_lib.ArrayData) else x
+            first = next(iter(feats.values())) if isinstance(feats, Mapping) else feats
+            d: Any = data_lib.ArrayData(feats, np.zeros((np.shape(first)[0],), np.int32))
+        else:
+            d = inputs_lib.StreamSource(x, "predict data")
+        outs, n = [], 0
         params = self._current_params()
-        for (xb,) in dist:
-            out = self.strategy.run(self._predict_replica, args=(params, self.rest, xb))
-            outs.append(np.asarray(self.strategy.gather(out, axis=0)))
+        for xb, mb in self._distribute(self._eval_chunks(d, labels=False)):
+            out = self.strategy.run(self._predict_replica, args=(params, self.rest, self._rngs, xb))
+            mask = np.asarray(self.strategy.gather(mb, axis=0)) > 0
+            outs.append(np.asarray(self.strategy.gather(out, axis=0))[mask])
+            n += int(mask.sum())
         if not outs:
             return np.zeros((0,), np.float32)
         return np.concatenate(outs)[:n]
 
     # ------------------------------------------------------------------ internals
     def _check_shapes(self, d: data_lib.ArrayData, what: str) -> None:
-        example = jax.ShapeDtypeStruct((self.global_batch_size, *d.x.shape[1:]), jnp.float32)
+        b = self.global_batch_size
+        example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), d.x)
+        shapes = jax.tree.map(lambda a: tuple(a.shape[1:]), d.x)
         try:
             out = jax.eval_shape(
                 lambda p, r, x: self._apply(p, r, x), self.params, self.rest, example
@@ -379,10 +474,10 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - any shape error becomes one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise data_lib.DataError(
-                f"{what}: the model cannot take examples of shape {tuple(d.x.shape[1:])}: "
-                f"{first}"
+                f"{what}: the model cannot take examples of shape {shapes}: {first}"
             ) from None
-        if self.accuracy and d.y.ndim == 1 and out.ndim == 2:
+        _check_labels(d.y, out, self.loss_fn, what)
+        if self.accuracy and d.y.ndim == 1 and getattr(out, "ndim", 0) == 2:
             bad = (d.y < 0) | (d.y >= out.shape[-1])
             if np.issubdtype(d.y.dtype, np.integer) and bad.any():
                 raise data_lib.DataError(
@@ -390,13 +485,58 @@ class Trainer:
                     f"{out.shape[-1]} outputs; expected labels in [0, {out.shape[-1]})"
                 )
 
-    def _local_rows(self, x: np.ndarray, num_steps: int) -> np.ndarray:
+    def _example(self, d: Any) -> data_lib.ArrayData:
+        """Data to check against the model: array data itself, a stream's first element."""
+        if isinstance(d, data_lib.ArrayData):
+            return d
+        x, y, _ = d.peek()
+        if y is None:
+            raise data_lib.DataError(f"{d.what}: the {d.name}'s elements have no labels; "
+                                     f"expected (x, y) batches or dicts with 'x' and 'y'")
+        return data_lib.ArrayData(x, y)
+
+    def _stream_steps_per_epoch(self, train: inputs_lib.StreamSource,
+                                steps_per_epoch: int | None, steps: int | None) -> int:
+        if steps_per_epoch is not None:
+            return int(steps_per_epoch)
+        n = train.num_elements()
+        if n is None:
+            if steps is not None:
+                return int(steps)
+            raise data_lib.DataError(
+                f"train_data is a {train.name} with no known length; pass steps_per_epoch=N "
+                f"(or steps=N), as Keras needs for such data")
+        return n * train.rows_per_element() // self.global_batch_size
+
+    def _eval_chunks(self, d: Any, labels: bool):
+        """Global batches of ``d`` (this process's rows), the last padded: ``(x, y, w, mask)``
+        or, without ``labels``, ``(x, mask)``."""
+        b = self.global_batch_size
+        if isinstance(d, data_lib.ArrayData):
+            batches = data_lib.eval_batches(d, b)
+        else:
+            batches = (data_lib.pad_batch(x, y if y is not None else
+                                          np.zeros((inputs_lib._rows(x),), np.int32), w, b)
+                       for x, y, w in d.batches(b, epoch=0, pad_last=True))
+        for x, y, w, m in batches:
+            if labels:
+                if isinstance(d, inputs_lib.StreamSource):
+                    _check_batch_labels(y, d.what, self.loss_fn)
+                yield (self._local_rows(x, 1), self._local_rows(y, 1), self._local_rows(w, 1),
+                       self._local_rows(m, 1))
+            else:
+                yield self._local_rows(x, 1), self._local_rows(m, 1)
+
+    def _local_rows(self, x: Any, num_steps: int) -> Any:
         """Orders ``num_steps`` global batches so that each local replica gets its rows.
 
-        ``x`` holds ``num_steps`` consecutive global batches. Replica ``r`` must see rows
-        ``[r*B/N, (r+1)*B/N)`` of every one of them, in step order; the distributed dataset
-        splits its input into equal consecutive parts, one per local replica.
+        ``x`` (an array or a dict of arrays) holds ``num_steps`` consecutive global batches.
+        Replica ``r`` must see rows ``[r*B/N, (r+1)*B/N)`` of every one of them, in step order;
+        the distributed dataset splits its input into equal consecutive parts, one per local
+        replica.
         """
+        if isinstance(x, Mapping):
+            return {k: self._local_rows(v, num_steps) for k, v in x.items()}
         n = self.strategy.num_replicas_in_sync
         per = self.global_batch_size // n
         x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
@@ -440,10 +580,11 @@ class Trainer:
             self._hook.resume(self, steps_per_epoch)
             return
         ckpt = self._checkpointer_or_none()
-        restored = ckpt.restore_latest(like=self.state)
+        restored = ckpt.restore_latest(like=self.state, what="model")
         if restored is None:
             return
         state, meta = restored
+        self._restored_position = meta.get("data_position")
         self.params, self.rest = state["params"], state["rest"]
         self.opt_state = state["opt_state"]
         self.step = int(meta["step"])
@@ -461,6 +602,8 @@ class Trainer:
             return
         meta = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "seed": self.seed, "global_batch_size": self.global_batch_size}
+        if self._data_position is not None:  # a stream's position (grain's iterator state)
+            meta["data_position"] = self._data_position
         ckpt.save(self.step, self.state, meta)
         self.last_checkpoint = self.step
 
@@ -468,8 +611,36 @@ class Trainer:
                      chunks: Sequence[tuple[int, int]]):
         b = self.global_batch_size
         for start, k in chunks:
-            idx = order[start * b:(start + k) * b]
-            yield self._local_rows(train.x[idx], k), self._local_rows(train.y[idx], k)
+            part = train.take(order[start * b:(start + k) * b])
+            w = np.ones((k * b,), np.float32) if part.w is None else part.w
+            yield (self._local_rows(part.x, k), self._local_rows(part.y, k),
+                   self._local_rows(w, k))
+
+    def _stream_chunks(self, train: inputs_lib.StreamSource, chunks: Sequence[tuple[int, int]],
+                       positions: list[Any], ran_out: list[bool]):
+        """Like ``_host_chunks`` for a stream: ``k`` global batches per chunk; the stream's
+        position after each chunk goes to ``positions`` (the distributed dataset reads ahead,
+        so the loop takes a position only when it runs the chunk)."""
+        b = self.global_batch_size
+        restored = self._restored_position
+        self._restored_position = None
+        state = None
+        if restored and restored.get("epoch") == self.epoch:
+            state = restored.get("grain_state")
+        it = train.batches(b, self.epoch, skip=chunks[0][0] if chunks else 0, state=state)
+        for _, k in chunks:
+            got = list(itertools.islice(it, k))
+            if len(got) < k:
+                ran_out[0] = True
+                return
+            for _, yb, _ in got:
+                _check_batch_labels(yb, train.what, self.loss_fn)
+            x = jax.tree.map(lambda *a: np.concatenate(a), *[g[0] for g in got])
+            y = np.concatenate([g[1] for g in got])
+            w = np.concatenate([np.ones((b,), np.float32) if g[2] is None else g[2]
+                                for g in got])
+            positions.append(train.position())
+            yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
 
     def _fit_loop(self, train, val, total, spe, validation_freq, logger, history) -> None:
         b, k = self.global_batch_size, self.steps_per_execution
@@ -499,9 +670,11 @@ class Trainer:
             fetched = jax.device_get([s for s, _ in items])
             losses = np.concatenate([np.asarray(f["loss"]).reshape(-1) for f in fetched])
             correct = np.concatenate([np.asarray(f["correct"]).reshape(-1) for f in fetched])
+            weight = (np.concatenate([np.asarray(f["weight"]).reshape(-1) for f in fetched])
+                      if all("weight" in f for f in fetched) else losses.size * b)
             out = {"loss": float(np.mean(losses))}
             if self.accuracy:
-                out["accuracy"] = float(np.sum(correct) / (losses.size * b))
+                out["accuracy"] = float(np.sum(correct) / max(float(np.sum(weight)), 1e-12))
             return out
 
         def log_train() -> None:
@@ -531,7 +704,8 @@ class Trainer:
 
         opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
         while self.step < total:
-            order = self._epoch_order(len(train), self.epoch)
+            order = (None if isinstance(train, inputs_lib.StreamSource)
+                     else self._epoch_order(len(train), self.epoch))
             start = self.step_in_epoch
             stop = min(spe, start + (total - self.step))
             # Full chunks of k steps, then single steps: at most two compiled programs, however
@@ -541,19 +715,27 @@ class Trainer:
                 kk = k if stop - s >= k else 1
                 chunks.append((s, kk))
                 s += kk
+            positions: list[Any] = []
+            ran_out = [False]
             if self._hook is not None and self._hook.owns_input:  # e.g. per-worker datasets
-                iterator = ((None, None) for _ in chunks)
+                iterator = ((None, None, None) for _ in chunks)
+            elif isinstance(train, inputs_lib.StreamSource):
+                iterator = iter(self._distribute(
+                    self._stream_chunks(train, chunks, positions, ran_out), options=opts))
             else:
                 iterator = iter(self._distribute(
                     self._host_chunks(train, order, chunks), options=opts))
             try:
-                for (s, kk), (xb, yb) in zip(chunks, iterator):
+                for (s, kk), (xb, yb, wb) in zip(chunks, iterator):
+                    if positions:
+                        self._data_position = positions.pop(0)
                     if self._hook is not None:
-                        stats = self._hook.train_step(self, xb, yb, kk)
+                        stats = self._hook.train_step(self, xb, yb, kk, wb)
                     else:
-                        self.params, self.opt_state, stats = self.strategy.run(
+                        self.params, self.rest, self.opt_state, stats = self.strategy.run(
                             self._train_replica,
-                            args=(self.params, self.rest, self.opt_state, xb, yb))
+                            args=(self.params, self.rest, self._rngs, self.opt_state, xb, yb,
+                                  wb, np.int32(self.step)))
                     before = self.step
                     self.step += kk
                     self.step_in_epoch = s + kk
@@ -577,6 +759,15 @@ class Trainer:
                         self.save_checkpoint()
             finally:
                 iterator.close()
+            if ran_out[0]:  # a stream ended before the epoch length it announced
+                if self.step_in_epoch == 0 and not epoch_stats:
+                    raise data_lib.DataError(
+                        f"train_data ran out of data at step {self.step} (epoch "
+                        f"{self.epoch}); pass a repeating dataset or fewer steps/epochs")
+                if total != self.step and self.step_in_epoch < spe:
+                    total -= spe - self.step_in_epoch   # the epoch was shorter: as many epochs
+                    spe = self.step_in_epoch
+                self.epoch, self.step_in_epoch = self.epoch + 1, 0
             if self.halt_on_nan:
                 check_nan()
             if self.step_in_epoch == 0 and epoch_stats:  # an epoch just ended
@@ -612,3 +803,36 @@ def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def _correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.sum(_correct_per_example(logits, labels))
+
+
+def _check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:
+    """Labels of the wrong kind for the named losses: one clear error (exit status 2)."""
+    out_ndim = getattr(out, "ndim", None)
+    if loss_fn is sparse_categorical_crossentropy and out_ndim is not None:
+        if y.ndim == out_ndim and y.ndim >= 2 and y.shape[-1] == out.shape[-1]:
+            raise data_lib.DataError(
+                f"{what}: labels of shape {y.shape} look one-hot; loss "
+                f"'sparse_categorical_crossentropy' expects integer class ids of shape "
+                f"{y.shape[:-1]}: pass y.argmax(-1), or use loss='categorical_crossentropy'",
+                exit_code=2)
+        _check_batch_labels(y, what, loss_fn)
+    if loss_fn is categorical_crossentropy and out_ndim is not None and y.ndim == out_ndim - 1:
+        raise data_lib.DataError(
+            f"{what}: labels of shape {y.shape} are class ids; loss 'categorical_crossentropy' "
+            f"expects one-hot labels of shape {(*y.shape, out.shape[-1])}: use loss="
+            f"'sparse_categorical_crossentropy'", exit_code=2)
+
+
+def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
+    """Float labels that are not whole numbers cannot be class ids (sparse cross-entropy)."""
+    if y is None or loss_fn is not sparse_categorical_crossentropy:
+        return
+    y = np.asarray(y)
+    if np.issubdtype(y.dtype, np.floating):
+        frac = np.mod(y, 1) != 0
+        if frac.any():
+            raise data_lib.DataError(
+                f"{what}: labels are floats such as {y[frac].flat[0]:g}; loss "
+                f"'sparse_categorical_crossentropy' expects integer class ids: pass integer "
+                f"labels (y.astype(int) if they are ids), or a loss for real-valued targets",
+                exit_code=2)
