@@ -15,7 +15,13 @@ def test_jsonl_tensorboard_and_log_lines(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["event"] for r in records] == ["train", "validation"]
     assert records[0]["loss"] == 0.5 and records[1]["loss"] == "nan"
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    # Each phase in its own directory under the same tag: TensorBoard overlays them.
+    for phase in ("train", "validation"):
+        events = [p for p in (tmp_path / phase).iterdir()
+                  if p.name.startswith("events.out.tfevents")]
+        assert len(events) == 1
+        assert b"loss" in events[0].read_bytes()
+    assert not list(tmp_path.glob("events.out.tfevents*"))
     assert "[train] step 10 epoch=0 loss=0.5 accuracy=0.75" in out.getvalue()
 
 

@@ -19,6 +19,8 @@ import os
 import time
 
 METRICS_FILE = "metrics.jsonl"
+#: The side-car evaluator's directory under ``logging.dir`` (not a training run).
+EVAL_DIR = "eval"
 
 
 class RunDirError(ValueError):
@@ -72,7 +74,8 @@ def new_run_dir(log_dir: str | os.PathLike, run_name: str | None = None) -> str:
 
 
 def list_runs(log_dir: str | os.PathLike) -> list[str]:
-    """The run directories under ``log_dir`` (those with a ``metrics.jsonl``), oldest first.
+    """The run directories under ``log_dir`` (those with a ``metrics.jsonl``, the evaluator's
+    ``eval`` excepted), oldest first.
 
     Example:
         >>> list_runs("runs/digits")
@@ -81,8 +84,8 @@ def list_runs(log_dir: str | os.PathLike) -> list[str]:
     parent = os.fspath(log_dir)
     if not os.path.isdir(parent):
         return []
-    runs = [e.path for e in os.scandir(parent)
-            if e.is_dir() and os.path.isfile(os.path.join(e.path, METRICS_FILE))]
+    runs = [e.path for e in os.scandir(parent) if e.is_dir() and e.name != EVAL_DIR
+            and os.path.isfile(os.path.join(e.path, METRICS_FILE))]
     return sorted(runs, key=lambda p: (os.path.getmtime(os.path.join(p, METRICS_FILE)), p))
 
 
@@ -104,4 +107,4 @@ def latest_run(log_dir: str | os.PathLike) -> str:
     return runs[-1]
 
 
-__all__ = ["METRICS_FILE", "RunDirError", "latest_run", "list_runs", "new_run_dir"]
+__all__ = ["EVAL_DIR", "METRICS_FILE", "RunDirError", "latest_run", "list_runs", "new_run_dir"]
