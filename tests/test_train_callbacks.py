@@ -279,3 +279,17 @@ def test_config_callbacks_build_with_paths_in_the_run_dir(tmp_path):
     cbs = C.from_config(cfg["callbacks"], resolve_path=lambda p: str(tmp_path / p))
     assert isinstance(cbs[0], C.EarlyStopping) and cbs[0].patience == 2
     assert cbs[1].filename == str(tmp_path / "log.csv")
+
+
+def test_evaluate_and_predict_take_callbacks(data):
+    calls = []
+    t = _trainer()
+    cb = C.LambdaCallback(on_test_begin=lambda logs=None: calls.append("test_begin"),
+                          on_test_end=lambda logs=None: calls.append(("test_end", sorted(logs))),
+                          on_predict_begin=lambda logs=None: calls.append("predict_begin"),
+                          on_predict_end=lambda logs=None: calls.append(
+                              ("predict_end", logs["outputs"].shape)))
+    t.evaluate(data[1], callbacks=[cb])
+    t.predict(data[1][0], callbacks=[cb])
+    assert calls == ["test_begin", ("test_end", ["accuracy", "loss"]), "predict_begin",
+                     ("predict_end", (len(data[1][0]), 4))]

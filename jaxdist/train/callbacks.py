@@ -166,6 +166,32 @@ class CallbackList:
         return call
 
 
+def with_callbacks(phase: str) -> Callable:
+    """Decorates ``Trainer.evaluate`` (``"test"``) or ``predict`` (``"predict"``): an optional
+    ``callbacks=[...]`` argument gets ``on_<phase>_begin()`` and ``on_<phase>_end(logs)``.
+
+    Example:
+        >>> trainer.evaluate((x, y), callbacks=[LambdaCallback(on_test_end=print)])
+    """
+    import functools
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, callbacks: Iterable[Callback] | None = None,
+                **kwargs: Any) -> Any:
+            if not callbacks:
+                return method(self, *args, **kwargs)
+            cbs = CallbackList(callbacks, model=self, is_chief=self.should_save_summary)
+            getattr(cbs, f"on_{phase}_begin")()
+            out = method(self, *args, **kwargs)
+            getattr(cbs, f"on_{phase}_end")(out if isinstance(out, dict) else {"outputs": out})
+            return out
+
+        return run
+
+    return wrap
+
+
 def _monitor_op(mode: str, monitor: str, min_delta: float) -> tuple[Callable, float]:
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"mode={mode!r} is not valid; expected 'auto', 'min' or 'max'")

@@ -367,6 +367,7 @@ class Trainer(TrainerHandle):
         return callbacks_lib.CallbackList([*callbacks, history], model=self,
                                           is_chief=self.should_save_summary, params=params)
 
+    @callbacks_lib.with_callbacks("test")
     def evaluate(self, data: Any) -> dict[str, float]:
         """Mean loss and accuracy over every example of ``data`` (an ``(x, y)`` pair)."""
         d = data_lib.as_array_data(data, "evaluate data")
@@ -400,6 +401,7 @@ class Trainer(TrainerHandle):
         total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *sums)
         return {m.name: m.result(total[m.name]) for m in self.metrics}
 
+    @callbacks_lib.with_callbacks("predict")
     def predict(self, x: Any) -> np.ndarray:
         """The model's outputs for every row of ``x``, batched by ``global_batch_size``."""
         x = np.asarray(x, np.float32)
