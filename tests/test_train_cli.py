@@ -60,7 +60,10 @@ def test_default_config_reaches_95_percent(tmp_path):
     assert end["val_accuracy"] >= 0.95, end
     train = [r for r in records if r["event"] == "train"]
     assert {"loss", "accuracy", "examples_per_sec", "step_time_ms"} <= set(train[-1])
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    (run,) = tmp_path.iterdir()  # the run's own directory, named in the start-up line
+    assert f"writing to {run}" in out.stdout
+    assert list((run / "train").glob("events.out.tfevents*"))
+    assert list((run / "validation").glob("events.out.tfevents*"))
     assert "[validation]" in out.stdout  # plain log lines when stdout is not a terminal
     assert wall < 60
 
