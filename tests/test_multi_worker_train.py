@@ -56,7 +56,8 @@ def test_launcher_trains_digits_and_only_the_chief_writes(tmp_path):
     assert end[0]["val_accuracy"] >= 0.93, end[0]
     train_steps = [r["step"] for r in records if r["event"] == "train"]
     assert train_steps == sorted(set(train_steps))
-    assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+    (run,) = logs.iterdir()  # one run directory: only the chief writes
+    assert len(list((run / "train").glob("events.out.tfevents.*"))) == 1
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [50, 100, 110]
     # only the chief (process 0) wrote checkpoint data
     assert not list(ckpt.glob("*/state/ocdbt.process_1"))
