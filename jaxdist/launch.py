@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -187,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     if not command:
         _parser().error("no command given: python -m jaxdist.launch [options] -- COMMAND ...")
+    if shutil.which(command[0]) is None:  # one line, before any task starts
+        print(f"jaxdist.launch: command not found: {command[0]!r} (not an executable file, "
+              f"nor on PATH); expected e.g. -- python -m jaxdist.train --config FILE",
+              file=sys.stderr)
+        return 127
     if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
         _parser().error("need --workers >= 1 (or --chief)")
     launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,

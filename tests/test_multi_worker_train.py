@@ -13,6 +13,7 @@ import time
 import pytest
 
 from jaxdist.testing import LocalCluster, python_command
+from jaxdist.train.runs import latest_run
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +49,15 @@ def test_launcher_trains_digits_and_only_the_chief_writes(tmp_path):
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    records = _records(logs / "metrics.jsonl")
+    records = _records(latest_run(logs) + "/metrics.jsonl")
     end = [r for r in records if r["event"] == "end"]
     assert len(end) == 1, records  # one writer: a second one would duplicate every record
     assert end[0]["step"] == 5 * 22
     assert end[0]["val_accuracy"] >= 0.93, end[0]
     train_steps = [r["step"] for r in records if r["event"] == "train"]
     assert train_steps == sorted(set(train_steps))
-    assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+    (run,) = logs.iterdir()  # one run directory: only the chief writes
+    assert len(list((run / "train").glob("events.out.tfevents.*"))) == 1
     assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [50, 100, 110]
     # only the chief (process 0) wrote checkpoint data
     assert not list(ckpt.glob("*/state/ocdbt.process_1"))
@@ -102,7 +104,7 @@ def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path):
         out = c.output("worker:0")
     assert f"Resumed from checkpoint at step {last} " in out, out
     assert not (tmp_path / "logs_worker1").exists()  # the worker wrote nothing
-    records = _records(tmp_path / "logs_worker0" / "metrics.jsonl")
+    records = _records(latest_run(tmp_path / "logs_worker0") + "/metrics.jsonl")
     ends = [r for r in records if r["event"] == "end"]
     assert len(ends) == 1 and ends[0]["step"] == 3 * 22, ends
     assert max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == 66

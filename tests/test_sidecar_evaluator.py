@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from jaxdist.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
+from jaxdist.train.runs import latest_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,8 +73,8 @@ def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
     assert all(r["event"] == "evaluation" for r in evals)
     assert steps == sorted(set(steps)) and steps[-1] == 66
     assert set(steps) <= {20, 40, 60, 66}
-    assert list((logs / "eval").glob("events.out.tfevents.*"))
-    with open(logs / "metrics.jsonl") as f:
+    assert list((logs / "eval").rglob("events.out.tfevents.*"))
+    with open(pathlib.Path(latest_run(logs)) / "metrics.jsonl") as f:
         chief = [json.loads(line) for line in f]
     end = [r for r in chief if r["event"] == "end"][0]
     # the evaluator restored the chief's final weights: the same validation result
@@ -138,7 +140,7 @@ def test_launcher_evaluator_reads_parameter_server_checkpoints(tmp_path):
         evals = [json.loads(line) for line in f]
     steps = [r["step"] for r in evals]
     assert steps == sorted(set(steps)) and steps[-1] == final
-    with open(logs / "metrics.jsonl") as f:
+    with open(pathlib.Path(latest_run(logs)) / "metrics.jsonl") as f:
         end = [r for r in map(json.loads, f) if r["event"] == "end"][0]
     # the evaluator reassembled the ps shards of the chief's final weights
     assert evals[-1]["accuracy"] == pytest.approx(end["val_accuracy"], abs=1e-6)

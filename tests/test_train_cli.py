@@ -1,6 +1,5 @@
 """``python -m jaxdist.train`` end to end, in subprocesses (CPU, 2 forced devices)."""
 
-import json
 import os
 import pathlib
 import signal
@@ -10,6 +9,8 @@ import time
 
 import numpy as np
 import pytest
+
+from jaxdist.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -35,8 +36,7 @@ def _run(config: str, *overrides: str, devices: int = 2, timeout: float = 120):
 
 
 def _records(log_dir) -> list:
-    with open(pathlib.Path(log_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(log_dir)  # the newest run directory under logging.dir
 
 
 @pytest.mark.slow
@@ -60,7 +60,10 @@ def test_default_config_reaches_95_percent(tmp_path):
     assert end["val_accuracy"] >= 0.95, end
     train = [r for r in records if r["event"] == "train"]
     assert {"loss", "accuracy", "examples_per_sec", "step_time_ms"} <= set(train[-1])
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    (run,) = tmp_path.iterdir()  # the run's own directory, named in the start-up line
+    assert f"writing to {run}" in out.stdout
+    assert list((run / "train").glob("events.out.tfevents*"))
+    assert list((run / "validation").glob("events.out.tfevents*"))
     assert "[validation]" in out.stdout  # plain log lines when stdout is not a terminal
     assert wall < 60
 
@@ -80,7 +83,7 @@ def test_bad_config_exits_2(overrides, devices, message, tmp_path):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
+    assert not list(tmp_path.rglob("metrics.jsonl"))  # nothing ran
 
 
 @pytest.mark.slow

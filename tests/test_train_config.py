@@ -38,7 +38,7 @@ def test_defaults_and_overrides():
 
 @pytest.mark.parametrize("raw, overrides, message", [
     ({"train": {"epoch": 3}}, [], "train.epoch: unknown key; valid keys: .*epochs"),
-    ({"trian": {}}, [], "trian: unknown key; valid keys: checkpoint, data"),
+    ({"trian": {}}, [], "trian: unknown key; valid keys: callbacks, checkpoint, data"),
     ({}, ["train.epochs=three"], r"train.epochs: 'three' \(str\) is not an int"),
     ({}, ["train.epochs=0"], r"train.epochs: 0 is too small; expected >= 1"),
     ({}, ["train.halt_on_nan=maybe"], "train.halt_on_nan: 'maybe' .* expected true or false"),

@@ -17,6 +17,7 @@ from jaxdist.input.options import InputContext
 from jaxdist.train.__main__ import main as train_main
 from jaxdist.train.coordinator_step import CoordinatorHook, WorkerShard, worker_share
 from jaxdist.train.data import epoch_order
+from jaxdist.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "parameter_server_coordinator.yaml"
@@ -123,8 +124,7 @@ def _launch(tmp_path, *overrides, timeout=120):
 
 
 def _records(tmp_path):
-    text = (tmp_path / "logs" / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines()]
+    return read_metrics(tmp_path / "logs")  # the newest run directory
 
 
 def _steps_run(out: str) -> dict[str, int]:
@@ -148,15 +148,15 @@ def test_launch_coordinator_trains_digits_end_to_end(tmp_path):
     for task in ("ps:0", "worker:0", "worker:1"):
         assert f"[{task}] jaxdist.server {task} stopped" in out, out[-3000:]
     assert "all training tasks finished" in out
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["config.yaml",
-                                                                   "metrics.jsonl"]
+    (run,) = (tmp_path / "logs").iterdir()  # one run directory: the chief's
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 
 @pytest.mark.slow
 def test_relaunch_resumes_from_the_ps_checkpoint(tmp_path):
     proc, _ = _launch(tmp_path, "train.epochs=1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    (tmp_path / "logs" / "metrics.jsonl").unlink()
+    assert len(list((tmp_path / "logs").iterdir())) == 1  # the second run gets its own dir
     proc, _ = _launch(tmp_path, "train.epochs=2")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

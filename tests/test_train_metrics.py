@@ -10,12 +10,18 @@ def test_jsonl_tensorboard_and_log_lines(tmp_path):
     out = io.StringIO()
     logger = MetricsLogger(tmp_path, total_steps=20, stream=out)
     logger.write("train", 10, epoch=0, loss=0.5, accuracy=0.75, examples_per_sec=100.0)
-    logger.write("validation", 10, epoch=1, loss=math.nan)
+    logger.write("validation", 10, epoch=1, loss=math.nan, accuracy=0.5)
     logger.close()
     records = read_metrics(tmp_path)
     assert [r["event"] for r in records] == ["train", "validation"]
     assert records[0]["loss"] == 0.5 and records[1]["loss"] == "nan"
-    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    # Each phase in its own directory under the same tag: TensorBoard overlays them.
+    for phase in ("train", "validation"):
+        events = [p for p in (tmp_path / phase).iterdir()
+                  if p.name.startswith("events.out.tfevents")]
+        assert len(events) == 1
+        assert b"accuracy" in events[0].read_bytes()
+    assert not list(tmp_path.glob("events.out.tfevents*"))
     assert "[train] step 10 epoch=0 loss=0.5 accuracy=0.75" in out.getvalue()
 
 

@@ -20,6 +20,7 @@ from jaxdist.ps.cluster import TaskInfo
 from jaxdist.train.__main__ import main as train_main
 from jaxdist.train.config import ConfigError, load_config
 from jaxdist.train.job import run_job
+from jaxdist.train.metrics import read_metrics
 from jaxdist.train.ps_config import ps_optimizer_from_config
 from jaxdist.train.ps_step import ParameterServerHook
 
@@ -172,7 +173,7 @@ def test_launch_two_workers_two_ps_end_to_end(tmp_path):
     wall = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    records = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(logs)
     val = [r for r in records if r["event"] == "validation"]
     end = records[-1]
     assert end["event"] == "end"
@@ -186,5 +187,6 @@ def test_launch_two_workers_two_ps_end_to_end(tmp_path):
         assert len(list((ckpt / f"ps-{i}").glob("ckpt-*"))) <= 3   # checkpoint.keep
     assert "all training tasks finished" in out
     # worker:1 trained (pushed) but wrote nothing: one config.yaml and the chief's metrics only
-    assert sorted(p.name for p in logs.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    (run,) = logs.iterdir()  # one run directory: the chief's
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
     assert not any(line.startswith("[worker:1] [") for line in out.splitlines())

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                    dest="overrides",
                    help="override a config value (YAML syntax), e.g. --set train.epochs=5; "
                         "repeatable")
+    p.add_argument("--run-name", metavar="NAME", default=None,
+                   help="name this run's directory <logging.dir>/NAME (default: the start "
+                        "time); it must not hold an earlier run")
     p.add_argument("--print-config", action="store_true",
                    help="print the validated config (defaults filled in) and exit")
     return p
@@ -48,11 +51,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     err = sys.stderr
+    notes: list[str] = []
+    overrides = list(args.overrides)
+    if args.run_name is not None:
+        overrides.append(f"logging.run_name={args.run_name}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides, notes=notes)
     except ConfigError as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
+    for note in notes:
+        print(f"{_PROG}: note: {note}", file=err)
     if args.print_config:
         print(dump(cfg), end="")
         return EXIT_OK
@@ -70,11 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxdist.train.checkpoint import CheckpointMismatchError
     from jaxdist.train.data import DataError
     from jaxdist.train.job import run_job
+    from jaxdist.train.runs import RunDirError
     from jaxdist.train.trainer import NaNLossError
 
     try:
         run_job(cfg)
     except ConfigError as e:
+        print(f"{_PROG}: config error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
+    except RunDirError as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
     except NaNLossError as e:

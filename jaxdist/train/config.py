@@ -134,6 +134,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                  minimum=0),
         "halt_on_nan": Field(bool, True, "stop with an error when the loss becomes NaN or "
                              "inf (TF's TerminateOnNaN); the last good checkpoint is kept"),
+        "metrics": Field(list, ["accuracy"], "Keras metrics: names (accuracy, "
+                         "sparse_top_k_categorical_accuracy, auc, ...) or {name: ..., k: 3}"),
     },
     "checkpoint": {
         "dir": Field(str, None, "checkpoint directory (null: no checkpoints); on start the "
@@ -144,8 +146,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "resume": Field(bool, True, "resume from the latest checkpoint in 'dir'"),
     },
     "logging": {
-        "dir": Field(str, "runs/default", "where metrics.jsonl and the TensorBoard event "
-                     "files go (null: no files)", optional=True),
+        "dir": Field(str, "runs/default", "parent of the run directories: each run writes "
+                     "metrics.jsonl, config.yaml and TensorBoard files (train/, validation/) "
+                     "into its own <dir>/<timestamp> (null: no files)", optional=True),
+        "run_name": Field(str, None, "the run directory's name instead of the start time "
+                          "(--run-name); it must not hold an earlier run", optional=True),
+        "verbose": Field(int, 1, "console output as Keras' verbose: 0 silent, 1 progress bar "
+                         "(log lines when not on a terminal), 2 one line per epoch",
+                         choices=(0, 1, 2)),
         "every_steps": Field(int, 10, "log training metrics every this many steps",
                              minimum=1),
         "tensorboard": Field(bool, True, "also write TensorBoard event files"),
@@ -165,6 +173,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
 
 TOP_LEVEL: dict[str, Field] = {
     "seed": Field(int, 0, "seed of the model initialisation and the data order"),
+    "callbacks": Field(list, [], "Keras callbacks by class name with their arguments, e.g. "
+                       "[{name: EarlyStopping, monitor: val_loss, patience: 3}]; relative "
+                       "paths are inside the run directory"),
 }
 
 SECTIONS = ("strategy", *SCHEMA)
@@ -289,9 +300,28 @@ def _cross_checks(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"optimizer.warmup_steps: {opt['warmup_steps']} is not valid; "
                           f"expected fewer than decay_steps ({opt['decay_steps']}), which "
                           f"include the warm-up")
+    _check_keras_lists(cfg)
     if cfg["model"]["name"] == "mlp" and any(h < 1 for h in cfg["model"]["hidden_sizes"]):
         raise ConfigError(f"model.hidden_sizes: {cfg['model']['hidden_sizes']!r} is not valid; "
                           f"expected positive layer widths")
+
+
+def _check_keras_lists(cfg: Mapping[str, Any]) -> None:
+    """Validates ``callbacks`` and ``train.metrics`` by building them once (cheap objects)."""
+    from jaxdist.train import callbacks, keras_metrics
+
+    try:
+        callbacks.from_config(cfg["callbacks"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for i, spec in enumerate(cfg["train"]["metrics"]):
+        if not isinstance(spec, (str, Mapping)):
+            raise ConfigError(f"train.metrics[{i}]: {spec!r} is not valid; expected a metric "
+                              f"name or {{name: ..., **arguments}}")
+        try:
+            keras_metrics.get(spec)
+        except ValueError as e:
+            raise ConfigError(f"train.metrics[{i}]: {e}") from None
 
 
 def check_replicas(cfg: Mapping[str, Any], num_replicas: int) -> None:
@@ -326,9 +356,29 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, parsed
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Returns a copy of ``raw`` with each ``section.key=value`` override applied."""
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str],
+                    notes: list[str] | None = None) -> dict[str, Any]:
+    """Returns a copy of ``raw`` with each ``section.key=value`` override applied.
+
+    ``strategy.name=X`` drops the file's ``strategy`` keys that strategy ``X`` does not take
+    (e.g. ``devices`` for ``one_device``) and appends a note naming them to ``notes``; keys set
+    by another ``--set`` are kept (and validated).
+    """
+    from jaxdist.train import strategy_registry
+
     out = copy.deepcopy(raw)
+    parsed = [parse_override(text) for text in overrides]
+    set_keys = {tuple(p) for p, _ in parsed}
+    for path, value in parsed:
+        if path == ["strategy", "name"] and isinstance(out.get("strategy"), dict):
+            kept, dropped = strategy_registry.drop_foreign_keys(
+                out["strategy"], value, {p[1] for p in set_keys if len(p) == 2
+                                         and p[0] == "strategy"})
+            out["strategy"] = kept
+            if dropped and notes is not None:
+                notes.append(f"strategy.name={value} does not take "
+                             f"{', '.join(f'strategy.{k}' for k in dropped)}; dropped "
+                             f"{'it' if len(dropped) == 1 else 'them'} from the config")
     for text in overrides:
         path, value = parse_override(text)
         node = out
@@ -365,13 +415,16 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
-                raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                raw: Mapping[str, Any] | None = None,
+                notes: list[str] | None = None) -> dict[str, Any]:
     """Reads, overrides and validates a config.
 
     Args:
         path: a YAML file (or ``None`` for the defaults / ``raw``).
         overrides: ``section.key=value`` strings, applied in order.
         raw: a mapping to use instead of (or, with ``path``, on top of) the file.
+        notes: receives one line for each thing the overrides changed besides their keys
+            (the CLI prints them).
 
     Returns:
         The validated config with every default filled in.
@@ -382,7 +435,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     base: dict[str, Any] = read_yaml(path) if path is not None else {}
     if raw is not None:
         base = _merge(base, copy.deepcopy(dict(raw)))
-    return validate(apply_overrides(base, overrides))
+    return validate(apply_overrides(base, overrides, notes))
 
 
 def _merge(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:

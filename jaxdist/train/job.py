@@ -47,20 +47,27 @@ def learning_rate_from_config(section: Mapping[str, Any]) -> Any:
 
 
 def optimizer_from_config(section: Mapping[str, Any]) -> Any:
-    """The optax optimizer a validated ``optimizer`` section names."""
+    """The optax optimizer a validated ``optimizer`` section names.
+
+    The optimizer is built with ``optax.inject_hyperparams``: its learning rate lives in the
+    optimizer state, so it is logged, and (when constant) ``ReduceLROnPlateau`` can change it
+    without recompiling.
+    """
     import optax
 
     name, lr = section["name"], learning_rate_from_config(section)
     if not isinstance(lr, float | int):
         lr = lr.build()
+    inject = optax.inject_hyperparams
     if name == "sgd":
-        tx = optax.sgd(lr, momentum=section["momentum"] or None)
+        tx = inject(optax.sgd, static_args=("momentum",))(
+            learning_rate=lr, momentum=section["momentum"] or None)
     elif name == "adam":
-        tx = optax.adam(lr)
+        tx = inject(optax.adam)(learning_rate=lr)
     elif name == "adamw":
-        tx = optax.adamw(lr, weight_decay=section["weight_decay"])
+        tx = inject(optax.adamw)(learning_rate=lr, weight_decay=section["weight_decay"])
     else:
-        tx = optax.rmsprop(lr, momentum=section["momentum"])
+        tx = inject(optax.rmsprop)(learning_rate=lr, momentum=section["momentum"])
     if section["clipnorm"] is not None:
         tx = optax.chain(optax.clip_by_global_norm(section["clipnorm"]), tx)
     return tx
@@ -94,14 +101,18 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         cfg: a config from ``load_config``.
         strategy: use this strategy instead of building the configured one.
     """
+    from jaxdist.train import callbacks as callbacks_lib
     from jaxdist.train import data as data_lib
     from jaxdist.train import models
+    from jaxdist.train.strategy_registry import uses_tf_config
     from jaxdist.train.trainer import Trainer
 
     if strategy is None:
         from jaxdist.train.evaluator import evaluator_task, run_sidecar
 
-        task = evaluator_task()
+        # Only the strategies that read TF_CONFIG look at it: a stale one in the environment
+        # does not change (or break) a single-host job.
+        task = evaluator_task() if uses_tf_config(cfg["strategy"]["name"]) else None
         if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
             return run_sidecar(cfg, task)
         strategy = build_strategy(cfg)
@@ -131,6 +142,8 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
             keep_checkpoints=ccfg["keep"],
             resume=ccfg["resume"],
             log_dir=lcfg["dir"],
+            run_name=lcfg["run_name"],
+            metrics=tcfg["metrics"],
             log_every_steps=lcfg["every_steps"],
             tensorboard=lcfg["tensorboard"],
             progress_bar=lcfg["progress_bar"],
@@ -138,16 +151,21 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
             precision=tcfg["precision"],
             batch_norm=tcfg["batch_norm"],
         )
-    if lcfg["dir"] is not None and trainer.should_save_summary:
+    run_dir = trainer.run_dir  # this run's own directory (chief only)
+    if run_dir is not None:
         from jaxdist.train.config import dump
 
-        os.makedirs(lcfg["dir"], exist_ok=True)
-        with open(os.path.join(lcfg["dir"], "config.yaml"), "w") as f:
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(dump(cfg))
+    base = run_dir or os.getcwd()
+    callbacks = callbacks_lib.from_config(
+        cfg["callbacks"], resolve_path=lambda p: p if os.path.isabs(p) else os.path.join(base, p))
     return trainer.fit(
         (train.x, train.y),
         epochs=tcfg["epochs"] if tcfg["steps"] is None else None,
         steps=tcfg["steps"],
         validation_data=None if val is None else (val.x, val.y),
         validation_freq=tcfg["validation_freq"],
+        callbacks=callbacks,
+        verbose=lcfg["verbose"],
     )

@@ -37,6 +37,7 @@ class StrategySpec:
     builder: Builder | str
     fields: Mapping[str, Field]
     help: str = ""
+    uses_tf_config: bool = False
 
     def build(self, section: Mapping[str, Any]) -> Any:
         builder = self.builder
@@ -50,7 +51,7 @@ _REGISTRY: dict[str, StrategySpec] = {}
 
 
 def register_strategy(name: str, builder: Builder | str, fields: Mapping[str, Field] | None = None,
-                      help: str = "") -> None:
+                      help: str = "", uses_tf_config: bool = False) -> None:
     """Makes ``strategy.name: <name>`` available in job configs.
 
     Args:
@@ -59,11 +60,13 @@ def register_strategy(name: str, builder: Builder | str, fields: Mapping[str, Fi
             ``section`` is the validated ``strategy`` section (all of ``fields`` filled in).
         fields: the keys the section may have besides ``name``.
         help: one line for ``--help``.
+        uses_tf_config: the strategy reads ``TF_CONFIG`` (only then does a job look at it,
+            e.g. for an evaluator task).
     """
     fields = dict(fields or {})
     if "name" in fields:
         raise ValueError("a strategy's fields must not include 'name'")
-    _REGISTRY[name] = StrategySpec(name, builder, fields, help)
+    _REGISTRY[name] = StrategySpec(name, builder, fields, help, uses_tf_config)
 
 
 def registered_strategies() -> tuple[str, ...]:
@@ -91,6 +94,35 @@ def validate_section(raw: Any, fill: Callable[..., dict[str, Any]]) -> dict[str,
                               f"{valid}")
     out = fill("strategy", spec.fields, rest)
     return {"name": name, **out}
+
+
+def drop_foreign_keys(section: Mapping[str, Any], name: Any,
+                      keep: set[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
+    """``section`` without the keys strategy ``name`` does not take (``keep``: never drop).
+
+    Returns ``(section, dropped keys)``; an unknown ``name`` drops nothing (validation names
+    it).
+
+    Example:
+        >>> drop_foreign_keys({"name": "mirrored", "devices": None}, "one_device")
+        ({'name': 'mirrored'}, ['devices'])
+    """
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if spec is None:
+        return dict(section), []
+    dropped = [k for k in section if k != "name" and k not in spec.fields and k not in keep]
+    return {k: v for k, v in section.items() if k not in dropped}, dropped
+
+
+def uses_tf_config(name: str) -> bool:
+    """Whether strategy ``name`` reads ``TF_CONFIG`` (the others ignore a stale one).
+
+    Example:
+        >>> uses_tf_config("one_device"), uses_tf_config("multi_worker")
+        (False, True)
+    """
+    spec = _REGISTRY.get(name)
+    return bool(spec is not None and spec.uses_tf_config)
 
 
 def build_strategy(section: Mapping[str, Any]) -> Any:
@@ -191,11 +223,13 @@ register_strategy("multi_worker", "jaxdist.strategies.multi_worker:strategy_from
                              optional=True),
     "bytes_per_pack": Field(int, 0, "pack gradients into all-reduce buckets of this many bytes "
                             "(0: one bucket per dtype)", minimum=0),
-}, help="MultiWorkerMirroredStrategy over the chief/worker tasks of TF_CONFIG")
+}, help="MultiWorkerMirroredStrategy over the chief/worker tasks of TF_CONFIG",
+    uses_tf_config=True)
 register_strategy("parameter_server", "jaxdist.train.ps_config:strategy_from_config",
                   _ps_config.FIELDS,
                   help="ParameterServerStrategy: asynchronous training, variables on the ps "
-                       "tasks of TF_CONFIG (local without it)")
+                       "tasks of TF_CONFIG (local without it)", uses_tf_config=True)
 register_strategy(_coordinator_config.NAME,
                   "jaxdist.train.coordinator_config:strategy_from_config",
-                  _coordinator_config.FIELDS, help=_coordinator_config.HELP)
+                  _coordinator_config.FIELDS, help=_coordinator_config.HELP,
+                  uses_tf_config=True)

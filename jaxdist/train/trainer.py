@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence  # noqa: F401
 from typing import Any
 
 import jax
@@ -32,13 +32,17 @@ from flax import nnx
 from jax import lax
 
 import jaxdist
+from jaxdist.train import callbacks as callbacks_lib
 from jaxdist.train import data as data_lib
 from jaxdist.train import inputs as inputs_lib
+from jaxdist.train import keras_metrics
+from jaxdist.train.callbacks import History
 from jaxdist.train.checkpoint import Checkpointer
 from jaxdist.train.hooks import hook_for
 from jaxdist.train.metrics import MetricsLogger
 from jaxdist.train.model_state import ModelState, check_batch_norm
 from jaxdist.train.precision import compute_dtype
+from jaxdist.train.trainer_handle import TrainerHandle
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -66,22 +70,7 @@ LOSSES: dict[str, LossFn] = {"sparse_categorical_crossentropy": sparse_categoric
                              "categorical_crossentropy": categorical_crossentropy}
 
 
-class History:
-    """What ``fit`` returns: per-epoch metrics, as Keras' ``History.history``.
-
-    Attributes:
-        history: ``{"loss": [...], "accuracy": [...], "val_loss": [...], ...}``, one entry
-            per completed epoch (validation entries for epochs that were validated).
-        records: every metrics record written during ``fit``.
-    """
-
-    def __init__(self):
-        self.history: dict[str, list[float]] = {}
-        self.records: list[dict[str, Any]] = []
-
-    def add(self, prefix: str, values: Mapping[str, float]) -> None:
-        for k, v in values.items():
-            self.history.setdefault(prefix + k, []).append(float(v))
+__all__ = ["History", "LOSSES", "NaNLossError", "Trainer"]  # History: jaxdist.train.callbacks
 
 
 def _default_strategy() -> jaxdist.Strategy:
@@ -90,7 +79,7 @@ def _default_strategy() -> jaxdist.Strategy:
     return jaxdist.OneDeviceStrategy(jax.local_devices()[0])
 
 
-class Trainer:
+class Trainer(TrainerHandle):
     """Trains a flax nnx model with an optax optimizer under a distribution strategy.
 
     Args:
@@ -108,7 +97,15 @@ class Trainer:
         checkpoint_every_steps: save every this many steps (and at the end of ``fit``).
         keep_checkpoints: keep the newest K checkpoints.
         resume: resume from ``checkpoint_dir`` at the start of ``fit``.
-        log_dir: where ``metrics.jsonl`` and TensorBoard events go (``None``: console only).
+        log_dir: the parent of the run directories: each ``Trainer`` writes ``metrics.jsonl``
+            and TensorBoard events (``train/``, ``validation/``) into its own new
+            ``<log_dir>/<timestamp>`` (or ``<log_dir>/<run_name>``), never into an earlier
+            run's (``None``: console only). ``trainer.run_dir`` names it.
+        run_name: the run directory's name instead of the start time.
+        metrics: Keras metrics, e.g. ``["accuracy", "auc",
+            SparseTopKCategoricalAccuracy(k=3)]`` (``jaxdist.train.keras_metrics``); summed
+            over replicas, processes and steps before dividing. ``None``: ``["accuracy"]``
+            when ``accuracy`` is true.
         log_every_steps: training metrics are logged every this many steps.
         tensorboard: write TensorBoard event files into ``log_dir``.
         progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
@@ -155,6 +152,8 @@ class Trainer:
         resume: bool = True,
         log_dir: str | None = None,
         log_every_steps: int = 10,
+        run_name: str | None = None,
+        metrics: Sequence[Any] | None = None,
         tensorboard: bool = True,
         progress_bar: str = "auto",
         halt_on_nan: bool = True,
@@ -188,6 +187,10 @@ class Trainer:
         self.keep_checkpoints = keep_checkpoints
         self.resume = resume
         self.log_dir = log_dir
+        self.run_name = run_name
+        specs = (["accuracy"] if accuracy else []) if metrics is None else list(metrics)
+        accuracy = any(keras_metrics.is_accuracy(m) for m in specs)
+        self.metrics = [keras_metrics.get(m) for m in specs if not keras_metrics.is_accuracy(m)]
         self.log_every_steps = log_every_steps
         self.tensorboard = tensorboard
         self.progress_bar = progress_bar
@@ -255,6 +258,7 @@ class Trainer:
     def _make_train_replica(self) -> Callable:
         gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
         dtype, sync_axes = self._compute_dtype, self._sync_axes
+        metric_stats = self._metric_stats
 
         per_replica = gbs // self.strategy.num_replicas_in_sync
 
@@ -288,6 +292,7 @@ class Trainer:
                 params = optax.apply_updates(params, updates)
                 stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
                          "weight": jnp.sum(wb)}
+                stats.update(metric_stats(logits, yb, None))
                 return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
 
             (params, rest, opt_state, _), stats = lax.scan(
@@ -297,7 +302,7 @@ class Trainer:
         return train_replica
 
     def _make_eval_replica(self) -> Callable:
-        loss_fn, apply = self.loss_fn, self._apply
+        loss_fn, apply, metric_stats = self.loss_fn, self._apply, self._metric_stats
 
         def eval_replica(params, rest, rngs, x, y, w, mask):
             logits = apply(params, rest, x, rngs)
@@ -308,9 +313,17 @@ class Trainer:
                 "weight": jnp.sum(w),
                 "count": jnp.sum(mask),
             }
+            stats.update(metric_stats(logits, y, mask))
             return jaxdist.get_replica_context().all_reduce("SUM", stats)
 
         return eval_replica
+
+    def _metric_stats(self, logits: jax.Array, y: jax.Array, mask: Any) -> dict[str, Any]:
+        """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller)."""
+        if not self.metrics:
+            return {}
+        mask = jnp.ones(y.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+        return {"metrics": {m.name: m.update(logits, y, mask) for m in self.metrics}}
 
     def _make_predict_replica(self) -> Callable:
         apply = self._apply
@@ -334,7 +347,9 @@ class Trainer:
     def fit(self, train_data: Any, epochs: int | None = None, steps: int | None = None,
             validation_data: Any = None, validation_freq: int = 1, *, y: Any = None,
             sample_weight: Any = None, class_weight: Mapping[int, float] | None = None,
-            validation_split: float = 0.0, steps_per_epoch: int | None = None) -> History:
+            validation_split: float = 0.0, steps_per_epoch: int | None = None,
+            callbacks: Sequence[callbacks_lib.Callback] | None = None,
+            verbose: int | str = "auto") -> History:
         """Trains for ``epochs`` passes over ``train_data`` (or exactly ``steps`` steps).
 
         With a ``checkpoint_dir``, training resumes from the latest checkpoint there: the
@@ -358,9 +373,13 @@ class Trainer:
             validation_split: hold out this last fraction of array data (before shuffling, as
                 Keras) for validation.
             steps_per_epoch: steps per epoch (needed for a stream without a length).
+            callbacks: Keras callbacks (``jaxdist.train.callbacks``); ``BackupAndRestore``
+                takes the place of ``checkpoint_dir``.
+            verbose: 0 silent, 1 progress bar (log lines when not on a terminal), 2 one line
+                per epoch; ``"auto"``: 1.
 
         Returns:
-            A ``History``.
+            A ``History`` (Keras' ``history.history``, ``epoch``, ``params``).
 
         Raises:
             DataError: the data does not fit the model or the batch size.
@@ -403,22 +422,44 @@ class Trainer:
             total = (epochs if epochs is not None else 1) * spe
         else:
             total = steps
-        self._maybe_resume(spe)
+        verbose = _verbose(verbose)
         history = History()
+        num_epochs = epochs if steps is None and epochs is not None else -(-total // spe)
+        cbs = self._callback_list(callbacks, history, {"epochs": num_epochs, "steps": spe,
+                                                       "verbose": verbose})
+        self._maybe_resume(spe)
         logger = MetricsLogger(
-            self.log_dir, total_steps=total, initial_step=self.step,
+            self.run_dir, total_steps=total, initial_step=self.step,
             tensorboard=self.tensorboard, progress_bar=self.progress_bar,
-            enabled=self.should_save_summary,
+            enabled=self.should_save_summary, verbose=verbose, per_epoch_bar=True,
         )
+        logger.message(self.describe_run())
         if self.last_checkpoint is not None and self.step > 0:
             logger.message(f"Resumed from checkpoint at step {self.step} (epoch {self.epoch}, "
                            f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
+        self.stop_training = self.stop_training_by_error = False
         try:
-            self._fit_loop(train, val, total, spe, validation_freq, logger, history)
+            self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
+                           num_epochs)
+        except BaseException:
+            self.stop_training_by_error = True
+            raise
         finally:
             logger.close()
         return history
 
+    def _callback_list(self, callbacks: Any, history: History,
+                       params: dict[str, Any]) -> callbacks_lib.CallbackList:
+        """The fit's callbacks (``BackupAndRestore`` configures checkpointing first)."""
+        callbacks = list(callbacks or ())
+        for cb in callbacks:
+            if isinstance(cb, callbacks_lib.BackupAndRestore):
+                cb.configure(self)
+        history.params = params
+        return callbacks_lib.CallbackList([*callbacks, history], model=self,
+                                          is_chief=self.should_save_summary, params=params)
+
+    @callbacks_lib.with_callbacks("test")
     def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
         """Mean loss and accuracy over every example of ``data`` (arrays or a stream, as in
         ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` and the
@@ -440,8 +481,18 @@ class Trainer:
         out = {"loss": loss / count}
         if self.accuracy:
             out["accuracy"] = correct / weight if weight else 0.0
+        out.update(self._metric_results([t.get("metrics") for t in fetched]))
         return out
 
+    def _metric_results(self, sums: Sequence[Any]) -> dict[str, float]:
+        """Each metric's value from the summed stats of several dispatches (host arrays)."""
+        sums = [s for s in sums if s is not None]
+        if not self.metrics or not sums:
+            return {}
+        total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *sums)
+        return {m.name: m.result(total[m.name]) for m in self.metrics}
+
+    @callbacks_lib.with_callbacks("predict")
     def predict(self, x: Any) -> np.ndarray:
         """The model's outputs for every row of ``x`` (an array, a dict of feature arrays or a
         stream of batches; labels in it are ignored), batched by ``global_batch_size``."""
@@ -642,7 +693,8 @@ class Trainer:
             positions.append(train.position())
             yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
 
-    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history) -> None:
+    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
+                  num_epochs) -> None:
         b, k = self.global_batch_size, self.steps_per_execution
         window: list[tuple[Any, int]] = []     # stats of the current logging interval
         epoch_stats: list[tuple[Any, int]] = []
@@ -675,7 +727,13 @@ class Trainer:
             out = {"loss": float(np.mean(losses))}
             if self.accuracy:
                 out["accuracy"] = float(np.sum(correct) / max(float(np.sum(weight)), 1e-12))
+            out.update(self._metric_results([  # per-step sums: add the steps up first
+                jax.tree.map(lambda x: np.sum(np.asarray(x, np.float64), axis=0), f["metrics"])
+                for f in fetched if "metrics" in f]))
             return out
+
+        batch_logs = callbacks_lib.needs_batch_logs(cbs.callbacks)
+        cbs.on_train_begin()
 
         def log_train() -> None:
             nonlocal last_log_step, last_log_time, last_train
@@ -687,26 +745,34 @@ class Trainer:
             dt = max(now - last_log_time, 1e-9)
             values["examples_per_sec"] = n_steps * b / dt
             values["step_time_ms"] = 1000.0 * dt / max(n_steps, 1)
+            lr = self.current_learning_rate()
+            if lr is not None:
+                values["learning_rate"] = lr
             last_train = values
             history.records.append(logger.write("train", self.step, epoch=self.epoch, **values))
             window.clear()
             last_log_step, last_log_time = self.step, time.perf_counter()
 
-        def validate() -> None:
+        def validate() -> dict[str, float]:
             nonlocal last_val_step, last_val_version, last_log_time
+            cbs.on_test_begin()
             values = self.evaluate(val)
+            cbs.on_test_end(values)
             last_val_version = self._hook.state_version(self) if self._hook else None
-            history.add("val_", values)
             history.records.append(logger.write("validation", self.step, epoch=self.epoch,
                                                 **values))
             last_val_step = self.step
             last_log_time = time.perf_counter()  # evaluation time is not training time
+            return values
 
         opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
-        while self.step < total:
+        while self.step < total and not self.stop_training:
             order = (None if isinstance(train, inputs_lib.StreamSource)
                      else self._epoch_order(len(train), self.epoch))
             start = self.step_in_epoch
+            epoch_start_time = time.perf_counter()
+            cbs.on_epoch_begin(self.epoch)
+            logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
             stop = min(spe, start + (total - self.step))
             # Full chunks of k steps, then single steps: at most two compiled programs, however
             # the epoch length, the resume position or `steps` cut the epoch.
@@ -729,6 +795,7 @@ class Trainer:
                 for (s, kk), (xb, yb, wb) in zip(chunks, iterator):
                     if positions:
                         self._data_position = positions.pop(0)
+                    cbs.on_train_batch_begin(s + kk - 1)
                     if self._hook is not None:
                         stats = self._hook.train_step(self, xb, yb, kk, wb)
                     else:
@@ -757,6 +824,10 @@ class Trainer:
                         if self.halt_on_nan:
                             check_nan()
                         self.save_checkpoint()
+                    cbs.on_train_batch_end(s + kk - 1, summarize(epoch_stats) if batch_logs
+                                           else {})
+                    if self.stop_training:
+                        break
             finally:
                 iterator.close()
             if ran_out[0]:  # a stream ended before the epoch length it announced
@@ -770,11 +841,17 @@ class Trainer:
                 self.epoch, self.step_in_epoch = self.epoch + 1, 0
             if self.halt_on_nan:
                 check_nan()
-            if self.step_in_epoch == 0 and epoch_stats:  # an epoch just ended
-                history.add("", summarize(epoch_stats))
+            if (self.step_in_epoch == 0 or self.stop_training) and epoch_stats:  # epoch end
+                logs = summarize(epoch_stats)
+                lr = self.current_learning_rate()
+                if lr is not None:
+                    logs["learning_rate"] = lr
                 epoch_stats.clear()
                 if val is not None and validation_freq and self.epoch % validation_freq == 0:
-                    validate()
+                    logs.update({f"val_{k}": v for k, v in validate().items()})
+                ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
+                logger.end_epoch(ended, num_epochs, logs, time.perf_counter() - epoch_start_time)
+                cbs.on_epoch_end(ended, logs)
         if self._hook is not None:
             self._hook.end_training(self)
         log_train()
@@ -783,7 +860,7 @@ class Trainer:
         # With parameter servers, other workers may push after this task's last validation.
         changed = self._hook is not None and self._hook.state_version(self) != last_val_version
         if val is not None and (last_val_step != self.step or changed):
-            validate()
+            history.add("val_", validate())
         end = {"epoch": self.epoch, **{f"final_{k2}": v for k2, v in last_train.items()
                                        if k2 in ("loss", "accuracy")}}
         if val is not None and history.history.get("val_loss"):
@@ -793,6 +870,16 @@ class Trainer:
         history.records.append(logger.write("end", self.step, **end))
         if self._hook is not None:
             self._hook.end_fit(self)
+        cbs.on_train_end(end)
+
+
+def _verbose(verbose: int | str) -> int:
+    if verbose == "auto":
+        return 1
+    if verbose not in (0, 1, 2) or isinstance(verbose, bool):
+        raise ValueError(f"verbose={verbose!r} is not valid; expected 0 (silent), 1 (progress "
+                         f"bar), 2 (one line per epoch) or 'auto'")
+    return int(verbose)
 
 
 def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:

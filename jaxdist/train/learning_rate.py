@@ -1,0 +1,106 @@
+"""The learning rate inside an optax state: read it for the logs, change it between steps.
+
+An optimizer built with ``optax.inject_hyperparams`` keeps its hyperparameters in its state
+(``InjectStatefulHyperparamsState.hyperparams``), as arrays. Changing the array's value changes
+the rate of the next update without recompiling the step (same shape, same dtype, same
+sharding). Job configs build every optimizer this way; wrap your own as
+``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``.
+
+Example:
+    >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    >>> state = tx.init(params)
+    >>> float(get_learning_rate(state))
+    0.1
+    >>> state = set_learning_rate(state, 0.01)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+HOW_TO_INJECT = ("build the optimizer with optax.inject_hyperparams, e.g. "
+                 "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)")
+
+
+def _is_injected(node: Any) -> bool:
+    hp = getattr(node, "hyperparams", None)
+    return isinstance(hp, dict) and "learning_rate" in hp
+
+
+def _injected_states(opt_state: Any) -> list[Any]:
+    leaves = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_injected)
+    return [s for s in leaves if _is_injected(s)]
+
+
+def has_learning_rate(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds an injected ``learning_rate``.
+
+    Example:
+        >>> has_learning_rate(optax.adam(1e-3).init(params))
+        False
+    """
+    return bool(_injected_states(opt_state))
+
+
+def is_scheduled(opt_state: Any) -> bool:
+    """Whether the injected learning rate follows a schedule (recomputed every update).
+
+    Example:
+        >>> is_scheduled(optax.inject_hyperparams(optax.sgd)(
+        ...     learning_rate=optax.cosine_decay_schedule(0.1, 100)).init(params))
+        True
+    """
+    return any("learning_rate" in (getattr(s, "hyperparams_states", None) or {})
+               for s in _injected_states(opt_state))
+
+
+def get_learning_rate(opt_state: Any) -> float | None:
+    """The learning rate of the last update (or the initial one); ``None`` if not injected.
+
+    Example:
+        >>> get_learning_rate(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5).init(p))
+        0.5
+    """
+    states = _injected_states(opt_state)
+    if not states:
+        return None
+    return float(np.asarray(jax.device_get(states[0].hyperparams["learning_rate"])))
+
+
+def set_learning_rate(opt_state: Any, value: float) -> Any:
+    """A copy of ``opt_state`` whose injected learning rate is ``value``.
+
+    The new array keeps the old one's dtype and sharding, so the compiled step is reused.
+
+    Raises:
+        ValueError: the state has no injected learning rate, or it follows a schedule (which
+            would overwrite the value at the next update).
+
+    Example:
+        >>> state = set_learning_rate(state, 1e-4)
+    """
+    if not has_learning_rate(opt_state):
+        raise ValueError(f"the optimizer's learning rate cannot be changed at run time; "
+                         f"{HOW_TO_INJECT}")
+    if is_scheduled(opt_state):
+        raise ValueError("the optimizer's learning rate follows a schedule, which sets it at "
+                         "every update; use a constant learning rate (optimizer.schedule: "
+                         "constant) to change it at run time, e.g. with ReduceLROnPlateau")
+
+    def replace(node: Any) -> Any:
+        if not _is_injected(node):
+            return node
+        old = node.hyperparams["learning_rate"]
+        new = np.asarray(value, dtype=np.asarray(jax.device_get(old)).dtype)
+        sharding = getattr(old, "sharding", None)
+        new = jax.device_put(new, sharding) if sharding is not None else new
+        return node._replace(hyperparams={**node.hyperparams, "learning_rate": new})
+
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_injected)
+
+
+__all__ = ["HOW_TO_INJECT", "get_learning_rate", "has_learning_rate", "is_scheduled",
+           "set_learning_rate"]
