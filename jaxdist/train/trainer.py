@@ -32,6 +32,7 @@ from flax import nnx
 from jax import lax
 
 import jaxdist
+from jaxdist.strategies.cross_device_ops import varying_axes
 from jaxdist.train import callbacks as callbacks_lib
 from jaxdist.train import data as data_lib
 from jaxdist.train import inputs as inputs_lib
@@ -285,9 +286,9 @@ class Trainer(TrainerHandle):
                 (loss, (logits, new_rest)), grads = jax.value_and_grad(
                     objective, has_aux=True)(ctx.local(params))
                 grads = ctx.all_reduce("SUM", grads)
-                # Running statistics: the mean over replicas (TF's ON_READ MEAN aggregation;
-                # with sync batch statistics they are already equal everywhere).
-                rest = ctx.all_reduce("MEAN", new_rest)
+                # Running statistics: the mean over replicas (TF's ON_READ MEAN aggregation);
+                # with sync batch statistics they are already equal everywhere and kept.
+                rest = _mean_where_varying(ctx, new_rest)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
                 stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
@@ -880,6 +881,18 @@ def _verbose(verbose: int | str) -> int:
         raise ValueError(f"verbose={verbose!r} is not valid; expected 0 (silent), 1 (progress "
                          f"bar), 2 (one line per epoch) or 'auto'")
     return int(verbose)
+
+
+def _mean_where_varying(ctx: Any, tree: Any) -> Any:
+    """The mean over the replicas of the leaves that vary over them; the others (already reduced,
+    e.g. synchronized batch statistics) are returned unchanged, never reduced twice."""
+    axes = ctx.axis_name if isinstance(ctx.axis_name, tuple) else (ctx.axis_name,)
+
+    def mean(a: Any) -> Any:
+        varying = tuple(x for x in axes if x in varying_axes(a))
+        return lax.pmean(a, varying) if varying else a
+
+    return jax.tree.map(mean, tree)
 
 
 def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:
