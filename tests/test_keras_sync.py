@@ -146,3 +146,13 @@ def test_distribution_scope_is_noop_without_keras(devices, monkeypatch):
     monkeypatch.delitem(sys.modules, "keras")
     with jk.distribution_scope(jaxdist.MirroredStrategy(devices[:2])) as dist:
         assert dist is None
+
+
+def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
+    # TF's guide builds and compiles in the scope and calls fit outside it.
+    strategy = jaxdist.MirroredStrategy(devices[:4])
+    with jk.scope(strategy):
+        model = _model()
+    hist = _fit(model)
+    _assert_same(hist, model.get_weights(), reference)
+    assert model.weights[0].value.sharding.device_set == set(devices[:4])
