@@ -156,3 +156,14 @@ def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
     hist = _fit(model)
     _assert_same(hist, model.get_weights(), reference)
     assert model.weights[0].value.sharding.device_set == set(devices[:4])
+
+
+def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):
+    # What Strategy.scope() would enter after jax.set_mesh (one line; see jaxdist.keras).
+    strategy = jaxdist.MirroredStrategy(devices[:2])
+    with strategy.scope(), jk.distribution_scope(strategy) as dist:
+        assert dist.strategy is strategy
+        model = _model()
+        hist = _fit(model)
+    _assert_same(hist, model.get_weights(), reference)
+    assert keras.distribution.distribution() is None
