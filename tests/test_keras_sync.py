@@ -62,8 +62,11 @@ def _assert_same(hist, weights, reference):
         lambda d: jaxdist.MirroredStrategy(d[:2]),
         lambda d: jaxdist.OneDeviceStrategy(d[1]),
         lambda d: jaxdist.TPUStrategy(devices=d[:4]),
+        lambda d: jaxdist.MirroredStrategy(
+            d[:4], cross_device_ops=jaxdist.HierarchicalCopyAllReduce()
+        ),
     ],
-    ids=["mirrored4", "mirrored2", "one_device", "tpu_on_cpu"],
+    ids=["mirrored4", "mirrored2", "one_device", "tpu_on_cpu", "hierarchical"],
 )
 def test_fit_matches_one_device(devices, reference, make):
     strategy = make(devices)

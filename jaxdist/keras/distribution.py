@@ -74,7 +74,12 @@ class StrategyDistribution(keras.distribution.DataParallel):
         # Keras would build an Auto-axes twin of the mesh; the strategy's scope has entered
         # its explicit mesh, and jit requires the two to match, so hand Keras the same one.
         device_mesh._backend_mesh = mesh
-        super().__init__(device_mesh=device_mesh)
+        # DataParallel takes 1-D meshes only (and its warning for others raises a TypeError in
+        # Keras 3.x); a hierarchical all-reduce mesh has two replica axes, so initialise with a
+        # flat twin and then keep the real mesh (data layouts span every replica axis).
+        flat = keras.distribution.DeviceMesh((len(names),), [mesh.axis_names[0]], names)
+        super().__init__(device_mesh=flat)
+        self._device_mesh = device_mesh
         self._strategy = strategy
         self._data_sharding = NamedSharding(mesh, P(ext.replica_axis_names))
         self._state_sharding = ext.state_sharding
