@@ -11,7 +11,7 @@ from benchmarks import run
 def test_discovers_every_benchmark():
     names = run.discover()
     for expected in ("bench_strategy_step", "bench_ps", "bench_multi_worker",
-                     "bench_steps_per_execution", "bench_coordinator"):
+                     "bench_steps_per_execution", "bench_coordinator", "bench_keras"):
         assert expected in names
 
 

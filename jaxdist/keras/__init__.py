@@ -1,0 +1,120 @@
+"""Keras 3 (JAX backend) under jaxdist strategies: ``model.fit`` inside a strategy's scope.
+
+Keras is an optional extra (``pip install 'jaxdist[keras]'``) and is imported only when this
+package's functions are called. ``scope(strategy)`` enters the strategy's scope and makes Keras
+distribute variables and batches over the strategy's own mesh (one mesh, so Keras's jitted
+train step and jaxdist agree on every placement).
+
+Example:
+    >>> import keras, jaxdist, jaxdist.keras
+    >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with jaxdist.keras.scope(strategy):
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     model.fit(x, y, batch_size=8, epochs=2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+_INSTALL = "pip install 'jaxdist[keras]'  (or: pip install 'keras>=3.8')"
+
+
+def require_keras() -> Any:
+    """Imports Keras 3 and checks it runs on the JAX backend.
+
+    Returns:
+        The ``keras`` module.
+
+    Raises:
+        ImportError: Keras is not installed (the message gives the pip command).
+        RuntimeError: Keras runs on another backend (set ``KERAS_BACKEND=jax`` before importing
+            keras).
+
+    Example:
+        >>> keras = jaxdist.keras.require_keras()
+    """
+    if "keras" not in sys.modules:
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+    try:
+        import keras
+    except ImportError as e:
+        raise ImportError(f"jaxdist.keras needs Keras 3: {_INSTALL}") from e
+    version = getattr(keras, "__version__", "0")
+    if int(version.split(".")[0]) < 3:
+        raise ImportError(f"jaxdist.keras needs Keras 3, found keras {version}: {_INSTALL}")
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise RuntimeError(
+            f"jaxdist.keras needs the Keras JAX backend, but Keras runs on {backend!r}: set "
+            f"KERAS_BACKEND=jax in the environment before keras is first imported"
+        )
+    return keras
+
+
+def distribution_for(strategy: Any) -> Any:
+    """The ``keras.distribution.Distribution`` that places Keras state as ``strategy`` does.
+
+    Args:
+        strategy: a synchronous jaxdist strategy (Mirrored, OneDevice, TPU).
+
+    Returns:
+        A ``keras.distribution.DataParallel`` over the strategy's own mesh.
+
+    Example:
+        >>> with jaxdist.keras.distribution_for(strategy).scope():
+        ...     model = keras.Sequential([...])
+    """
+    require_keras()
+    from jaxdist.keras.distribution import StrategyDistribution
+
+    return StrategyDistribution(strategy)
+
+
+@contextlib.contextmanager
+def distribution_scope(strategy: Any) -> Iterator[Any]:
+    """Only the Keras side of ``scope``: the hook a strategy's own ``scope()`` can enter.
+
+    Does nothing (yields ``None``) when keras has not been imported, so strategies stay free of
+    a keras dependency.
+
+    Example:
+        >>> with strategy.scope(), jaxdist.keras.distribution_scope(strategy):
+        ...     model = keras.Sequential([...])
+    """
+    if "keras" not in sys.modules:
+        yield None
+        return
+    dist = distribution_for(strategy)
+    with dist.scope():
+        yield dist
+
+
+@contextlib.contextmanager
+def scope(strategy: Any) -> Iterator[Any]:
+    """``strategy.scope()`` plus Keras: models built and fit inside train data-parallel.
+
+    Args:
+        strategy: a synchronous jaxdist strategy.
+
+    Yields:
+        The strategy.
+
+    Example:
+        >>> with jaxdist.keras.scope(jaxdist.MirroredStrategy()) as strategy:
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     model.fit(x, y, batch_size=16, epochs=2)
+    """
+    require_keras()
+    dist = distribution_for(strategy)
+    with strategy.scope(), dist.scope():
+        yield strategy
+
+
+__all__ = ["distribution_for", "distribution_scope", "require_keras", "scope"]

@@ -1,0 +1,115 @@
+"""``StrategyDistribution``: a Keras ``DataParallel`` that uses a jaxdist strategy's mesh.
+
+Keras's JAX trainer jits its train step with the shardings its distribution gives variables
+and batches. Using the strategy's own mesh (explicit axes, entered by ``strategy.scope()``)
+keeps one mesh in play: variables are replicated as the strategy keeps state, each global
+batch is split along the replica axes, and XLA inserts the gradient all-reduce, so the loss
+and gradients are those of the global batch (as TF's Keras under ``MirroredStrategy``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.strategies.strategy import Strategy
+
+
+class _Layout:
+    """What Keras's JAX data iterator reads from a data layout: ``backend_layout``."""
+
+    def __init__(self, sharding: NamedSharding):
+        self.backend_layout = sharding
+
+
+def _check_supported(strategy: Any) -> None:
+    from jaxdist.strategies.central_storage import CentralStorageStrategy
+    from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
+    from jaxdist.strategies.parameter_server import ParameterServerStrategy
+
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"expected a jaxdist strategy, got {strategy!r}")
+    unsupported = {
+        ParameterServerStrategy: "parameter-server training of Keras models is not implemented",
+        CentralStorageStrategy: (
+            "Keras fit keeping variables on the parameter device between steps is not "
+            "implemented; use jaxdist.MirroredStrategy (same numbers, variables mirrored)"
+        ),
+        MultiWorkerMirroredStrategy: (
+            "Keras fit across processes is not implemented yet; use jaxdist.Trainer or a "
+            "custom loop with strategy.run"
+        ),
+    }
+    for cls, why in unsupported.items():
+        if isinstance(strategy, cls):
+            raise NotImplementedError(f"jaxdist.keras with {type(strategy).__name__}: {why}")
+
+
+class StrategyDistribution(keras.distribution.DataParallel):
+    """Keras data parallelism over ``strategy.extended.mesh``.
+
+    Args:
+        strategy: ``MirroredStrategy``, ``OneDeviceStrategy`` or ``TPUStrategy``.
+
+    Raises:
+        NotImplementedError: the strategy is one Keras fit does not support yet (the message
+            says which and what to use).
+
+    Example:
+        >>> with StrategyDistribution(jaxdist.MirroredStrategy()).scope():
+        ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    """
+
+    def __init__(self, strategy: Strategy):
+        _check_supported(strategy)
+        ext = strategy.extended
+        mesh = ext.mesh
+        names = [f"{d.platform}:{d.id}" for d in mesh.devices.flat]
+        device_mesh = keras.distribution.DeviceMesh(
+            tuple(mesh.devices.shape), list(mesh.axis_names), names
+        )
+        # Keras would build an Auto-axes twin of the mesh; the strategy's scope has entered
+        # its explicit mesh, and jit requires the two to match, so hand Keras the same one.
+        device_mesh._backend_mesh = mesh
+        # DataParallel takes 1-D meshes only (and its warning for others raises a TypeError in
+        # Keras 3.x); a hierarchical all-reduce mesh has two replica axes, so initialise with a
+        # flat twin and then keep the real mesh (data layouts span every replica axis).
+        flat = keras.distribution.DeviceMesh((len(names),), [mesh.axis_names[0]], names)
+        super().__init__(device_mesh=flat)
+        self._device_mesh = device_mesh
+        self._strategy = strategy
+        self._data_sharding = NamedSharding(mesh, P(ext.replica_axis_names))
+        self._state_sharding = ext.state_sharding
+
+    @property
+    def strategy(self) -> Strategy:
+        """The jaxdist strategy this distribution follows."""
+        return self._strategy
+
+    @property
+    def num_model_replicas(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    def get_data_layout(self, data_shape: Any) -> Any:
+        n = self._strategy.num_replicas_in_sync
+        if data_shape and data_shape[0] is not None and data_shape[0] % n:
+            raise ValueError(
+                f"a batch of {data_shape[0]} rows cannot be split over {n} replicas of "
+                f"{self._strategy!r}: use a global batch_size divisible by {n} (and a dataset "
+                f"size divisible by it, or drop the remainder)"
+            )
+        return _Layout(self._data_sharding)
+
+    def get_variable_layout(self, variable: Any) -> Any:
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        return self._state_sharding
+
+    def get_tensor_layout(self, path: str) -> Any:
+        return None
+
+    def __repr__(self) -> str:
+        return f"StrategyDistribution({self._strategy!r})"

@@ -1,0 +1,172 @@
+"""Keras 3 ``model.fit`` under synchronous jaxdist strategies (``jaxdist.keras.scope``).
+
+Each test trains the same tiny model on one device and under a strategy over the same global
+batches, and compares losses, metrics and weights.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":  # pragma: no cover
+    pytest.skip("keras runs on another backend", allow_module_level=True)
+
+import jaxdist  # noqa: E402
+import jaxdist.keras as jk  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
+
+
+def _model(steps_per_execution: int = 1):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+    m.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
+    return m
+
+
+def _fit(model, **kw):
+    return model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, **kw).history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    m = _model()
+    hist = _fit(m)
+    return hist, [np.asarray(w) for w in m.get_weights()]
+
+
+def _assert_same(hist, weights, reference):
+    ref_hist, ref_w = reference
+    for k in ref_hist:
+        np.testing.assert_allclose(hist[k], ref_hist[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(weights, ref_w):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: jaxdist.MirroredStrategy(d[:4]),
+        lambda d: jaxdist.MirroredStrategy(d[:2]),
+        lambda d: jaxdist.OneDeviceStrategy(d[1]),
+        lambda d: jaxdist.TPUStrategy(devices=d[:4]),
+        lambda d: jaxdist.MirroredStrategy(
+            d[:4], cross_device_ops=jaxdist.HierarchicalCopyAllReduce()
+        ),
+    ],
+    ids=["mirrored4", "mirrored2", "one_device", "tpu_on_cpu", "hierarchical"],
+)
+def test_fit_matches_one_device(devices, reference, make):
+    strategy = make(devices)
+    with jk.scope(strategy):
+        model = _model()
+        hist = _fit(model)
+        kernel = model.weights[0].value
+    assert kernel.sharding.device_set == set(strategy.extended.worker_devices)
+    assert kernel.sharding.is_fully_replicated
+    _assert_same(hist, model.get_weights(), reference)
+    assert hist["loss"][1] < hist["loss"][0]
+
+
+def test_batches_are_split_over_replicas(devices):
+    strategy = jaxdist.MirroredStrategy(devices[:4])
+    with jk.scope(strategy):
+        dist = keras.distribution.distribution()
+        layout = dist.get_data_layout((8, 5)).backend_layout
+        assert layout.shard_shape((8, 5)) == (2, 5)
+        with pytest.raises(ValueError, match="divisible by 4"):
+            dist.get_data_layout((6, 5))
+
+
+def test_evaluate_and_predict_match(devices, reference):
+    ref = _model()
+    _fit(ref)
+    want_eval = ref.evaluate(X, Y, batch_size=8, verbose=0)
+    want_pred = ref.predict(X, batch_size=8, verbose=0)
+    with jk.scope(jaxdist.MirroredStrategy(devices[:4])):
+        model = _model()
+        _fit(model)
+        got_eval = model.evaluate(X, Y, batch_size=8, verbose=0)
+        got_pred = model.predict(X, batch_size=8, verbose=0)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
+    np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-6)
+
+
+def test_callbacks_metrics_and_steps_per_execution(devices, reference):
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((batch, float(logs["loss"])))
+
+        def on_epoch_end(self, epoch, logs=None):
+            # Reading weights mid-fit syncs Keras's JAX state; training must continue from it.
+            seen.append(("epoch", epoch, float(self.model.weights[0].numpy().sum())))
+
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9)
+    with jk.scope(jaxdist.MirroredStrategy(devices[:2])):
+        model = _model(steps_per_execution=2)
+        hist = _fit(model, callbacks=[Record()])
+        _assert_same(hist, model.get_weights(), reference)
+        stopped = _model()
+        stopped_hist = stopped.fit(
+            X, Y, batch_size=8, epochs=5, shuffle=False, verbose=0, callbacks=[stop]
+        ).history
+    # 4 batches per epoch, 2 per execution: the callback sees batches 1 and 3.
+    assert [b for b, *_ in seen if b != "epoch"] == [1, 3, 1, 3]
+    assert [s[1] for s in seen if s[0] == "epoch"] == [0, 1]
+    assert len(stopped_hist["loss"]) == 2  # EarlyStopping stopped it after the 2nd epoch
+
+
+def test_unsupported_strategies_fail_loudly(devices):
+    cs = jaxdist.CentralStorageStrategy(devices[:2], devices[0])
+    with pytest.raises(NotImplementedError, match="CentralStorageStrategy"):
+        jk.scope(cs).__enter__()
+    assert keras.distribution.distribution() is None
+
+
+def test_wrong_backend_message(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
+    with pytest.raises(RuntimeError, match="KERAS_BACKEND=jax"):
+        jk.require_keras()
+
+
+def test_distribution_scope_is_noop_without_keras(devices, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "keras")
+    with jk.distribution_scope(jaxdist.MirroredStrategy(devices[:2])) as dist:
+        assert dist is None
+
+
+def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
+    # TF's guide builds and compiles in the scope and calls fit outside it.
+    strategy = jaxdist.MirroredStrategy(devices[:4])
+    with jk.scope(strategy):
+        model = _model()
+    hist = _fit(model)
+    _assert_same(hist, model.get_weights(), reference)
+    assert model.weights[0].value.sharding.device_set == set(devices[:4])
+
+
+def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):
+    # What Strategy.scope() would enter after jax.set_mesh (one line; see jaxdist.keras).
+    strategy = jaxdist.MirroredStrategy(devices[:2])
+    with strategy.scope(), jk.distribution_scope(strategy) as dist:
+        assert dist.strategy is strategy
+        model = _model()
+        hist = _fit(model)
+    _assert_same(hist, model.get_weights(), reference)
+    assert keras.distribution.distribution() is None
