@@ -112,3 +112,8 @@ class InputContext:
             f"input_pipeline_id={self.input_pipeline_id}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )
+
+    def __str__(self) -> str:
+        # TF's string form (distribute_lib_test checks it).
+        return (f"tf.distribute.InputContext(input pipeline id {self.input_pipeline_id}, "
+                f"total: {self.num_input_pipelines})")

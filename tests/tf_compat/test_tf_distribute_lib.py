@@ -412,8 +412,6 @@ def test_input_context_per_replica_batch_size():
         input_context.get_per_replica_batch_size(13)
 
 
-@pytest.mark.xfail(reason="InputContext.__str__ lives in jaxdist/input (owned by another change); "
-                   "TF's string form is not implemented there yet", strict=False)
 def test_input_context_str():
     input_context = InputContext(
         num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=42

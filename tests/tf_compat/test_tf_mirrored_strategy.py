@@ -319,14 +319,6 @@ def _test_collective_comms_gradients(strategy, comm_fn, inputs, expected_grads, 
     assert _local(strategy, strategy.run(step, args=(c,))) == expected_grads
 
 
-_GRAD_XFAIL = pytest.mark.xfail(
-    reason="the gradient through ReplicaContext.all_reduce of a value created inside the replica "
-    "function is issue 11 item 1 (another branch)",
-    strict=False,
-)
-
-
-@_GRAD_XFAIL
 @pytest.mark.parametrize("op,expected", [(_all_sum, [4.0, 4.0]), (_all_mean, [2.0, 2.0])],
                          ids=["sum", "mean"])
 @TWO
