@@ -27,3 +27,13 @@ def require_devices(n: int):
     have = len(jax.devices())
     if have < n:
         pytest.skip(f"needs {n} devices, {have} available")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment():
+    """Each test module starts from the same os.environ: cluster helpers put a task's TLS paths
+    and tokens there (as a real task has them), and those files go with their cluster."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -30,6 +30,8 @@ MiB = 1 << 20
 def _plaintext_on_loopback(monkeypatch):
     """These tests send hand-made frames over plaintext loopback, which must be asked for."""
     monkeypatch.setenv("JAXDIST_INSECURE", "1")
+    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
+        monkeypatch.delenv(key, raising=False)  # another module's process-wide TLS identity
 
 
 def _serve(checkpoint_dir=None, **limits):
