@@ -918,7 +918,7 @@ def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
     ):
         # Inside a user's jax.jit (TF: inside tf.function): stack and constrain the sharding.
         return treedef.unflatten([
-            PerReplica(jax.sharding.reshard(
+            PerReplica(jax.lax.with_sharding_constraint(
                 jnp.stack([jnp.asarray(leaves_per[i][j]) for i in range(n)]), sharding))
             for j in range(treedef.num_leaves)
         ])
