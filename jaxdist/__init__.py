@@ -55,7 +55,7 @@ from jaxdist.strategies.context import experimental_set_strategy, get_cross_repl
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.replica_reduce import DoubleReductionError
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
-from jaxdist.strategies.values import PerReplicaSpec
+from jaxdist.values import PerReplicaSpec
 
 __version__ = "0.1.0"
 

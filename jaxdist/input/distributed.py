@@ -11,16 +11,33 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from jaxdist.input.options import InputContext, InputOptions
-from jaxdist.strategies.values import PerReplica, PerReplicaSpec
+from jaxdist.values import PerReplica, PerReplicaSpec
 
-if TYPE_CHECKING:
-    from jaxdist.strategies.strategy import StrategyExtended
+
+class ReplicaLayout(Protocol):
+    """What distributed input needs of a strategy's ``extended`` (``StrategyExtended`` has it).
+
+    ``jaxdist.input`` sits below ``jaxdist.strategies``: it reads these public properties and
+    imports nothing of the strategies.
+    """
+
+    @property
+    def worker_devices(self) -> tuple[Any, ...]: ...
+
+    @property
+    def num_replicas_in_mesh(self) -> int: ...
+
+    @property
+    def per_replica_sharding(self) -> jax.sharding.Sharding: ...
+
+    @property
+    def replicated_sharding(self) -> jax.sharding.Sharding: ...
 
 _END = object()
 
@@ -58,12 +75,12 @@ def _iterate(dataset: Any) -> Iterator[Any]:
 class _Sharder:
     """Turns host batches into per-replica device arrays for one strategy."""
 
-    def __init__(self, extended: StrategyExtended, options: InputOptions):
+    def __init__(self, extended: ReplicaLayout, options: InputOptions):
         self.ext = extended
         self.options = options
-        self.sharding = extended._data_sharding
-        self.num_replicas = extended._num_replicas
-        local = [d for d in extended._devices if d.process_index == jax.process_index()]
+        self.sharding = extended.per_replica_sharding
+        self.num_replicas = extended.num_replicas_in_mesh
+        local = [d for d in extended.worker_devices if d.process_index == jax.process_index()]
         self.num_local = len(local)
         self.multi_process = jax.process_count() > 1
         self.declared_rows: int | None = None  # the first global batch's size (TF's split)
@@ -192,7 +209,7 @@ class _Sharder:
             # One replica: TF's regroup of one value is the value itself (a plain array).
             if not self.options.experimental_fetch_to_device:
                 return local[0]
-            return jax.device_put(local[0], self.ext._replicated)
+            return jax.device_put(local[0], self.ext.replicated_sharding)
         if not self.options.experimental_fetch_to_device:
             if self.multi_process:
                 raise ValueError("experimental_fetch_to_device=False needs a single process")
@@ -385,7 +402,7 @@ class DistributedDataset:
     """
 
     def __init__(
-        self, extended: StrategyExtended, dataset: Any, options: InputOptions | None = None
+        self, extended: ReplicaLayout, dataset: Any, options: InputOptions | None = None
     ):
         self._ext = extended
         self._dataset = dataset
@@ -439,7 +456,7 @@ class DistributedDatasetsFromFunction:
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ReplicaLayout,
         dataset_fn: Callable[[InputContext], Any],
         options: InputOptions | None = None,
     ):
@@ -449,7 +466,7 @@ class DistributedDatasetsFromFunction:
         self.input_context = InputContext(
             num_input_pipelines=jax.process_count(),
             input_pipeline_id=jax.process_index(),
-            num_replicas_in_sync=extended._num_replicas,
+            num_replicas_in_sync=extended.num_replicas_in_mesh,
         )
         self._dataset = dataset_fn(self.input_context)
 

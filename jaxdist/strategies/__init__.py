@@ -31,7 +31,7 @@ from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
 from jaxdist.strategies.strategy import Strategy, StrategyExtended, ValueContext
 from jaxdist.strategies.tpu import TPUStrategy
-from jaxdist.strategies.values import PerReplica
+from jaxdist.values import PerReplica
 
 __all__ = [
     "CentralStorageStrategy",

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, SingleDeviceSharding
 from jaxdist.strategies.devices import resolve_device, resolve_devices
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
-from jaxdist.strategies.values import PerReplica
+from jaxdist.values import PerReplica
 
 
 def _default_parameter_device(compute: Sequence[Any]) -> Any:

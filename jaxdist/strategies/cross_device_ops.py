@@ -59,7 +59,7 @@ def _varies(x: Any, axes: tuple[str, ...]) -> bool:
 
 
 def _is_per_replica(x: Any) -> bool:
-    from jaxdist.strategies.values import PerReplica
+    from jaxdist.values import PerReplica
 
     return isinstance(x, PerReplica)
 
@@ -491,7 +491,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         ``axis`` (optional) is first summed over on each replica; ``MEAN`` divides by the
         replica count (times the size of ``axis``).
         """
-        from jaxdist.strategies.values import local_components
+        from jaxdist.values import local_components
 
         parts = [jax.device_put(p, device) for p in local_components(stacked)]
         count = 1

@@ -35,7 +35,7 @@ from jaxdist.ps.worker_runtime import register_worker_strategy
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
-from jaxdist.strategies.values import PerReplica, is_per_replica
+from jaxdist.values import PerReplica, is_per_replica
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from jaxdist.strategies.cross_device_ops import (
 from jaxdist.strategies.inflight import StepThrottle
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
-from jaxdist.strategies.values import PerReplica, is_per_replica, local_components
+from jaxdist.values import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
 _RUN_CACHE_SIZE = 128
@@ -145,6 +145,25 @@ class StrategyExtended:
     @property
     def state_sharding(self) -> jax.sharding.Sharding:
         """The sharding state created under ``scope()`` gets."""
+        return self._replicated
+
+    @property
+    def num_replicas_in_mesh(self) -> int:
+        """The replicas of ``mesh`` (all processes of a multi-worker mesh; a parameter-server
+        worker's own devices, where ``Strategy.num_replicas_in_sync`` may name the workers')."""
+        return self._num_replicas
+
+    @property
+    def per_replica_sharding(self) -> jax.sharding.Sharding:
+        """The sharding of a stacked per-replica array: leading axis split over the replicas.
+
+        Distributed datasets place their batches with it (``jaxdist.input``).
+        """
+        return self._data_sharding
+
+    @property
+    def replicated_sharding(self) -> jax.sharding.Sharding:
+        """One full copy on every replica's device (a one-replica dataset's batches)."""
         return self._replicated
 
     @property
