@@ -117,4 +117,19 @@ def scope(strategy: Any) -> Iterator[Any]:
         yield strategy
 
 
-__all__ = ["distribution_for", "distribution_scope", "require_keras", "scope"]
+def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
+    """Trains a compiled Keras model on parameter servers (``ParameterServerStrategy``).
+
+    See ``jaxdist.keras.parameter_server.attach``.
+
+    Example:
+        >>> jaxdist.keras.attach(model, jaxdist.ParameterServerStrategy())
+        >>> model.fit(x, y, epochs=2)
+    """
+    require_keras()
+    from jaxdist.keras.parameter_server import attach as _attach
+
+    return _attach(model, strategy, **kwargs)
+
+
+__all__ = ["attach", "distribution_for", "distribution_scope", "require_keras", "scope"]

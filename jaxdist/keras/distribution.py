@@ -33,7 +33,10 @@ def _check_supported(strategy: Any) -> None:
     if not isinstance(strategy, Strategy):
         raise TypeError(f"expected a jaxdist strategy, got {strategy!r}")
     unsupported = {
-        ParameterServerStrategy: "parameter-server training of Keras models is not implemented",
+        ParameterServerStrategy: (
+            "a Keras model trains on parameter servers through "
+            "jaxdist.keras.attach(model, strategy) after model.compile, not a scope"
+        ),
         CentralStorageStrategy: (
             "Keras fit keeping variables on the parameter device between steps is not "
             "implemented; use jaxdist.MirroredStrategy (same numbers, variables mirrored)"

@@ -1,0 +1,409 @@
+"""Keras 3 ``model.fit`` under ``ParameterServerStrategy``: variables on the ps tasks.
+
+``attach(model, strategy)`` (after ``model.compile``) moves a Keras model's trainable variables
+to the ps tasks and replaces its train step, so ``model.fit`` trains asynchronously:
+
+* **between-graph** (TF1 style; every worker runs the same program and its own ``fit`` on its
+  own share of the data): each step pulls the trainable variables, computes loss and gradients
+  with ``jax.value_and_grad`` of Keras's own ``compute_loss_and_updates`` (jit), and pushes the
+  gradients; each ps applies the Keras optimizer's update (translated by
+  ``keras_optimizer_spec``) to its shards. The chief creates the variables, other workers wait
+  for them. ``max_staleness`` of the strategy (SSP) is honoured.
+* **with a ClusterCoordinator** (TF2 style; ``fit`` runs on the coordinator): every step is a
+  function scheduled onto some worker, with its batch as argument (the coordinator's Keras data
+  pipeline decides the batches, so epochs and shuffling are Keras's own); the worker pulls,
+  computes, pushes, and returns the step's metric state, which the coordinator sums into its
+  metrics. A step lost with its worker runs again on another one (at-least-once).
+  ``steps_per_execution`` steps are dispatched before the coordinator folds in finished ones.
+
+What stays where: the optimizer state lives on the ps (Keras's own optimizer variables are not
+updated); non-trainable state (BatchNormalization statistics, seed generators) stays on the
+worker that computes (with a coordinator: the state returned by the latest finished step is
+kept by the coordinator's model); metrics are computed on the worker (with a coordinator:
+summed on the coordinator, so every metric variable must declare Keras's ``"sum"``
+aggregation, as all built-in metrics do).
+
+Whenever Keras reads the model's weights (end of ``fit``, a callback touching ``model``,
+``evaluate``, ``save``) they are pulled from the ps first, so they are the ps's current values.
+Callbacks that cannot work when the state lives on the ps are rejected when ``fit`` starts:
+``ReduceLROnPlateau`` / ``LearningRateScheduler`` (the learning rate is the ps optimizer's),
+``BackupAndRestore`` (use ``strategy.extended.save`` / ``restore``: ps checkpoints hold the
+optimizer state) and ``EarlyStopping(restore_best_weights=True)``.
+
+Example:
+    >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG names the cluster
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    >>> jaxdist.keras.attach(model, strategy)
+    >>> model.fit(x, y, batch_size=32, epochs=3)               # pulls, pushes, async
+"""
+
+from __future__ import annotations
+
+import io
+import types
+from collections import deque
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from jaxdist.keras.ps_optimizers import keras_optimizer_spec
+from jaxdist.ps import optimizers as ps_opt
+
+#: The ps collection a Keras model's trainable variables live in (by default).
+COLLECTION = "keras"
+
+_REJECTED_CALLBACKS = {
+    "ReduceLROnPlateau": "the learning rate is the ps optimizer's; give the optimizer a "
+                         "keras.optimizers.schedules.ExponentialDecay learning rate, or pass "
+                         "ps_optimizer=jaxdist.ps.optimizers.<opt>(<schedule spec>) to attach",
+    "LearningRateScheduler": "the learning rate is the ps optimizer's; give the optimizer a "
+                             "keras.optimizers.schedules.ExponentialDecay learning rate, or "
+                             "pass ps_optimizer= with a jaxdist.ps.optimizers schedule",
+    "BackupAndRestore": "the variables and the optimizer state live on the ps tasks; save and "
+                        "resume them with strategy.extended.save(dir, step) / "
+                        "strategy.extended.restore(dir) (or jaxdist.Server --checkpoint_dir)",
+    "SwapEMAWeights": "the ps optimizer keeps no EMA of the weights",
+}
+
+
+def check_callbacks(callbacks: Any) -> None:
+    """Raises ``ValueError`` for a Keras callback that cannot work with state on the ps.
+
+    Example:
+        >>> check_callbacks([keras.callbacks.EarlyStopping()])   # fine
+    """
+    items = getattr(callbacks, "callbacks", callbacks) or []
+    for cb in items:
+        name = type(cb).__name__
+        why = _REJECTED_CALLBACKS.get(name)
+        if why is None and name == "EarlyStopping" and getattr(cb, "restore_best_weights",
+                                                               False):
+            why = ("restoring the best weights would set them on this worker only; the ps "
+                   "would keep training from its own; use restore_best_weights=False and a "
+                   "ModelCheckpoint(save_best_only=True) (it pulls the weights from the ps)")
+        if why is not None:
+            raise ValueError(f"Keras callback {name} does not work under "
+                             f"ParameterServerStrategy: {why}")
+
+
+def _check_metric_aggregation(model: Any) -> None:
+    for v in model.metrics_variables:
+        agg = getattr(v, "aggregation", "sum")
+        if agg != "sum":
+            raise ValueError(
+                f"metric variable {v.path!r} declares aggregation={agg!r}: with a "
+                f"ClusterCoordinator each worker's step returns its metric state and the "
+                f"coordinator sums them, which is right only for 'sum' variables (all "
+                f"built-in Keras metrics); compute this metric with model.evaluate instead"
+            )
+
+
+class _StepCompute:
+    """The jitted gradient step of a Keras model: loss, gradients, new non-trainable and
+    metric state of one batch, from trainable values given as arguments."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+        def step(trainable, non_trainable, metrics_vars, opt_vars, x, y, sw):
+            (_, aux), grads = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)(
+                trainable, non_trainable, metrics_vars, x, y, sw, training=True,
+                optimizer_variables=opt_vars)
+            unscaled, y_pred, non_trainable, metrics_vars = aux
+            logs, metrics_vars = model._update_metrics_variables(
+                metrics_vars, unscaled, x, y, y_pred, sw)
+            return logs, grads, non_trainable, metrics_vars
+
+        self._step = jax.jit(step) if (model.jit_compile and not model.run_eagerly) else step
+
+    def __call__(self, trainable, non_trainable, metrics_vars, opt_vars, data):
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        return self._step(trainable, non_trainable, metrics_vars, opt_vars, x, y, sw)
+
+
+def _values(variables: Any) -> list:
+    return [v.value for v in variables]
+
+
+class KerasPSTraining:
+    """What ``attach`` returns: the handle of a Keras model trained on parameter servers.
+
+    Attributes:
+        model: the Keras model.
+        strategy: the ``ParameterServerStrategy``.
+        variables: the ``PSVariables`` holding ``model.trainable_variables`` (in that order).
+        ps_optimizer: the ``jaxdist.ps.optimizers`` spec the ps applies.
+        steps: steps this process ran (between-graph) or scheduled (coordinator).
+
+    Example:
+        >>> training = jaxdist.keras.attach(model, strategy)
+        >>> model.fit(x, y, epochs=2)
+        >>> training.pull_weights()      # the ps's current values into the model
+    """
+
+    def __init__(self, model: Any, strategy: Any, ps_optimizer: Any = None,
+                 name: str = COLLECTION):
+        from jaxdist.strategies.parameter_server import ParameterServerStrategy
+
+        if not isinstance(strategy, ParameterServerStrategy):
+            raise TypeError(f"jaxdist.keras.attach needs a ParameterServerStrategy, got "
+                            f"{strategy!r}; for synchronous strategies use "
+                            f"jaxdist.keras.scope(strategy)")
+        if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
+            raise ValueError("attach the model after model.compile(optimizer=..., loss=...): "
+                             "the Keras optimizer decides the update the ps applies")
+        if not model.built:
+            raise ValueError(f"model {model.name!r} is not built: give it a keras.Input (or "
+                             f"call model.build(input_shape)) before attach, so its variables "
+                             f"exist and can be created on the ps")
+        self.model, self.strategy = model, strategy
+        self._optimizer = model.optimizer
+        self.ps_optimizer = (ps_opt.as_spec(ps_optimizer) if ps_optimizer is not None
+                             else keras_optimizer_spec(model.optimizer))
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        init = [np.asarray(v.value) for v in model.trainable_variables]
+        with strategy.scope():
+            self.variables = strategy.create_variables(init, self.ps_optimizer, name=name)
+        self.coordinator = getattr(strategy, "_jaxdist_coordinator", None)
+        if self.coordinator is not None and self.coordinator._stopping.is_set():
+            self.coordinator = None
+        if self.coordinator is not None:
+            _check_metric_aggregation(model)
+        self.steps = 0
+        self._compute: _StepCompute | None = None
+        self._pending: deque = deque()
+        self._worker_step: Any = None
+        self._install()
+
+    # ------------------------------------------------------------------ model hooks
+    def _install(self) -> None:
+        model, handle = self.model, self
+        original_fit = type(model).fit
+        original_sync = type(model).jax_state_sync
+
+        def make_train_function(self_model, force=False):
+            if self_model.optimizer is not handle._optimizer:
+                raise ValueError("the model was compiled again with another optimizer after "
+                                 "jaxdist.keras.attach; call attach(model, strategy) again")
+            self_model.train_function = (handle._coordinator_train_function
+                                         if handle.coordinator is not None
+                                         else handle._train_function)
+
+        def jax_state_sync(self_model):
+            handle._refresh_jax_state()
+            return original_sync(self_model)
+
+        def fit(self_model, *args, **kwargs):
+            check_callbacks(kwargs.get("callbacks"))
+            try:
+                return original_fit(self_model, *args, **kwargs)
+            finally:
+                handle._finish()
+
+        for name, fn in (("make_train_function", make_train_function),
+                         ("jax_state_sync", jax_state_sync), ("fit", fit)):
+            object.__setattr__(model, name, types.MethodType(fn, model))
+        model.train_function = None
+
+    def _refresh_jax_state(self) -> None:
+        """Before Keras writes its step state into the model: take the ps's values."""
+        state = getattr(self.model, "_jax_state", None)
+        if not state or self.model._jax_state_synced:
+            return
+        self._drain(state)
+        state["trainable_variables"] = list(self.variables.pull())
+
+    def _finish(self) -> None:
+        self._drain(None)
+        self.pull_weights()
+        if self.coordinator is None:
+            self.strategy.extended.worker_done()
+
+    def pull_weights(self) -> None:
+        """Assigns the ps's current values to ``model.trainable_variables``."""
+        for v, x in zip(self.model.trainable_variables, self.variables.pull()):
+            v.assign(x)
+
+    # ------------------------------------------------------------------ between-graph
+    def _train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
+        model, ext = self.model, self.strategy.extended
+        if self._compute is None:
+            self._compute = _StepCompute(model)
+        _, non_trainable, opt_vars, metrics_vars = state
+        logs, params = None, None
+        for i in range(max(1, int(model.steps_per_execution))):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                if i == 0:
+                    raise
+                break
+            if ext._max_staleness is not None and not ext._local:
+                ext._wait_turn()
+            ext._step += 1
+            params = list(self.variables.pull())
+            logs, grads, non_trainable, metrics_vars = self._compute(
+                params, non_trainable, metrics_vars, opt_vars, data)
+            self.variables.apply_gradients(list(grads))
+            self.steps += 1
+        return logs, (params, non_trainable, opt_vars, metrics_vars)
+
+    # ------------------------------------------------------------------ coordinator
+    def _coordinator_train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
+        model = self.model
+        if self._worker_step is None:
+            self._worker_step = KerasWorkerStep(_model_bytes(model), self.variables,
+                                                self.strategy)
+        trainable, non_trainable, opt_vars, metrics_vars = state
+        n = max(1, int(model.steps_per_execution))
+        for i in range(n):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                if i == 0:
+                    raise
+                break
+            data = jax.device_get(data)
+            self._pending.append(self.coordinator.schedule(self._worker_step, args=(data,)))
+            self.steps += 1
+        metrics_vars = [np.asarray(m) for m in metrics_vars]
+        non_trainable = list(non_trainable)
+        limit = max(n, 2 * self.coordinator.num_workers)
+        while len(self._pending) > limit:
+            metrics_vars, non_trainable = self._fold(self._pending.popleft().fetch(),
+                                                     metrics_vars, non_trainable)
+        logs = _metric_logs(model, metrics_vars)
+        return logs, (trainable, non_trainable, opt_vars, metrics_vars)
+
+    def _fold(self, result: Any, metrics_vars: list, non_trainable: list) -> tuple[list, list]:
+        deltas, new_non_trainable = result
+        metrics_vars = [np.asarray(m) + d for m, d in zip(metrics_vars, deltas)]
+        return metrics_vars, list(new_non_trainable) or non_trainable
+
+    def _drain(self, state: dict | None) -> None:
+        if not self._pending:
+            return
+        if state is None:
+            state = getattr(self.model, "_jax_state", None) or {}
+        metrics_vars = list(state.get("metrics_variables") or
+                            _values(self.model.metrics_variables))
+        non_trainable = list(state.get("non_trainable_variables") or
+                             _values(self.model.non_trainable_variables))
+        while self._pending:
+            metrics_vars, non_trainable = self._fold(self._pending.popleft().fetch(),
+                                                     metrics_vars, non_trainable)
+        if state:
+            state["metrics_variables"] = metrics_vars
+            state["non_trainable_variables"] = non_trainable
+        else:
+            for v, x in zip(self.model.metrics_variables, metrics_vars):
+                v.assign(x)
+            for v, x in zip(self.model.non_trainable_variables, non_trainable):
+                v.assign(x)
+
+    def __repr__(self) -> str:
+        mode = "coordinator" if self.coordinator is not None else "between-graph"
+        return (f"KerasPSTraining({self.model.name!r}, {mode}, "
+                f"optimizer={self.ps_optimizer.key()}, steps={self.steps})")
+
+
+def _metric_logs(model: Any, metrics_vars: list) -> dict:
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metrics_vars))):
+        return model.get_metrics_result()
+
+
+def _model_bytes(model: Any) -> bytes:
+    """The compiled model in Keras's own format (``.keras``, weights included), for the
+    workers: built once per worker from these bytes."""
+    from keras.src.saving import saving_lib
+
+    buf = io.BytesIO()
+    saving_lib._save_model_to_fileobj(model, buf, "h5")
+    return buf.getvalue()
+
+
+class KerasWorkerStep:
+    """One Keras training step, scheduled by a ``ClusterCoordinator`` onto a worker.
+
+    The model travels as bytes of Keras's own format (the same bytes every time, so a worker
+    unpickles the step once and keeps its jitted function); the variables and the strategy as
+    references resolved on the worker.
+
+    Args:
+        model_bytes: the compiled model (``.keras`` format).
+        variables: the ``PSVariables`` of the model's trainable variables.
+        strategy: the coordinator's ``ParameterServerStrategy``.
+
+    Returns (when called with a batch): ``(metric deltas, non-trainable state)`` of the step.
+    """
+
+    def __init__(self, model_bytes: bytes, variables: Any, strategy: Any):
+        self.model_bytes, self.variables, self.strategy = model_bytes, variables, strategy
+        self._model: Any = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_model": None}
+
+    def _build(self, data: Any) -> None:
+        from keras.src.saving import saving_lib
+
+        model = saving_lib._load_model_from_fileobj(
+            io.BytesIO(self.model_bytes), custom_objects=None, compile=True, safe_mode=True)
+        model._symbolic_build(data_batch=data)
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        model.reset_metrics()
+        self._model = model
+        self._compute = _StepCompute(model)
+        self._metrics0 = [np.asarray(v.value) for v in model.metrics_variables]
+        self._non_trainable = _values(model.non_trainable_variables)
+        self._opt_vars = _values(model.optimizer.variables)
+
+    def __call__(self, data: Any) -> tuple[list, list]:
+        if self._model is None:
+            self._build(data)
+        params = list(self.variables.pull())
+        _, grads, non_trainable, metrics_vars = self._compute(
+            params, self._non_trainable, list(self._metrics0), self._opt_vars, data)
+        self.variables.apply_gradients(list(grads))
+        self._non_trainable = non_trainable
+        deltas = [np.asarray(m) - m0 for m, m0 in zip(jax.device_get(metrics_vars),
+                                                      self._metrics0)]
+        return deltas, [np.asarray(x) for x in jax.device_get(non_trainable)]
+
+
+def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None,
+           name: str = COLLECTION) -> KerasPSTraining:
+    """Trains ``model`` on parameter servers: ``model.fit`` then pulls, computes and pushes.
+
+    Call it after ``model.compile`` on every worker (between-graph) or on the coordinator
+    (with a ``ClusterCoordinator`` created for ``strategy``).
+
+    Args:
+        model: a built, compiled Keras 3 model (JAX backend).
+        strategy: a ``ParameterServerStrategy``.
+        ps_optimizer: a ``jaxdist.ps.optimizers`` spec to apply on the ps instead of the
+            translation of the Keras optimizer.
+        name: the ps collection of the trainable variables (same on every worker).
+
+    Returns:
+        The ``KerasPSTraining`` handle.
+
+    Raises:
+        TypeError: ``strategy`` is not a ``ParameterServerStrategy``.
+        ValueError: the model is not compiled/built, or its optimizer has no ps equivalent.
+
+    Example:
+        >>> model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        >>> jaxdist.keras.attach(model, strategy)
+        >>> model.fit(x, y, epochs=2)
+    """
+    return KerasPSTraining(model, strategy, ps_optimizer, name)
+
+
+__all__ = ["COLLECTION", "KerasPSTraining", "KerasWorkerStep", "attach", "check_callbacks"]

@@ -1,0 +1,202 @@
+"""Keras 3 ``model.fit`` under ``ParameterServerStrategy`` (``jaxdist.keras.attach``).
+
+Local (no cluster: the variables on a LocalClient ps): each Keras optimizer's translation
+gives Keras's own numbers; rejected optimizers and callbacks. Real clusters (slow): 1 ps / 1
+worker between-graph equals single-device Keras; 2 workers train asynchronously.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":  # pragma: no cover
+    pytest.skip("keras runs on another backend", allow_module_level=True)
+
+import jaxdist  # noqa: E402
+import jaxdist.keras as jk  # noqa: E402
+from jaxdist.keras.ps_optimizers import keras_optimizer_spec  # noqa: E402
+
+X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def _model(optimizer, steps_per_execution=1, metrics=("mae",)):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse", metrics=list(metrics),
+              steps_per_execution=steps_per_execution)
+    return m
+
+
+def _fit(m, **kw):
+    return m.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, **kw).history
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: keras.optimizers.SGD(0.1), 1e-6),
+    "nesterov": (lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), 1e-6),
+    "rmsprop_centered": (lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+                         1e-6),
+    "adagrad": (lambda: keras.optimizers.Adagrad(0.1), 1e-6),
+    # epsilon before / after the bias correction (documented): a 1e-5-level difference
+    "adam": (lambda: keras.optimizers.Adam(0.01), 1e-4),
+    "adamw_clipvalue": (lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, clipvalue=0.5),
+                        1e-4),
+    "sgd_exponential_decay": (lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 2, 0.5)), 1e-6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_local_fit_matches_keras(name):
+    make, tol = OPTIMIZERS[name]
+    ref = _model(make())
+    h_ref = _fit(ref)
+    m = _model(make())
+    training = jk.attach(m, jaxdist.ParameterServerStrategy())
+    h = _fit(m)
+    assert training.steps == 8
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=tol)
+    np.testing.assert_allclose(h["mae"], h_ref["mae"], rtol=tol)
+    for a, b in zip(m.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+    # the model's weights are the ps's (pulled at the end of fit)
+    for a, b in zip(m.trainable_variables, training.variables.pull()):
+        np.testing.assert_array_equal(np.asarray(a.value), b)
+
+
+def test_steps_per_execution_validation_and_evaluate():
+    ref = _model(keras.optimizers.SGD(0.1), steps_per_execution=3)
+    h_ref = _fit(ref, validation_data=(X[:16], Y[:16]))
+    m = _model(keras.optimizers.SGD(0.1), steps_per_execution=3)
+    jk.attach(m, jaxdist.ParameterServerStrategy())
+    h = _fit(m, validation_data=(X[:16], Y[:16]))
+    for k in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose(h[k], h_ref[k], rtol=1e-6)
+    np.testing.assert_allclose(m.evaluate(X, Y, verbose=0), ref.evaluate(X, Y, verbose=0),
+                               rtol=1e-6)
+
+
+def test_batchnorm_statistics_stay_on_the_worker():
+    def make():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return m
+
+    ref, m = make(), make()
+    h_ref = _fit(ref)
+    training = jk.attach(m, jaxdist.ParameterServerStrategy())
+    h = _fit(m)
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-6)
+    assert len(training.variables.pull()) == len(m.trainable_variables) == 6
+    for a, b in zip(m.non_trainable_variables, ref.non_trainable_variables):
+        np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value), rtol=1e-6)
+
+
+def test_model_checkpoint_pulls_the_ps_weights(tmp_path):
+    m = _model(keras.optimizers.SGD(0.1))
+    training = jk.attach(m, jaxdist.ParameterServerStrategy())
+    path = str(tmp_path / "w.weights.h5")
+    _fit(m, callbacks=[keras.callbacks.ModelCheckpoint(path, save_weights_only=True,
+                                                       save_freq=1)])
+    saved = _model(keras.optimizers.SGD(0.1))
+    saved.load_weights(path)
+    for a, b in zip(saved.get_weights(), training.variables.pull()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: keras.optimizers.Adam(amsgrad=True), "Adam with amsgrad=True"),
+    (lambda: keras.optimizers.SGD(0.1, clipnorm=1.0), "per-variable clipnorm"),
+    (lambda: keras.optimizers.SGD(0.1, weight_decay=0.01), "weight_decay=0.01"),
+    (lambda: keras.optimizers.Nadam(), "Nadam has no parameter-server equivalent"),
+    (lambda: keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(0.1, 10)),
+     "learning-rate schedule CosineDecay"),
+    (lambda: keras.optimizers.SGD(0.1, use_ema=True), "use_ema=True"),
+])
+def test_optimizers_without_ps_equivalent_are_rejected(make, match):
+    with pytest.raises(ValueError, match=match):
+        keras_optimizer_spec(make())
+    m = _model(make())
+    with pytest.raises(ValueError, match=match):
+        jk.attach(m, jaxdist.ParameterServerStrategy())
+
+
+def test_global_clipnorm_runs_on_the_worker():
+    spec = keras_optimizer_spec(keras.optimizers.SGD(0.1, global_clipnorm=1.0))
+    assert spec.worker_part().name == "clip_by_global_norm"
+    assert spec.ps_part().name == "sgd"
+
+
+@pytest.mark.parametrize("callback, match", [
+    (lambda: keras.callbacks.ReduceLROnPlateau(), "ReduceLROnPlateau does not work"),
+    (lambda: keras.callbacks.LearningRateScheduler(lambda e, lr: lr), "LearningRateScheduler"),
+    (lambda: keras.callbacks.BackupAndRestore("/tmp/unused"), "strategy.extended.save"),
+    (lambda: keras.callbacks.EarlyStopping(restore_best_weights=True), "restore_best_weights"),
+])
+def test_callbacks_needing_local_state_are_rejected(callback, match):
+    m = _model(keras.optimizers.SGD(0.1))
+    jk.attach(m, jaxdist.ParameterServerStrategy())
+    with pytest.raises(ValueError, match=match):
+        _fit(m, callbacks=[callback()])
+    _fit(m, callbacks=[keras.callbacks.EarlyStopping(monitor="loss", patience=1)])
+
+
+def test_attach_errors():
+    m = _model(keras.optimizers.SGD(0.1))
+    with pytest.raises(TypeError, match="needs a ParameterServerStrategy"):
+        jk.attach(m, jaxdist.OneDeviceStrategy("/cpu:0"))
+    raw = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="after model.compile"):
+        jk.attach(raw, jaxdist.ParameterServerStrategy())
+    jk.attach(m, jaxdist.ParameterServerStrategy())
+    m.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(ValueError, match="compiled again with another optimizer"):
+        _fit(m)
+
+
+# ---------------------------------------------------------------------- real clusters
+def _worker_results(num_workers, epochs, optimizer):
+    from ps_cluster_util import make_cluster, run_workers, start_ps, stop
+
+    cluster = make_cluster(1, num_workers)
+    ps = start_ps(cluster, 0)
+    try:
+        return run_workers(cluster, "keras_ps_worker.py", [str(epochs), optimizer],
+                           timeout=240.0, extra_env={"KERAS_BACKEND": "jax"})
+    finally:
+        assert stop(ps) == 0
+
+
+@pytest.mark.slow
+def test_between_graph_one_worker_matches_single_device_keras():
+    import keras_ps_worker as w
+
+    (out,) = _worker_results(1, 2, "adam")
+    ref = w.model("adam")
+    h = ref.fit(w.X, w.Y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert out["steps"] == 16
+    np.testing.assert_allclose(out["loss"], h["loss"], rtol=1e-4)
+    for a, b in zip(out["weights"], ref.get_weights()):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_between_graph_two_workers_train_asynchronously():
+    outs = _worker_results(2, 4, "sgd")
+    assert sorted(o["worker"] for o in outs) == [0, 1]
+    for o in outs:
+        assert o["steps"] == 16  # 32 rows each, batches of 8, 4 epochs
+        assert o["loss"][-1] < 0.5 * o["loss"][0], o["loss"]
