@@ -172,12 +172,14 @@ class KerasPSTraining:
         self.coordinator = getattr(strategy, "_jaxdist_coordinator", None)
         if self.coordinator is not None and self.coordinator._stopping.is_set():
             self.coordinator = None
-        if self.coordinator is not None:
-            _check_metric_aggregation(model)
         self.steps = 0
         self._compute: _StepCompute | None = None
         self._pending: deque = deque()
         self._worker_step: Any = None
+        if self.coordinator is not None:
+            _check_metric_aggregation(model)
+            # Serialized now: during fit Keras detaches the values from the model's variables.
+            self._worker_step = KerasWorkerStep(_model_bytes(model), self.variables, strategy)
         self._install()
 
     # ------------------------------------------------------------------ model hooks
@@ -256,9 +258,6 @@ class KerasPSTraining:
     # ------------------------------------------------------------------ coordinator
     def _coordinator_train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
         model = self.model
-        if self._worker_step is None:
-            self._worker_step = KerasWorkerStep(_model_bytes(model), self.variables,
-                                                self.strategy)
         trainable, non_trainable, opt_vars, metrics_vars = state
         n = max(1, int(model.steps_per_execution))
         for i in range(n):
