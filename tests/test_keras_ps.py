@@ -167,6 +167,84 @@ def test_attach_errors():
         _fit(m)
 
 
+# ---------------------------------------------------------------------- sparse embeddings
+IDS = np.random.default_rng(1).integers(0, 50, size=(32, 3)).astype("int32")
+YE = np.random.default_rng(2).normal(size=(32, 1)).astype("float32")
+
+
+def _emb_model(optimizer):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(50, 4,
+                                                                                   name="emb"),
+                          keras.layers.Flatten(name="flat"), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return m
+
+
+class _Counter:
+    """Counts what the client asks of the ps: rows by method, whole-variable pulls."""
+
+    def __init__(self, client):
+        self.rows = {"PullRows": 0, "PushRows": 0}
+        self.pulled_keys: list[str] = []
+        self._call = client.call
+        client.call = self
+
+    def __call__(self, task, method, meta=None, arrays=None, timeout=None):
+        if method in self.rows:
+            self.rows[method] += sum(len(a) for k, a in (arrays or {}).items()
+                                     if k.startswith("ids/"))
+        if method == "Pull":
+            self.pulled_keys += list((meta or {}).get("keys", []))
+        return self._call(task, method, meta, arrays, timeout=timeout)
+
+
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.SGD(0.5),
+                                  lambda: keras.optimizers.Adagrad(0.5)])
+def test_sparse_embedding_pulls_only_the_batch_rows_and_matches_keras(make):
+    ref = _emb_model(make())
+    h_ref = ref.fit(IDS, YE, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    m = _emb_model(make())
+    strategy = jaxdist.ParameterServerStrategy()
+    training = jk.attach(m, strategy, sparse_embeddings=["emb"])
+    assert tuple(m.get_layer("emb").embeddings.shape) == (1, 4)   # the table left the worker
+    counter = _Counter(strategy.extended.ps_client)
+    h = m.fit(IDS, YE, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-5)
+    unique_per_batch = sum(len(np.unique(IDS[i:i + 8])) for i in range(0, 32, 8))
+    assert counter.rows == {"PullRows": 2 * unique_per_batch, "PushRows": 2 * unique_per_batch}
+    assert not [k for k in counter.pulled_keys if "emb" in k]  # never the whole table
+    assert training.tables[0].rows_pulled == 2 * unique_per_batch < 8 * 24
+    np.testing.assert_allclose(m.evaluate(IDS, YE, verbose=0), ref.evaluate(IDS, YE, verbose=0),
+                               rtol=1e-5)
+    np.testing.assert_allclose(m.predict(IDS, verbose=0), ref.predict(IDS, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pull_weights\\(full_tables=True\\)"):
+        m.save_weights("/tmp/unused.weights.h5")
+    training.pull_weights(full_tables=True)
+    for a, b in zip(m.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_embedding_refusals():
+    m = _emb_model(keras.optimizers.Adam(0.01))
+    with pytest.raises(ValueError, match="lazy"):
+        jk.attach(m, jaxdist.ParameterServerStrategy(), sparse_embeddings=["emb"])
+    m = _emb_model(keras.optimizers.Adam(0.01))  # explicit lazy Adam: accepted
+    jk.attach(m, jaxdist.ParameterServerStrategy(), sparse_embeddings=["emb"],
+              embedding_optimizer=jaxdist.ps.optimizers.adam(0.01))
+    m.fit(IDS, YE, batch_size=8, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="expected a plain keras.layers.Embedding"):
+        jk.attach(_emb_model(keras.optimizers.SGD(0.1)), jaxdist.ParameterServerStrategy(),
+                  sparse_embeddings=["flat"])
+    inp = keras.Input((3,))
+    deep = keras.layers.Embedding(50, 4, name="deep")(keras.ops.cast(inp, "int32"))
+    f = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(deep)))
+    f.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="does not take a model input directly"):
+        jk.attach(f, jaxdist.ParameterServerStrategy(), sparse_embeddings=["deep"])
+
+
 # ---------------------------------------------------------------------- real clusters
 def _worker_results(num_workers, epochs, optimizer):
     from ps_cluster_util import make_cluster, run_workers, start_ps, stop

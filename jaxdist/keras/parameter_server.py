@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import types
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -50,6 +51,7 @@ import keras
 import numpy as np
 from keras.src.trainers.data_adapters import data_adapter_utils
 
+from jaxdist.keras.ps_embedding import SparseTable, input_index, table_optimizer
 from jaxdist.keras.ps_optimizers import keras_optimizer_spec
 from jaxdist.ps import optimizers as ps_opt
 
@@ -146,7 +148,8 @@ class KerasPSTraining:
     """
 
     def __init__(self, model: Any, strategy: Any, ps_optimizer: Any = None,
-                 name: str = COLLECTION):
+                 name: str = COLLECTION, sparse_embeddings: Sequence[str] = (),
+                 embedding_optimizer: Any = None):
         from jaxdist.strategies.parameter_server import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):
@@ -164,14 +167,35 @@ class KerasPSTraining:
         self._optimizer = model.optimizer
         self.ps_optimizer = (ps_opt.as_spec(ps_optimizer) if ps_optimizer is not None
                              else keras_optimizer_spec(model.optimizer))
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        init = [np.asarray(v.value) for v in model.trainable_variables]
-        with strategy.scope():
-            self.variables = strategy.create_variables(init, self.ps_optimizer, name=name)
         self.coordinator = getattr(strategy, "_jaxdist_coordinator", None)
         if self.coordinator is not None and self.coordinator._stopping.is_set():
             self.coordinator = None
+        layers = [_embedding_layer(model, n) for n in sparse_embeddings]
+        if layers and self.coordinator is not None:
+            raise NotImplementedError(
+                f"sparse embeddings {list(sparse_embeddings)} with a ClusterCoordinator: not "
+                f"implemented (the model travels to the workers whole); train between-graph "
+                f"(no coordinator), or leave the embeddings dense")
+        sparse_ids = {id(layer.embeddings) for layer in layers}
+        self._dense_index = [i for i, v in enumerate(model.trainable_variables)
+                             if id(v) not in sparse_ids]
+        init = [np.asarray(model.trainable_variables[i].value) for i in self._dense_index]
+        self.tables: list[SparseTable] = []
+        for layer in layers:
+            input_index(model, layer)  # refuse before anything is created on the ps
+        if layers:
+            spec = table_optimizer(self.ps_optimizer, embedding_optimizer,
+                                   list(sparse_embeddings))
+        with strategy.scope():
+            self.variables = strategy.create_variables(init, self.ps_optimizer, name=name)
+            for layer in layers:
+                full = np.asarray(layer.embeddings.value)
+                table = strategy.create_embedding(
+                    f"{name}/{layer.name}", full.shape[0], full.shape[1], optimizer=spec,
+                    initializer=full, dtype=full.dtype)
+                self.tables.append(SparseTable(model, layer, table))
+        for t in self.tables:
+            t.shrink(1)  # the table is on the ps: free this worker's copy
         self.steps = 0
         self._compute: _StepCompute | None = None
         self._pending: deque = deque()
@@ -207,10 +231,44 @@ class KerasPSTraining:
             finally:
                 handle._finish()
 
-        for name, fn in (("make_train_function", make_train_function),
-                         ("jax_state_sync", jax_state_sync), ("fit", fit)):
+        methods = [("make_train_function", make_train_function),
+                   ("jax_state_sync", jax_state_sync), ("fit", fit)]
+        if self.tables:
+            methods += self._sparse_methods()
+        for name, fn in methods:
             object.__setattr__(model, name, types.MethodType(fn, model))
         model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+
+    def _sparse_methods(self) -> list:
+        handle = self
+        cls = type(self.model)
+
+        def guarded(method: str) -> Any:
+            original = getattr(cls, method)
+
+            def call(self_model, *args, **kwargs):
+                if any(t.cap for t in handle.tables):
+                    names = [t.layer.name for t in handle.tables]
+                    raise ValueError(
+                        f"model.{method}: the tables of the sparse embeddings {names} live on "
+                        f"the ps tasks (this worker holds only a batch's rows); call "
+                        f"training.pull_weights(full_tables=True) first (it reads the whole "
+                        f"tables), or save the ps state with strategy.extended.save(dir, step)")
+                return original(self_model, *args, **kwargs)
+
+            return call
+
+        def make_test_function(self_model, force=False):
+            self_model.test_function = handle._sparse_test_function
+
+        def make_predict_function(self_model, force=False):
+            self_model.predict_function = handle._sparse_predict_function
+
+        return [(m, guarded(m)) for m in ("get_weights", "save", "save_weights")] + [
+            ("make_test_function", make_test_function),
+            ("make_predict_function", make_predict_function)]
 
     def _refresh_jax_state(self) -> None:
         """Before Keras writes its step state into the model: take the ps's values."""
@@ -218,7 +276,8 @@ class KerasPSTraining:
         if not state or self.model._jax_state_synced:
             return
         self._drain(state)
-        state["trainable_variables"] = list(self.variables.pull())
+        state["trainable_variables"] = self._merge(self.variables.pull(),
+                                                   state.get("trainable_variables"))
 
     def _finish(self) -> None:
         self._drain(None)
@@ -226,10 +285,54 @@ class KerasPSTraining:
         if self.coordinator is None:
             self.strategy.extended.worker_done()
 
-    def pull_weights(self) -> None:
-        """Assigns the ps's current values to ``model.trainable_variables``."""
-        for v, x in zip(self.model.trainable_variables, self.variables.pull()):
-            v.assign(x)
+    def pull_weights(self, full_tables: bool = False) -> None:
+        """Assigns the ps's current values to ``model.trainable_variables``.
+
+        Args:
+            full_tables: also read the whole tables of the sparse embeddings back into their
+                layers (needed before ``model.save`` / ``get_weights``; the next step shrinks
+                them again).
+        """
+        trainable = self.model.trainable_variables
+        for i, x in zip(self._dense_index, self.variables.pull()):
+            trainable[i].assign(x)
+        if full_tables:
+            for t in self.tables:
+                t.restore(t.table.read_value())
+
+    def _merge(self, dense: Any, current: Any = None, rows: dict | None = None) -> list:
+        """The full trainable list: ``dense`` values, and the sparse buffers from ``rows`` (by
+        variable index) or zeros of their current shape (``current`` is ignored for them)."""
+        n = len(self.model.trainable_variables)
+        out: list = [None] * n
+        for i, x in zip(self._dense_index, dense):
+            out[i] = x
+        for t in self.tables:
+            j = t.var_index
+            if rows and j in rows:
+                out[j] = rows[j]
+            else:  # the buffer's contents never matter: every step fills it with its rows
+                out[j] = np.zeros(tuple(self.model.trainable_variables[j].shape),
+                                  t.table.dtype)
+        return out
+
+    def _pull_batch(self, data: Any) -> tuple[Any, list, list]:
+        """Pulls the dense variables and the batch's sparse rows: ``(data with renumbered
+        ids, trainable values, lookups)``."""
+        if not self.tables:
+            return data, list(self.variables.pull()), []
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows, looks = {}, []
+        for t in self.tables:
+            x, r, look = t.pull(x)
+            rows[t.var_index] = r
+            looks.append(look)
+        return (x, y, sw), self._merge(self.variables.pull(), rows=rows), looks
+
+    def _push(self, grads: list, looks: list) -> None:
+        self.variables.apply_gradients([grads[i] for i in self._dense_index])
+        for t, look in zip(self.tables, looks):
+            t.push(look, grads[t.var_index])
 
     # ------------------------------------------------------------------ between-graph
     def _train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
@@ -248,12 +351,55 @@ class KerasPSTraining:
             if ext._max_staleness is not None and not ext._local:
                 ext._wait_turn()
             ext._step += 1
-            params = list(self.variables.pull())
+            data, params, looks = self._pull_batch(data)
             logs, grads, non_trainable, metrics_vars = self._compute(
                 params, non_trainable, metrics_vars, opt_vars, data)
-            self.variables.apply_gradients(list(grads))
+            self._push(list(grads), looks)
             self.steps += 1
         return logs, (params, non_trainable, opt_vars, metrics_vars)
+
+    def _batches(self, iterator: Any) -> list:
+        """The next ``steps_per_execution`` batches (fewer at the end; StopIteration if
+        none)."""
+        out: list = []
+        for _ in range(max(1, int(self.model.steps_per_execution))):
+            try:
+                out.append(next(iterator))
+            except StopIteration:
+                if not out:
+                    raise
+                break
+        return out
+
+    def _sparse_test_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
+        if getattr(self, "_test_step", None) is None:
+            self._test_step = jax.jit(self.model.test_step)
+        logs = None
+        trainable, non_trainable, metrics_vars = state
+        for data in self._batches(iterator):
+            data, params, _ = self._pull_batch(data)
+            params = self._merge([trainable[i] for i in self._dense_index],
+                                 rows={t.var_index: params[t.var_index] for t in self.tables})
+            logs, (_, non_trainable, metrics_vars) = self._test_step(
+                (params, non_trainable, metrics_vars), data)
+        return logs, (trainable, non_trainable, metrics_vars)
+
+    def _sparse_predict_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
+        if getattr(self, "_predict_step", None) is None:
+            self._predict_step = jax.jit(self.model.predict_step)
+        trainable, non_trainable = state
+        outputs = []
+        for data in self._batches(iterator):
+            if not isinstance(data, tuple):
+                data = (data,)
+            data, params, _ = self._pull_batch(data)
+            params = self._merge([trainable[i] for i in self._dense_index],
+                                 rows={t.var_index: params[t.var_index] for t in self.tables})
+            out, non_trainable = self._predict_step((params, non_trainable), data)
+            outputs.append(out)
+        out = outputs[0] if len(outputs) == 1 else jax.tree.map(
+            lambda *xs: jax.numpy.concatenate(xs), *outputs)
+        return out, (trainable, non_trainable)
 
     # ------------------------------------------------------------------ coordinator
     def _coordinator_train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
@@ -376,8 +522,18 @@ class KerasWorkerStep:
         return deltas, [np.asarray(x) for x in jax.device_get(non_trainable)]
 
 
-def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None,
-           name: str = COLLECTION) -> KerasPSTraining:
+def _embedding_layer(model: Any, name: str) -> Any:
+    layer = model.get_layer(name)
+    if not isinstance(layer, keras.layers.Embedding) or getattr(layer, "lora_enabled", False) \
+            or getattr(layer, "quantization_mode", None):
+        raise ValueError(f"sparse_embeddings: layer {name!r} is a {type(layer).__name__}, "
+                         f"expected a plain keras.layers.Embedding (no LoRA, not quantized)")
+    return layer
+
+
+def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None, name: str = COLLECTION,
+           sparse_embeddings: Sequence[str] = (),
+           embedding_optimizer: Any = None) -> KerasPSTraining:
     """Trains ``model`` on parameter servers: ``model.fit`` then pulls, computes and pushes.
 
     Call it after ``model.compile`` on every worker (between-graph) or on the coordinator
@@ -389,6 +545,11 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None,
         ps_optimizer: a ``jaxdist.ps.optimizers`` spec to apply on the ps instead of the
             translation of the Keras optimizer.
         name: the ps collection of the trainable variables (same on every worker).
+        sparse_embeddings: names of ``keras.layers.Embedding`` layers whose tables live on the
+            ps as row-sharded tables: a step pulls and pushes only its batch's rows
+            (between-graph only; see ``jaxdist.keras.ps_embedding``).
+        embedding_optimizer: the row-wise ``jaxdist.ps.optimizers`` spec of those tables
+            (default: the model's, when row-wise updates equal Keras's: SGD, Adagrad).
 
     Returns:
         The ``KerasPSTraining`` handle.
@@ -402,7 +563,8 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None,
         >>> jaxdist.keras.attach(model, strategy)
         >>> model.fit(x, y, epochs=2)
     """
-    return KerasPSTraining(model, strategy, ps_optimizer, name)
+    return KerasPSTraining(model, strategy, ps_optimizer, name, tuple(sparse_embeddings),
+                           embedding_optimizer)
 
 
 __all__ = ["COLLECTION", "KerasPSTraining", "KerasWorkerStep", "attach", "check_callbacks"]
