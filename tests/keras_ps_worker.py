@@ -39,7 +39,8 @@ def main() -> None:
     hist = m.fit(X[i::n], Y[i::n], batch_size=8, epochs=epochs, shuffle=False, verbose=0)
     print(json.dumps({"loss": hist.history["loss"], "mae": hist.history["mae"],
                       "weights": [w.tolist() for w in m.get_weights()],
-                      "steps": training.steps, "worker": i}))
+                      "steps": training.steps, "worker": i,
+                      "devices": len(ext.worker_devices)}))
 
 
 if __name__ == "__main__":

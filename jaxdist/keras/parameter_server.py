@@ -23,8 +23,10 @@ kept by the coordinator's model); metrics are computed on the worker (with a coo
 summed on the coordinator, so every metric variable must declare Keras's ``"sum"``
 aggregation, as all built-in metrics do).
 
-Whenever Keras reads the model's weights (end of ``fit``, a callback touching ``model``,
-``evaluate``, ``save``) they are pulled from the ps first, so they are the ps's current values.
+Whenever Keras reads the model's weights during ``fit`` (a callback touching ``model``, the
+epoch end, validation) and at the end of ``fit`` they are pulled from the ps first, so they are
+the ps's current values; ``pull_weights()`` pulls them at any other time. A worker computes on
+all its compute devices (the batch split over them in one jit).
 Callbacks that cannot work when the state lives on the ps are rejected when ``fit`` starts:
 ``ReduceLROnPlateau`` / ``LearningRateScheduler`` (the learning rate is the ps optimizer's),
 ``BackupAndRestore`` (use ``strategy.extended.save`` / ``restore``: ps checkpoints hold the
@@ -49,6 +51,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from jaxdist.keras.ps_embedding import SparseTable, input_index, table_optimizer
@@ -106,9 +109,14 @@ def _check_metric_aggregation(model: Any) -> None:
 
 class _StepCompute:
     """The jitted gradient step of a Keras model: loss, gradients, new non-trainable and
-    metric state of one batch, from trainable values given as arguments."""
+    metric state of one batch, from trainable values given as arguments.
 
-    def __init__(self, model: Any):
+    With several ``devices`` (the worker's compute devices) the batch is split over them and
+    the state replicated: one jit over the worker's devices (XLA inserts the all-reduce), so
+    the numbers are those of the whole batch on one device.
+    """
+
+    def __init__(self, model: Any, devices: Sequence[Any] = ()):
         self.model = model
 
         def step(trainable, non_trainable, metrics_vars, opt_vars, x, y, sw):
@@ -121,10 +129,33 @@ class _StepCompute:
             return logs, grads, non_trainable, metrics_vars
 
         self._step = jax.jit(step) if (model.jit_compile and not model.run_eagerly) else step
+        self._n = len(devices)
+        if self._n > 1:
+            mesh = Mesh(np.asarray(list(devices)), ("batch",))
+            self._split = NamedSharding(mesh, PartitionSpec("batch"))
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+
+    def _place(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        for leaf in jax.tree.leaves(batch):
+            rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+            if rows is None or rows % self._n:
+                raise ValueError(
+                    f"a batch of {rows} rows cannot be split over this worker's {self._n} "
+                    f"compute devices: use a batch_size divisible by {self._n} (and drop the "
+                    f"remainder), or ParameterServerStrategy(compute_devices=[one device])")
+        return (jax.device_put(state, self._replicated), jax.device_put(batch, self._split))
 
     def __call__(self, trainable, non_trainable, metrics_vars, opt_vars, data):
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        if self._n > 1:
+            (trainable, non_trainable, metrics_vars, opt_vars), (x, y, sw) = self._place(
+                (list(trainable), list(non_trainable), list(metrics_vars), list(opt_vars)),
+                (x, y, sw))
         return self._step(trainable, non_trainable, metrics_vars, opt_vars, x, y, sw)
+
+
+def _compute_devices(strategy: Any) -> tuple:
+    return tuple(strategy.extended.worker_devices)
 
 
 def _values(variables: Any) -> list:
@@ -338,7 +369,7 @@ class KerasPSTraining:
     def _train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
         model, ext = self.model, self.strategy.extended
         if self._compute is None:
-            self._compute = _StepCompute(model)
+            self._compute = _StepCompute(model, _compute_devices(self.strategy))
         _, non_trainable, opt_vars, metrics_vars = state
         logs, params = None, None
         for i in range(max(1, int(model.steps_per_execution))):
@@ -504,7 +535,7 @@ class KerasWorkerStep:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()
         self._model = model
-        self._compute = _StepCompute(model)
+        self._compute = _StepCompute(model, _compute_devices(self.strategy))
         self._metrics0 = [np.asarray(v.value) for v in model.metrics_variables]
         self._non_trainable = _values(model.non_trainable_variables)
         self._opt_vars = _values(model.optimizer.variables)

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from jaxdist.ps import optimizers as ps_opt
 
 _SUPPORTED = "SGD, Adam, AdamW, Adagrad, RMSprop"
@@ -58,7 +60,7 @@ def _learning_rate(optimizer: Any) -> Any:
                                         float(lr.decay_rate), staircase=bool(lr.staircase))
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or callable(lr):
         raise _fail(optimizer, f"learning-rate schedule {type(lr).__name__}")
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    return float(np.asarray(optimizer.learning_rate.value))
 
 
 def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
