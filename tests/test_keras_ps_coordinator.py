@@ -96,3 +96,26 @@ def test_fit_survives_a_worker_killed_mid_training(coordinator, cluster):
     assert training.steps == 24
     assert all(v >= 24 for v in _versions(training))   # at least once: a lost step reran
     assert h["loss"][-1] < 0.5 * h["loss"][0], h["loss"]
+
+
+def test_sparse_embedding_fit_from_the_coordinator(coordinator):
+    ids = np.random.default_rng(1).integers(0, 50, size=(64, 3)).astype("int32")
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((3,), dtype="int32"),
+                          keras.layers.Embedding(50, 4, name="emb"), keras.layers.Flatten(),
+                          keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="mse", steps_per_execution=2)
+    training = jk.attach(m, coordinator.strategy, name=f"keras{next(_names)}",
+                         sparse_embeddings=["emb"])
+    table = training.tables[0].table
+    before = table.read_value()
+    h = m.fit(ids, Y, batch_size=8, epochs=3, shuffle=False, verbose=0).history
+    assert h["loss"][-1] < h["loss"][0], h["loss"]
+    after = table.read_value()
+    touched = np.unique(ids)
+    untouched = np.setdiff1d(np.arange(50), touched)
+    assert not np.allclose(after[touched], before[touched])      # rows trained on the ps
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+    assert sum(training._ps.variables.versions.values()) == 24 * 2  # dense kernel + bias
+    # the coordinator evaluates through the rows too
+    assert np.isfinite(m.evaluate(ids, Y, verbose=0))

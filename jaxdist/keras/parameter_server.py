@@ -162,6 +162,51 @@ def _values(variables: Any) -> list:
     return [v.value for v in variables]
 
 
+class _PSState:
+    """A model's trainable variables as the ps holds them: dense ``PSVariables`` (in the order
+    of ``dense_index``) and sparse tables (one buffer variable each on this process)."""
+
+    def __init__(self, model: Any, variables: Any, tables: list):
+        self.model, self.variables, self.tables = model, variables, tables
+        sparse = {t.var_index for t in tables}
+        self.dense_index = [i for i in range(len(model.trainable_variables)) if i not in sparse]
+
+    def merge(self, dense: Any, current: Any = None, rows: dict | None = None) -> list:
+        """The full trainable list: ``dense`` values, and the sparse buffers from ``rows`` (by
+        variable index) or zeros of their current shape (``current`` is ignored for them)."""
+        n = len(self.model.trainable_variables)
+        out: list = [None] * n
+        for i, x in zip(self.dense_index, dense):
+            out[i] = x
+        for t in self.tables:
+            j = t.var_index
+            if rows and j in rows:
+                out[j] = rows[j]
+            else:  # the buffer's contents never matter: every step fills it with its rows
+                out[j] = np.zeros(tuple(self.model.trainable_variables[j].shape),
+                                  t.table.dtype)
+        return out
+
+    def pull_batch(self, data: Any) -> tuple[Any, list, list]:
+        """Pulls the dense variables and the batch's sparse rows: ``(data with renumbered
+        ids, trainable values, lookups)``."""
+        if not self.tables:
+            return data, list(self.variables.pull()), []
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows, looks = {}, []
+        for t in self.tables:
+            x, r, look = t.pull(x)
+            rows[t.var_index] = r
+            looks.append(look)
+        return (x, y, sw), self.merge(self.variables.pull(), rows=rows), looks
+
+    def push(self, grads: list, looks: list) -> None:
+        self.variables.apply_gradients([grads[i] for i in self.dense_index])
+        for t, look in zip(self.tables, looks):
+            t.push(look, grads[t.var_index])
+
+
+
 class KerasPSTraining:
     """What ``attach`` returns: the handle of a Keras model trained on parameter servers.
 
@@ -202,11 +247,8 @@ class KerasPSTraining:
         if self.coordinator is not None and self.coordinator._stopping.is_set():
             self.coordinator = None
         layers = [_embedding_layer(model, n) for n in sparse_embeddings]
-        if layers and self.coordinator is not None:
-            raise NotImplementedError(
-                f"sparse embeddings {list(sparse_embeddings)} with a ClusterCoordinator: not "
-                f"implemented (the model travels to the workers whole); train between-graph "
-                f"(no coordinator), or leave the embeddings dense")
+        if self.coordinator is not None:
+            _check_metric_aggregation(model)
         sparse_ids = {id(layer.embeddings) for layer in layers}
         self._dense_index = [i for i, v in enumerate(model.trainable_variables)
                              if id(v) not in sparse_ids]
@@ -225,16 +267,19 @@ class KerasPSTraining:
                     f"{name}/{layer.name}", full.shape[0], full.shape[1], optimizer=spec,
                     initializer=full, dtype=full.dtype)
                 self.tables.append(SparseTable(model, layer, table))
-        for t in self.tables:
-            t.shrink(1)  # the table is on the ps: free this worker's copy
+        self._ps = _PSState(model, self.variables, self.tables)
         self.steps = 0
         self._compute: _StepCompute | None = None
         self._pending: deque = deque()
         self._worker_step: Any = None
         if self.coordinator is not None:
-            _check_metric_aggregation(model)
-            # Serialized now: during fit Keras detaches the values from the model's variables.
-            self._worker_step = KerasWorkerStep(_model_bytes(model), self.variables, strategy)
+            # Serialized now: during fit Keras detaches the values from the model's variables
+            # (and before the tables shrink: the workers load the model whole once).
+            self._worker_step = KerasWorkerStep(
+                _model_bytes(model), self.variables, strategy,
+                [(t.layer.name, t.table, t.input_index) for t in self.tables])
+        for t in self.tables:
+            t.shrink(1)  # the table is on the ps: free this process's copy
         self._install()
 
     # ------------------------------------------------------------------ model hooks
@@ -307,7 +352,7 @@ class KerasPSTraining:
         if not state or self.model._jax_state_synced:
             return
         self._drain(state)
-        state["trainable_variables"] = self._merge(self.variables.pull(),
+        state["trainable_variables"] = self._ps.merge(self.variables.pull(),
                                                    state.get("trainable_variables"))
 
     def _finish(self) -> None:
@@ -331,40 +376,6 @@ class KerasPSTraining:
             for t in self.tables:
                 t.restore(t.table.read_value())
 
-    def _merge(self, dense: Any, current: Any = None, rows: dict | None = None) -> list:
-        """The full trainable list: ``dense`` values, and the sparse buffers from ``rows`` (by
-        variable index) or zeros of their current shape (``current`` is ignored for them)."""
-        n = len(self.model.trainable_variables)
-        out: list = [None] * n
-        for i, x in zip(self._dense_index, dense):
-            out[i] = x
-        for t in self.tables:
-            j = t.var_index
-            if rows and j in rows:
-                out[j] = rows[j]
-            else:  # the buffer's contents never matter: every step fills it with its rows
-                out[j] = np.zeros(tuple(self.model.trainable_variables[j].shape),
-                                  t.table.dtype)
-        return out
-
-    def _pull_batch(self, data: Any) -> tuple[Any, list, list]:
-        """Pulls the dense variables and the batch's sparse rows: ``(data with renumbered
-        ids, trainable values, lookups)``."""
-        if not self.tables:
-            return data, list(self.variables.pull()), []
-        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
-        rows, looks = {}, []
-        for t in self.tables:
-            x, r, look = t.pull(x)
-            rows[t.var_index] = r
-            looks.append(look)
-        return (x, y, sw), self._merge(self.variables.pull(), rows=rows), looks
-
-    def _push(self, grads: list, looks: list) -> None:
-        self.variables.apply_gradients([grads[i] for i in self._dense_index])
-        for t, look in zip(self.tables, looks):
-            t.push(look, grads[t.var_index])
-
     # ------------------------------------------------------------------ between-graph
     def _train_function(self, state: Any, iterator: Any) -> tuple[Any, Any]:
         model, ext = self.model, self.strategy.extended
@@ -382,10 +393,10 @@ class KerasPSTraining:
             if ext._max_staleness is not None and not ext._local:
                 ext._wait_turn()
             ext._step += 1
-            data, params, looks = self._pull_batch(data)
+            data, params, looks = self._ps.pull_batch(data)
             logs, grads, non_trainable, metrics_vars = self._compute(
                 params, non_trainable, metrics_vars, opt_vars, data)
-            self._push(list(grads), looks)
+            self._ps.push(list(grads), looks)
             self.steps += 1
         return logs, (params, non_trainable, opt_vars, metrics_vars)
 
@@ -408,8 +419,8 @@ class KerasPSTraining:
         logs = None
         trainable, non_trainable, metrics_vars = state
         for data in self._batches(iterator):
-            data, params, _ = self._pull_batch(data)
-            params = self._merge([trainable[i] for i in self._dense_index],
+            data, params, _ = self._ps.pull_batch(data)
+            params = self._ps.merge([trainable[i] for i in self._dense_index],
                                  rows={t.var_index: params[t.var_index] for t in self.tables})
             logs, (_, non_trainable, metrics_vars) = self._test_step(
                 (params, non_trainable, metrics_vars), data)
@@ -423,8 +434,8 @@ class KerasPSTraining:
         for data in self._batches(iterator):
             if not isinstance(data, tuple):
                 data = (data,)
-            data, params, _ = self._pull_batch(data)
-            params = self._merge([trainable[i] for i in self._dense_index],
+            data, params, _ = self._ps.pull_batch(data)
+            params = self._ps.merge([trainable[i] for i in self._dense_index],
                                  rows={t.var_index: params[t.var_index] for t in self.tables})
             out, non_trainable = self._predict_step((params, non_trainable), data)
             outputs.append(out)
@@ -514,22 +525,31 @@ class KerasWorkerStep:
         model_bytes: the compiled model (``.keras`` format).
         variables: the ``PSVariables`` of the model's trainable variables.
         strategy: the coordinator's ``ParameterServerStrategy``.
+        tables: ``(layer name, EmbeddingTable, input index)`` of the sparse embeddings.
 
     Returns (when called with a batch): ``(metric deltas, non-trainable state)`` of the step.
     """
 
-    def __init__(self, model_bytes: bytes, variables: Any, strategy: Any):
+    def __init__(self, model_bytes: bytes, variables: Any, strategy: Any,
+                 tables: Sequence[tuple[str, Any, int]] = ()):
         self.model_bytes, self.variables, self.strategy = model_bytes, variables, strategy
+        self.tables = list(tables)
         self._model: Any = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_model": None}
+        return {k: v for k, v in self.__dict__.items()
+                if k in ("model_bytes", "variables", "strategy", "tables")} | {"_model": None}
 
     def _build(self, data: Any) -> None:
         from keras.src.saving import saving_lib
 
         model = saving_lib._load_model_from_fileobj(
             io.BytesIO(self.model_bytes), custom_objects=None, compile=True, safe_mode=True)
+        tables = [SparseTable(model, model.get_layer(name), table, index)
+                  for name, table, index in self.tables]
+        for t in tables:
+            t.shrink(1)  # the table is on the ps
+        self._ps = _PSState(model, self.variables, tables)
         model._symbolic_build(data_batch=data)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
@@ -543,10 +563,10 @@ class KerasWorkerStep:
     def __call__(self, data: Any) -> tuple[list, list]:
         if self._model is None:
             self._build(data)
-        params = list(self.variables.pull())
+        data, params, looks = self._ps.pull_batch(data)
         _, grads, non_trainable, metrics_vars = self._compute(
             params, self._non_trainable, list(self._metrics0), self._opt_vars, data)
-        self.variables.apply_gradients(list(grads))
+        self._ps.push(list(grads), looks)
         self._non_trainable = non_trainable
         deltas = [np.asarray(m) - m0 for m, m0 in zip(jax.device_get(metrics_vars),
                                                       self._metrics0)]
@@ -578,7 +598,7 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None, name: str = C
         name: the ps collection of the trainable variables (same on every worker).
         sparse_embeddings: names of ``keras.layers.Embedding`` layers whose tables live on the
             ps as row-sharded tables: a step pulls and pushes only its batch's rows
-            (between-graph only; see ``jaxdist.keras.ps_embedding``).
+            (see ``jaxdist.keras.ps_embedding``).
         embedding_optimizer: the row-wise ``jaxdist.ps.optimizers`` spec of those tables
             (default: the model's, when row-wise updates equal Keras's: SGD, Adagrad).
 

@@ -68,11 +68,13 @@ class SparseTable:
         model: the Keras model.
         layer: its ``keras.layers.Embedding``.
         table: the ``EmbeddingTable`` on the ps.
+        index: the position of its ids among ``model.inputs`` (default: found from the
+            layer's inbound node).
     """
 
-    def __init__(self, model: Any, layer: Any, table: Any):
+    def __init__(self, model: Any, layer: Any, table: Any, index: int | None = None):
         self.layer, self.table = layer, table
-        self.input_index = input_index(model, layer)
+        self.input_index = input_index(model, layer) if index is None else int(index)
         self.num_inputs = len(model.inputs)
         self.var_index = next(i for i, v in enumerate(model.trainable_variables)
                               if v is layer.embeddings)
