@@ -51,7 +51,7 @@ def coordinator(cluster):
 def _model():
     keras.utils.set_random_seed(0)
     m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
-                          keras.layers.Dense(1)])
+                          keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1)])
     m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"],
               steps_per_execution=2)
     return m
@@ -69,12 +69,15 @@ def test_fit_from_the_coordinator_runs_every_step_on_the_workers(coordinator):
     ran = [a - b for a, b in zip(coordinator.functions_run(), before)]
     assert training.steps == 24 and sum(ran) == 24, ran
     assert all(r > 0 for r in ran), ran                # both workers took steps
-    assert _versions(training) == [24] * 4             # every step pushed exactly once
+    assert _versions(training) == [24] * 6             # every step pushed exactly once
     assert h["loss"][-1] < 0.5 * h["loss"][0], h["loss"]
     # the coordinator's model holds the ps's values; its metric sums every step's
     for v, x in zip(m.trainable_variables, training.variables.pull()):
         np.testing.assert_array_equal(np.asarray(v.value), x)
     assert 0 < h["mae"][-1] < h["mae"][0]
+    # BatchNorm statistics: the coordinator keeps those of the latest finished step
+    bn = m.get_layer("bn")
+    assert np.abs(np.asarray(bn.moving_mean.value)).max() > 0.01
 
 
 def test_fit_survives_a_worker_killed_mid_training(coordinator, cluster):
