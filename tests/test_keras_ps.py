@@ -170,6 +170,8 @@ def test_callbacks_needing_local_state_are_rejected(callback, match):
     jk.attach(m, jaxdist.ParameterServerStrategy())
     with pytest.raises(ValueError, match=match):
         _fit(m, callbacks=[callback()])
+    with pytest.raises(ValueError, match=match):  # passed by position too
+        m.fit(X, Y, 8, 1, 0, [callback()])
     _fit(m, callbacks=[keras.callbacks.EarlyStopping(monitor="loss", patience=1)])
 
 

@@ -301,7 +301,8 @@ class KerasPSTraining:
             return original_sync(self_model)
 
         def fit(self_model, *args, **kwargs):
-            check_callbacks(kwargs.get("callbacks"))
+            # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+            check_callbacks(kwargs.get("callbacks", args[5] if len(args) > 5 else None))
             try:
                 return original_fit(self_model, *args, **kwargs)
             finally:
