@@ -4,8 +4,6 @@ from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.context import (
     experimental_set_strategy,
     get_cross_replica_context,
-    get_replica_context,
-    get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
@@ -15,6 +13,7 @@ from jaxdist.strategies.cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
 )
+from jaxdist.strategies.current import get_replica_context, get_strategy
 from jaxdist.strategies.default import DefaultStrategy, get_default_strategy
 from jaxdist.strategies.devices import resolve_device, resolve_devices
 from jaxdist.strategies.inflight import StepThrottle

@@ -7,6 +7,10 @@ As in tf.distribute, a thread is in one of three states:
 * cross-replica context: inside ``strategy.scope()``; ``get_replica_context()`` is ``None``;
 * replica context: inside the function passed to ``strategy.run``; ``get_replica_context()``
   gives the ``ReplicaContext`` with ``all_reduce``, ``all_gather`` and the replica id.
+
+This module is the stack alone and imports no strategy; ``get_strategy`` and
+``get_replica_context``, which fall back to the default strategy, are in
+``jaxdist.strategies.current``.
 """
 
 from __future__ import annotations
@@ -43,20 +47,17 @@ def _top() -> _Frame | None:
     return _state.stack[-1] if _state.stack else None
 
 
-def get_strategy() -> Strategy:
-    """Returns the current strategy: the innermost ``scope()``, else the default strategy.
+def current_strategy() -> Strategy | None:
+    """The strategy of the innermost scope (or replica function), ``None`` outside every scope.
+
+    ``get_strategy()`` (``jaxdist.strategies.current``) falls back to the default strategy.
 
     Example:
-        >>> with jaxdist.MirroredStrategy().scope():
-        ...     jaxdist.get_strategy().num_replicas_in_sync
-        8
+        >>> current_strategy() is None
+        True
     """
     frame = _top()
-    if frame is None:
-        from jaxdist.strategies.default import get_default_strategy
-
-        return get_default_strategy()
-    return frame.strategy
+    return None if frame is None else frame.strategy
 
 
 def has_strategy() -> bool:
@@ -70,11 +71,7 @@ def has_strategy() -> bool:
         True
     """
     frame = _top()
-    if frame is None:
-        return False
-    from jaxdist.strategies.default import DefaultStrategy
-
-    return not isinstance(frame.strategy, DefaultStrategy)
+    return frame is not None and not frame.strategy._is_default_strategy
 
 
 def in_cross_replica_context() -> bool:
@@ -88,25 +85,6 @@ def in_cross_replica_context() -> bool:
     """
     frame = _top()
     return frame is not None and frame.replica_context is None
-
-
-def get_replica_context() -> ReplicaContext | None:
-    """The current ``ReplicaContext``; ``None`` in a cross-replica context.
-
-    Outside every scope this is the default strategy's replica context (one replica), as in TF.
-
-    Example:
-        >>> def step(x):
-        ...     ctx = jaxdist.get_replica_context()
-        ...     return ctx.all_reduce("SUM", x) / ctx.num_replicas_in_sync
-        >>> strategy.run(step, args=(per_replica_x,))
-    """
-    frame = _top()
-    if frame is None:
-        from jaxdist.strategies.default import get_default_strategy
-
-        return get_default_strategy()._default_replica_context
-    return frame.replica_context
 
 
 def get_cross_replica_context() -> Strategy | None:
@@ -127,12 +105,6 @@ def get_cross_replica_context() -> Strategy | None:
     if frame is None:
         return None
     return frame.strategy if frame.replica_context is None else None
-
-
-def _is_default(strategy: Any) -> bool:
-    from jaxdist.strategies.default import DefaultStrategy
-
-    return isinstance(strategy, DefaultStrategy)
 
 
 def _mixing_error(current: Strategy, wanted: Strategy) -> RuntimeError:
@@ -255,7 +227,7 @@ class DefaultStrategyScope:
         if has_strategy():
             raise RuntimeError(
                 f"Must not nest tf.distribute.Strategy scopes: the default strategy's scope was "
-                f"entered inside the scope of {get_strategy()!r}."
+                f"entered inside the scope of {current_strategy()!r}."
             )
         return self._strategy
 
@@ -287,7 +259,7 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
     if has_strategy():
         raise RuntimeError(
             "Must not be called inside a `tf.distribute.Strategy` scope: leave the scope of "
-            f"{get_strategy()!r} first."
+            f"{current_strategy()!r} first."
         )
     if strategy is not None:
         scope = strategy.scope()

@@ -58,6 +58,8 @@ class DefaultStrategy(Strategy):
         2
     """
 
+    _is_default_strategy = True
+
     def __init__(self):
         super().__init__(_DefaultExtended(self))
         self._default_replica_context = ReplicaContext(self, None)

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.strategies import context as ctx_lib
+from jaxdist.strategies import current
 
 
 def _num_replicas() -> int:
-    rctx = ctx_lib.get_replica_context()
+    rctx = current.get_replica_context()
     if rctx is None:
-        return ctx_lib.get_strategy().num_replicas_in_sync
+        return current.get_strategy().num_replicas_in_sync
     return rctx.num_replicas_in_sync
 
 
@@ -35,7 +36,7 @@ def _check_replica_context(name: str) -> None:
 
 def _mask_padding(per_example_loss: Any) -> Any:
     """Zeroes the padding rows of TF's partial last batch (see ``ReplicaContext.valid_rows``)."""
-    rctx = ctx_lib.get_replica_context()
+    rctx = current.get_replica_context()
     padded = getattr(rctx, "padded_rows", None)
     if padded is None or per_example_loss.shape[0] != padded:
         return per_example_loss

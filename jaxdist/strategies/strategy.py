@@ -390,8 +390,8 @@ class StrategyExtended:
     def _check_not_mixing(self) -> None:
         """Raises TF's mixing error when called inside another (non-default) strategy's scope."""
         strategy = self._container_strategy
-        if ctx_lib.has_strategy() and ctx_lib.get_strategy() is not strategy:
-            raise ctx_lib._mixing_error(ctx_lib.get_strategy(), strategy)
+        if ctx_lib.has_strategy() and ctx_lib.current_strategy() is not strategy:
+            raise ctx_lib._mixing_error(ctx_lib.current_strategy(), strategy)
 
     def reduce_to(
         self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None
@@ -715,6 +715,9 @@ class Strategy:
         ...     return jaxdist.get_replica_context().all_reduce("SUM", x.sum())
         >>> total = strategy.run(step, args=(params, dist_x))
     """
+
+    #: True only for the default strategy (in effect outside every scope).
+    _is_default_strategy: bool = False
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
