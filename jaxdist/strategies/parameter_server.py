@@ -29,7 +29,7 @@ from jaxdist.ps.embedding import EmbeddingTable
 from jaxdist.ps.errors import PSInvalidArgumentError, StalenessTimeoutError
 from jaxdist.ps.partitioners import split_rows
 from jaxdist.ps.placement import ReplicaDeviceSetter, replica_device_setter
-from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
+from jaxdist.ps.service import ParameterService, latest_step, write_checkpoint_pointer
 from jaxdist.ps.variables import Layout, PSVariables, ShardInfo, wait_for_marker
 from jaxdist.ps.worker_runtime import register_worker_strategy
 from jaxdist.strategies.devices import resolve_devices
@@ -116,6 +116,19 @@ class ParameterServerStrategyExtended(StrategyExtended):
     @property
     def worker_index(self) -> int:
         return self._info.worker_index
+
+    @property
+    def cluster_coordinator(self) -> Any:
+        """The live ``ClusterCoordinator`` created on this strategy, or ``None``."""
+        coordinator = getattr(self._container_strategy, "_jaxdist_coordinator", None)
+        if coordinator is None or coordinator._stopping.is_set():
+            return None
+        return coordinator
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any RPC or wait on another task may take before a typed error."""
+        return self._timeout
 
     # ------------------------------------------------------------------ variables
     def _colocate_task(self) -> int | None:
@@ -356,6 +369,57 @@ class ParameterServerStrategyExtended(StrategyExtended):
         """Every ps task's status: variables with versions and staleness stats, markers."""
         return [m for m, _ in self._client.call_many(
             [(t, "Status", {}, {}) for t in range(self._client.num_tasks)])]
+
+    def latest_checkpoint_step(self, directory: str, task: str = "ps:0") -> int | None:
+        """The step ``restore`` would load from ``directory`` for ``task`` (the chief's
+        complete-checkpoint pointer, else that task's latest), or ``None``.
+
+        Example:
+            >>> strategy.extended.latest_checkpoint_step("/tmp/ckpt")
+            200
+        """
+        return latest_step(directory, "local" if self._local and task == "ps:0" else task)
+
+    def mark_checkpoint_final(self, directory: str, step: int) -> None:
+        """Marks checkpoint ``step`` as the last of a finished run (a side-car evaluator
+        stops after evaluating it)."""
+        write_checkpoint_pointer(directory, step, final=True)
+
+    def mark_done(self, worker_index: int | None = None) -> None:
+        """Records on ps 0 that worker ``worker_index`` (default: this one) has finished
+        training in this run of the ps tasks (``wait_for_workers`` reads it)."""
+        index = self.worker_index if worker_index is None else int(worker_index)
+        client = self._client
+        meta, _ = client.call(0, "Status", {})
+        client.call(0, "SetMarker", {"name": f"done/{meta['incarnation']}/worker:{index}"})
+
+    def wait_for_workers(self, num_workers: int, timeout: float | None = None,
+                         poll_s: float = 0.2) -> list[int]:
+        """Waits until workers ``0 .. num_workers-1`` have called ``mark_done``, as long as
+        the variables keep changing: ``timeout`` seconds (default: the strategy's) without a
+        push and without the last worker finishing ends the wait.
+
+        Returns:
+            The workers that did not finish (empty when all did).
+
+        Example:
+            >>> missing = strategy.extended.wait_for_workers(2)   # on the chief
+        """
+        timeout = self._timeout if timeout is None else float(timeout)
+        client = self._client
+        deadline, last_versions = time.monotonic() + timeout, None
+        while True:
+            meta, _ = client.call(0, "Status", {})
+            prefix = f"done/{meta['incarnation']}/worker:"
+            want = {f"{prefix}{w}" for w in range(num_workers)}
+            if want <= set(meta["markers"]):
+                return []
+            versions = sum(v["version"] for v in meta["variables"].values())
+            if versions != last_versions:   # others still push: keep waiting
+                deadline, last_versions = time.monotonic() + timeout, versions
+            if time.monotonic() > deadline:
+                return sorted(int(m.rsplit(":", 1)[1]) for m in want - set(meta["markers"]))
+            time.sleep(poll_s)
 
 
 class _InputFnIterator:
