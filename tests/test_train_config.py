@@ -76,19 +76,56 @@ def test_batch_must_divide_across_replicas():
 
 
 def test_register_strategy_plugs_in_a_new_name():
+    import jaxdist
+
     built = []
     strategy_registry.register_strategy(
-        "test_plugin", lambda section: built.append(dict(section)) or "strategy",
+        jaxdist.MirroredStrategy, "test_plugin",
+        lambda section: built.append(dict(section)) or "strategy",
         {"workers": Field(int, 2, "how many", minimum=1)}, help="a test strategy")
     try:
         cfg = load_config(raw={"strategy": {"name": "test_plugin", "workers": 3}})
         assert strategy_registry.build_strategy(cfg["strategy"]) == "strategy"
         assert built == [{"name": "test_plugin", "workers": 3}]
         assert "test_plugin" in schema_help()
+        assert strategy_registry.config_for("test_plugin").strategy_class is \
+            jaxdist.MirroredStrategy
         with pytest.raises(ConfigError, match="strategy.workers: 0 is too small"):
             load_config(raw={"strategy": {"name": "test_plugin", "workers": 0}})
+        with pytest.raises(ValueError, match="'test_plugin' is already registered for "
+                                             "MirroredStrategy"):
+            strategy_registry.register_strategy(jaxdist.OneDeviceStrategy, "test_plugin",
+                                                lambda section: None)
     finally:
-        strategy_registry._REGISTRY.pop("test_plugin")
+        strategy_registry.unregister_strategy("test_plugin")
+    assert "test_plugin" not in strategy_registry.registered_strategies()
+
+
+def test_registry_is_keyed_by_class_and_every_default_is_in_the_schema():
+    """One hook per strategy class (SyncHook for the synchronous ones); the Trainer's
+    defaults and a job's Trainer arguments both come from the schema."""
+    import inspect
+
+    import jaxdist
+    from jaxdist.train import hooks, schema
+    from jaxdist.train.parameter_server import ParameterServerHook
+    from jaxdist.train.trainer import Trainer
+
+    assert type(strategy_registry.hook_for(jaxdist.OneDeviceStrategy("/cpu:0"))) is hooks.SyncHook
+    assert isinstance(strategy_registry.hook_for(jaxdist.ParameterServerStrategy()),
+                      ParameterServerHook)
+    assert {s.name for s in strategy_registry._REGISTRY[jaxdist.ParameterServerStrategy]
+            .configs.values()} == {"parameter_server", "parameter_server_coordinator"}
+    for method, prefix in ((Trainer.__init__, ""), (Trainer.fit, "fit")):
+        params = inspect.signature(method).parameters
+        for name, default in schema.trainer_defaults(prefix).items():
+            assert params[name].default == default, (prefix, name)
+    cfg = load_config(raw={"checkpoint": {"keep": 7}, "seed": 3, "train": {"steps": 5}})
+    kwargs = schema.trainer_kwargs(cfg)
+    assert kwargs["keep_checkpoints"] == 7 and kwargs["seed"] == 3
+    assert set(kwargs) <= set(inspect.signature(Trainer.__init__).parameters)
+    assert schema.fit_kwargs(cfg) == {"epochs": None, "steps": 5, "validation_freq": 1,
+                                      "verbose": 1}
 
 
 @pytest.mark.parametrize("schedule, extra, rates", [
@@ -104,7 +141,7 @@ def test_schedules_give_the_same_rates_locally_and_on_the_ps(schedule, extra, ra
     import optax
 
     from jaxdist.train.job import optimizer_from_config
-    from jaxdist.train.ps_config import ps_optimizer_from_config
+    from jaxdist.train.parameter_server.config import ps_optimizer_from_config
 
     cfg = load_config(raw={}, overrides=["optimizer.name=sgd", "optimizer.learning_rate=0.1",
                                          f"optimizer.schedule={schedule}",

@@ -15,9 +15,9 @@ import pytest
 
 from jaxdist.input.options import InputContext
 from jaxdist.train.__main__ import main as train_main
-from jaxdist.train.coordinator_step import CoordinatorHook, WorkerShard, worker_share
 from jaxdist.train.data import epoch_order
 from jaxdist.train.metrics import read_metrics
+from jaxdist.train.parameter_server.coordinated import CoordinatorHook, WorkerShard, worker_share
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "parameter_server_coordinator.yaml"
@@ -203,7 +203,7 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path):
 @pytest.mark.parametrize("task, serves", [("ps", True), ("worker", True), ("chief", False)])
 def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monkeypatch):
     from jaxdist.train.config import load_config
-    from jaxdist.train.ps_config import is_ps_task
+    from jaxdist.train.parameter_server.config import is_ps_task
 
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,

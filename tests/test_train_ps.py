@@ -21,8 +21,8 @@ from jaxdist.train.__main__ import main as train_main
 from jaxdist.train.config import ConfigError, load_config
 from jaxdist.train.job import run_job
 from jaxdist.train.metrics import read_metrics
-from jaxdist.train.ps_config import ps_optimizer_from_config
-from jaxdist.train.ps_step import ParameterServerHook
+from jaxdist.train.parameter_server.between_graph import ParameterServerHook
+from jaxdist.train.parameter_server.config import ps_optimizer_from_config
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "parameter_server.yaml"

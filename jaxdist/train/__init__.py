@@ -1,9 +1,12 @@
 """jaxdist.train: the Keras-``fit``-like path and the ``python -m jaxdist.train`` job.
 
-Modules: ``config`` (YAML, overrides, validation), ``strategy_registry`` (config name ->
-strategy), ``data`` (digits, synthetic, ``.npz``; resumable order), ``models`` (MLP, CNN),
-``trainer`` (``Trainer``), ``checkpoint`` (orbax), ``metrics`` (JSON lines, TensorBoard,
-progress), ``job`` (config -> ``Trainer.fit``), ``__main__`` (the CLI).
+Modules: ``schema`` (every config key and default, once), ``config`` (YAML, overrides,
+validation), ``strategy_registry`` (per strategy class: its config names and builders, and the
+``TrainerHook`` the ``Trainer`` delegates to), ``hooks`` (``TrainerHook``, ``SyncHook``),
+``parameter_server`` (training under ``ParameterServerStrategy``), ``data`` (digits,
+synthetic, ``.npz``; resumable order), ``models`` (MLP, CNN), ``trainer`` (``Trainer``),
+``checkpoint`` (orbax), ``metrics`` (JSON lines, TensorBoard, progress), ``job`` (config ->
+``Trainer.fit``), ``__main__`` (the CLI).
 
 Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
 

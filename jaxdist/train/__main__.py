@@ -66,16 +66,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump(cfg), end="")
         return EXIT_OK
 
-    from jaxdist.train.ps_config import is_ps_task, serve
+    from jaxdist.train.strategy_registry import config_for
 
+    spec = config_for(cfg["strategy"]["name"])
     try:
-        if is_ps_task(cfg):  # a ps task of a parameter-server job serves until stopped
-            return serve(cfg)
+        if spec.serves is not None and spec.serves(cfg):  # e.g. a ps task: serve until stopped
+            return spec.serve(cfg)
     except ConfigError as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
 
-    from jaxdist.cluster_resolver import TPUNotFoundError
+    from jaxdist.cluster.tpu_cluster_resolver import TPUNotFoundError
     from jaxdist.train.checkpoint import CheckpointMismatchError
     from jaxdist.train.data import DataError
     from jaxdist.train.job import run_job

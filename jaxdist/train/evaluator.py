@@ -216,11 +216,11 @@ def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[
     """
     import jax
 
-    import jaxdist
+    from jaxdist.strategies.one_device import OneDeviceStrategy
     from jaxdist.train import data as data_lib
     from jaxdist.train import models
-    from jaxdist.train.config import ConfigError
-    from jaxdist.train.job import optimizer_from_config
+    from jaxdist.train.optimizers import optimizer_from_config
+    from jaxdist.train.schema import ConfigError
     from jaxdist.train.trainer import Trainer
 
     ccfg, lcfg, ecfg, tcfg = cfg["checkpoint"], cfg["logging"], cfg["evaluator"], cfg["train"]
@@ -234,7 +234,7 @@ def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[
     b = tcfg["global_batch_size"]
     spe = data_lib.steps_per_epoch(len(train), b)
     final = tcfg["steps"] if tcfg["steps"] is not None else tcfg["epochs"] * spe
-    strategy = jaxdist.OneDeviceStrategy(jax.local_devices()[0])
+    strategy = OneDeviceStrategy(jax.local_devices()[0])
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
         trainer = Trainer(model, optimizer_from_config(cfg["optimizer"]), tcfg["loss"],

@@ -1,28 +1,25 @@
 """Strategy-specific parts of the ``Trainer``: where the state lives and what one step does.
 
-The ``Trainer`` is written for the synchronous strategies (state placed by the strategy, the
-optax update applied in every replica). A strategy whose state lives elsewhere (the parameter
-servers of ``ParameterServerStrategy``, later the TF2 ``ClusterCoordinator``) registers a
-``TrainerHook`` for its class; the ``Trainer`` then asks the hook to create the state, run a
-training step, resume, checkpoint and finish, and keeps its own data order, metrics, logging,
-NaN checks and evaluation. Strategies without a hook keep the ``Trainer``'s own code.
-
-Hooks are registered by ``"module:attribute"`` strings, so registering imports nothing.
+The ``Trainer`` always delegates to one ``TrainerHook``, chosen once in ``Trainer.__init__``
+(``jaxdist.train.strategy_registry.hook_for``): it creates the state, runs a training step,
+resumes, checkpoints and finishes, while the ``Trainer`` keeps its own data order, metrics,
+logging, NaN checks and evaluation. ``SyncHook`` is the hook of the synchronous strategies
+(state placed by the strategy, the optax update applied in every replica); the parameter-server
+hooks are in ``jaxdist.train.parameter_server``.
 
 Example:
-    >>> register_trainer_hook("jaxdist.strategies.parameter_server.ParameterServerStrategy",
-    ...                       "jaxdist.train.ps_step:ParameterServerHook")
-    >>> hook_for(jaxdist.ParameterServerStrategy())
-    <jaxdist.train.ps_step.ParameterServerHook object at ...>
+    >>> from jaxdist.train.strategy_registry import hook_for
+    >>> hook_for(jaxdist.MirroredStrategy())
+    SyncHook()
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from jaxdist.train import data as data_lib
 
 
 class TrainerHook:
@@ -43,15 +40,11 @@ class TrainerHook:
     #: Whether the hook feeds its steps itself (e.g. per-worker datasets on remote workers):
     #: the ``Trainer`` then builds no batches and passes ``x = y = None`` to ``train_step``.
     owns_input: bool = False
-
-    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
-        """The optimizer a validated ``optimizer`` config section asks for (job configs)."""
-        from jaxdist.train.job import optimizer_from_config
-
-        return optimizer_from_config(section)
-
-    def check_config(self, cfg: Mapping[str, Any]) -> None:
-        """Raises ``ConfigError`` for config values this strategy cannot run."""
+    #: Whether the state (``params``, ``opt_state``) lives in the ``Trainer`` itself, so the
+    #: learning rate and the weights can be set there.
+    local_state: bool = False
+    #: Whether ``fit`` may take a stream of batches (else in-memory arrays only).
+    accepts_streams: bool = False
 
     def begin_fit(self, trainer: Any, train: Any) -> None:
         """Called at the start of ``fit`` with the training data (an ``ArrayData``)."""
@@ -62,8 +55,6 @@ class TrainerHook:
 
     def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
         """The example indices this task trains on in ``epoch``, in order."""
-        from jaxdist.train import data as data_lib
-
         return data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
 
     def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
@@ -98,35 +89,68 @@ class TrainerHook:
         """Called at the very end of ``fit``, after the final checkpoint and evaluation."""
 
 
-_HOOKS: dict[str, str | type[TrainerHook]] = {}
-
-
-def register_trainer_hook(strategy_class: str, hook: str | type[TrainerHook]) -> None:
-    """Uses ``hook`` for strategies of ``strategy_class`` (and its subclasses).
+class SyncHook(TrainerHook):
+    """The hook of the synchronous strategies: the state lives in the ``Trainer``, placed by
+    the strategy, and one ``strategy.run`` of the trainer's replica step updates it.
 
     Args:
-        strategy_class: the class's ``"module.QualifiedName"``.
-        hook: a ``TrainerHook`` subclass (or a function returning a hook), or
-            ``"module:attribute"`` naming it; it is called with the strategy.
+        strategy: the strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``, ...).
+
+    Example:
+        >>> hook = SyncHook(jaxdist.MirroredStrategy())
+        >>> hook.local_state
+        True
     """
-    _HOOKS[strategy_class] = hook
+
+    local_state = True
+    accepts_streams = True
+
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+
+    def __repr__(self) -> str:
+        return "SyncHook()"
+
+    def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
+        with self.strategy.scope():
+            params = self.strategy.place(params)
+            rest = self.strategy.place(rest)
+            opt_state = self.strategy.place(trainer.optimizer.init(params))
+        return params, rest, opt_state
+
+    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
+                   w: Any = None) -> dict[str, Any]:
+        trainer.params, trainer.rest, trainer.opt_state, stats = self.strategy.run(
+            trainer._train_replica,
+            args=(trainer.params, trainer.rest, trainer._rngs, trainer.opt_state, x, y, w,
+                  np.int32(trainer.step)))
+        return stats
+
+    def resume(self, trainer: Any, steps_per_epoch: int) -> None:
+        ckpt = trainer._checkpointer_or_none()
+        restored = ckpt.restore_latest(like=trainer.state, what="model")
+        if restored is None:
+            return
+        state, meta = restored
+        trainer._restored_position = meta.get("data_position")
+        trainer.params, trainer.rest = state["params"], state["rest"]
+        trainer.opt_state = state["opt_state"]
+        trainer.step = int(meta["step"])
+        trainer.epoch = int(meta["epoch"])
+        trainer.step_in_epoch = int(meta["step_in_epoch"])
+        trainer.last_checkpoint = trainer.step
+
+    def save(self, trainer: Any) -> None:
+        ckpt = trainer._checkpointer_or_none()
+        if ckpt is None or not trainer.should_checkpoint:
+            return
+        meta = {"step": trainer.step, "epoch": trainer.epoch,
+                "step_in_epoch": trainer.step_in_epoch, "seed": trainer.seed,
+                "global_batch_size": trainer.global_batch_size}
+        if trainer._data_position is not None:  # a stream's position (grain's iterator state)
+            meta["data_position"] = trainer._data_position
+        ckpt.save(trainer.step, trainer.state, meta)
+        trainer.last_checkpoint = trainer.step
 
 
-def hook_for(strategy: Any) -> TrainerHook | None:
-    """The hook registered for ``strategy``'s class (nearest in its MRO), or ``None``."""
-    for cls in type(strategy).__mro__:
-        hook = _HOOKS.get(f"{cls.__module__}.{cls.__qualname__}")
-        if hook is None:
-            continue
-        if isinstance(hook, str):
-            module, _, attr = hook.partition(":")
-            hook = getattr(importlib.import_module(module), attr)
-        return hook(strategy)
-    return None
-
-
-# Between-graph training (ps_step), or the ClusterCoordinator's hook when the strategy has one.
-register_trainer_hook("jaxdist.strategies.parameter_server.ParameterServerStrategy",
-                      "jaxdist.train.coordinator_step:parameter_server_hook")
-
-__all__ = ["TrainerHook", "hook_for", "register_trainer_hook"]
+__all__ = ["SyncHook", "TrainerHook"]

@@ -11,86 +11,32 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.train.config import ConfigError, check_replicas
-from jaxdist.train.hooks import hook_for
-
-
-def learning_rate_from_config(section: Mapping[str, Any]) -> Any:
-    """The learning rate of a validated ``optimizer`` section: a float, or a schedule spec.
-
-    A spec (``jaxdist.ps.optimizers.ScheduleSpec``) can travel to a ps; ``.build()`` gives the
-    optax schedule.
-
-    Example:
-        >>> lr = learning_rate_from_config({"learning_rate": 0.1, "schedule": "cosine",
-        ...                                 "decay_steps": 100, "end_learning_rate": 0.0})
-        >>> round(float(lr(50)), 6)
-        0.05
-    """
-    from jaxdist.ps import optimizers as O
-
-    lr, kind = section["learning_rate"], section.get("schedule", "constant")
-    end, steps = section.get("end_learning_rate", 0.0), section.get("decay_steps")
-    if kind == "constant":
-        return lr
-    if kind == "cosine":
-        return O.cosine_decay_schedule(lr, steps, alpha=end / lr if lr else 0.0)
-    if kind == "warmup_cosine":
-        return O.warmup_cosine_decay_schedule(0.0, lr, section.get("warmup_steps", 0), steps,
-                                              end_value=end)
-    if kind == "exponential":
-        return O.exponential_decay(lr, steps, section.get("decay_rate", 0.5))
-    if kind == "linear":
-        return O.linear_schedule(lr, end, steps)
-    raise ConfigError(f"optimizer.schedule: {kind!r} is not valid; expected one of constant, "
-                      f"cosine, warmup_cosine, exponential, linear")
-
-
-def optimizer_from_config(section: Mapping[str, Any]) -> Any:
-    """The optax optimizer a validated ``optimizer`` section names.
-
-    The optimizer is built with ``optax.inject_hyperparams``: its learning rate lives in the
-    optimizer state, so it is logged, and (when constant) ``ReduceLROnPlateau`` can change it
-    without recompiling.
-    """
-    import optax
-
-    name, lr = section["name"], learning_rate_from_config(section)
-    if not isinstance(lr, float | int):
-        lr = lr.build()
-    inject = optax.inject_hyperparams
-    if name == "sgd":
-        tx = inject(optax.sgd, static_args=("momentum",))(
-            learning_rate=lr, momentum=section["momentum"] or None)
-    elif name == "adam":
-        tx = inject(optax.adam)(learning_rate=lr)
-    elif name == "adamw":
-        tx = inject(optax.adamw)(learning_rate=lr, weight_decay=section["weight_decay"])
-    else:
-        tx = inject(optax.rmsprop)(learning_rate=lr, momentum=section["momentum"])
-    if section["clipnorm"] is not None:
-        tx = optax.chain(optax.clip_by_global_norm(section["clipnorm"]), tx)
-    return tx
+from jaxdist.train import strategy_registry
+from jaxdist.train.config import ConfigError, check_replicas, fit_kwargs, trainer_kwargs
+from jaxdist.train.optimizers import (  # noqa: F401 - also public here
+    learning_rate_from_config,
+    optimizer_from_config,
+)
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Any:
-    """Builds the configured strategy and checks the batch divides across its replicas.
+    """Builds the configured strategy and checks the config against it (the batch divides
+    across its replicas, its own checks).
 
     Raises:
-        ConfigError: an unknown device, or a batch size that does not divide.
+        ConfigError: an unknown device, a batch size that does not divide, or a setting the
+            strategy cannot run.
     """
-    from jaxdist.train.strategy_registry import build_strategy as _build
-
+    spec = strategy_registry.config_for(cfg["strategy"]["name"])
     try:
-        strategy = _build(cfg["strategy"])
+        strategy = spec.build(cfg["strategy"])
     except (ValueError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
                           f"{dict(cfg['strategy'])!r}: {first}") from None
     check_replicas(cfg, strategy.num_replicas_in_sync)
-    hook = hook_for(strategy)
-    if hook is not None:
-        hook.check_config(cfg)
+    if spec.check is not None:
+        spec.check(cfg)
     return strategy
 
 
@@ -104,7 +50,6 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     from jaxdist.train import callbacks as callbacks_lib
     from jaxdist.train import data as data_lib
     from jaxdist.train import models
-    from jaxdist.train.strategy_registry import uses_tf_config
     from jaxdist.train.trainer import Trainer
 
     if strategy is None:
@@ -112,7 +57,8 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
 
         # Only the strategies that read TF_CONFIG look at it: a stale one in the environment
         # does not change (or break) a single-host job.
-        task = evaluator_task() if uses_tf_config(cfg["strategy"]["name"]) else None
+        task = evaluator_task() if strategy_registry.uses_tf_config(cfg["strategy"]["name"]) \
+            else None
         if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
             return run_sidecar(cfg, task)
         strategy = build_strategy(cfg)
@@ -122,35 +68,11 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     num_classes = cfg["model"]["num_classes"]
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
-    tcfg, ccfg, lcfg = cfg["train"], cfg["checkpoint"], cfg["logging"]
-    hook = hook_for(strategy)  # e.g. parameter servers run their own optimizer spec
-    optimizer = (hook.optimizer_from_config(cfg["optimizer"]) if hook is not None
-                 else optimizer_from_config(cfg["optimizer"]))
+    # e.g. parameter servers run their own optimizer spec
+    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
-        trainer = Trainer(
-            model,
-            optimizer,
-            tcfg["loss"],
-            global_batch_size=tcfg["global_batch_size"],
-            strategy=strategy,
-            steps_per_execution=tcfg["steps_per_execution"],
-            seed=cfg["seed"],
-            shuffle=cfg["data"]["shuffle"],
-            checkpoint_dir=ccfg["dir"],
-            checkpoint_every_steps=ccfg["every_steps"],
-            keep_checkpoints=ccfg["keep"],
-            resume=ccfg["resume"],
-            log_dir=lcfg["dir"],
-            run_name=lcfg["run_name"],
-            metrics=tcfg["metrics"],
-            log_every_steps=lcfg["every_steps"],
-            tensorboard=lcfg["tensorboard"],
-            progress_bar=lcfg["progress_bar"],
-            halt_on_nan=tcfg["halt_on_nan"],
-            precision=tcfg["precision"],
-            batch_norm=tcfg["batch_norm"],
-        )
+        trainer = Trainer(model, optimizer, strategy=strategy, **trainer_kwargs(cfg))
     run_dir = trainer.run_dir  # this run's own directory (chief only)
     if run_dir is not None:
         from jaxdist.train.config import dump
@@ -162,10 +84,7 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         cfg["callbacks"], resolve_path=lambda p: p if os.path.isabs(p) else os.path.join(base, p))
     return trainer.fit(
         (train.x, train.y),
-        epochs=tcfg["epochs"] if tcfg["steps"] is None else None,
-        steps=tcfg["steps"],
         validation_data=None if val is None else (val.x, val.y),
-        validation_freq=tcfg["validation_freq"],
         callbacks=callbacks,
-        verbose=lcfg["verbose"],
+        **fit_kwargs(cfg),
     )

@@ -1,77 +1,184 @@
-"""The ``strategy`` section of a job config: strategy names, their keys, and their builders.
+"""The one registry of strategies for jobs and the ``Trainer``, keyed by strategy class.
 
-Each name maps to a builder that turns the validated ``strategy`` section into a
-``jaxdist.Strategy``, plus the keys that section may have. Other packages add their strategies
-(``multi_worker``, ``parameter_server``) with ``register_strategy``; a builder may be given as a
-``"module:function"`` string so that registering imports nothing.
+For each strategy class it holds:
+
+* its job-config names (``strategy.name``), each a ``StrategyConfig``: the section's keys, the
+  builder (validated section -> strategy), the optimizer a config's ``optimizer`` section
+  becomes, a config check, and whether this process serves instead of training;
+* the ``TrainerHook`` the ``Trainer`` delegates to (``hook_for``: chosen once, in
+  ``Trainer.__init__``; the synchronous strategies get ``SyncHook``).
+
+Config names are looked up here (``config_for``), so a job goes config -> ``StrategyConfig``
+-> strategy -> ``Trainer`` without any other table.
 
 Example:
-    >>> from jaxdist.train.config import Field
+    >>> from jaxdist.train.schema import Field
     >>> register_strategy(
-    ...     "multi_worker",
-    ...     "jaxdist.strategies.multi_worker:strategy_from_config",
-    ...     {"communication": Field(str, "auto", "collective implementation",
-    ...                             choices=("auto", "ring", "nccl"))},
-    ...     help="MultiWorkerMirroredStrategy over the processes of TF_CONFIG")
+    ...     MyStrategy, "my_strategy", lambda section: MyStrategy(section["workers"]),
+    ...     {"workers": Field(int, 2, "how many", minimum=1)}, help="my own strategy")
+    >>> config_for("my_strategy").strategy_class is MyStrategy
+    True
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxdist.train import coordinator_config as _coordinator_config
-from jaxdist.train import ps_config as _ps_config
-from jaxdist.train.config import ConfigError, Field
+import jax
+
+from jaxdist.cluster.tpu_cluster_resolver import TPUClusterResolver
+from jaxdist.strategies.central_storage import CentralStorageStrategy
+from jaxdist.strategies.cross_device_ops import (
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from jaxdist.strategies.mirrored import MirroredStrategy
+from jaxdist.strategies.multi_worker import (
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
+from jaxdist.strategies.one_device import OneDeviceStrategy
+from jaxdist.strategies.parameter_server import ParameterServerStrategy
+from jaxdist.strategies.tpu import TPUStrategy
+from jaxdist.train import hooks
+from jaxdist.train.optimizers import optimizer_from_config
+from jaxdist.train.parameter_server import config as ps_config
+from jaxdist.train.parameter_server.coordinated import parameter_server_hook
+from jaxdist.train.schema import ConfigError, Field
 
 Builder = Callable[[Mapping[str, Any]], Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class StrategySpec:
-    """A registered strategy: its builder, its config keys and one line of help."""
-
-    name: str
-    builder: Builder | str
-    fields: Mapping[str, Field]
-    help: str = ""
-    uses_tf_config: bool = False
-
-    def build(self, section: Mapping[str, Any]) -> Any:
-        builder = self.builder
-        if isinstance(builder, str):
-            module, _, attr = builder.partition(":")
-            builder = getattr(importlib.import_module(module), attr)
-        return builder(section)
-
-
-_REGISTRY: dict[str, StrategySpec] = {}
-
-
-def register_strategy(name: str, builder: Builder | str, fields: Mapping[str, Field] | None = None,
-                      help: str = "", uses_tf_config: bool = False) -> None:
-    """Makes ``strategy.name: <name>`` available in job configs.
+class StrategyConfig:
+    """One ``strategy.name`` of job configs.
 
     Args:
+        strategy_class: the class ``build`` returns (the registry's key).
         name: the config name (``"mirrored"``, ``"multi_worker"``, ...).
-        builder: ``fn(section) -> Strategy`` or a ``"module:function"`` string naming it;
-            ``section`` is the validated ``strategy`` section (all of ``fields`` filled in).
+        build: ``fn(section) -> strategy``; ``section`` is the validated ``strategy`` section.
         fields: the keys the section may have besides ``name``.
         help: one line for ``--help``.
         uses_tf_config: the strategy reads ``TF_CONFIG`` (only then does a job look at it,
             e.g. for an evaluator task).
+        optimizer: ``fn(optimizer section) -> optimizer`` (default: the optax optimizer).
+        check: ``fn(cfg)`` raising ``ConfigError`` for what this strategy cannot run.
+        serves: ``fn(cfg) -> bool``: this process serves (``serve(cfg)``) instead of training.
+        serve: ``fn(cfg) -> exit status``.
+    """
+
+    strategy_class: type
+    name: str
+    build: Builder
+    fields: Mapping[str, Field]
+    help: str = ""
+    uses_tf_config: bool = False
+    optimizer: Callable[[Mapping[str, Any]], Any] = optimizer_from_config
+    check: Callable[[Mapping[str, Any]], None] | None = None
+    serves: Callable[[Mapping[str, Any]], bool] | None = None
+    serve: Callable[[Mapping[str, Any]], int] | None = None
+
+
+@dataclasses.dataclass
+class _Entry:
+    configs: dict[str, StrategyConfig] = dataclasses.field(default_factory=dict)
+    hook: Callable[[Any], hooks.TrainerHook] | None = None
+
+
+_REGISTRY: dict[type, _Entry] = {}
+
+
+def register_strategy(strategy_class: type, name: str, build: Builder,
+                      fields: Mapping[str, Field] | None = None, *, help: str = "",
+                      **options: Any) -> StrategyConfig:
+    """Makes ``strategy.name: <name>`` available in job configs (see ``StrategyConfig``).
+
+    Raises:
+        ValueError: ``name`` is taken by another class, or ``fields`` has ``name``.
     """
     fields = dict(fields or {})
     if "name" in fields:
         raise ValueError("a strategy's fields must not include 'name'")
-    _REGISTRY[name] = StrategySpec(name, builder, fields, help, uses_tf_config)
+    other = _by_name().get(name)
+    if other is not None and other.strategy_class is not strategy_class:
+        raise ValueError(f"strategy name {name!r} is already registered for "
+                         f"{other.strategy_class.__name__}")
+    spec = StrategyConfig(strategy_class, name, build, fields, help, **options)
+    _REGISTRY.setdefault(strategy_class, _Entry()).configs[name] = spec
+    return spec
+
+
+def unregister_strategy(name: str) -> None:
+    """Removes config name ``name`` (a no-op when unknown)."""
+    for entry in _REGISTRY.values():
+        entry.configs.pop(name, None)
+
+
+def register_trainer_hook(strategy_class: type,
+                          hook: Callable[[Any], hooks.TrainerHook]) -> None:
+    """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
+
+    Example:
+        >>> register_trainer_hook(MyStrategy, MyHook)
+    """
+    _REGISTRY.setdefault(strategy_class, _Entry()).hook = hook
+
+
+def hook_for(strategy: Any) -> hooks.TrainerHook:
+    """The hook of ``strategy``'s class (nearest in its MRO), else ``SyncHook``.
+
+    Example:
+        >>> hook_for(jaxdist.MirroredStrategy())
+        SyncHook()
+    """
+    for cls in type(strategy).__mro__:
+        entry = _REGISTRY.get(cls)
+        if entry is not None and entry.hook is not None:
+            return entry.hook(strategy)
+    return hooks.SyncHook(strategy)
+
+
+def _by_name() -> dict[str, StrategyConfig]:
+    return {name: spec for entry in _REGISTRY.values() for name, spec in entry.configs.items()}
 
 
 def registered_strategies() -> tuple[str, ...]:
     """The strategy names a config may use."""
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(_by_name()))
+
+
+def config_for(name: str) -> StrategyConfig:
+    """The registered config name ``name``.
+
+    Raises:
+        ConfigError: no strategy has that name.
+    """
+    spec = _by_name().get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ConfigError(f"strategy.name: {name!r} is not a known strategy; expected one of: "
+                          f"{', '.join(registered_strategies())}")
+    return spec
+
+
+def strategy_config(cfg: Mapping[str, Any], strategy: Any = None) -> StrategyConfig:
+    """The ``StrategyConfig`` of a validated config; with ``strategy`` (a job given its own
+    strategy), the config name of that strategy's class when ``strategy.name`` is another's.
+
+    Example:
+        >>> strategy_config(load_config(raw={})).name
+        'mirrored'
+    """
+    spec = config_for(cfg["strategy"]["name"])
+    if strategy is None or isinstance(strategy, spec.strategy_class):
+        return spec
+    for cls in type(strategy).__mro__:
+        entry = _REGISTRY.get(cls)
+        if entry is not None and entry.configs:
+            return next(iter(entry.configs.values()))
+    return spec
 
 
 def validate_section(raw: Any, fill: Callable[..., dict[str, Any]]) -> dict[str, Any]:
@@ -82,10 +189,7 @@ def validate_section(raw: Any, fill: Callable[..., dict[str, Any]]) -> dict[str,
         raise ConfigError(f"strategy: {raw!r} is not a mapping; expected e.g. "
                           f"{{name: mirrored}}")
     name = raw.get("name", "mirrored")
-    if name not in _REGISTRY:
-        raise ConfigError(f"strategy.name: {name!r} is not a known strategy; expected one of: "
-                          f"{', '.join(registered_strategies())}")
-    spec = _REGISTRY[name]
+    spec = config_for(name)
     rest = {k: v for k, v in raw.items() if k != "name"}
     for key in rest:
         if key not in spec.fields:
@@ -107,7 +211,7 @@ def drop_foreign_keys(section: Mapping[str, Any], name: Any,
         >>> drop_foreign_keys({"name": "mirrored", "devices": None}, "one_device")
         ({'name': 'mirrored'}, ['devices'])
     """
-    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    spec = _by_name().get(name) if isinstance(name, str) else None
     if spec is None:
         return dict(section), []
     dropped = [k for k in section if k != "name" and k not in spec.fields and k not in keep]
@@ -121,19 +225,19 @@ def uses_tf_config(name: str) -> bool:
         >>> uses_tf_config("one_device"), uses_tf_config("multi_worker")
         (False, True)
     """
-    spec = _REGISTRY.get(name)
+    spec = _by_name().get(name)
     return bool(spec is not None and spec.uses_tf_config)
 
 
 def build_strategy(section: Mapping[str, Any]) -> Any:
     """Builds the strategy a validated ``strategy`` section describes."""
-    return _REGISTRY[section["name"]].build(section)
+    return config_for(section["name"]).build(section)
 
 
 def help_text() -> str:
     lines = [f"  strategy:  name: one of {', '.join(registered_strategies())} "
              f"(default 'mirrored')"]
-    for spec in _REGISTRY.values():
+    for spec in _by_name().values():
         lines.append(f"    name: {spec.name} -- {spec.help}")
         for k, f in spec.fields.items():
             lines.append(f"      {k} ({f.describe()}, default {f.default!r}): {f.help}")
@@ -145,14 +249,12 @@ _CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduction_to_one_device")
 
 
 def _cross_device_ops(section: Mapping[str, Any]) -> Any:
-    import jaxdist
-
     name = section["cross_device_ops"]
     if name == "nccl":
-        return jaxdist.NcclAllReduce(num_packs=section["num_packs"])
+        return NcclAllReduce(num_packs=section["num_packs"])
     if name == "hierarchical_copy":
-        return jaxdist.HierarchicalCopyAllReduce(num_packs=section["num_packs"])
-    return jaxdist.ReductionToOneDevice()
+        return HierarchicalCopyAllReduce(num_packs=section["num_packs"])
+    return ReductionToOneDevice()
 
 
 def _devices(section: Mapping[str, Any]) -> Any:
@@ -161,30 +263,29 @@ def _devices(section: Mapping[str, Any]) -> Any:
 
 
 def _one_device(section: Mapping[str, Any]) -> Any:
-    import jax
-
-    import jaxdist
-
-    return jaxdist.OneDeviceStrategy(section["device"] or jax.local_devices()[0])
+    return OneDeviceStrategy(section["device"] or jax.local_devices()[0])
 
 
 def _mirrored(section: Mapping[str, Any]) -> Any:
-    import jaxdist
-
-    return jaxdist.MirroredStrategy(_devices(section), _cross_device_ops(section))
+    return MirroredStrategy(_devices(section), _cross_device_ops(section))
 
 
 def _central_storage(section: Mapping[str, Any]) -> Any:
-    import jaxdist
-
-    return jaxdist.CentralStorageStrategy(_devices(section), section["parameter_device"])
+    return CentralStorageStrategy(_devices(section), section["parameter_device"])
 
 
 def _tpu(section: Mapping[str, Any]) -> Any:
-    import jaxdist
+    resolver = TPUClusterResolver(tpu=section["tpu"])
+    return TPUStrategy(resolver, devices=_devices(section))
 
-    resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu=section["tpu"])
-    return jaxdist.TPUStrategy(resolver, devices=_devices(section))
+
+def _multi_worker(section: Mapping[str, Any]) -> Any:
+    options = CommunicationOptions(
+        bytes_per_pack=int(section.get("bytes_per_pack") or 0),
+        timeout_seconds=section.get("timeout_seconds"),
+        implementation=str(section.get("communication") or "auto"),
+    )
+    return MultiWorkerMirroredStrategy(communication_options=options)
 
 
 _DEVICES = Field(list, None, "TF device strings such as '/gpu:0', '/cpu:1' (null: every "
@@ -198,24 +299,24 @@ _CDO = {
                        minimum=1),
 }
 
-register_strategy("one_device", _one_device, {
+register_strategy(OneDeviceStrategy, "one_device", _one_device, {
     "device": Field(str, None, "the device, e.g. '/gpu:0' or '/cpu:0' (null: the first local "
                     "device)", optional=True),
 }, help="OneDeviceStrategy: everything on one device")
-register_strategy("mirrored", _mirrored, {"devices": _DEVICES, **_CDO},
+register_strategy(MirroredStrategy, "mirrored", _mirrored, {"devices": _DEVICES, **_CDO},
                   help="MirroredStrategy: synchronous data parallelism over local devices")
-register_strategy("central_storage", _central_storage, {
+register_strategy(CentralStorageStrategy, "central_storage", _central_storage, {
     "devices": Field(list, None, "compute devices (null: every local device)", optional=True,
                      item=str),
     "parameter_device": Field(str, None, "where the single copy of the state lives (null: "
                               "the host CPU)", optional=True),
 }, help="CentralStorageStrategy: one copy of the state, replicated compute")
-register_strategy("tpu", _tpu, {
+register_strategy(TPUStrategy, "tpu", _tpu, {
     "tpu": Field(str, "local", "TPUClusterResolver's tpu argument ('local' or a name)"),
     "devices": Field(list, None, "run on these devices instead of TPU cores (testing)",
                      optional=True, item=str),
 }, help="TPUStrategy over the cores of the local TPU")
-register_strategy("multi_worker", "jaxdist.strategies.multi_worker:strategy_from_config", {
+register_strategy(MultiWorkerMirroredStrategy, "multi_worker", _multi_worker, {
     "communication": Field(str, "auto", "collective implementation: auto, ring (gloo on CPU, "
                            "NCCL on GPU), nccl (GPUs only)", choices=("auto", "ring", "nccl")),
     "timeout_seconds": Field(float, 60.0, "bound on joining the cluster and on every step; a "
@@ -225,11 +326,17 @@ register_strategy("multi_worker", "jaxdist.strategies.multi_worker:strategy_from
                             "(0: one bucket per dtype)", minimum=0),
 }, help="MultiWorkerMirroredStrategy over the chief/worker tasks of TF_CONFIG",
     uses_tf_config=True)
-register_strategy("parameter_server", "jaxdist.train.ps_config:strategy_from_config",
-                  _ps_config.FIELDS,
-                  help="ParameterServerStrategy: asynchronous training, variables on the ps "
-                       "tasks of TF_CONFIG (local without it)", uses_tf_config=True)
-register_strategy(_coordinator_config.NAME,
-                  "jaxdist.train.coordinator_config:strategy_from_config",
-                  _coordinator_config.FIELDS, help=_coordinator_config.HELP,
-                  uses_tf_config=True)
+_PS_OPTIONS = dict(uses_tf_config=True, optimizer=ps_config.ps_optimizer_from_config,
+                   check=ps_config.check_config, serves=ps_config.is_ps_task,
+                   serve=ps_config.serve)
+register_strategy(ParameterServerStrategy, ps_config.NAME, ps_config.strategy_from_config,
+                  ps_config.FIELDS, help=ps_config.HELP, **_PS_OPTIONS)
+register_strategy(ParameterServerStrategy, ps_config.COORDINATOR_NAME,
+                  ps_config.coordinator_strategy_from_config, ps_config.COORDINATOR_FIELDS,
+                  help=ps_config.COORDINATOR_HELP, **_PS_OPTIONS)
+# Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
+register_trainer_hook(ParameterServerStrategy, parameter_server_hook)
+
+__all__ = ["StrategyConfig", "build_strategy", "config_for", "drop_foreign_keys", "hook_for",
+           "register_strategy", "register_trainer_hook", "registered_strategies", "strategy_config",
+           "unregister_strategy", "uses_tf_config", "validate_section"]

@@ -31,21 +31,31 @@ import optax
 from flax import nnx
 from jax import lax
 
-import jaxdist
+from jaxdist import strategies as distribute
+from jaxdist.input.options import InputOptions
 from jaxdist.strategies.cross_device_ops import varying_axes
 from jaxdist.train import callbacks as callbacks_lib
 from jaxdist.train import data as data_lib
 from jaxdist.train import inputs as inputs_lib
-from jaxdist.train import keras_metrics
+from jaxdist.train import keras_metrics, strategy_registry
 from jaxdist.train.callbacks import History
 from jaxdist.train.checkpoint import Checkpointer
-from jaxdist.train.hooks import hook_for
+from jaxdist.train.losses import (  # noqa: F401 - LOSSES and the losses: public here too
+    LOSSES,
+    LossFn,
+    categorical_crossentropy,
+    sparse_categorical_crossentropy,
+)
+from jaxdist.train.losses import correct_per_example as _correct_per_example
 from jaxdist.train.metrics import MetricsLogger
 from jaxdist.train.model_state import ModelState, check_batch_norm
 from jaxdist.train.precision import compute_dtype
+from jaxdist.train.schema import trainer_defaults
 from jaxdist.train.trainer_handle import TrainerHandle
 
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+# The defaults of the arguments a job config also sets, written once in the schema.
+_D = trainer_defaults()
+_FIT = trainer_defaults("fit")
 
 
 class NaNLossError(RuntimeError):
@@ -57,27 +67,13 @@ class NaNLossError(RuntimeError):
         self.last_checkpoint = last_checkpoint
 
 
-def sparse_categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example cross-entropy of integer ``labels`` under ``logits`` (Keras' name)."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
-
-
-def categorical_crossentropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example cross-entropy of one-hot (or probability) ``labels`` (Keras' name)."""
-    return optax.softmax_cross_entropy(logits, labels.astype(logits.dtype))
-
-
-LOSSES: dict[str, LossFn] = {"sparse_categorical_crossentropy": sparse_categorical_crossentropy,
-                             "categorical_crossentropy": categorical_crossentropy}
-
-
 __all__ = ["History", "LOSSES", "NaNLossError", "Trainer"]  # History: jaxdist.train.callbacks
 
 
-def _default_strategy() -> jaxdist.Strategy:
-    if jaxdist.has_strategy():
-        return jaxdist.get_strategy()
-    return jaxdist.OneDeviceStrategy(jax.local_devices()[0])
+def _default_strategy() -> distribute.Strategy:
+    if distribute.has_strategy():
+        return distribute.get_strategy()
+    return distribute.OneDeviceStrategy(jax.local_devices()[0])
 
 
 class Trainer(TrainerHandle):
@@ -140,27 +136,27 @@ class Trainer(TrainerHandle):
         self,
         model: nnx.Module,
         optimizer: optax.GradientTransformation,
-        loss: str | LossFn = "sparse_categorical_crossentropy",
+        loss: str | LossFn = _D["loss"],
         *,
         global_batch_size: int,
-        strategy: jaxdist.Strategy | None = None,
-        steps_per_execution: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-        checkpoint_dir: str | None = None,
-        checkpoint_every_steps: int = 100,
-        keep_checkpoints: int = 3,
-        resume: bool = True,
-        log_dir: str | None = None,
-        log_every_steps: int = 10,
-        run_name: str | None = None,
-        metrics: Sequence[Any] | None = None,
-        tensorboard: bool = True,
-        progress_bar: str = "auto",
-        halt_on_nan: bool = True,
+        strategy: distribute.Strategy | None = None,
+        steps_per_execution: int = _D["steps_per_execution"],
+        seed: int = _D["seed"],
+        shuffle: bool = _D["shuffle"],
+        checkpoint_dir: str | None = _D["checkpoint_dir"],
+        checkpoint_every_steps: int = _D["checkpoint_every_steps"],
+        keep_checkpoints: int = _D["keep_checkpoints"],
+        resume: bool = _D["resume"],
+        log_dir: str | None = _D["log_dir"],
+        log_every_steps: int = _D["log_every_steps"],
+        run_name: str | None = _D["run_name"],
+        metrics: Sequence[Any] | None = _D["metrics"],
+        tensorboard: bool = _D["tensorboard"],
+        progress_bar: str = _D["progress_bar"],
+        halt_on_nan: bool = _D["halt_on_nan"],
         accuracy: bool = True,
-        batch_norm: str = "sync",
-        precision: str = "float32",
+        batch_norm: str = _D["batch_norm"],
+        precision: str = _D["precision"],
     ):
         self.strategy = strategy or _default_strategy()
         n = self.strategy.num_replicas_in_sync
@@ -211,26 +207,11 @@ class Trainer(TrainerHandle):
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
         params, rest = self._ms.params, self._ms.rest
-        # A strategy whose state lives elsewhere (parameter servers) handles it in its hook.
-        self._hook = hook_for(self.strategy)
-        if self._hook is not None:
-            if self._ms.has_batch_stats:
-                raise ValueError(
-                    f"{type(self.strategy).__name__} keeps only the model's nnx.Param "
-                    f"variables on the parameter servers; BatchNorm's running statistics "
-                    f"(nnx.BatchStat) cannot be updated there, so batch_norm={batch_norm!r} "
-                    f"(and 'sync'/'per_replica' alike) is not supported: use a model without "
-                    f"BatchNorm (LayerNorm, GroupNorm), or MirroredStrategy / "
-                    f"MultiWorkerMirroredStrategy (Dropout is supported)")
-            self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
-            with self.strategy.scope():
-                self._rngs = self.strategy.place(self._ms.rngs)
-        else:
-            with self.strategy.scope():
-                self.params = self.strategy.place(params)
-                self.rest = self.strategy.place(rest)
-                self._rngs = self.strategy.place(self._ms.rngs)
-                self.opt_state = self.strategy.place(optimizer.init(self.params))
+        # The one hook of this strategy (chosen here, once): where the state lives, one step.
+        self._hook = strategy_registry.hook_for(self.strategy)
+        self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
+        with self.strategy.scope():
+            self._rngs = self.strategy.place(self._ms.rngs)
         self.step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -254,7 +235,7 @@ class Trainer(TrainerHandle):
         """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
         if self.batch_norm != "sync":
             return None
-        return jaxdist.get_replica_context().axis_name
+        return distribute.get_replica_context().axis_name
 
     def _make_train_replica(self) -> Callable:
         gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
@@ -264,7 +245,7 @@ class Trainer(TrainerHandle):
         per_replica = gbs // self.strategy.num_replicas_in_sync
 
         def train_replica(params, rest, rngs, opt_state, x, y, w, step):
-            ctx = jaxdist.get_replica_context()
+            ctx = distribute.get_replica_context()
             num_steps = y.shape[0] // per_replica
             split = lambda a: a.reshape(num_steps, -1, *a.shape[1:])  # noqa: E731
             xs, ys, ws = jax.tree.map(split, x), split(y), split(w)
@@ -279,7 +260,7 @@ class Trainer(TrainerHandle):
                                                 replica_id=replica, sync_axes=axes,
                                                 compute_dtype=dtype, rngs=rngs)
                     per_example = loss_fn(logits, yb)
-                    loss = jaxdist.compute_average_loss(per_example, sample_weight=wb,
+                    loss = distribute.compute_average_loss(per_example, sample_weight=wb,
                                                         global_batch_size=gbs)
                     return loss, (logits, new_rest)
 
@@ -315,7 +296,7 @@ class Trainer(TrainerHandle):
                 "count": jnp.sum(mask),
             }
             stats.update(metric_stats(logits, y, mask))
-            return jaxdist.get_replica_context().all_reduce("SUM", stats)
+            return distribute.get_replica_context().all_reduce("SUM", stats)
 
         return eval_replica
 
@@ -345,12 +326,13 @@ class Trainer(TrainerHandle):
         """The training state: ``{"params", "rest", "opt_state"}``."""
         return {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
 
-    def fit(self, train_data: Any, epochs: int | None = None, steps: int | None = None,
-            validation_data: Any = None, validation_freq: int = 1, *, y: Any = None,
+    def fit(self, train_data: Any, epochs: int | None = _FIT["epochs"],
+            steps: int | None = _FIT["steps"], validation_data: Any = None,
+            validation_freq: int = _FIT["validation_freq"], *, y: Any = None,
             sample_weight: Any = None, class_weight: Mapping[int, float] | None = None,
             validation_split: float = 0.0, steps_per_epoch: int | None = None,
             callbacks: Sequence[callbacks_lib.Callback] | None = None,
-            verbose: int | str = "auto") -> History:
+            verbose: int | str = _FIT["verbose"]) -> History:
         """Trains for ``epochs`` passes over ``train_data`` (or exactly ``steps`` steps).
 
         With a ``checkpoint_dir``, training resumes from the latest checkpoint there: the
@@ -398,12 +380,11 @@ class Trainer(TrainerHandle):
         val = None if validation_data is None else inputs_lib.source(
             validation_data, what="validation_data")
         stream = isinstance(train, inputs_lib.StreamSource)
-        if stream and self._hook is not None:
+        if stream and not self._hook.accepts_streams:
             raise data_lib.DataError(
                 f"{type(self.strategy).__name__} trains on in-memory arrays (each worker takes "
                 f"its share of every epoch); got a {train.name}: pass (x, y) arrays")
-        if self._hook is not None:
-            self._hook.begin_fit(self, train)
+        self._hook.begin_fit(self, train)
         b = self.global_batch_size
         if stream:
             spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)
@@ -417,7 +398,7 @@ class Trainer(TrainerHandle):
         self._check_shapes(self._example(train), "train_data")
         if val is not None:
             self._check_shapes(self._example(val), "validation_data")
-        if self._hook is not None and not self._hook.should_evaluate:
+        if not self._hook.should_evaluate:
             val = None
         if steps is None:
             total = (epochs if epochs is not None else 1) * spe
@@ -617,47 +598,21 @@ class Trainer(TrainerHandle):
         return self._checkpointer
 
     def _current_params(self) -> Any:
-        return self.params if self._hook is None else self._hook.current_params(self)
+        return self._hook.current_params(self)
 
     def _epoch_order(self, num_examples: int, epoch: int) -> np.ndarray:
-        if self._hook is not None:  # e.g. this worker's share of the epoch
-            return self._hook.epoch_order(self, num_examples, epoch)
-        return data_lib.epoch_order(num_examples, epoch, self.seed, self.shuffle)
+        return self._hook.epoch_order(self, num_examples, epoch)  # e.g. this worker's share
 
     def _maybe_resume(self, steps_per_epoch: int) -> None:
         if self.checkpoint_dir is None or not self.resume or self._resumed:
             return
         self._resumed = True  # only the first fit resumes; later calls continue in memory
-        if self._hook is not None:
-            self._hook.resume(self, steps_per_epoch)
-            return
-        ckpt = self._checkpointer_or_none()
-        restored = ckpt.restore_latest(like=self.state, what="model")
-        if restored is None:
-            return
-        state, meta = restored
-        self._restored_position = meta.get("data_position")
-        self.params, self.rest = state["params"], state["rest"]
-        self.opt_state = state["opt_state"]
-        self.step = int(meta["step"])
-        self.epoch = int(meta["epoch"])
-        self.step_in_epoch = int(meta["step_in_epoch"])
-        self.last_checkpoint = self.step
+        self._hook.resume(self, steps_per_epoch)
 
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
-        if self._hook is not None and self.checkpoint_dir is not None:
+        if self.checkpoint_dir is not None:
             self._hook.save(self)
-            return
-        ckpt = self._checkpointer_or_none()
-        if ckpt is None or not self.should_checkpoint:
-            return
-        meta = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "seed": self.seed, "global_batch_size": self.global_batch_size}
-        if self._data_position is not None:  # a stream's position (grain's iterator state)
-            meta["data_position"] = self._data_position
-        ckpt.save(self.step, self.state, meta)
-        self.last_checkpoint = self.step
 
     def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
                      chunks: Sequence[tuple[int, int]]):
@@ -759,14 +714,14 @@ class Trainer(TrainerHandle):
             cbs.on_test_begin()
             values = self.evaluate(val)
             cbs.on_test_end(values)
-            last_val_version = self._hook.state_version(self) if self._hook else None
+            last_val_version = self._hook.state_version(self)
             history.records.append(logger.write("validation", self.step, epoch=self.epoch,
                                                 **values))
             last_val_step = self.step
             last_log_time = time.perf_counter()  # evaluation time is not training time
             return values
 
-        opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2)
+        opts = InputOptions(experimental_per_replica_buffer_size=2)
         while self.step < total and not self.stop_training:
             order = (None if isinstance(train, inputs_lib.StreamSource)
                      else self._epoch_order(len(train), self.epoch))
@@ -784,7 +739,7 @@ class Trainer(TrainerHandle):
                 s += kk
             positions: list[Any] = []
             ran_out = [False]
-            if self._hook is not None and self._hook.owns_input:  # e.g. per-worker datasets
+            if self._hook.owns_input:  # e.g. per-worker datasets
                 iterator = ((None, None, None) for _ in chunks)
             elif isinstance(train, inputs_lib.StreamSource):
                 iterator = iter(self._distribute(
@@ -797,13 +752,7 @@ class Trainer(TrainerHandle):
                     if positions:
                         self._data_position = positions.pop(0)
                     cbs.on_train_batch_begin(s + kk - 1)
-                    if self._hook is not None:
-                        stats = self._hook.train_step(self, xb, yb, kk, wb)
-                    else:
-                        self.params, self.rest, self.opt_state, stats = self.strategy.run(
-                            self._train_replica,
-                            args=(self.params, self.rest, self._rngs, self.opt_state, xb, yb,
-                                  wb, np.int32(self.step)))
+                    stats = self._hook.train_step(self, xb, yb, kk, wb)
                     before = self.step
                     self.step += kk
                     self.step_in_epoch = s + kk
@@ -853,13 +802,12 @@ class Trainer(TrainerHandle):
                 ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
                 logger.end_epoch(ended, num_epochs, logs, time.perf_counter() - epoch_start_time)
                 cbs.on_epoch_end(ended, logs)
-        if self._hook is not None:
-            self._hook.end_training(self)
+        self._hook.end_training(self)
         log_train()
         if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()
         # With parameter servers, other workers may push after this task's last validation.
-        changed = self._hook is not None and self._hook.state_version(self) != last_val_version
+        changed = self._hook.state_version(self) != last_val_version
         if val is not None and (last_val_step != self.step or changed):
             history.add("val_", validate())
         end = {"epoch": self.epoch, **{f"final_{k2}": v for k2, v in last_train.items()
@@ -869,8 +817,7 @@ class Trainer(TrainerHandle):
             if "val_accuracy" in history.history:
                 end["val_accuracy"] = history.history["val_accuracy"][-1]
         history.records.append(logger.write("end", self.step, **end))
-        if self._hook is not None:
-            self._hook.end_fit(self)
+        self._hook.end_fit(self)
         cbs.on_train_end(end)
 
 
@@ -893,16 +840,6 @@ def _mean_where_varying(ctx: Any, tree: Any) -> Any:
         return lax.pmean(a, varying) if varying else a
 
     return jax.tree.map(mean, tree)
-
-
-def _correct_per_example(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    if logits.ndim != labels.ndim + 1:
-        return jnp.zeros(labels.shape[:1], jnp.float32)
-    return (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-
-
-def _correct(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    return jnp.sum(_correct_per_example(logits, labels))
 
 
 def _check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:

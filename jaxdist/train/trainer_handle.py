@@ -36,7 +36,7 @@ class TrainerHandle:
 
     # ------------------------------------------------------------------ learning rate
     def _no_ps(self, what: str) -> None:
-        if getattr(self, "_hook", None) is not None:
+        if not self._hook.local_state:
             raise ValueError(f"{what} is not supported under {type(self.strategy).__name__}: "
                              f"the optimizer state lives on the parameter servers")
 
@@ -64,7 +64,7 @@ class TrainerHandle:
 
     def current_learning_rate(self) -> float | None:
         """The rate of the last update, for the logs (``None`` when it cannot be read)."""
-        if getattr(self, "_hook", None) is not None:
+        if not self._hook.local_state:
             return None
         return lr_lib.get_learning_rate(self.opt_state)
 

@@ -40,12 +40,11 @@ from typing import Any
 import jax
 import numpy as np
 
-import jaxdist
+from jaxdist import strategies as distribute
 from jaxdist.ps import optimizers as ps_optimizers
-from jaxdist.ps.service import latest_step
 from jaxdist.train import data as data_lib
 from jaxdist.train.hooks import TrainerHook
-from jaxdist.train.ps_step import ParameterServerHook, PSConfigMixin
+from jaxdist.train.parameter_server.between_graph import ParameterServerHook, PSHookMixin
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
@@ -53,10 +52,7 @@ COLLECTION = "model"
 
 def coordinator_of(strategy: Any) -> Any:
     """The live ``ClusterCoordinator`` of ``strategy``, or ``None``."""
-    coordinator = getattr(strategy, "_jaxdist_coordinator", None)
-    if coordinator is None or coordinator._stopping.is_set():
-        return None
-    return coordinator
+    return getattr(strategy.extended, "cluster_coordinator", None)
 
 
 def parameter_server_hook(strategy: Any) -> TrainerHook:
@@ -175,17 +171,17 @@ class WorkerStep:
 
 def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
                        compute_dtype: Any = None) -> Callable:
-    from jaxdist.train.trainer import _correct
+    from jaxdist.train.losses import correct as _correct
 
     def grad_replica(params, rest, rngs, x, y, step, worker):
-        ctx = jaxdist.get_replica_context()
+        ctx = distribute.get_replica_context()
         replica = worker * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group
 
         def objective(p):
             logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
                                  compute_dtype=compute_dtype, rngs=rngs)
             per_example = loss_fn(logits, y)
-            loss = jaxdist.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            loss = distribute.compute_average_loss(per_example, global_batch_size=global_batch_size)
             return loss, logits
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
@@ -212,7 +208,7 @@ class StepResults:
         return f"StepResults({self.key!r}, steps={len(self.remote_values)})"
 
 
-class CoordinatorHook(PSConfigMixin, TrainerHook):
+class CoordinatorHook(PSHookMixin, TrainerHook):
     """``TrainerHook`` for a ``ParameterServerStrategy`` with a ``ClusterCoordinator`` (see the
     module docstring).
 
@@ -238,6 +234,7 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
 
     # ------------------------------------------------------------------ state
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
+        self.check_model(trainer)
         spec = ps_optimizers.as_spec(trainer.optimizer)
         host, host_rest = jax.device_get(params), jax.device_get(rest)
         with self.strategy.scope():
@@ -296,7 +293,7 @@ class CoordinatorHook(PSConfigMixin, TrainerHook):
     # ------------------------------------------------------------------ checkpoints
     def resume(self, trainer: Any, steps_per_epoch: int) -> None:
         directory = os.path.abspath(trainer.checkpoint_dir)
-        step = latest_step(directory, "ps:0")
+        step = self.strategy.extended.latest_checkpoint_step(directory, "ps:0")
         if step is None:
             return
         step = min(self.strategy.extended.restore(directory, step))

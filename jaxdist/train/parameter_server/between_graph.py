@@ -27,8 +27,6 @@ Example:
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -36,34 +34,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import jaxdist
+from jaxdist import strategies as distribute
 from jaxdist.ps import optimizers as ps_optimizers
-from jaxdist.ps.service import latest_step, write_checkpoint_pointer
 from jaxdist.train import data as data_lib
 from jaxdist.train.hooks import TrainerHook
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
-_POLL_S = 0.2
 
 
-class PSConfigMixin:
-    """Config handling and the final-checkpoint mark shared by the parameter-server hooks
-    (between-graph and coordinator)."""
+class PSHookMixin:
+    """What the parameter-server hooks (between-graph and coordinator) share: the model check,
+    the state version and the final-checkpoint mark."""
 
-    def optimizer_from_config(self, section: Mapping[str, Any]) -> Any:
-        from jaxdist.train.ps_config import ps_optimizer_from_config
-
-        return ps_optimizer_from_config(section)
-
-    def check_config(self, cfg: Mapping[str, Any]) -> None:
-        from jaxdist.train.ps_config import check_config
-
-        check_config(cfg)
-
-    # Set by the hooks: the variables handle, and whether this task is the chief.
+    # Set by the hooks: the strategy, the variables handle, and whether this task is the chief.
+    strategy: Any
     variables: Any = None
     is_chief: bool
+
+    def check_model(self, trainer: Any) -> None:
+        """Raises ``ValueError`` for a model with state the ps tasks cannot update."""
+        if trainer._ms.has_batch_stats:
+            raise ValueError(
+                f"{type(self.strategy).__name__} keeps only the model's nnx.Param "
+                f"variables on the parameter servers; BatchNorm's running statistics "
+                f"(nnx.BatchStat) cannot be updated there, so batch_norm="
+                f"{trainer.batch_norm!r} (and 'sync'/'per_replica' alike) is not supported: "
+                f"use a model without BatchNorm (LayerNorm, GroupNorm), or MirroredStrategy / "
+                f"MultiWorkerMirroredStrategy (Dropout is supported)")
 
     def state_version(self, trainer: Any) -> Any:
         """The shards' versions as of the last pull (``current_params``)."""
@@ -75,11 +73,11 @@ class PSConfigMixin:
         """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
         if (trainer.checkpoint_dir is not None and self.is_chief
                 and trainer.last_checkpoint == trainer.step):
-            write_checkpoint_pointer(os.path.abspath(trainer.checkpoint_dir), trainer.step,
-                                     final=True)
+            self.strategy.extended.mark_checkpoint_final(
+                os.path.abspath(trainer.checkpoint_dir), trainer.step)
 
 
-class ParameterServerHook(PSConfigMixin, TrainerHook):
+class ParameterServerHook(PSHookMixin, TrainerHook):
     """``TrainerHook`` for ``ParameterServerStrategy`` (see the module docstring).
 
     Args:
@@ -100,6 +98,7 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
 
     # ------------------------------------------------------------------ state
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
+        self.check_model(trainer)
         spec = ps_optimizers.as_spec(trainer.optimizer)
         host = jax.device_get(params)
         with self.strategy.scope():
@@ -140,7 +139,7 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
         restored = [s.get("restored_step") for s in ext.ps_status()]
         if all(r is not None for r in restored):
             step = min(int(r) for r in restored)        # the ps tasks restored at start
-        elif self.local and latest_step(directory, "local") is not None:
+        elif self.local and ext.latest_checkpoint_step(directory) is not None:
             step = min(ext.restore(directory))           # in-process ps: restore it now
         else:
             return
@@ -164,41 +163,26 @@ class ParameterServerHook(PSConfigMixin, TrainerHook):
 
     def _wait_for_workers(self, ext: Any) -> None:
         """Marks this worker done; the chief waits for the others while they make progress."""
-        client = ext.ps_client
-        meta, _ = client.call(0, "Status", {})
-        prefix = f"done/{meta['incarnation']}/worker:"
-        client.call(0, "SetMarker", {"name": f"{prefix}{self.worker_index}"})
+        ext.mark_done(self.worker_index)
         if not self.is_chief:
             return
-        timeout = float(ext._timeout)
-        want = {f"{prefix}{w}" for w in range(self.num_workers)}
-        deadline, last_versions = time.monotonic() + timeout, None
-        while True:
-            meta, _ = client.call(0, "Status", {})
-            if want <= set(meta["markers"]):
-                return
-            versions = sum(v["version"] for v in meta["variables"].values())
-            if versions != last_versions:   # others still push: keep waiting
-                deadline, last_versions = time.monotonic() + timeout, versions
-            if time.monotonic() > deadline:
-                missing = sorted(m.rsplit(":", 1)[1] for m in want - set(meta["markers"]))
-                print(f"[ps] chief: worker(s) {', '.join(missing)} made no progress for "
-                      f"{timeout:.0f} s and did not finish; evaluating without them",
-                      flush=True)
-                return
-            time.sleep(_POLL_S)
+        missing = ext.wait_for_workers(self.num_workers)
+        if missing:
+            print(f"[ps] chief: worker(s) {', '.join(map(str, missing))} made no progress for "
+                  f"{ext.timeout:.0f} s and did not finish; evaluating without them",
+                  flush=True)
 
 
 def _make_grad_replica(trainer: Any):
     """The per-replica step: loss, gradient (all-reduced over local replicas), stats."""
-    from jaxdist.train.trainer import _correct_per_example
+    from jaxdist.train.losses import correct_per_example as _correct_per_example
 
     gbs, loss_fn, ms = trainer.global_batch_size, trainer.loss_fn, trainer._ms
     dtype = trainer._compute_dtype
     per = gbs // trainer.strategy.num_replicas_in_sync
 
     def grad_replica(params, rest, rngs, x, y, w, i, step, worker):
-        ctx = jaxdist.get_replica_context()
+        ctx = distribute.get_replica_context()
         part = lambda a: lax.dynamic_slice_in_dim(a, i * per, per)  # noqa: E731
         xb, yb, wb = jax.tree.map(part, x), part(y), part(w)
         replica = worker * trainer.strategy.num_replicas_in_sync + ctx.replica_id_in_sync_group
@@ -207,7 +191,7 @@ def _make_grad_replica(trainer: Any):
             logits, _ = ms.apply(p, rest, xb, training=True, step=step, replica_id=replica,
                                  compute_dtype=dtype, rngs=rngs)
             per_example = loss_fn(logits, yb)
-            loss = jaxdist.compute_average_loss(per_example, sample_weight=wb,
+            loss = distribute.compute_average_loss(per_example, sample_weight=wb,
                                                 global_batch_size=gbs)
             return loss, logits
 
