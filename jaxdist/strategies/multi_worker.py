@@ -354,24 +354,3 @@ __all__ = [
     "PackedAllReduce",
     "pack_by_bytes",
 ]
-
-
-def strategy_from_config(section: Any) -> MultiWorkerMirroredStrategy:
-    """Builds the strategy from a job config's ``strategy`` section (``name: multi_worker``).
-
-    Keys: ``communication`` (``auto`` | ``ring`` | ``nccl``), ``timeout_seconds`` (number or
-    null), ``bytes_per_pack`` (int >= 0). The cluster comes from ``TF_CONFIG``.
-
-    Example:
-        >>> strategy_from_config({"communication": "ring", "timeout_seconds": 60,
-        ...                       "bytes_per_pack": 0})
-    """
-    options = CommunicationOptions(
-        bytes_per_pack=int(section.get("bytes_per_pack") or 0),
-        timeout_seconds=section.get("timeout_seconds"),
-        implementation=str(section.get("communication") or "auto"),
-    )
-    return MultiWorkerMirroredStrategy(communication_options=options)
-
-
-__all__ += ["strategy_from_config"]
