@@ -90,3 +90,21 @@ def test_local_embedding_matches_dense_reference(devices):
     dense_g = np.zeros_like(ref)
     np.add.at(dense_g, np.array([3, 3, 49, 0]), 2 * ref[[3, 3, 49, 0]])
     np.testing.assert_allclose(table.read_value(), ref - 0.5 * dense_g, rtol=1e-6)
+
+
+def test_extended_offers_what_the_trainer_needs(tmp_path):
+    """mark_done / wait_for_workers / checkpoints through ``extended`` (no RPC names in train)."""
+    strategy = jaxdist.ParameterServerStrategy()
+    ext = strategy.extended
+    with strategy.scope():
+        variables = strategy.create_variables({"w": np.zeros(2, np.float32)}, O.sgd(0.1))
+    assert ext.cluster_coordinator is None and ext.timeout == 60.0
+    assert ext.latest_checkpoint_step(str(tmp_path)) is None
+    ext.mark_done(0)
+    assert ext.wait_for_workers(1) == []
+    assert ext.wait_for_workers(3, timeout=0.2, poll_s=0.05) == [1, 2]   # 1 and 2 never finish
+    ext.save(str(tmp_path), 7)
+    assert ext.latest_checkpoint_step(str(tmp_path)) == 7
+    ext.mark_checkpoint_final(str(tmp_path), 7)
+    assert ext.latest_checkpoint_step(str(tmp_path)) == 7
+    assert variables.pull()["w"].shape == (2,)
