@@ -243,9 +243,7 @@ class KerasPSTraining:
         self._optimizer = model.optimizer
         self.ps_optimizer = (ps_opt.as_spec(ps_optimizer) if ps_optimizer is not None
                              else keras_optimizer_spec(model.optimizer))
-        self.coordinator = getattr(strategy, "_jaxdist_coordinator", None)
-        if self.coordinator is not None and self.coordinator._stopping.is_set():
-            self.coordinator = None
+        self.coordinator = strategy.extended.cluster_coordinator
         layers = [_embedding_layer(model, n) for n in sparse_embeddings]
         if self.coordinator is not None:
             _check_metric_aggregation(model)
