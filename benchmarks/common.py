@@ -19,18 +19,47 @@ def force_cpu_devices(n: int = 8) -> None:
 def time_interleaved(
     runners: dict[str, Callable[[int], None]], steps: int, repeats: int
 ) -> dict[str, float]:
-    """Median seconds per step of each runner, measured in interleaved rounds.
+    """Median seconds per step of each runner, measured in interleaved, rotated rounds.
 
     Each runner is called as ``runner(steps)`` and must block until its steps are done.
-    Interleaving (A, B, A, B, ...) spreads machine noise evenly over the candidates.
+    Interleaving (A, B, A, B, ...) spreads machine noise evenly over the candidates, and each
+    round starts one runner later than the previous (A, B, C; B, C, A; ...) so no runner always
+    runs right after the same other one.
     """
     samples: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, run in runners.items():
+    names = list(runners)
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            run = runners[name]
             start = time.perf_counter()
             run(steps)
             samples[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def machine_line() -> str:
+    """One line naming the machine a benchmark ran on (CPUs, load, devices, versions)."""
+    import platform
+
+    import jax
+
+    try:
+        load = "load average {:.1f}/{:.1f}/{:.1f}".format(*os.getloadavg())
+    except OSError:
+        load = "load average unknown"
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    return (f"Machine: {os.cpu_count()} CPU(s) ({platform.machine()}, {platform.system()}), "
+            f"{load}; {jax.device_count()} {dev.platform} device(s) "
+            f"({kind}); jax {jax.__version__}, Python {platform.python_version()}")
+
+
+def print_machine() -> str:
+    """Prints (and returns) ``machine_line()``."""
+    line = machine_line()
+    print(line + "\n", flush=True)
+    return line
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -63,6 +63,10 @@ class Watchdog:
         self._generation = 0
         self._armed: tuple[int, float, float, float, Callable[[float], bool]] | None = None
         self._thread: threading.Thread | None = None
+        # When the thread wakes next (inf: idle, waiting for an arm). An arm with a later
+        # deadline needs no notify: the thread re-reads the arm when it wakes. One notify per
+        # watched section would cost a context switch per training step.
+        self._wakes_at = float("inf")
 
     @contextmanager
     def watch(self, seconds: float, on_overrun: Callable[[float], bool]) -> Iterator[None]:
@@ -74,7 +78,8 @@ class Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if now + seconds < self._wakes_at:
+                self._cond.notify()
         try:
             yield
         finally:
@@ -86,11 +91,13 @@ class Watchdog:
             with self._cond:
                 armed = self._armed
                 if armed is None:
+                    self._wakes_at = float("inf")
                     self._cond.wait()
                     continue
                 generation, start, deadline, seconds, on_overrun = armed
                 left = deadline - time.monotonic()
                 if left > 0:
+                    self._wakes_at = deadline
                     self._cond.wait(left)
                     continue
             handled = on_overrun(time.monotonic() - start)

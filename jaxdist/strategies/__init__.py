@@ -28,6 +28,7 @@ from jaxdist.strategies.one_device import OneDeviceStrategy
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.run_options import RunOptions
 from jaxdist.strategies.strategy import Strategy, StrategyExtended, ValueContext
 from jaxdist.strategies.tpu import TPUStrategy
 from jaxdist.values import PerReplica
@@ -48,6 +49,7 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "RunOptions",
     "StepThrottle",
     "Strategy",
     "StrategyExtended",

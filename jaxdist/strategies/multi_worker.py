@@ -4,17 +4,24 @@ The cluster resolver (``TF_CONFIG`` by default) says which task this process is;
 brings up ``jax.distributed`` (chief first, then workers; ``ps`` and ``evaluator`` tasks stay
 out), builds one global mesh over every process's devices (ordered process by process) and runs
 steps with ``jit(shard_map(...))`` over it, as ``MirroredStrategy`` does on one host. Each process
-feeds its own replicas; collectives go over gloo on CPU and NCCL on GPU. Every step is waited on
-with ``CommunicationOptions.timeout_seconds``: a dead peer becomes ``PeerLostError`` naming it.
+feeds its own replicas; collectives go over gloo on CPU and NCCL on GPU.
 
-A frozen peer (SIGSTOP, a hung host) can block the dispatching thread itself inside XLA's
-collective (the CPU client runs small computations inline), where no Python code runs and no
-exception can be raised. A step watchdog covers that case: when a step is still running
-``timeout_seconds`` + heartbeat timeout + 4 s after it started, it asks the coordination
-service which peers are gone and, if any is (or the service does not answer), prints the typed
-error (``jaxdist.cluster.errors.PeerLostError: worker:0: lost peer task(s) worker:1 ...``) and
-ends the process with status 1, as an uncaught exception would, instead of hanging. While every
-peer is alive (a long compilation, a slow step) it keeps waiting.
+Steps are not waited on one by one (that would stop two steps from ever overlapping): at most
+``experimental_max_steps_in_flight`` (2) are dispatched and unfinished. A background thread
+waits for each step in order (``jaxdist.strategies.watched_steps``); before dispatching step
+``k`` the training thread waits, at most ``CommunicationOptions.timeout_seconds``, for step
+``k - 2``. A dead peer becomes ``PeerLostError`` naming it: raised by the next ``run`` (a failed
+collective, a step that did not finish in time) when the training thread can receive it.
+
+When it cannot (it is blocked reading an output of a step whose collective never returns, or
+inside XLA's collective at dispatch: a frozen peer, SIGSTOP or a hung host, blocks the
+dispatching thread itself since the CPU client runs small computations inline), watchdogs act:
+once a step has waited ``timeout_seconds`` in the background (or a dispatch has run
+``timeout_seconds`` + heartbeat timeout + 4 s), they ask the coordination service which peers
+are gone and, if any is (or the service does not answer), print the typed error
+(``jaxdist.cluster.errors.PeerLostError: worker:0: lost peer task(s) worker:1 ...``) and end the
+process with status 1, as an uncaught exception would, instead of hanging. While every peer is
+alive (a long compilation, a slow step) they keep waiting.
 """
 
 from __future__ import annotations
@@ -33,14 +40,15 @@ from jaxdist.cluster.bringup import (
     check_healthy,
     initialize_from_resolver,
     raise_if_peer_lost,
-    wait_for_step,
 )
 from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist.cluster.process_group import ProcessGroup
 from jaxdist.cluster.tf_config import TFConfigClusterResolver
 from jaxdist.cluster.waiting import Watchdog
 from jaxdist.strategies.cross_device_ops import NcclAllReduce, pack_by_bytes
+from jaxdist.strategies.inflight import StepThrottle
 from jaxdist.strategies.strategy import Strategy, StrategyExtended
+from jaxdist.strategies.watched_steps import StepNotFinished, WatchedSteps
 
 log = logging.getLogger(__name__)
 
@@ -216,20 +224,51 @@ class MultiWorkerExtended(StrategyExtended):
         return self._options
 
     # ------------------------------------------------------------------ steps
+    def _make_throttle(self, max_in_flight: int) -> StepThrottle:
+        if not self._group.multi_process:
+            return StepThrottle(max_in_flight)
+        return WatchedSteps(max_in_flight, self._timeout, self._on_slow_step)
+
     def _run(self, fn, args=(), kwargs=None):
         check_healthy()
         if not self._group.multi_process:
-            return self._run_unwatched(fn, args, kwargs)
-        with self._watchdog.watch(self._watch_seconds(), self._on_stuck_step):
-            return self._run_unwatched(fn, args, kwargs)
-
-    def _run_unwatched(self, fn, args, kwargs):
-        try:
             return super()._run(fn, args, kwargs)
-        except Exception as e:
-            # A collective that failed at dispatch: name the lost peer if there is one.
-            raise_if_peer_lost(e, "a step", self._timeout)
-            raise
+        with self._watchdog.watch(self._watch_seconds(), self._on_stuck_step):
+            try:
+                return super()._run(fn, args, kwargs)
+            except StepNotFinished:
+                self._raise_step_timeout()
+            except Exception as e:
+                # A collective that failed (at dispatch, or an earlier step waited on in the
+                # background): name the lost peer if there is one.
+                raise_if_peer_lost(e, "a step", self._timeout)
+                raise
+
+    def _raise_step_timeout(self) -> None:
+        """The oldest step in flight did not finish in ``timeout_seconds``: a typed error."""
+        from jaxdist.cluster import bringup
+
+        group = self._group
+        bringup._state["broken"] = True
+        lost = bringup.find_lost_tasks(float(bringup._state["heartbeat"] or self._timeout) + 2.0,
+                                       until_lost=True)
+        if lost:
+            bringup._raise_lost(bringup._mark_lost(lost), None, "a step")
+        peers = tuple(group.task_name(i) for i in range(group.num_processes)
+                      if i != group.process_id)
+        status = "no task lost" if lost == () else "nothing (it did not answer)"
+        raise ClusterTimeoutError(
+            f"{group.name}: a step did not finish within {self._timeout:g} s; the coordination "
+            f"service reports {status}. Waiting on peers {list(peers)}",
+            tasks=peers, timeout_seconds=self._timeout)
+
+    def _on_slow_step(self, elapsed: float) -> bool:
+        """The background wait on a step has run ``elapsed`` s. If the training thread is in its
+        own bounded wait it raises the typed error itself; else it may be blocked where no
+        exception reaches it (reading that step's output), so act as ``_on_stuck_step``."""
+        if isinstance(self._throttle, WatchedSteps) and self._throttle.training_thread_waiting:
+            return False
+        return self._on_stuck_step(elapsed)
 
     def _watch_seconds(self) -> float:
         # Past the step's own bounded wait (timeout, then up to heartbeat + 2 s asking the
@@ -273,10 +312,6 @@ class MultiWorkerExtended(StrategyExtended):
             pass
         bringup._exit_broken(group, f"{type(error).__name__} in a step")
         return True
-
-    def _post_run(self, out: Any) -> Any:
-        # Every step is waited on, bounded: a dead or hung peer becomes a typed error here.
-        return wait_for_step(out, self._timeout, what="a step")
 
 
 class MultiWorkerMirroredStrategy(Strategy):

@@ -32,6 +32,7 @@ from jaxdist.strategies.cross_device_ops import (
 from jaxdist.strategies.inflight import StepThrottle
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
+from jaxdist.strategies.run_options import RunOptions
 from jaxdist.values import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
@@ -114,11 +115,13 @@ class StrategyExtended:
         self._mesh_devices = frozenset(self._devices)
         self._replicated = NamedSharding(self._mesh, P())
         self._data_sharding = NamedSharding(self._mesh, P(self._axes))
-        self._throttle = StepThrottle(max_steps_in_flight)
+        self._throttle = self._make_throttle(max_steps_in_flight)
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
         self._reduce_cache: dict = {}
         self._cache_lock = threading.Lock()
         self._colocation: list[Any] = []
+        self._call_options = threading.local()  # RunOptions.donate_argnums of the current run
+        self._donate_masks: dict[Any, tuple[int, ...]] = {}
         self._new_fn_counts: dict[Any, int] = {}
 
     # ------------------------------------------------------------------ placement
@@ -172,7 +175,12 @@ class StrategyExtended:
 
     @experimental_max_steps_in_flight.setter
     def experimental_max_steps_in_flight(self, value: int) -> None:
-        self._throttle = StepThrottle(value)
+        self._throttle.wait_all()
+        self._throttle = self._make_throttle(value)
+
+    def _make_throttle(self, max_in_flight: int) -> StepThrottle:
+        """The bound on steps in flight (multi-process strategies also watch their peers)."""
+        return StepThrottle(max_in_flight)
 
     def _placement_mesh(self) -> jax.sharding.Mesh:
         return self._mesh
@@ -291,8 +299,11 @@ class StrategyExtended:
                     ) from None
                 kinds.append("static")
                 statics.append(leaf)
-        key = (fn, treedef, tuple(kinds), tuple(statics), partial)
-        compiled = self._lookup(key, fn, treedef, kinds, statics, partial)
+        donate = getattr(self._call_options, "donate", ())
+        if donate:
+            donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
+        key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
+        compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
         dyn_kinds = [k for k in kinds if k not in ("static", "empty")]
         dyn = [self._prepare_leaf(x, k) for x, k in zip(dyn, dyn_kinds)]
         if tracing:
@@ -307,6 +318,34 @@ class StrategyExtended:
 
     def _post_run(self, out: Any) -> Any:
         return out
+
+    def _donated_dyn_indices(self, treedef, kinds: tuple[str, ...], argnums: tuple[int, ...],
+                             num_args: int) -> tuple[int, ...]:
+        """Positions among the compiled step's array arguments of the donated ``args``."""
+        key = (treedef, kinds, argnums)
+        mask = self._donate_masks.get(key)
+        if mask is not None:
+            return mask
+        bad = [i for i in argnums if i >= num_args]
+        if bad:
+            raise ValueError(
+                f"RunOptions.donate_argnums={argnums} names positions {bad}, but run got "
+                f"{num_args} positional argument(s)"
+            )
+        arg_leaves = [t.num_leaves for t in treedef.children()[0].children()]
+        donated_leaf = []
+        for i, n in enumerate(arg_leaves):
+            donated_leaf += [i in argnums] * n
+        donated_leaf += [False] * (len(kinds) - len(donated_leaf))  # kwargs
+        mask, j = [], 0
+        for k, d in zip(kinds, donated_leaf):
+            if k in ("static", "empty"):
+                continue
+            if d:
+                mask.append(j)
+            j += 1
+        self._donate_masks[key] = mask = tuple(mask)
+        return mask
 
     def _note_new_function(self, fn: Callable) -> None:
         """Warns once when the same code keeps arriving as new function objects (retracing)."""
@@ -324,7 +363,7 @@ class StrategyExtended:
                 stacklevel=4,
             )
 
-    def _lookup(self, key, fn, treedef, kinds, statics, partial=None):
+    def _lookup(self, key, fn, treedef, kinds, statics, partial=None, donate=()):
         try:
             hash(key)
         except TypeError:
@@ -333,7 +372,7 @@ class StrategyExtended:
             if key is not None and key in self._run_cache:
                 self._run_cache.move_to_end(key)
                 return self._run_cache[key]
-        compiled = _CompiledRun(self, fn, treedef, kinds, statics, partial)
+        compiled = _CompiledRun(self, fn, treedef, kinds, statics, partial, donate)
         self._note_new_function(fn)
         if key is not None:
             with self._cache_lock:
@@ -623,7 +662,8 @@ class _CompiledRun:
     """One replica function compiled for one argument structure."""
 
     def __init__(
-        self, extended: StrategyExtended, fn: Callable, treedef, kinds, statics, partial=None
+        self, extended: StrategyExtended, fn: Callable, treedef, kinds, statics, partial=None,
+        donate: tuple[int, ...] = (),
     ):
         self.extended = extended
         self.partial = partial  # (per-replica lengths, padded rows) on a partial-batch step
@@ -632,7 +672,7 @@ class _CompiledRun:
         self.kinds = tuple(kinds)
         self.statics = tuple(statics)
         self.traces = 0
-        self.jitted = jax.jit(self.raw)
+        self.jitted = jax.jit(self.raw, donate_argnums=donate)
 
     def _args(self, dyn: Sequence[Any]):
         it_dyn, it_static = iter(dyn), iter(self.statics)
@@ -764,13 +804,24 @@ class Strategy:
             args: positional arguments; ``PerReplica`` leaves are split, one entry per replica,
                 other arrays are passed whole to every replica.
             kwargs: keyword arguments, treated like ``args``.
-            options: accepted for TF compatibility.
+            options: ``jaxdist.RunOptions``; ``donate_argnums`` lets the step write its new
+                state into the buffers of the state it replaces (the donated arrays are
+                deleted by the call).
 
         Returns:
             ``fn``'s outputs: a leaf identical on every replica is one replicated array, a leaf
             that varies is a ``PerReplica``.
+
+        Example:
+            >>> params, opt_state, loss = strategy.run(
+            ...     train_step, args=(params, opt_state, batch),
+            ...     options=jaxdist.RunOptions(donate_argnums=(0, 1)))
         """
-        del options
+        donate: tuple[int, ...] = ()
+        if options is not None:
+            if not isinstance(options, RunOptions):
+                raise TypeError(f"options must be jaxdist.RunOptions, got {options!r}")
+            donate = options.donate_argnums
         self._extended._check_not_mixing()
         merged = ctx_lib.merged_from()
         if merged is not None and merged.axis_name is not None and merged.strategy is self:
@@ -778,6 +829,9 @@ class Strategy:
             # the trace is already per replica, so fn runs in the replica context it came from.
             with ctx_lib.enter_replica(self, merged):
                 return fn(*args, **(kwargs or {}))
+        call_options = self._extended._call_options
+        previous = getattr(call_options, "donate", ())
+        call_options.donate = donate
         try:
             return self._extended._run(fn, args, kwargs)
         except NotImplementedError as e:
@@ -790,6 +844,8 @@ class Strategy:
                 f"an argument instead: strategy.run(fn, args=(state, ...)) (a pytree of arrays, "
                 f"e.g. a flax nnx module's state, is passed whole to every replica)."
             ) from e
+        finally:
+            call_options.donate = previous
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
