@@ -53,6 +53,7 @@ class Dataset:
         self._make_iter = make_iter
         self._cardinality = cardinality
         self._epoch = 0
+        self._tensors: Any = None  # from_tensor_slices' arrays (batch() slices them directly)
 
     @classmethod
     def from_tensor_slices(cls, tensors: Any) -> Dataset:
@@ -64,7 +65,9 @@ class Dataset:
             for i in range(n):
                 yield jax.tree.map(lambda a, i=i: a[i], tensors)
 
-        return cls(it, n)
+        ds = cls(it, n)
+        ds._tensors = tensors
+        return ds
 
     @classmethod
     def from_iterable(cls, iterable_fn: Callable[[], Iterable[Any]]) -> Dataset:
@@ -141,6 +144,19 @@ class Dataset:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         parent = self
+        tensors = self._tensors
+        if tensors is not None:
+            # Straight from from_tensor_slices: a batch is a copy of consecutive rows (the same
+            # values as stacking the rows one by one, without a Python loop per row).
+            n = self._cardinality
+
+            def sliced(epoch):
+                stop = n - n % batch_size if drop_remainder else n
+                for s in range(0, stop, batch_size):
+                    yield jax.tree.map(lambda a, s=s: a[s:s + batch_size].copy(), tensors)
+
+            card = n // batch_size + (0 if drop_remainder or not n % batch_size else 1)
+            return Dataset(sliced, card)
 
         def it(epoch):
             buf: list[Any] = []

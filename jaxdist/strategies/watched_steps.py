@@ -21,7 +21,21 @@ from typing import Any
 import jax
 
 from jaxdist.cluster.waiting import Watchdog
-from jaxdist.strategies.inflight import StepThrottle, _wait
+from jaxdist.strategies.inflight import StepThrottle
+
+
+def _wait_outputs(leaves: list[Any]) -> None:
+    """Waits for a step's outputs. An output donated to a later step meanwhile is skipped: that
+    step consumes it, and waiting for the later step covers it."""
+    for x in leaves:
+        if x.is_deleted():
+            continue
+        try:
+            x.block_until_ready()
+        except Exception:
+            if x.is_deleted():
+                continue
+            raise
 
 
 class StepNotFinished(Exception):
@@ -85,7 +99,7 @@ class WatchedSteps(StepThrottle):
             step = self._queue.get()
             with self._watchdog.watch(self.timeout_seconds, self._on_overrun):
                 try:
-                    _wait(step.leaves)
+                    _wait_outputs(step.leaves)
                 except BaseException as e:  # noqa: BLE001 - handed to the training thread
                     step.error = e
             step.leaves = []
