@@ -191,7 +191,7 @@ def test_servers_refuse_to_start_without_a_token():
 def test_one_chunk_requests_go_unary_and_longer_ones_stream(served):
     server, _ = served
     client = PSClient([server.address], "t0k", timeout=30, chunk_bytes=1 << 16,
-                      tls=process_pki().identities["client"])
+                      tls=process_pki().identities["client"], direct_transport=False)
     try:
         x = np.arange(100_000, dtype=np.float32)  # 400 kB: 7 chunks of 64 KiB
         client.call(0, "Create", {"specs": {"x": {}}}, {"x": x})

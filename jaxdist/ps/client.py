@@ -24,7 +24,9 @@ import grpc
 import numpy as np
 
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.ps import protocol, wire
+from jaxdist.ps import direct, protocol, wire
+from jaxdist.ps.direct import DirectPool
+from jaxdist.ps.direct import Unavailable as DirectUnavailable
 from jaxdist.ps.errors import (
     PSAuthenticationError,
     PSError,
@@ -91,6 +93,9 @@ class PSClient(_Base):
         job: the job name used in messages (``"ps"``).
         tls: this client's mutual-TLS identity; ``"insecure"`` for plaintext (loopback only);
             ``None`` reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
+        direct_transport: send calls over the ps tasks' direct socket port
+            (``jaxdist.ps.direct``: same TLS and token, no gRPC per call) when they have one;
+            gRPC otherwise (default: on unless ``JAXDIST_PS_DIRECT=0``).
 
     Raises:
         TLSConfigError: no TLS material and plaintext not asked for.
@@ -98,7 +103,7 @@ class PSClient(_Base):
 
     def __init__(self, addresses: Sequence[str], token: str | None, timeout: float = 30.0,
                  chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, job: str = "ps", *,
-                 tls: TLSConfig | str | None = None):
+                 tls: TLSConfig | str | None = None, direct_transport: bool | None = None):
         if not addresses:
             raise ValueError("PSClient needs at least one ps address, got none")
         if timeout <= 0:
@@ -116,6 +121,17 @@ class PSClient(_Base):
         self._pool = futures.ThreadPoolExecutor(
             max_workers=max(2, 2 * self.num_tasks), thread_name_prefix="jaxdist-psclient"
         )
+        use_direct = direct.enabled() if direct_transport is None else direct_transport
+        self._direct = DirectPool(self.addresses, token, self.tls, self._grpc_ping,
+                                  self._error) if use_direct else None
+
+    @property
+    def direct_calls(self) -> int:
+        """Calls answered over the direct transport (``jaxdist.ps.direct``) so far."""
+        return self._direct.calls if self._direct is not None else 0
+
+    def _grpc_ping(self, task: int, timeout: float) -> dict:
+        return self._grpc_call(task, "Ping", {}, None, timeout)[0]
 
     def task_name(self, task: int) -> str:
         return f"{self.job}:{task}"
@@ -132,6 +148,17 @@ class PSClient(_Base):
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"ps task {task} does not exist: the cluster has {self.num_tasks}")
         timeout = self.timeout if timeout is None else float(timeout)
+        if self._direct is not None:
+            try:
+                return self._direct.call(task, method, dict(meta or {}), arrays or {},
+                                         time.monotonic() + timeout, timeout,
+                                         method in protocol.IDEMPOTENT)
+            except DirectUnavailable:
+                pass  # no direct port, or it failed before the call could matter: use gRPC
+        return self._grpc_call(task, method, meta, arrays, timeout)
+
+    def _grpc_call(self, task: int, method: str, meta: dict | None, arrays: dict | None,
+                   timeout: float) -> Message:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -162,9 +189,16 @@ class PSClient(_Base):
         )
 
     def _translate(self, task: int, method: str, timeout: float, e: grpc.RpcError) -> PSError:
-        name, addr = self.task_name(task), self.addresses[task]
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
+        return self._error(task, method, timeout, code, details)
+
+    def _error(self, task: int, method: str, timeout: float, code: Any,
+               details: str | None) -> PSError:
+        """The typed error of a failed call (``code``: a ``grpc.StatusCode`` or its name)."""
+        if isinstance(code, str):
+            code = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+        name, addr = self.task_name(task), self.addresses[task]
         if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.CANCELLED):
             return self._unavailable(task, method, timeout, details or code.name)
@@ -179,6 +213,8 @@ class PSClient(_Base):
 
     def close(self) -> None:
         super().close()
+        if self._direct is not None:
+            self._direct.close()
         for ch in self._channels:
             ch.close()
 

@@ -21,7 +21,8 @@ import threading
 import grpc
 
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.ps import protocol, wire
+from jaxdist.ps import direct, protocol, wire
+from jaxdist.ps.direct_server import CallFailed, DirectServer
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.grpc_util import (
     CHANNEL_OPTIONS,
@@ -50,6 +51,9 @@ class ParameterServer(GrpcTaskServer):
             reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
         limits: request size, call duration and calls per client (default:
             ``ServerLimits.from_env()``, see ``jaxdist.ps.limits``).
+        direct_transport: also serve the direct socket transport (``jaxdist.ps.direct``) on
+            a second port of the same host, with the same TLS, token and limits (default:
+            on unless ``JAXDIST_PS_DIRECT=0``).
 
     The server confines ``Save`` / ``Restore`` to the service's checkpoint root (see
     ``ParameterService``): a request naming a directory outside it is refused.
@@ -61,7 +65,7 @@ class ParameterServer(GrpcTaskServer):
 
     def __init__(self, service: ParameterService, address: str, token: str | None,
                  max_workers: int = 16, *, tls: TLSConfig | str | None = None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, direct_transport: bool | None = None):
         self.service = service
         self._token = require_token(token, service.task, "a parameter server refuses requests "
                                     "without it")
@@ -79,7 +83,39 @@ class ParameterServer(GrpcTaskServer):
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
             max_workers, "jaxdist-ps", options=options, tls=self.tls)
         self.port = int(self.address.rsplit(":", 1)[1])
+        use_direct = direct.enabled() if direct_transport is None else direct_transport
+        self.direct = DirectServer(
+            service.task, self.address.rsplit(":", 1)[0], self._token, self.tls, self.limits,
+            self._run_direct, service.incarnation) if use_direct else None
         self._init_lifecycle()
+
+    def start(self):
+        if self.direct is not None:
+            self.direct.start()
+        return super().start()
+
+    def _after_stop(self) -> None:
+        if self.direct is not None:
+            self.direct.stop()
+
+    def _run_direct(self, method: str, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        """One call from the direct transport (already authenticated and size-checked)."""
+        if method not in protocol.METHODS:
+            raise CallFailed("UNIMPLEMENTED", f"{self.service.task}: unknown method "
+                                              f"{method[:64]!r}")
+        try:
+            response_chunk_bytes(meta)  # checked as on the gRPC path
+            out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
+        except Exception as e:  # noqa: BLE001 - mapped as the gRPC path maps it
+            code, details = failure_status(self.service.task, method, e)
+            raise CallFailed(code.name, details) from None
+        return self._annotate(method, out_meta), out_arrays
+
+    def _annotate(self, method: str, meta: dict) -> dict:
+        if method == "Ping" and self.direct is not None:
+            return {**meta, "direct_port": self.direct.port,
+                    "max_request_bytes": self.limits.max_request_bytes}
+        return meta
 
     # ------------------------------------------------------------------ handlers
     def _make_handler(self, method: str):
@@ -94,29 +130,37 @@ class ParameterServer(GrpcTaskServer):
                     chunk = response_chunk_bytes(meta)
                     out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
                     del arrays
-                except wire.MessageTooLargeError as e:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{task} {method}: {e}; raise the server's max_request_bytes "
-                                  f"or send smaller requests")
-                except PSNotFoundError as e:
-                    context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-                except (PSInvalidArgumentError, wire.WireError, ValueError, TypeError,
-                        KeyError) as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{task} {method}: {type(e).__name__}: {e}")
                 except grpc.RpcError:
                     if not context.is_active():  # cancelled: overdue, or the client left
                         return
                     raise
-                except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
-                    log.exception("%s %s failed", task, method)
-                    context.abort(grpc.StatusCode.INTERNAL,
-                                  f"{task} {method}: {type(e).__name__}: {e}")
+                except Exception as e:  # noqa: BLE001 - reported to the caller
+                    context.abort(*failure_status(task, method, e))
+                out_meta = self._annotate(method, out_meta)
                 if method == "Stop":
                     threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
                 yield from wire.encode(out_meta, out_arrays, chunk)
 
         return handler
+
+
+def failure_status(task: str, method: str, e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call answers (both transports).
+
+    Example:
+        >>> failure_status("ps:0", "Pull", PSNotFoundError("no variable 'w'"))[0]
+        <StatusCode.NOT_FOUND: (5, 'not found')>
+    """
+    if isinstance(e, wire.MessageTooLargeError):
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{task} {method}: {e}; raise the server's max_request_bytes or send smaller "
+                f"requests")
+    if isinstance(e, PSNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, (PSInvalidArgumentError, wire.WireError, ValueError, TypeError, KeyError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{task} {method}: {type(e).__name__}: {e}"
+    log.error("%s %s failed", task, method, exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"{task} {method}: {type(e).__name__}: {e}"
 
 
 _MIN_CHUNK, _MAX_CHUNK = 1 << 16, 1 << 30
@@ -141,4 +185,4 @@ def response_chunk_bytes(meta: dict) -> int:
     return max(_MIN_CHUNK, min(chunk, _MAX_CHUNK))
 
 
-__all__ = ["CHANNEL_OPTIONS", "ParameterServer", "response_chunk_bytes"]
+__all__ = ["CHANNEL_OPTIONS", "ParameterServer", "failure_status", "response_chunk_bytes"]

@@ -1,0 +1,211 @@
+"""The server side of the ps direct transport (``jaxdist.ps.direct``): the second port.
+
+One thread accepts connections; each connection gets its own thread (at most
+``max_connections``; more are closed at once, and their clients use gRPC). A connection must
+finish its TLS handshake and present the cluster token within ``HANDSHAKE_SECONDS``; then it
+serves calls one at a time, each bounded by ``ServerLimits.max_call_seconds`` from the first
+byte of its request to the last byte of its response. A connection idle for
+``IDLE_SECONDS`` is closed. Malformed frames, a payload over ``max_request_bytes`` (checked
+before allocation) or a wrong token get an error frame with the gRPC path's status and
+message, then the connection is closed.
+
+Example:
+    >>> direct = DirectServer("ps:0", "127.0.0.1", token, tls, limits, run).start()
+    >>> direct.port
+    40123
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jaxdist.cluster.tls import TLSConfig, check_plaintext_allowed
+from jaxdist.ps import direct, wire
+from jaxdist.ps.limits import ServerLimits
+from jaxdist.ps.protocol import TOKEN_METADATA_KEY
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_SECONDS = 10.0
+IDLE_SECONDS = 600.0
+
+
+class CallFailed(Exception):
+    """A call's failure as a gRPC status name and message (both transports send these)."""
+
+    def __init__(self, code: str, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class DirectServer:
+    """Accepts direct-transport connections for one ps task.
+
+    Args:
+        task: the task name, e.g. ``"ps:0"``.
+        host: the host to bind (the gRPC address's host).
+        token: the cluster token (bytes).
+        tls: the task's TLS identity; ``None``: plaintext, loopback only.
+        limits: the server's limits (request bytes, call seconds).
+        run: ``run(method, meta, arrays) -> (meta, arrays)``; raises ``CallFailed``.
+        incarnation: the service's incarnation (sent in the hello).
+        max_connections: connections served at once.
+    """
+
+    def __init__(self, task: str, host: str, token: bytes, tls: TLSConfig | None,
+                 limits: ServerLimits, run: Callable[[str, dict, dict], tuple[dict, dict]],
+                 incarnation: str, max_connections: int = 64):
+        if tls is None:
+            check_plaintext_allowed(task, f"{host}:0")
+        self.task, self._token, self.limits, self._run = task, token, limits, run
+        self._incarnation = incarnation
+        self._ctx = direct.server_context(tls) if tls is not None else None
+        bind_host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.bind((bind_host, 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.5)
+        self.port = self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stopped = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"jaxdist-direct-{task}")
+
+    def start(self) -> DirectServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops accepting and closes every connection (clients fall back to gRPC)."""
+        self._stopped.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                raw, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                raw.close()  # too many connections: that client uses gRPC
+                continue
+            with self._lock:
+                self._conns.add(raw)
+            threading.Thread(target=self._serve, args=(raw,), daemon=True,
+                             name=f"jaxdist-direct-conn-{self.task}").start()
+
+    # ------------------------------------------------------------------ one connection
+    def _serve(self, raw: socket.socket) -> None:
+        sock: Any = raw
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = time.monotonic() + HANDSHAKE_SECONDS
+            raw.settimeout(HANDSHAKE_SECONDS)
+            if self._ctx is not None:
+                sock = self._ctx.wrap_socket(raw, server_side=True)
+            direct.send_frame(sock, direct.HELLO, {"task": self.task,
+                                                   "incarnation": self._incarnation},
+                              None, deadline)
+            auth, _ = direct.recv_frame(sock, direct.AUTH, direct.MAX_HANDSHAKE_BYTES, 0,
+                                        deadline, None)
+            failure = self._check_token(auth.get("token"))
+            if failure is not None:
+                self._reply_error(sock, failure, deadline)
+                return
+            direct.send_frame(sock, direct.RESPONSE, {"code": "OK"}, None, deadline)
+            while not self._stopped.is_set():
+                if not self._serve_call(sock):
+                    return
+        except (OSError, ssl.SSLError, wire.WireError, ValueError):
+            return  # the client left, stalled past a deadline, or sent garbage
+        finally:
+            with self._lock:
+                self._conns.discard(raw)
+            try:
+                sock.close()
+            except OSError:
+                pass
+            self._slots.release()
+
+    def _check_token(self, presented: Any) -> CallFailed | None:
+        if not isinstance(presented, str) or not presented:
+            return CallFailed("UNAUTHENTICATED",
+                              f"{self.task} refused the connection: it carries no cluster "
+                              f"token (metadata {TOKEN_METADATA_KEY!r}); set "
+                              f"JAXDIST_CLUSTER_TOKEN or TF_CONFIG 'token' on the caller")
+        if not hmac.compare_digest(presented.encode(), self._token):
+            return CallFailed("UNAUTHENTICATED",
+                              f"{self.task} refused the connection: wrong cluster token")
+        return None
+
+    def _reply_error(self, sock: Any, failure: CallFailed, deadline: float) -> None:
+        try:
+            direct.send_frame(sock, direct.RESPONSE, {"code": failure.code,
+                                                      "details": failure.details,
+                                                      "close": True}, None, deadline)
+        except OSError:
+            pass
+
+    def _serve_call(self, sock: Any) -> bool:
+        """Serves one call; False when the connection must close."""
+        # The call's own deadline (max_call_seconds) starts when its prefix has arrived.
+        started: list[float] = []
+        try:
+            header, arrays = direct.recv_frame(
+                sock, direct.REQUEST, direct.MAX_HEADER_BYTES, self.limits.max_request_bytes,
+                None, first_deadline=time.monotonic() + IDLE_SECONDS,
+                call_seconds=self.limits.max_call_seconds, started=started)
+        except wire.MessageTooLargeError as e:
+            self._reply_error(sock, CallFailed(
+                "RESOURCE_EXHAUSTED", f"{self.task}: {e}; raise the server's max_request_bytes "
+                f"or send smaller requests"), time.monotonic() + HANDSHAKE_SECONDS)
+            return False
+        except wire.WireError as e:
+            self._reply_error(sock, CallFailed("INVALID_ARGUMENT", f"{self.task}: {e}"),
+                              time.monotonic() + HANDSHAKE_SECONDS)
+            return False
+        call_deadline = started[0] + self.limits.max_call_seconds
+        method, meta = header.get("method"), header.get("meta")
+        if not isinstance(method, str) or method in direct.GRPC_ONLY or not isinstance(
+                meta, dict):
+            self._reply_error(sock, CallFailed(
+                "UNIMPLEMENTED" if isinstance(meta, dict) else "INVALID_ARGUMENT",
+                f"{self.task}: method {str(method)[:64]!r} is not served on the direct "
+                f"transport"), call_deadline)
+            return False
+        try:
+            out_meta, out_arrays = self._run(method, meta, arrays)
+        except CallFailed as e:
+            del arrays
+            direct.send_frame(sock, direct.RESPONSE, {"code": e.code, "details": e.details},
+                              None, call_deadline)
+            return True
+        del arrays
+        direct.send_frame(sock, direct.RESPONSE, {"code": "OK", "meta": out_meta}, out_arrays,
+                          call_deadline)
+        return True
+
+
+__all__ = ["CallFailed", "DirectServer", "HANDSHAKE_SECONDS", "IDLE_SECONDS"]

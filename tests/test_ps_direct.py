@@ -1,0 +1,319 @@
+"""The ps direct transport (a second, socket port beside gRPC): same answers and typed errors
+as gRPC, mutual TLS, the cluster token before anything else, request limits checked before
+allocating, deadlines on stalled connections, and a gRPC fallback when it is unavailable."""
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxdist.ps import direct, direct_server
+from jaxdist.ps.client import PSClient
+from jaxdist.ps.errors import PSAuthenticationError, PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.limits import ServerLimits
+from jaxdist.ps.memory import RECEIVE_POOL
+from jaxdist.ps.server import ParameterServer
+from jaxdist.ps.service import ParameterService
+
+TOKEN = "direct-Secret-91b2"
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _plaintext_on_loopback(monkeypatch):
+    monkeypatch.setenv("JAXDIST_INSECURE", "1")
+    monkeypatch.delenv("JAXDIST_PS_DIRECT", raising=False)
+    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _serve(**limits):
+    kwargs = {"limits": ServerLimits.from_env(**limits)} if limits else {}
+    return ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token=TOKEN,
+                           **kwargs).start()
+
+
+@pytest.fixture
+def served():
+    server = _serve()
+    client = PSClient([server.address], TOKEN, timeout=10)
+    client.call(0, "Create", {"specs": {"w": {}}}, {"w": np.zeros(4, np.float32)})
+    yield server, client
+    client.close()
+    server.stop(0)
+
+
+def _connect(server, token=TOKEN):
+    """A raw socket to the direct port, past the hello and (when token) authenticated."""
+    sock = socket.create_connection(("127.0.0.1", server.direct.port), timeout=10)
+    hello, _ = direct.recv_frame(sock, direct.HELLO, 4096, 0, time.monotonic() + 10, None)
+    assert hello["task"] == "ps:0"
+    if token is not None:
+        direct.send_frame(sock, direct.AUTH, {"token": token})
+        reply, _ = direct.recv_frame(sock, direct.RESPONSE, 4096, 0, time.monotonic() + 10,
+                                     None)
+        assert reply["code"] == "OK", reply
+    return sock
+
+
+def _reply(sock):
+    header, arrays = direct.recv_frame(sock, direct.RESPONSE, 1 << 20, None,
+                                       time.monotonic() + 10, None)
+    return header, arrays
+
+
+def _closed(sock, within=10.0):
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionError:
+        return True
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, ml_dtypes.bfloat16])
+def test_direct_calls_answer_as_grpc_bit_exact(served, dtype):
+    server, client = served
+    grpc_client = PSClient([server.address], TOKEN, timeout=10, direct_transport=False)
+    x = (np.arange(3 * MiB // 8) % 97).astype(dtype).reshape(-1, 8)
+    client.call(0, "Create", {"specs": {"x": {}}}, {"x": x})
+    meta, got = client.call(0, "Pull", {"keys": ["x", "w"]})
+    gmeta, ggot = grpc_client.call(0, "Pull", {"keys": ["x", "w"]})
+    assert meta == gmeta and got.keys() == ggot.keys()
+    for k in got:
+        assert got[k].dtype == ggot[k].dtype and got[k].tobytes() == ggot[k].tobytes()
+    assert got["x"].ctypes.data % 64 == 0
+    res, _ = client.call(0, "Push", {"versions": {"x": 0}}, {"x": np.ones_like(x)})
+    assert res["results"]["x"]["version"] == 1
+    assert np.array_equal(grpc_client.call(0, "Pull", {"keys": ["x"]})[1]["x"], x + 1)
+    assert client.direct_calls >= 4 and grpc_client.direct_calls == 0
+    grpc_client.close()
+
+
+def test_errors_are_the_grpc_paths_typed_errors(served):
+    _, client = served
+    with pytest.raises(PSNotFoundError, match="no variable 'nope'"):
+        client.call(0, "Pull", {"keys": ["nope"]})
+    with pytest.raises(PSInvalidArgumentError, match="shape"):
+        client.call(0, "Push", {"versions": {"w": 0}}, {"w": np.ones(3, np.float32)})
+    with pytest.raises(PSInvalidArgumentError, match="chunk_bytes"):
+        client.call(0, "Pull", {"keys": ["w"], "chunk_bytes": -1})
+    assert client.call(0, "Pull", {"keys": ["w"]})[1]["w"].shape == (4,)  # still usable
+    assert client.direct_calls >= 4
+
+
+def test_a_wrong_or_missing_token_is_refused_and_never_echoed(served):
+    server, _ = served
+    for token, expected in (("wrong-token-123", "wrong cluster token"), ("", "no cluster token")):
+        sock = _connect(server, token=None)
+        direct.send_frame(sock, direct.AUTH, {"token": token})
+        reply, _ = _reply(sock)
+        assert reply["code"] == "UNAUTHENTICATED" and expected in reply["details"]
+        assert "wrong-token-123" not in reply["details"] and TOKEN not in reply["details"]
+        assert _closed(sock)
+        sock.close()
+    bad = PSClient([server.address], "wrong-token-123", timeout=5)
+    with pytest.raises(PSAuthenticationError):
+        bad.call(0, "Pull", {"keys": ["w"]})
+    bad.close()
+
+
+def test_requests_before_the_token_are_refused(served):
+    server, _ = served
+    sock = _connect(server, token=None)
+    direct.send_frame(sock, direct.REQUEST, {"method": "Pull", "meta": {"keys": ["w"]}})
+    assert _closed(sock)  # a request frame is not an AUTH frame: no answer, closed
+    sock.close()
+
+
+def test_a_20_gib_request_is_refused_before_allocating(served, monkeypatch):
+    server, _ = served
+    taken = []
+    real = RECEIVE_POOL.take
+    monkeypatch.setattr(RECEIVE_POOL, "take", lambda n: (taken.append(n), real(n))[1])
+    sock = _connect(server)
+    head = json.dumps({"method": "Push", "meta": {"versions": {"w": 0}}, "arrays": []}).encode()
+    sock.sendall(direct.PREFIX.pack(direct.REQUEST, len(head), 20 << 30) + head)
+    reply, _ = _reply(sock)
+    assert reply["code"] == "RESOURCE_EXHAUSTED", reply
+    assert "21474836480 payload bytes" in reply["details"]
+    assert "max_request_bytes" in reply["details"]
+    assert _closed(sock)
+    assert all(n < MiB for n in taken), taken
+
+
+@pytest.mark.parametrize("frame", [
+    b"XXXX" + bytes(12),                                             # bad magic
+    direct.PREFIX.pack(direct.REQUEST, (64 << 20) + 1, 0),           # header too long
+    direct.PREFIX.pack(direct.REQUEST, 5, 0) + b"{oops",             # bad JSON
+    direct.PREFIX.pack(direct.REQUEST, 2, 0) + b"[]",                # not an object
+])
+def test_malformed_frames_get_an_error_and_the_connection_closes(served, frame):
+    server, client = served
+    sock = _connect(server)
+    sock.sendall(frame)
+    reply, _ = _reply(sock)
+    assert reply["code"] == "INVALID_ARGUMENT", reply
+    assert _closed(sock)
+    sock.close()
+    assert client.call(0, "Ping")[0]["task"] == "ps:0"
+
+
+def test_bad_array_specs_are_invalid_argument(served):
+    server, _ = served
+    sock = _connect(server)
+    for spec in (["w", "float32", [-1], 0, 4], ["w", "object", [1], 0, 8],
+                 ["w", "float32", [4], 8, 16]):
+        head = json.dumps({"method": "Push", "meta": {"versions": {"w": 0}},
+                           "arrays": [spec]}).encode()
+        sock.sendall(direct.PREFIX.pack(direct.REQUEST, len(head), 16) + head + bytes(16))
+        reply, _ = _reply(sock)
+        assert reply["code"] == "INVALID_ARGUMENT", (spec, reply)
+        sock.close()
+        sock = _connect(server)
+    sock.close()
+
+
+def test_a_stalled_request_is_cut_after_max_call_seconds():
+    server = _serve(max_call_seconds=1.0)
+    try:
+        sock = _connect(server)
+        head = json.dumps({"method": "Push", "meta": {"versions": {}}, "arrays": []}).encode()
+        sock.sendall(direct.PREFIX.pack(direct.REQUEST, len(head), MiB) + head + b"x" * 100)
+        t0 = time.monotonic()
+        assert _closed(sock, within=15)
+        assert time.monotonic() - t0 < 8
+        sock.close()
+    finally:
+        server.stop(0)
+
+
+def test_a_silent_connection_is_closed_after_the_handshake_deadline(monkeypatch):
+    monkeypatch.setattr(direct_server, "HANDSHAKE_SECONDS", 0.5)
+    server = _serve()
+    try:
+        sock = _connect(server, token=None)
+        t0 = time.monotonic()
+        assert _closed(sock, within=10)
+        assert time.monotonic() - t0 < 5
+        sock.close()
+    finally:
+        server.stop(0)
+
+
+def test_calls_fall_back_to_grpc_when_the_direct_port_goes_away(served):
+    server, client = served
+    assert client.call(0, "Pull", {"keys": ["w"]})[1]["w"].shape == (4,)
+    before = client.direct_calls
+    server.direct.stop()
+    time.sleep(0.2)
+    assert client.call(0, "Pull", {"keys": ["w"]})[1]["w"].shape == (4,)
+    res, _ = client.call(0, "Push", {"versions": {"w": 0}}, {"w": np.ones(4, np.float32)})
+    assert res["results"]["w"]["version"] == 1  # applied once
+    assert np.array_equal(client.call(0, "Pull", {"keys": ["w"]})[1]["w"], np.ones(4))
+    assert client.direct_calls == before
+
+
+def test_the_direct_transport_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("JAXDIST_PS_DIRECT", "0")
+    server = _serve()
+    client = PSClient([server.address], TOKEN, timeout=10)
+    try:
+        assert server.direct is None
+        assert "direct_port" not in client.call(0, "Ping")[0]
+        client.call(0, "Create", {"specs": {"w": {}}}, {"w": np.zeros(4, np.float32)})
+        assert client.direct_calls == 0
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_the_direct_port_speaks_mutual_tls_only(monkeypatch):
+    from jaxdist.cluster.pki import local_pki
+
+    pki = local_pki(["ps", "client"])
+    other = local_pki(["intruder"])
+    try:
+        monkeypatch.delenv("JAXDIST_INSECURE")
+        server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token=TOKEN,
+                                 tls=pki.identities["ps"]).start()
+        try:
+            client = PSClient([server.address], TOKEN, timeout=10, tls=pki.identities["client"])
+            client.call(0, "Create", {"specs": {"w": {}}}, {"w": np.arange(4, dtype=np.float32)})
+            assert np.array_equal(client.call(0, "Pull", {"keys": ["w"]})[1]["w"], np.arange(4))
+            assert client.direct_calls == 2
+            client.close()
+            # Plaintext gets no hello (the server waits for a TLS ClientHello, then closes).
+            raw = socket.create_connection(("127.0.0.1", server.direct.port), timeout=10)
+            raw.sendall(direct.PREFIX.pack(direct.AUTH, 2, 0) + b"{}")
+            raw.settimeout(10)
+            try:
+                data = raw.recv(16)
+            except ConnectionError:
+                data = b""
+            assert not data.startswith(direct.HELLO)
+            raw.close()
+            # A certificate from another CA is refused by the TLS handshake.
+            ctx = direct.client_context(pki.identities["client"])
+            ctx.load_cert_chain(other.identities["intruder"].cert,
+                                other.identities["intruder"].key)
+            raw = socket.create_connection(("127.0.0.1", server.direct.port), timeout=10)
+            with pytest.raises((OSError, direct.FrameError)):
+                sock = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+                direct.recv_frame(sock, direct.HELLO, 4096, 0, time.monotonic() + 10, None)
+            raw.close()
+        finally:
+            server.stop(0)
+    finally:
+        pki.cleanup()
+        other.cleanup()
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=1, max_size=200))
+def test_random_bytes_after_the_token_never_hurt_the_server(served, data):
+    server, client = served
+    sock = _connect(server)
+    sock.settimeout(10)
+    try:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)  # the server may have answered and closed already
+        while sock.recv(1 << 16):
+            pass
+    except OSError:
+        pass
+    sock.close()
+    assert client.call(0, "Ping")[0]["task"] == "ps:0"
+
+
+def test_frames_round_trip_with_aligned_arrays():
+    a, b = socket.socketpair()
+    try:
+        arrays = {"x": np.arange(5, dtype=np.float64), "y": np.ones((300, 300), np.float32),
+                  "e": np.zeros(0, np.int32)}
+        sender = threading.Thread(target=direct.send_frame, args=(
+            a, direct.REQUEST, {"method": "Push", "meta": {"k": 1}}, arrays,
+            time.monotonic() + 30), daemon=True)
+        sender.start()  # the frame is larger than the socket buffer
+        header, got = direct.recv_frame(b, direct.REQUEST, 1 << 20, 1 << 30,
+                                        time.monotonic() + 10)
+        assert header == {"method": "Push", "meta": {"k": 1}}
+        for k, v in arrays.items():
+            assert got[k].dtype == v.dtype and np.array_equal(got[k], v)
+            assert got[k].ctypes.data % 64 == 0 or v.nbytes == 0
+        sender.join(10)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_prefix_layout():
+    assert direct.PREFIX.size == 16
+    assert struct.unpack("<4sIQ", direct.PREFIX.pack(b"JDQ1", 3, 4)) == (b"JDQ1", 3, 4)
