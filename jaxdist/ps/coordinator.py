@@ -38,12 +38,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import pickle
 import threading
 import time
+import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,7 +66,7 @@ from jaxdist.ps.health import HealthWatcher, WorkerState
 from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue
 from jaxdist.ps.worker_client import WorkerClient
 from jaxdist.ps.worker_runtime import make_dataset, make_iterator, resolve_strategy
-from jaxdist.ps.worker_service import from_bytes_array, to_bytes_array
+from jaxdist.ps.worker_service import FN_DIGEST_KEY, from_bytes_array, to_bytes_array
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,10 @@ class _WorkerThread:
         self._created: set[int] = set()
         self._created_for: str | None = None
         self.functions_run = 0
+        # Functions pickled for this worker (id -> entry) and the digests its process holds.
+        self._fn_cache: OrderedDict[int, _ShippedFunction] = OrderedDict()
+        self._shipped: set[str] = set()
+        self._shipped_for: Any = None
         self.current: Closure | None = None  # the closure in flight on this worker
         self._call: Any = None  # its RunClosure call
         self._current_lock = threading.Lock()
@@ -155,6 +162,29 @@ class _WorkerThread:
                 with self._current_lock:
                     self.current = self._call = closure = None
 
+    def _function(self, fn: Callable[..., Any]) -> _ShippedFunction:
+        """``fn`` pickled for this worker, pickled again only when it may have changed.
+
+        A plain function is pickled once and then sent by its SHA-256 (the worker keeps the
+        unpickled function): it is pickled again when the objects its closure cells, defaults
+        or global names refer to are other objects (rebinding), as TF retraces for new
+        Python values. In-place mutation of a captured object is not seen (as in TF, where a
+        traced function keeps the Python values it captured). Other callables (methods,
+        partials, objects) are pickled every time.
+        """
+        key = _fingerprint(fn)
+        entry = self._fn_cache.get(id(fn)) if key is not None else None
+        if entry is not None and entry.fn is fn and _same(entry.key, key):
+            self._fn_cache.move_to_end(id(fn))
+            return entry
+        payload = closure_pickle.dumps(fn, self.index, self._c._ps_rpc_timeout)
+        entry = _ShippedFunction(fn, key, payload, hashlib.sha256(payload).hexdigest())
+        if key is not None:
+            self._fn_cache[id(fn)] = entry
+            while len(self._fn_cache) > _MAX_CACHED_FUNCTIONS:
+                self._fn_cache.popitem(last=False)
+        return entry
+
     def cancel(self) -> None:
         """Cancels the closure in flight here (an earlier function failed)."""
         with self._current_lock:
@@ -182,7 +212,7 @@ class _WorkerThread:
             c._queue.mark_failed(broken)
             return
         try:
-            fn_payload = closure_pickle.dumps(closure.fn, self.index, c._ps_rpc_timeout)
+            shipped = self._function(closure.fn)
             args_payload = closure_pickle.dumps((closure.args, closure.kwargs), self.index,
                                                 c._ps_rpc_timeout, c._join_timeout)
         except Exception as e:  # noqa: BLE001 - unpicklable function or a failed input
@@ -190,10 +220,21 @@ class _WorkerThread:
             c._queue.mark_failed(e)
             return
         try:
-            meta, arrays = c._client.call(
-                self.index, "RunClosure", {"closure_id": closure.closure_id},
-                {"fn": to_bytes_array(fn_payload), "args": to_bytes_array(args_payload)},
-                timeout=c._closure_timeout, on_start=self._on_start)
+            for _ in range(3):  # a worker that lost the function (restart, eviction) gets it
+                request = {"args": to_bytes_array(args_payload)}
+                if shipped.digest not in self._shipped:
+                    request["fn"] = to_bytes_array(shipped.payload)
+                meta, arrays = c._client.call(
+                    self.index, "RunClosure",
+                    {"closure_id": closure.closure_id, FN_DIGEST_KEY: shipped.digest},
+                    request, timeout=c._closure_timeout, on_start=self._on_start)
+                if meta.get("incarnation") != self._shipped_for:
+                    self._shipped, self._shipped_for = set(), meta.get("incarnation")
+                if meta.get("kind") != "missing_function" or "fn" in request:
+                    break
+                self._shipped.discard(shipped.digest)
+            if meta.get("ok"):
+                self._shipped.add(shipped.digest)
         except CoordinatorError as e:
             # The worker died, hung (heartbeats cancelled the call) or is unreachable: run the
             # function again elsewhere (at-least-once).
@@ -227,6 +268,55 @@ class _WorkerThread:
         error = _remote_exception(meta, arrays)
         closure.remote_value._set_error(error, st.name)
         c._queue.mark_failed(error)
+
+
+_MAX_CACHED_FUNCTIONS = 32
+
+
+class _ShippedFunction:
+    """A function pickled for one worker: its pickle, the pickle's SHA-256, and what it
+    was pickled from (``key``: the objects it refers to)."""
+
+    __slots__ = ("digest", "fn", "key", "payload")
+
+    def __init__(self, fn: Any, key: tuple | None, payload: bytes, digest: str):
+        self.fn, self.key, self.payload, self.digest = fn, key, payload, digest
+
+
+def _code_names(code: types.CodeType, out: set[str]) -> set[str]:
+    out.update(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_names(const, out)
+    return out
+
+
+def _fingerprint(fn: Any) -> tuple | None:
+    """The objects a plain function's pickle is made from (``None``: not a plain function)."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    try:
+        cells = tuple(c.cell_contents for c in fn.__closure__ or ())
+    except ValueError:  # an empty cell
+        return None
+    names = sorted(_code_names(fn.__code__, set()))
+    glob = fn.__globals__
+    refs = tuple(glob.get(n, _MISSING) for n in names)
+    return (fn.__code__, cells, fn.__defaults__, fn.__kwdefaults__, tuple(names), refs)
+
+
+_MISSING = object()
+
+
+def _same(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two fingerprints refer to the very same objects (identity, not equality)."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    code_a, cells_a, defs_a, kw_a, names_a, refs_a = a
+    code_b, cells_b, defs_b, kw_b, names_b, refs_b = b
+    return (code_a is code_b and defs_a is defs_b and kw_a is kw_b and names_a == names_b
+            and len(cells_a) == len(cells_b) and all(x is y for x, y in zip(cells_a, cells_b))
+            and all(x is y for x, y in zip(refs_a, refs_b)))
 
 
 def _remote_exception(meta: dict, arrays: dict) -> BaseException:

@@ -96,7 +96,10 @@ class WorkerRuntime:
             return self._strategy
 
     def cached_function(self, payload: bytes, load: Callable[[bytes], Any]) -> Any:
-        """The function pickled as ``payload``, unpickled once (so jit caches keep working)."""
+        """The function pickled as ``payload``, unpickled once (so jit caches keep working).
+
+        It stays cached under the SHA-256 of ``payload`` (``function_by_digest``).
+        """
         key = hashlib.sha256(payload).hexdigest()
         with self._lock:
             fn = self._functions.get(key)
@@ -109,6 +112,15 @@ class WorkerRuntime:
             while len(self._functions) > 64:
                 self._functions.popitem(last=False)
         return fn
+
+    def function_by_digest(self, digest: str) -> Any | None:
+        """The cached function whose pickle has SHA-256 ``digest`` (hex); ``None`` if this
+        worker does not hold it (never sent, evicted, or the worker restarted)."""
+        with self._lock:
+            fn = self._functions.get(digest)
+            if fn is not None:
+                self._functions.move_to_end(digest)
+            return fn
 
     def input_context(self) -> Any:
         """``InputContext`` of this worker: one input pipeline per worker task."""

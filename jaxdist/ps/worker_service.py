@@ -3,9 +3,11 @@
 Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps service):
 
 * ``Ping`` -> ``{"task", "incarnation", "busy"}``: the coordinator's heartbeat.
-* ``RunClosure`` (meta ``closure_id``, arrays ``fn`` and ``args``: cloudpickle bytes as
-  ``uint8``) -> ``{"ok": True}`` plus ``value`` (pickled numpy result), or ``{"ok": False,
-  "kind": "user" | "missing_resource", ...}`` plus ``error`` (the pickled exception).
+* ``RunClosure`` (meta ``closure_id`` and ``fn_digest``, arrays ``fn`` and ``args``:
+  cloudpickle bytes as ``uint8``; ``fn`` is left out once the worker holds the function with
+  that SHA-256) -> ``{"ok": True}`` plus ``value`` (pickled numpy result), or ``{"ok": False,
+  "kind": "user" | "missing_resource" | "missing_function", ...}`` plus ``error`` (the pickled
+  exception).
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
 * ``Stop``: stops the task.
 
@@ -65,6 +67,9 @@ def from_bytes_array(arr: np.ndarray) -> bytes:
 
 
 NONCE_KEY = "nonce"
+#: RunClosure meta: the SHA-256 (hex) of the pickled function; sent alone once the worker
+#: holds that function (it answers ``kind: "missing_function"`` when it does not).
+FN_DIGEST_KEY = "fn_digest"
 MAC_KEY = "mac"
 
 
@@ -160,8 +165,10 @@ class WorkerService:
             self.busy = True
             try:
                 try:
-                    fn = self.runtime.cached_function(from_bytes_array(arrays["fn"]),
-                                                      closure_pickle.loads)
+                    fn = self._function(meta, arrays)
+                    if fn is None:
+                        return {"ok": False, "kind": "missing_function", "task": self.task,
+                                "incarnation": self.incarnation}, {}
                     args, kwargs = closure_pickle.loads(from_bytes_array(arrays["args"]))
                 except MissingResourceError as e:
                     return self._failure("missing_resource", e)
@@ -184,6 +191,20 @@ class WorkerService:
                         {"value": to_bytes_array(payload)})
             finally:
                 self.busy = False
+
+    def _function(self, meta: dict, arrays: dict) -> Any:
+        """The function of a ``RunClosure``: unpickled from ``fn`` (then cached under its
+        SHA-256), or the cached one named by ``fn_digest`` (``None`` when not cached)."""
+        digest = meta.get(FN_DIGEST_KEY)
+        if "fn" in arrays:
+            payload = from_bytes_array(arrays["fn"])
+            if digest is not None and digest != hashlib.sha256(payload).hexdigest():
+                raise ValueError(f"{FN_DIGEST_KEY} {str(digest)[:80]!r} is not the SHA-256 of "
+                                 f"the function sent with it")
+            return self.runtime.cached_function(payload, closure_pickle.loads)
+        if not isinstance(digest, str):
+            raise ValueError(f"RunClosure needs the function ('fn') or its {FN_DIGEST_KEY}")
+        return self.runtime.function_by_digest(digest)
 
     def create_resource(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
         rid = int(meta["resource_id"])
@@ -270,5 +291,6 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService", "arrays_mac",
+__all__ = ["FN_DIGEST_KEY", "METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService",
+           "arrays_mac",
            "check_coordinator"]
