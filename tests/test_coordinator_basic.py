@@ -69,6 +69,42 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
     assert isinstance(rvs[3].get()["double"], jax.Array)
 
 
+def test_a_function_is_pickled_once_and_sent_by_digest_until_rebound(coordinator):
+    sent = []
+    real = coordinator._client.call
+
+    def spy(task, method, meta=None, arrays=None, **kw):
+        if method == "RunClosure":
+            sent.append((task, "fn" in (arrays or {}), meta.get("fn_digest")))
+        return real(task, method, meta, arrays, **kw)
+
+    coordinator._client.call = spy
+    scale = 2
+
+    def step(i):
+        return i * scale
+
+    rvs = [coordinator.schedule(step, args=(i,)) for i in range(10)]
+    coordinator.join()
+    assert [rv.fetch() for rv in rvs] == [2 * i for i in range(10)]
+    with_fn = [t for t, has_fn, _ in sent if has_fn]
+    assert len(sent) == 10 and 1 <= len(with_fn) <= 4, sent  # about once per worker
+    scale = 5  # rebound: pickled and sent again, and the new value is used
+    rvs = [coordinator.schedule(step, args=(i,)) for i in range(4)]
+    coordinator.join()
+    assert [rv.fetch() for rv in rvs] == [5 * i for i in range(4)]
+    assert len({d for _, _, d in sent}) == 2
+    # A worker that lost the function (restart, eviction) answers missing_function: re-sent.
+    def other(i):
+        return i + 100
+
+    for w in coordinator._workers:  # the coordinator believes the workers hold it already
+        w._shipped.add(w._function(other).digest)
+    sent.clear()
+    assert coordinator.schedule(other, args=(3,)).fetch() == 103
+    assert [has_fn for _, has_fn, _ in sent] == [False, True]
+
+
 def test_strategy_run_trains_on_the_workers(strategy, coordinator):
     rng = np.random.default_rng(0)
     w_true = rng.normal(size=(4, 1)).astype(np.float32)

@@ -143,3 +143,57 @@ def test_coordinator_rejects_bad_strategies():
         ClusterCoordinator(jaxdist.MirroredStrategy())
     with pytest.raises(ValueError, match="'worker' job"):
         ClusterCoordinator(jaxdist.ParameterServerStrategy())
+
+
+def test_worker_service_runs_a_function_sent_once_by_its_digest():
+    import hashlib
+
+    svc = WorkerService(_runtime())
+    try:
+        payload = closure_pickle.dumps(lambda a: a * 3)
+        digest = hashlib.sha256(payload).hexdigest()
+        args = to_bytes_array(closure_pickle.dumps(((4,), {})))
+        meta, arrays = svc.run_closure({"closure_id": 0, "fn_digest": digest},
+                                       {"fn": to_bytes_array(payload), "args": args})
+        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 12
+        meta, arrays = svc.run_closure({"closure_id": 1, "fn_digest": digest}, {"args": args})
+        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 12
+        meta, _ = svc.run_closure({"closure_id": 2, "fn_digest": "0" * 64}, {"args": args})
+        assert meta == {**meta, "ok": False, "kind": "missing_function"}
+        meta, _ = svc.run_closure({"closure_id": 3, "fn_digest": "1" * 64},
+                                  {"fn": to_bytes_array(payload), "args": args})
+        assert meta["kind"] == "user" and "not the SHA-256" in meta["message"]
+        meta, _ = svc.run_closure({"closure_id": 4}, {"args": args})
+        assert meta["kind"] == "user" and "fn_digest" in meta["message"]
+        meta, _ = svc.run_closure({"closure_id": 5, "fn_digest": digest}, {"args": args},
+                                  active=lambda: False)
+        assert meta["kind"] == "cancelled"  # the coordinator gave up on it while it waited
+        assert svc.functions_run == 2
+    finally:
+        set_current(None)
+
+
+GLOBAL_SCALE = 2.0
+
+
+def test_function_fingerprints_change_when_what_they_refer_to_is_rebound():
+    from jaxdist.ps.coordinator import _fingerprint, _same
+
+    global GLOBAL_SCALE
+    lr = 0.1
+
+    def step(x):
+        return x * lr * GLOBAL_SCALE
+
+    first = _fingerprint(step)
+    assert _same(first, _fingerprint(step))
+    lr = 0.2  # rebinding a captured variable
+    assert not _same(first, _fingerprint(step))
+    second = _fingerprint(step)
+    GLOBAL_SCALE = 3.0  # rebinding a global the function reads
+    try:
+        assert not _same(second, _fingerprint(step))
+    finally:
+        GLOBAL_SCALE = 2.0
+    assert _fingerprint(print) is None and _fingerprint(np.add) is None
+    assert _fingerprint(lambda: lr) is not None

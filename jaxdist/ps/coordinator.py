@@ -73,8 +73,25 @@ log = logging.getLogger(__name__)
 _MAX_RESOURCE_RETRIES = 20
 
 
+#: Closures sent to one worker at once: while it runs one, the next one is already there
+#: (it waits on the worker until the first ends), so the worker never waits for a round trip
+#: to the coordinator. The second sender takes a closure only while more are queued than
+#: there are workers, so short queues still spread over every worker.
+PIPELINE_DEPTH = 2
+
+
+class _Slot:
+    """One sender of a worker: the closure it has in flight and that closure's call."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.current: Closure | None = None
+        self.call: Any = None
+
+
 class _WorkerThread:
-    """Sends queued closures to one worker task, one at a time (TF's ``Worker``)."""
+    """Sends queued closures to one worker task (TF's ``Worker``): ``PIPELINE_DEPTH`` sender
+    threads, each with one closure in flight; the worker runs them one at a time."""
 
     def __init__(self, coordinator: ClusterCoordinator, state: WorkerState):
         self._c = coordinator
@@ -87,11 +104,19 @@ class _WorkerThread:
         self._fn_cache: OrderedDict[int, _ShippedFunction] = OrderedDict()
         self._shipped: set[str] = set()
         self._shipped_for: Any = None
-        self.current: Closure | None = None  # the closure in flight on this worker
-        self._call: Any = None  # its RunClosure call
+        self._slots = [_Slot(i) for i in range(PIPELINE_DEPTH)]
         self._current_lock = threading.Lock()
-        self.thread = threading.Thread(target=self._loop, daemon=True,
-                                       name=f"jaxdist-coordinator-{state.name}")
+        self._resource_lock = threading.Lock()  # one sender builds resources at a time
+        self._fn_lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(slot,), daemon=True,
+                                         name=f"jaxdist-coordinator-{state.name}-{slot.index}")
+                        for slot in self._slots]
+
+    @property
+    def current(self) -> Closure | None:
+        """A closure in flight on this worker (``None``: none)."""
+        with self._current_lock:
+            return next((s.current for s in self._slots if s.current is not None), None)
 
     # -------------------------------------------------------------- resources
     def resources_lost(self) -> None:
@@ -117,7 +142,8 @@ class _WorkerThread:
                                               {"resource_id": rid},
                                               {"fn": to_bytes_array(payload)},
                                               timeout=c._rpc_timeout,
-                                              on_start=self.state.set_call)
+                                              on_start=functools.partial(
+                                                  self.state.set_call, slot=-1))
             except CoordinatorError as e:
                 self.state.mark_down(e)
                 return False
@@ -126,7 +152,7 @@ class _WorkerThread:
                 c._broken_resource(rid, e)
                 continue
             finally:
-                self.state.set_call(None)
+                self.state.set_call(None, -1)
             if not meta.get("ok"):
                 if meta.get("kind") == "missing_resource":
                     self.resources_lost()
@@ -142,25 +168,34 @@ class _WorkerThread:
         return True
 
     # -------------------------------------------------------------- main loop
-    def _loop(self) -> None:
+    def _loop(self, slot: _Slot) -> None:
         c, st = self._c, self.state
         while not c._stopping.is_set():
             if not st.up.wait(0.1):
                 continue
-            if not self._ensure_resources():
+            with self._resource_lock:
+                ready = self._ensure_resources()
+            if not ready:
                 time.sleep(0.05)
+                continue
+            if slot.index and (len(c._queue) <= c.num_workers or not self._busy()):
+                time.sleep(0.002)  # pipeline only a surplus, behind a closure in flight
                 continue
             closure = c._queue.get(timeout=0.1, tag=self.index)
             if closure is None:
                 continue
             with self._current_lock:
-                self.current, self._call = closure, None
+                slot.current, slot.call = closure, None
             try:
-                self._process(closure)
+                self._process(closure, slot)
             finally:
                 # Hold no reference to a finished closure: its arguments (iterators) can go.
                 with self._current_lock:
-                    self.current = self._call = closure = None
+                    slot.current = slot.call = closure = None
+
+    def _busy(self) -> bool:
+        with self._current_lock:
+            return self._slots[0].current is not None
 
     def _function(self, fn: Callable[..., Any]) -> _ShippedFunction:
         """``fn`` pickled for this worker, pickled again only when it may have changed.
@@ -173,37 +208,42 @@ class _WorkerThread:
         partials, objects) are pickled every time.
         """
         key = _fingerprint(fn)
-        entry = self._fn_cache.get(id(fn)) if key is not None else None
-        if entry is not None and entry.fn is fn and _same(entry.key, key):
-            self._fn_cache.move_to_end(id(fn))
-            return entry
+        with self._fn_lock:
+            entry = self._fn_cache.get(id(fn)) if key is not None else None
+            if entry is not None and entry.fn is fn and _same(entry.key, key):
+                self._fn_cache.move_to_end(id(fn))
+                return entry
         payload = closure_pickle.dumps(fn, self.index, self._c._ps_rpc_timeout)
         entry = _ShippedFunction(fn, key, payload, hashlib.sha256(payload).hexdigest())
         if key is not None:
-            self._fn_cache[id(fn)] = entry
-            while len(self._fn_cache) > _MAX_CACHED_FUNCTIONS:
-                self._fn_cache.popitem(last=False)
+            with self._fn_lock:
+                self._fn_cache[id(fn)] = entry
+                while len(self._fn_cache) > _MAX_CACHED_FUNCTIONS:
+                    self._fn_cache.popitem(last=False)
         return entry
 
     def cancel(self) -> None:
-        """Cancels the closure in flight here (an earlier function failed)."""
+        """Cancels the closures in flight here (an earlier function failed)."""
+        calls = []
         with self._current_lock:
-            closure, call = self.current, self._call
-            if closure is None:
-                return
-            closure.cancel_requested = True
-        if call is not None:
-            call.cancel()  # that closure's own call, never the next one's
+            for slot in self._slots:
+                if slot.current is None:
+                    continue
+                slot.current.cancel_requested = True
+                if slot.call is not None:
+                    calls.append(slot.call)  # that closure's own call, never the next one's
+        for call in calls:
+            call.cancel()
 
-    def _on_start(self, call: Any) -> None:
-        self.state.set_call(call)  # heartbeats cancel it when the worker is lost
+    def _on_start(self, slot: _Slot, call: Any) -> None:
+        self.state.set_call(call, slot.index)  # heartbeats cancel it when the worker is lost
         with self._current_lock:
-            self._call = call
-            cancelled = self.current is not None and self.current.cancel_requested
+            slot.call = call
+            cancelled = slot.current is not None and slot.current.cancel_requested
         if cancelled:
             call.cancel()  # the cancellation came before the call started
 
-    def _process(self, closure: Closure) -> None:
+    def _process(self, closure: Closure, slot: _Slot) -> None:
         c, st = self._c, self.state
         closure.attempts += 1
         broken = c._broken_input((closure.args, closure.kwargs), self.index)
@@ -223,22 +263,26 @@ class _WorkerThread:
             for _ in range(3):  # a worker that lost the function (restart, eviction) gets it
                 request = {"args": to_bytes_array(args_payload)}
                 if shipped.digest not in self._shipped:
+                    # Counted as held from now on: the other sender's next call waits on the
+                    # worker behind this one (or gets missing_function and sends it again).
                     request["fn"] = to_bytes_array(shipped.payload)
+                    self._shipped.add(shipped.digest)
                 meta, arrays = c._client.call(
                     self.index, "RunClosure",
                     {"closure_id": closure.closure_id, FN_DIGEST_KEY: shipped.digest},
-                    request, timeout=c._closure_timeout, on_start=self._on_start)
-                if meta.get("incarnation") != self._shipped_for:
+                    request, timeout=c._closure_timeout,
+                    on_start=functools.partial(self._on_start, slot))
+                if meta.get("incarnation") != self._shipped_for:  # a new worker process
                     self._shipped, self._shipped_for = set(), meta.get("incarnation")
+                    if "fn" in request:
+                        self._shipped.add(shipped.digest)
                 if meta.get("kind") != "missing_function" or "fn" in request:
                     break
                 self._shipped.discard(shipped.digest)
-            if meta.get("ok"):
-                self._shipped.add(shipped.digest)
         except CoordinatorError as e:
             # The worker died, hung (heartbeats cancelled the call) or is unreachable: run the
             # function again elsewhere (at-least-once).
-            st.set_call(None)
+            st.set_call(None, slot.index)
             if c._stopping.is_set() or closure.cancel_requested:
                 # Shutdown, or an earlier error, cancelled the call: the queue cancels the
                 # closure (put_back with an error pending); the worker is fine.
@@ -249,7 +293,7 @@ class _WorkerThread:
                         closure.closure_id, st.name, e)
             c._queue.put_back(closure)
             return
-        st.set_call(None)
+        st.set_call(None, slot.index)
         if meta.get("ok"):
             try:
                 value = pickle.loads(from_bytes_array(arrays["value"]))
@@ -257,7 +301,8 @@ class _WorkerThread:
                 closure.remote_value._set_error(e, st.name)
                 c._queue.mark_failed(e)
                 return
-            self.functions_run += 1
+            with self._fn_lock:
+                self.functions_run += 1
             closure.remote_value._set_value(value, st.name)
             c._queue.mark_finished()
             return
@@ -534,7 +579,8 @@ class ClusterCoordinator:
         self._workers = [_WorkerThread(self, st) for st in self._health.workers]
         self._health.start()
         for w in self._workers:
-            w.thread.start()
+            for t in w.threads:
+                t.start()
         strategy._jaxdist_coordinator = self
 
     # -------------------------------------------------------------- properties
@@ -825,10 +871,11 @@ class ClusterCoordinator:
             w.state.cancel_call()
         deadline = time.monotonic() + timeout
         for w in self._workers:
-            w.thread.join(max(0.1, deadline - time.monotonic()))
+            for t in w.threads:
+                t.join(max(0.1, deadline - time.monotonic()))
         self._health.stop(max(0.1, deadline - time.monotonic()))
         self._client.close()
-        alive = [w.state.name for w in self._workers if w.thread.is_alive()]
+        alive = [w.state.name for w in self._workers if any(t.is_alive() for t in w.threads)]
         if alive:
             raise CoordinatorError(f"coordinator threads for {alive} did not stop within "
                                    f"{timeout:.1f} s")

@@ -50,16 +50,27 @@ class WorkerState:
         self.restarts = 0
         self.downs = 0
         self._lock = threading.Lock()
-        self._call: Any = None
+        self._calls: dict[int, Any] = {}  # sender slot -> its call in flight
 
-    def set_call(self, call: Any) -> None:
+    @property
+    def _call(self) -> Any:
+        """A call in flight to this worker (``None``: none)."""
         with self._lock:
-            self._call = call
+            return next(iter(self._calls.values()), None)
+
+    def set_call(self, call: Any, slot: int = 0) -> None:
+        """Records (``None``: forgets) the call in flight from sender ``slot``."""
+        with self._lock:
+            if call is None:
+                self._calls.pop(slot, None)
+            else:
+                self._calls[slot] = call
 
     def cancel_call(self) -> None:
+        """Cancels every call in flight to this worker (it was lost)."""
         with self._lock:
-            call, self._call = self._call, None
-        if call is not None:
+            calls, self._calls = list(self._calls.values()), {}
+        for call in calls:
             call.cancel()
 
     def mark_down(self, error: BaseException | None = None) -> None:

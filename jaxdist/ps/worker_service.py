@@ -34,6 +34,7 @@ import pickle
 import threading
 import traceback
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -160,8 +161,14 @@ class WorkerService:
         payload = _pickle_error(e)
         return meta, ({"error": to_bytes_array(payload)} if payload else {})
 
-    def run_closure(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
+    def run_closure(self, meta: dict, arrays: dict,
+                    active: Callable[[], bool] | None = None) -> tuple[dict, dict]:
+        """Runs one closure (one at a time; ``active() == False``: the caller gave up on
+        this call while it waited for the previous closure, so it is not run)."""
         with self._run_lock:
+            if active is not None and not active():
+                return {"ok": False, "kind": "cancelled", "task": self.task,
+                        "incarnation": self.incarnation}, {}
             self.busy = True
             try:
                 try:
@@ -222,9 +229,11 @@ class WorkerService:
         self.stopped.set()
         return {}, {}
 
-    def handle(self, method: str, meta: dict, arrays: dict) -> tuple[dict, dict]:
-        table = {"Ping": self.ping, "RunClosure": self.run_closure,
-                 "CreateResource": self.create_resource, "Stop": self.stop}
+    def handle(self, method: str, meta: dict, arrays: dict,
+               active: Callable[[], bool] | None = None) -> tuple[dict, dict]:
+        if method == "RunClosure":
+            return self.run_closure(meta, arrays, active)
+        table = {"Ping": self.ping, "CreateResource": self.create_resource, "Stop": self.stop}
         return table[method](meta, arrays)
 
 
@@ -270,7 +279,8 @@ class WorkerServer(GrpcTaskServer):
             check_coordinator(context, self._verifier, self.service.task, method)
             try:
                 meta, arrays = wire.decode(request_iterator)
-                out_meta, out_arrays = self.service.handle(method, meta, arrays)
+                out_meta, out_arrays = self.service.handle(method, meta, arrays,
+                                                           context.is_active)
             except (wire.WireError, KeyError, ValueError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
