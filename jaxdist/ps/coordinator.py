@@ -307,7 +307,12 @@ class _WorkerThread:
             c._queue.mark_finished()
             return
         if meta.get("kind") == "missing_resource" and closure.attempts < _MAX_RESOURCE_RETRIES:
-            self.resources_lost()
+            with self._resource_lock:
+                if meta.get("incarnation") != self._created_for:
+                    self.resources_lost()  # a new worker process: build every resource again
+                # Same process: the closure was taken before a resource registered since was
+                # built here; the next round builds what is missing, and only that (the
+                # others hold state: iterators, accumulators).
             c._queue.put_back(closure)
             return
         error = _remote_exception(meta, arrays)
