@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -131,9 +132,9 @@ def test_callbacks_metrics_and_steps_per_execution(devices, reference):
 
 
 def test_unsupported_strategies_fail_loudly(devices):
-    cs = jaxdist.CentralStorageStrategy(devices[:2], devices[0])
-    with pytest.raises(NotImplementedError, match="CentralStorageStrategy"):
-        jk.scope(cs).__enter__()
+    mw = jaxdist.MultiWorkerMirroredStrategy()
+    with pytest.raises(NotImplementedError, match="MultiWorkerMirroredStrategy"):
+        jk.scope(mw).__enter__()
     assert keras.distribution.distribution() is None
 
 
@@ -170,3 +171,81 @@ def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):
         hist = _fit(model)
     _assert_same(hist, model.get_weights(), reference)
     assert keras.distribution.distribution() is None
+
+
+def test_plain_strategy_scope_is_enough(devices, reference):
+    # The TF guide's sample: no jaxdist.keras in sight, only strategy.scope().
+    strategy = jaxdist.MirroredStrategy(devices[:4])
+    with strategy.scope():
+        assert keras.distribution.distribution().strategy is strategy
+        model = _model()
+        hist = _fit(model)
+    assert keras.distribution.distribution() is None
+    assert model.weights[0].value.sharding.device_set == set(devices[:4])
+    _assert_same(hist, model.get_weights(), reference)
+
+
+def test_scope_hook_never_raises_and_skips_other_backends(devices, monkeypatch):
+    strategy = jaxdist.MirroredStrategy(devices[:2])
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with strategy.scope():
+        assert keras.distribution.distribution() is None
+    monkeypatch.undo()
+    mw = jaxdist.MultiWorkerMirroredStrategy()
+    with mw.scope():
+        model = _model()  # building works (variables as without a distribution) ...
+        with pytest.raises(NotImplementedError, match="MultiWorkerMirroredStrategy"):
+            _fit(model)  # ... fit fails loudly instead of training each process alone
+    assert keras.distribution.distribution() is None
+
+
+@pytest.mark.parametrize("spe", [1, 2], ids=["spe1", "spe2"])
+def test_central_storage_matches_one_device(devices, reference, spe):
+    strategy = jaxdist.CentralStorageStrategy(devices[1:5], devices[0])
+    moved = []
+
+    class Where(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            moved.append({d for v in self.model.variables for d in v.value.sharding.device_set})
+
+    with strategy.scope():
+        model = _model(steps_per_execution=spe)
+        hist = _fit(model, callbacks=[Where()])
+        got_eval = model.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True)
+        pred = model.predict(X, batch_size=8, verbose=0)
+    # Every variable (weights, optimizer slots, metric state) lives on the parameter device.
+    assert moved == [{devices[0]}, {devices[0]}]
+    assert {d for v in model.variables for d in v.value.sharding.device_set} == {devices[0]}
+    _assert_same(hist, model.get_weights(), reference)
+    ref = _model()
+    ref.set_weights(model.get_weights())
+    want = ref.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True)
+    np.testing.assert_allclose(got_eval["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(pred, ref.predict(X, batch_size=8, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_central_storage_step_runs_on_the_compute_devices(devices):
+    strategy = jaxdist.CentralStorageStrategy(devices[1:3], devices[0])
+    seen = {}
+    with strategy.scope():
+        model = _model()
+        model.optimizer.build(model.trainable_variables)
+        model.make_train_function()
+        step = model.train_function
+        state = model._get_jax_state(
+            trainable_variables=True,
+            non_trainable_variables=True,
+            optimizer_variables=True,
+            metrics_variables=True,
+        )
+        layout = keras.distribution.distribution().get_data_layout((8, 5)).backend_layout
+        batch = (jax.device_put(X[:8], layout), jax.device_put(Y[:8], layout))
+        seen["batch"] = batch[0].sharding.device_set
+        _, new_state = step(state, iter([batch]))
+    assert seen["batch"] == set(devices[1:3])
+    assert {a.sharding.device_set == {devices[0]} for a in jax.tree.leaves(new_state)} == {True}
+    # A model outside any central-storage scope keeps Keras's own step.
+    plain = _model()
+    plain.make_train_function()
+    assert not hasattr(plain.train_function, "_jaxdist_central_storage")
+

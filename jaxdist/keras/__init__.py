@@ -95,6 +95,40 @@ def distribution_scope(strategy: Any) -> Iterator[Any]:
         yield dist
 
 
+def strategy_scope_hook(strategy: Any) -> Any:
+    """The Keras context ``strategy.scope()`` enters once keras is imported (or ``None``).
+
+    Never imports keras and never raises: ``None`` when keras is not imported or runs on
+    another backend, or for a ``ParameterServerStrategy`` (its Keras models are attached with
+    ``jaxdist.keras.attach``). For a strategy Keras ``fit`` cannot follow, the context makes
+    ``fit`` / ``evaluate`` / ``predict`` inside the scope raise ``NotImplementedError``.
+
+    Example:
+        >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    """
+    mod = sys.modules.get("keras")
+    try:
+        if mod is None or mod.backend.backend() != "jax":
+            return None
+    except AttributeError:  # keras is being imported right now
+        return None
+    dist = getattr(strategy, "_jaxdist_keras_distribution", None)
+    if dist is None:
+        from jaxdist.keras import distribution as dist_lib
+        from jaxdist.strategies.parameter_server import ParameterServerStrategy
+
+        if isinstance(strategy, ParameterServerStrategy):
+            return None
+        why = dist_lib._unsupported_reason(strategy)
+        if why is None:
+            dist = dist_lib.StrategyDistribution(strategy)
+        else:
+            dist = dist_lib.UnsupportedDistribution(strategy, why)
+        strategy._jaxdist_keras_distribution = dist
+    return dist.scope()
+
+
 @contextlib.contextmanager
 def scope(strategy: Any) -> Iterator[Any]:
     """``strategy.scope()`` plus Keras: models built and fit inside train data-parallel.
@@ -132,4 +166,11 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     return _attach(model, strategy, **kwargs)
 
 
-__all__ = ["attach", "distribution_for", "distribution_scope", "require_keras", "scope"]
+__all__ = [
+    "attach",
+    "distribution_for",
+    "distribution_scope",
+    "require_keras",
+    "scope",
+    "strategy_scope_hook",
+]

@@ -14,7 +14,10 @@ from typing import Any
 import keras
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from keras.src.distribution import distribution_lib
 
+from jaxdist.keras import central_storage
+from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.strategy import Strategy
 
 
@@ -25,37 +28,79 @@ class _Layout:
         self.backend_layout = sharding
 
 
-def _check_supported(strategy: Any) -> None:
-    from jaxdist.strategies.central_storage import CentralStorageStrategy
+def _unsupported_reason(strategy: Any) -> str | None:
+    """Why Keras fit cannot follow ``strategy`` as a data-parallel distribution (or None)."""
     from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
     from jaxdist.strategies.parameter_server import ParameterServerStrategy
 
-    if not isinstance(strategy, Strategy):
-        raise TypeError(f"expected a jaxdist strategy, got {strategy!r}")
-    unsupported = {
-        ParameterServerStrategy: (
+    if isinstance(strategy, ParameterServerStrategy):
+        return (
             "a Keras model trains on parameter servers through "
             "jaxdist.keras.attach(model, strategy) after model.compile, not a scope"
-        ),
-        CentralStorageStrategy: (
-            "Keras fit keeping variables on the parameter device between steps is not "
-            "implemented; use jaxdist.MirroredStrategy (same numbers, variables mirrored)"
-        ),
-        MultiWorkerMirroredStrategy: (
-            "Keras fit across processes is not implemented yet; use jaxdist.Trainer or a "
-            "custom loop with strategy.run"
-        ),
-    }
-    for cls, why in unsupported.items():
-        if isinstance(strategy, cls):
-            raise NotImplementedError(f"jaxdist.keras with {type(strategy).__name__}: {why}")
+        )
+    if isinstance(strategy, MultiWorkerMirroredStrategy):
+        return (
+            "Keras fit across processes is not implemented; use jaxdist.Trainer or a custom "
+            "loop with strategy.run"
+        )
+    return None
+
+
+def _check_supported(strategy: Any) -> None:
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"expected a jaxdist strategy, got {strategy!r}")
+    why = _unsupported_reason(strategy)
+    if why is not None:
+        raise NotImplementedError(f"jaxdist.keras with {type(strategy).__name__}: {why}")
+
+
+class UnsupportedDistribution(distribution_lib.Distribution):
+    """What ``strategy.scope()`` installs for Keras when Keras cannot run under the strategy.
+
+    Variables are created as without a distribution (so non-Keras code and Keras objects used
+    outside ``fit`` keep working), and ``fit`` / ``evaluate`` / ``predict`` inside the scope
+    fail loudly instead of training each process on its own.
+
+    Example:
+        >>> with UnsupportedDistribution(strategy, "why").scope():
+        ...     model.fit(x, y)     # NotImplementedError naming the strategy and why
+    """
+
+    def __init__(self, strategy: Strategy, why: str):
+        super().__init__(keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"]))
+        self._strategy = strategy
+        self._why = why
+
+    @property
+    def strategy(self) -> Strategy:
+        """The jaxdist strategy whose scope installed this."""
+        return self._strategy
+
+    def get_data_layout(self, data_shape: Any) -> Any:
+        raise NotImplementedError(
+            f"Keras fit/evaluate/predict inside the scope of {self._strategy!r}: {self._why}"
+        )
+
+    def get_variable_layout(self, variable: Any) -> Any:
+        return None
+
+    def get_tensor_layout(self, path: str) -> Any:
+        return None
+
+    def distribute_dataset(self, dataset: Any) -> Any:
+        return dataset
+
+    def __repr__(self) -> str:
+        return f"UnsupportedDistribution({self._strategy!r})"
 
 
 class StrategyDistribution(keras.distribution.DataParallel):
     """Keras data parallelism over ``strategy.extended.mesh``.
 
     Args:
-        strategy: ``MirroredStrategy``, ``OneDeviceStrategy`` or ``TPUStrategy``.
+        strategy: ``MirroredStrategy``, ``OneDeviceStrategy``, ``TPUStrategy`` or
+            ``CentralStorageStrategy`` (variables on its parameter device, see
+            ``jaxdist.keras.central_storage``).
 
     Raises:
         NotImplementedError: the strategy is one Keras fit does not support yet (the message
@@ -86,6 +131,11 @@ class StrategyDistribution(keras.distribution.DataParallel):
         self._strategy = strategy
         self._data_sharding = NamedSharding(mesh, P(ext.replica_axis_names))
         self._state_sharding = ext.state_sharding
+        self._central = isinstance(strategy, CentralStorageStrategy)
+        if self._central:
+            central_storage.install()
+            # Keras wants a mesh-backed layout: the parameter device's own one-device mesh.
+            self._state_sharding = NamedSharding(ext._placement_mesh(), P())
 
     @property
     def strategy(self) -> Strategy:
@@ -109,6 +159,8 @@ class StrategyDistribution(keras.distribution.DataParallel):
     def get_variable_layout(self, variable: Any) -> Any:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
+        if self._central:
+            central_storage.mark_central(variable, self._strategy)
         return self._state_sharding
 
     def get_tensor_layout(self, path: str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -793,7 +794,23 @@ class Strategy:
             >>> with strategy.scope():
             ...     params = {"w": jnp.zeros((3,))}   # replicated on every device
         """
-        return ctx_lib.StrategyScope(self, self._extended._scope_context)
+        return ctx_lib.StrategyScope(self, self._scope_contexts)
+
+    def _scope_contexts(self) -> Any:
+        """What entering ``scope()`` enters: the placement context, then the Keras hook.
+
+        Once ``keras`` has been imported (and only then: this never imports it), Keras models
+        built and fit inside the scope are distributed as this strategy (see ``jaxdist.keras``).
+        """
+        placement = self._extended._scope_context()
+        if "keras" not in sys.modules:
+            return placement
+        from jaxdist.keras import strategy_scope_hook
+
+        hook = strategy_scope_hook(self)
+        if hook is None:
+            return placement
+        return _Entered(placement, hook)
 
     def run(self, fn: Callable, args=(), kwargs=None, options: Any = None) -> Any:
         """Runs ``fn`` once per replica and returns its (per-replica or replicated) outputs.
@@ -1021,3 +1038,24 @@ def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
 
 
 __all__ = ["Strategy", "StrategyExtended", "ValueContext", "local_components"]
+
+
+class _Entered:
+    """Two context managers entered in order and exited in reverse (for ``Strategy.scope``)."""
+
+    def __init__(self, first: Any, second: Any):
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.__enter__()
+        try:
+            self._second.__enter__()
+        except BaseException:
+            self._first.__exit__(*sys.exc_info())
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._second.__exit__(exc_type, exc, tb)
+        finally:
+            self._first.__exit__(exc_type, exc, tb)
