@@ -249,3 +249,23 @@ def test_central_storage_step_runs_on_the_compute_devices(devices):
     plain.make_train_function()
     assert not hasattr(plain.train_function, "_jaxdist_central_storage")
 
+
+
+def test_tensorboard_without_tensorflow(devices, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with pytest.raises(ValueError, match="update_freq"):
+        jk.TensorBoard(tmp_path, update_freq=0)
+    with jaxdist.MirroredStrategy(devices[:2]).scope():
+        model = _model()
+        hist = model.fit(
+            X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(X, Y),
+            callbacks=[jk.TensorBoard(tmp_path, update_freq=2)],
+        ).history
+    train = EventAccumulator(str(tmp_path / "train")).Reload()
+    val = EventAccumulator(str(tmp_path / "validation")).Reload()
+    got = [e.value for e in train.Scalars("epoch_loss")]
+    np.testing.assert_allclose(got, hist["loss"], rtol=1e-6)
+    np.testing.assert_allclose([e.value for e in val.Scalars("epoch_loss")], hist["val_loss"],
+                               rtol=1e-6)
+    assert [e.step for e in train.Scalars("batch_loss")] == [2, 4, 6, 8]

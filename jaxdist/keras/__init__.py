@@ -166,7 +166,18 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     return _attach(model, strategy, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    # Classes that subclass Keras's are imported on first use (keras stays optional).
+    if name == "TensorBoard":
+        require_keras()
+        from jaxdist.keras.callbacks import TensorBoard
+
+        return TensorBoard
+    raise AttributeError(f"module 'jaxdist.keras' has no attribute {name!r}")
+
+
 __all__ = [
+    "TensorBoard",
     "attach",
     "distribution_for",
     "distribution_scope",

@@ -1,0 +1,83 @@
+"""Keras callbacks that need no TensorFlow: ``TensorBoard`` written with tensorboardX.
+
+Keras 3's own ``keras.callbacks.TensorBoard`` imports ``tensorflow.summary`` and so fails on
+a JAX-only install. ``jaxdist.keras.TensorBoard`` writes the same scalars (``epoch_loss``,
+``epoch_accuracy``, ... under ``<log_dir>/train`` and ``<log_dir>/validation``, and
+``batch_*`` with an integer ``update_freq``) with tensorboardX, and only on the chief process
+(``jax.process_index() == 0``), as TF's Keras writes summaries only from the chief under a
+multi-worker strategy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import keras
+
+
+class TensorBoard(keras.callbacks.Callback):
+    """Epoch (and batch) scalars for TensorBoard, written by the chief process only.
+
+    Args:
+        log_dir: where the event files go (``train`` and ``validation`` subdirectories).
+        update_freq: ``"epoch"``, or a number of batches between ``batch_*`` scalars.
+
+    Raises:
+        ValueError: ``update_freq`` is neither ``"epoch"`` nor a positive integer.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[jaxdist.keras.TensorBoard("logs")])
+    """
+
+    def __init__(self, log_dir: str | os.PathLike = "logs", update_freq: str | int = "epoch"):
+        super().__init__()
+        if update_freq != "epoch" and not (
+            isinstance(update_freq, int) and not isinstance(update_freq, bool) and update_freq > 0
+        ):
+            raise ValueError(
+                f"update_freq={update_freq!r} is not valid; expected 'epoch' or a positive "
+                f"number of batches"
+            )
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self._writers: dict[str, Any] = {}
+        self._step = 0
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes (process 0 of the JAX cluster)."""
+        return jax.process_index() == 0
+
+    def _writer(self, phase: str) -> Any:
+        if phase not in self._writers:
+            from tensorboardX import SummaryWriter
+
+            self._writers[phase] = SummaryWriter(logdir=os.path.join(self.log_dir, phase))
+        return self._writers[phase]
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._step += 1
+        if self.update_freq == "epoch" or not self.is_chief or self._step % self.update_freq:
+            return
+        for k, v in (logs or {}).items():
+            self._writer("train").add_scalar(f"batch_{k}", float(v), self._step)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.is_chief:
+            return
+        for k, v in (logs or {}).items():
+            try:
+                value = float(v)
+            except (TypeError, ValueError):
+                continue
+            phase, tag = ("validation", k[4:]) if k.startswith("val_") else ("train", k)
+            self._writer(phase).add_scalar(f"epoch_{tag}", value, epoch)
+        for w in self._writers.values():
+            w.flush()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        for w in self._writers.values():
+            w.close()
+        self._writers.clear()
