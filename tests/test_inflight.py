@@ -68,3 +68,54 @@ def test_max_steps_in_flight_is_configurable():
     assert s.extended.experimental_max_steps_in_flight == 2
     s.extended.experimental_max_steps_in_flight = 4
     assert s.extended._throttle.max_in_flight == 4
+
+
+def test_watched_steps_bound_in_flight_and_hand_back_errors():
+    from jaxdist.strategies.watched_steps import StepNotFinished, WatchedSteps
+
+    overruns = []
+    steps = WatchedSteps(2, 5.0, on_overrun=lambda elapsed: overruns.append(elapsed) or True)
+    for i in range(6):
+        steps.before_dispatch()
+        assert len(steps._pending) < 2
+        steps.after_dispatch({"loss": jnp.float32(i)})
+    steps.wait_all()
+    assert not steps._pending and not overruns
+
+    class Failing:
+        """An output whose wait fails, as a collective with a dead peer does."""
+
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            raise RuntimeError("gloo: connection reset by peer")
+
+    from jaxdist.strategies import watched_steps
+
+    step = watched_steps._Step([Failing()])
+    with steps._lock:
+        steps._pending.append(step)
+    steps._queue.put(step)
+    with pytest.raises(RuntimeError, match="connection reset"):
+        steps.wait_all()
+
+    never = watched_steps._Step([])  # never handed to the waiter: it cannot finish
+    short = WatchedSteps(1, 0.2, on_overrun=lambda elapsed: True)
+    short._pending.append(never)
+    with pytest.raises(StepNotFinished, match="did not finish within 0.2 s"):
+        short.before_dispatch()
+
+
+def test_watched_steps_skip_outputs_donated_to_a_later_step():
+    from jaxdist.strategies.watched_steps import WatchedSteps
+
+    f = jax.jit(lambda p: p + 1, donate_argnums=0)
+    steps = WatchedSteps(2, 5.0, on_overrun=lambda elapsed: True)
+    p = jnp.zeros(1000)
+    for _ in range(20):  # each output is donated to the next step, maybe before it is waited on
+        steps.before_dispatch()
+        p = f(p)
+        steps.after_dispatch(p)
+    steps.wait_all()
+    assert float(p[0]) == 20
