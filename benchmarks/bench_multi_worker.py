@@ -1,7 +1,7 @@
 """2 processes x 1 device: ``MultiWorkerMirroredStrategy`` vs a hand-written ``jax.distributed``
 + gloo loop, in the same processes, in interleaved rounds.
 
-``python -m benchmarks.bench_multi_worker [--steps 20 --repeats 5]``
+``python -m benchmarks.bench_multi_worker [--steps 20 --repeats 7]``
 
 A ``LocalCluster`` of 2 worker processes (1 CPU device each, TLS and a cluster token as in
 production) runs both loops, alternating them round by round (rotated: A, B; B, A; ...), so a
@@ -151,7 +151,7 @@ def worker(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="steps per round")
-    p.add_argument("--repeats", type=int, default=5, help="rounds per loop")
+    p.add_argument("--repeats", type=int, default=7, help="rounds per loop")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout (s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)

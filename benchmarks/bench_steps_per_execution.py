@@ -5,7 +5,8 @@ A small MLP (32-64-10) on synthetic data, global batch 64, Adam, on ``--devices`
 
 * ``hand-written``: one ``jax.jit`` step per batch (k = 1), or the same step folded k at a time
   with ``lax.scan`` (k > 1), over a mesh of the same devices with ``NamedSharding`` (batch split
-  on rows); the k batches ``jax.device_put`` per dispatch;
+  on rows); the k batches ``jax.device_put`` per dispatch, waiting on dispatch i-2 before i (as
+  the strategy does: unbounded dispatches of collectives abort XLA's CPU rendezvous);
 * ``Trainer``: ``jaxdist.Trainer.fit`` under ``MirroredStrategy`` with
   ``steps_per_execution=k`` (its own input pipeline, logging every 10^9 steps).
 
@@ -96,16 +97,19 @@ def main(argv: Sequence[str] | None = None) -> str:
         state = {"carry": jax.tree.map(jnp.copy, carry0)}
 
         def run(steps: int) -> None:
-            carry = state["carry"]
+            carry, pending = state["carry"], []
             for i in range(0, steps, k):
+                if len(pending) >= 2:  # as the strategy: wait on dispatch k-2 before k
+                    jax.block_until_ready(pending.pop(0))
                 j = i % len(xs_host)
                 if k == 1:
                     xb, yb = jax.device_put((xs_host[j], ys_host[j]), rows)
-                    carry, _ = jit_step(carry, (xb, yb))
+                    carry, loss = jit_step(carry, (xb, yb))
                 else:
                     xb, yb = jax.device_put((xs_host[j:j + k], ys_host[j:j + k]), stacked)
-                    carry, _ = scan_steps(carry, xb, yb)
-            jax.block_until_ready(carry)
+                    carry, loss = scan_steps(carry, xb, yb)
+                pending.append(loss)
+            jax.block_until_ready((carry, pending))
             state["carry"] = carry
 
         return run
