@@ -211,3 +211,68 @@ def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monke
     assert is_ps_task(load_config(CONFIG)) is serves
     between_graph = load_config(ROOT / "configs" / "parameter_server.yaml")
     assert is_ps_task(between_graph) is (task == "ps")   # its workers train
+
+
+# ---------------------------------------------------------------------- steps and their stats
+def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
+    """``WorkerStep`` (what a worker runs) on an in-process ps: the step's loss, accuracy and
+    metric sums equal the synchronous trainer's first step on the same batch."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxdist
+    from jaxdist.ps import optimizers as O
+    from jaxdist.train.keras_metrics import AUC, SparseTopKCategoricalAccuracy
+    from jaxdist.train.models import MLP
+    from jaxdist.train.parameter_server.coordinated import StepStats, WorkerStep
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    w = np.linspace(0.0, 2.0, 16).astype(np.float32)
+    metrics = [AUC(), SparseTopKCategoricalAccuracy(k=1, name="top1")]
+
+    def trainer(strategy, opt):
+        with strategy.scope():
+            return jaxdist.Trainer(MLP(5, [8], 2, rngs=nnx.Rngs(0)), opt, global_batch_size=16,
+                                   strategy=strategy, metrics=["accuracy", *metrics],
+                                   log_dir=None, progress_bar="never", shuffle=False)
+
+    ps = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+    t = trainer(ps, O.sgd(0.1))
+    step = WorkerStep(t._ms, t.loss_fn, 16, t._hook.variables, t.rest, ps, None, t.metrics)
+    got = step(iter([(x, y, w)]))
+
+    class Ready:  # a RemoteValue that is ready
+        def __init__(self, value):
+            self.value = value
+
+        def fetch(self):
+            return self.value
+
+    stats = StepStats([Ready(got), Ready(got)])
+    assert stats["loss"].shape == (2,) and set(stats["metrics"]) == {"auc", "top1"}
+
+    sync = trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), optax.sgd(0.1))
+    history = sync.fit((x, y), sample_weight=w, steps=1, verbose=0)
+    logged = {k: v[0] for k, v in history.history.items()}
+    assert float(got["loss"]) == pytest.approx(logged["loss"], rel=1e-5)
+    assert float(got["correct"]) / float(got["weight"]) == pytest.approx(logged["accuracy"])
+    for m in metrics:
+        sums = {k: np.asarray(v, np.float64) for k, v in got["metrics"][m.name].items()}
+        assert m.result(sums) == pytest.approx(logged[m.name], rel=1e-6), m.name
+    # the pushed gradient equals the synchronous step's update
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 t._hook.variables.pull(), jax.device_get(sync.params))
+
+
+def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
+    from jaxdist.train.data import DataError
+    from jaxdist.train.inputs import source
+
+    hook = CoordinatorHook.__new__(CoordinatorHook)
+    gen = ((np.zeros((4, 2), np.float32), np.zeros(4, np.int32)) for _ in range(3))
+    with pytest.raises(DataError, match="lives in the chief's process and the workers cannot "
+                                        "read it"):
+        hook.begin_fit(None, source(gen, what="train_data"))

@@ -190,3 +190,97 @@ def test_launch_two_workers_two_ps_end_to_end(tmp_path):
     (run,) = logs.iterdir()  # one run directory: the chief's
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
     assert not any(line.startswith("[worker:1] [") for line in out.splitlines())
+
+
+# ---------------------------------------------------------------------- metrics, LR, weights
+def _binary_data(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * rng.normal(size=n) > 0).astype(np.int32)
+    return x, y
+
+
+def _small_trainer(strategy, optimizer, **kwargs):
+    from flax import nnx
+
+    from jaxdist.train.keras_metrics import SparseTopKCategoricalAccuracy
+    from jaxdist.train.models import MLP
+
+    with strategy.scope():
+        return jaxdist.Trainer(
+            MLP(6, [8], 2, rngs=nnx.Rngs(0)), optimizer, global_batch_size=16,
+            strategy=strategy, log_dir=None, progress_bar="never", log_every_steps=3,
+            metrics=["accuracy", "auc", SparseTopKCategoricalAccuracy(k=1, name="top1")],
+            **kwargs)
+
+
+def test_every_metric_is_computed_under_ps_and_equals_the_synchronous_trainers():
+    """One in-process worker on the strategy's 2 devices runs the same steps as
+    MirroredStrategy on them: loss, accuracy, AUC and top-k (and sample weights) agree."""
+    x, y = _binary_data()
+    w = np.linspace(0.5, 1.5, len(y)).astype(np.float32)
+    ps = _small_trainer(_local_strategy(), O.sgd(0.1))
+    sync = _small_trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), optax.sgd(0.1))
+    h_ps = ps.fit((x, y), epochs=2, sample_weight=w, validation_data=(x[:40], y[:40]),
+                  verbose=0)
+    h_sync = sync.fit((x, y), epochs=2, sample_weight=w, validation_data=(x[:40], y[:40]),
+                      verbose=0)
+    for key in ("loss", "accuracy", "auc", "top1", "val_loss", "val_auc", "val_top1"):
+        assert key in h_ps.history, (key, sorted(h_ps.history))
+        np.testing.assert_allclose(h_ps.history[key], h_sync.history[key], rtol=1e-4,
+                                   atol=1e-5, err_msg=key)
+    assert 0.5 < h_ps.history["auc"][-1] <= 1.0
+
+
+def test_learning_rate_and_set_weights_reach_the_parameter_servers(tmp_path):
+    from jaxdist.train.callbacks import ReduceLROnPlateau
+
+    x, y = _binary_data()
+    trainer = _small_trainer(_local_strategy(), O.sgd(0.1), checkpoint_dir=str(tmp_path))
+    assert trainer.learning_rate == pytest.approx(0.1)
+    trainer.learning_rate = 0.0             # a rate of 0: a step changes nothing
+    before = trainer.get_weights()
+    trainer.fit((x, y), steps=2, verbose=0)
+    after = trainer.get_weights()
+    jax.tree.map(np.testing.assert_array_equal, before["params"], after["params"])
+    # set_weights assigns the ps variables; the next pull sees them
+    zeros = jax.tree.map(np.zeros_like, after["params"])
+    trainer.set_weights({"params": zeros, "rest": after["rest"]})
+    jax.tree.map(np.testing.assert_array_equal, trainer.get_weights()["params"], zeros)
+    # ReduceLROnPlateau on a loss that never improves by 10 after the first epoch: halves
+    # the rate at the end of epochs 1 and 2 (the logs show the rate each epoch ran with)
+    trainer.learning_rate = 0.2
+    history = trainer.fit((x, y), epochs=3, verbose=0, callbacks=[
+        ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, min_delta=10.0)])
+    assert history.history["learning_rate"] == pytest.approx([0.2, 0.2, 0.1]), history.history
+    assert trainer.learning_rate == pytest.approx(0.05)
+    # the ps checkpoints the changed rate with the optimizer
+    trainer.save_checkpoint()
+    fresh = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+    fresh.extended.restore(str(tmp_path))
+    restored = _small_trainer(fresh, O.sgd(0.1))
+    assert restored.learning_rate == pytest.approx(0.05)
+
+
+def test_a_scheduled_ps_learning_rate_cannot_be_changed():
+    from jaxdist.ps.errors import PSInvalidArgumentError
+
+    trainer = _small_trainer(_local_strategy(), O.sgd(O.exponential_decay(0.1, 10, 0.5)))
+    assert trainer.current_learning_rate() is None
+    with pytest.raises(ValueError, match="follows a schedule on the ps"):
+        trainer.learning_rate  # noqa: B018
+    with pytest.raises(PSInvalidArgumentError, match="follows a schedule"):
+        trainer.learning_rate = 0.01
+
+
+def test_a_stream_trains_under_between_graph_as_under_a_synchronous_strategy():
+    """Each worker reads the stream it is given; with one worker that is every batch."""
+    x, y = _binary_data(64)
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+    ps = _small_trainer(_local_strategy(), O.sgd(0.1))
+    sync = _small_trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), optax.sgd(0.1))
+    ps.fit((b for b in batches), steps_per_epoch=4, epochs=1, verbose=0)
+    sync.fit((b for b in batches), steps_per_epoch=4, epochs=1, verbose=0)
+    assert ps.step == 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 ps.get_weights()["params"], jax.device_get(sync.get_weights()["params"]))

@@ -22,7 +22,8 @@ Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
 # Methods that may be retried after a lost connection (a retry changes nothing).
 IDEMPOTENT = frozenset(
-    {"Create", "Pull", "PullRows", "Status", "SetMarker", "Clock", "Save", "Restore", "Ping"}
+    {"Create", "Pull", "PullRows", "Status", "SetMarker", "Clock", "Save", "Restore", "Ping",
+     "LearningRate"}
 )
 
 
@@ -138,6 +139,23 @@ def _restore(svc, meta, arrays) -> Message:
     return {"step": svc.restore(meta.get("directory"), _int(meta, "step", optional=True))}, {}
 
 
+def _assign(svc, meta, arrays) -> Message:
+    return {"versions": svc.assign(arrays)}, {}
+
+
+MAX_LEARNING_RATE = 1e6
+
+
+def _learning_rate(svc, meta, arrays) -> Message:
+    prefix = meta.get("prefix", "")
+    if not isinstance(prefix, str):
+        raise _bad("prefix", prefix, "a variable name prefix (string)")
+    value = meta.get("value")
+    if value is not None:
+        value = _number(meta, "value", None, 0.0, MAX_LEARNING_RATE)
+    return svc.learning_rate(prefix, value), {}
+
+
 def _stop(svc, meta, arrays) -> Message:
     svc.stopped.set()
     return {}, {}
@@ -155,6 +173,8 @@ METHODS: dict[str, Callable[[ParameterService, dict, dict], Message]] = {
     "Clock": _clock,
     "Save": _save,
     "Restore": _restore,
+    "Assign": _assign,
+    "LearningRate": _learning_rate,
     "Stop": _stop,
 }
 

@@ -323,6 +323,78 @@ class ParameterService:
             var.version += 1
             return {"version": var.version, "staleness": stale}
 
+    def assign(self, values: dict[str, np.ndarray]) -> dict[str, int]:
+        """Replaces the values of existing variables (TF's ``variable.assign``, Keras'
+        ``set_weights``); the optimizer state is kept. Returns the new versions.
+
+        Raises:
+            PSInvalidArgumentError: a value's shape or dtype differs from the variable's.
+        """
+        out = {}
+        for key, value in values.items():
+            var = self._get(key)
+            value = np.asarray(value)
+            if value.shape != var.value.shape:
+                raise PSInvalidArgumentError(
+                    f"{self.task}: value for {key!r} has shape {value.shape}, the variable "
+                    f"has {var.value.shape}", task=self.task)
+            self._check_dtype(var, value, "value")
+            value = aligned_copy(value)
+            with var.lock:
+                var.value = value
+                var.version += 1
+                out[key] = var.version
+        return out
+
+    def learning_rate(self, prefix: str, value: float | None = None) -> dict[str, Any]:
+        """Reads (``value=None``) or sets the learning rate of the optimizers of the
+        variables whose keys start with ``prefix``.
+
+        Setting rewrites each optimizer spec's constant ``learning_rate`` (every transform of
+        a chain that has one); the optimizer state is kept (its structure does not depend on
+        the rate), the next push uses the new rate, and checkpoints record it. Each new
+        rate compiles the update once per variable shape.
+
+        Returns:
+            ``{"learning_rate": the rate (None: no variable has one), "variables": count}``.
+
+        Raises:
+            PSInvalidArgumentError: a variable's rate follows a schedule (the ps recomputes it
+                every update), or no variable under ``prefix`` has an optimizer.
+        """
+        with self._vars_lock:
+            items = [v for k, v in self._vars.items() if k.startswith(prefix)]
+        rates = [_spec_learning_rate(v.optimizer) for v in items if v.optimizer is not None]
+        rates = [r for r in rates if r is not None]
+        if value is None:
+            return {"learning_rate": rates[0] if rates else None, "variables": len(rates)}
+        if not rates:
+            raise PSInvalidArgumentError(
+                f"{self.task}: no variable under {prefix!r} has an optimizer with a "
+                f"learning_rate to set", task=self.task)
+        if any(isinstance(r, dict) for r in rates):
+            raise PSInvalidArgumentError(
+                f"{self.task}: the learning rate of {prefix!r} follows a schedule, which the ps "
+                f"recomputes at every update; use a constant learning rate to change it at run "
+                f"time (e.g. with ReduceLROnPlateau)", task=self.task)
+        changed = 0
+        for var in items:
+            if var.optimizer is None or _spec_learning_rate(var.optimizer) is None:
+                continue
+            spec = _with_learning_rate(var.optimizer, float(value))
+            tx, _, _ = _transform(spec)
+            with var.lock:
+                if var.opt_state is not None and (
+                        jax.tree.structure(tx.init(jnp.zeros((), var.value.dtype)))
+                        != jax.tree.structure(var.opt_state)):
+                    # Same transforms, same structure: only a different spec could differ.
+                    raise PSInvalidArgumentError(
+                        f"{self.task}: the optimizer state of {var.key!r} does not fit "
+                        f"{spec}", task=self.task)
+                var.optimizer = spec
+            changed += 1
+        return {"learning_rate": float(value), "variables": changed}
+
     # ------------------------------------------------------------------ status / markers
     def set_marker(self, name: str) -> None:
         """Records a marker (the chief sets ``ready/<collection>`` after creating it)."""
@@ -508,6 +580,32 @@ class ParameterService:
             self._markers = set(meta.get("markers", []))
         self.restored_step = int(step)
         return int(step)
+
+
+def _spec_learning_rate(spec: dict[str, Any] | None) -> Any:
+    """The ``learning_rate`` of an optimizer spec JSON (the first one of a chain): a number,
+    a schedule description (dict), or ``None``."""
+    if not spec:
+        return None
+    if spec.get("name") == "chain":
+        for part in spec.get("parts", []):
+            rate = _spec_learning_rate(part)
+            if rate is not None:
+                return rate
+        return None
+    rate = spec.get("kwargs", {}).get("learning_rate")
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) \
+        else rate
+
+
+def _with_learning_rate(spec: dict[str, Any], value: float) -> dict[str, Any]:
+    """``spec`` with every constant ``learning_rate`` set to ``value``."""
+    if spec.get("name") == "chain":
+        return {**spec, "parts": [_with_learning_rate(p, value) for p in spec.get("parts", [])]}
+    kwargs = spec.get("kwargs", {})
+    if "learning_rate" not in kwargs:
+        return spec
+    return {**spec, "kwargs": {**kwargs, "learning_rate": value}}
 
 
 def latest_step(directory: str, task: str) -> int | None:

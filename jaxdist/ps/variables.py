@@ -221,6 +221,41 @@ class PSVariables:
         self.last_push = out
         return out
 
+    def assign(self, tree: Any) -> None:
+        """Replaces the variables' values with ``tree`` (same structure, shapes and dtypes),
+        every ps task in parallel; the optimizer state on the ps is kept (Keras'
+        ``set_weights``). Every shard's version goes up by one.
+
+        Example:
+            >>> params.assign(jax.tree.map(np.zeros_like, params.pull()))
+        """
+        parts = self.layout.split(jax.device_get(tree), "value")
+        for meta, _ in self._client.call_many(
+                [(task, "Assign", {}, parts[task]) for task in sorted(parts)]):
+            self._versions.update(meta["versions"])
+
+    def learning_rate(self) -> float | None:
+        """The learning rate the ps tasks' optimizers apply now (``None``: none has a
+        constant one). A schedule's description is returned as a dict."""
+        task = min(self.layout.keys_by_task())
+        meta, _ = self._client.call(task, "LearningRate", {"prefix": f"{self.name}/"})
+        return meta["learning_rate"]
+
+    def set_learning_rate(self, value: float) -> None:
+        """Sets the learning rate of every ps task's optimizer for these variables; the
+        next push uses it (the optimizer state is kept). Authenticated like every ps call.
+
+        Raises:
+            PSInvalidArgumentError: the rate follows a schedule, or is not in [0, 1e6].
+
+        Example:
+            >>> params.set_learning_rate(1e-4)      # e.g. from ReduceLROnPlateau
+        """
+        tasks = sorted(self.layout.keys_by_task())
+        self._client.call_many([(t, "LearningRate", {"prefix": f"{self.name}/",
+                                                     "value": float(value)}, {})
+                                for t in tasks])
+
     def __repr__(self) -> str:
         n = sum(len(leaf.shards) for leaf in self.layout.leaves)
         return (f"PSVariables({self.name!r}, leaves={len(self.layout.leaves)}, shards={n}, "

@@ -88,6 +88,25 @@ class TrainerHook:
     def end_fit(self, trainer: Any) -> None:
         """Called at the very end of ``fit``, after the final checkpoint and evaluation."""
 
+    def get_learning_rate(self, trainer: Any) -> float:
+        """The learning rate the strategy's optimizer applies now (``trainer.learning_rate``)."""
+        raise ValueError(f"the learning rate cannot be read under "
+                         f"{type(trainer.strategy).__name__}")
+
+    def set_learning_rate(self, trainer: Any, value: float) -> None:
+        """Changes the learning rate from the next update on."""
+        raise ValueError(f"the learning rate cannot be changed under "
+                         f"{type(trainer.strategy).__name__}")
+
+    def current_learning_rate(self, trainer: Any) -> float | None:
+        """The learning rate for the logs (``None``: not known)."""
+        return None
+
+    def set_weights(self, trainer: Any, params: Any) -> None:
+        """Replaces the model's parameters (``trainer.set_weights``)."""
+        raise ValueError(f"set_weights is not supported under "
+                         f"{type(trainer.strategy).__name__}")
+
 
 class SyncHook(TrainerHook):
     """The hook of the synchronous strategies: the state lives in the ``Trainer``, placed by

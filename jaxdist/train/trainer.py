@@ -380,11 +380,11 @@ class Trainer(TrainerHandle):
         val = None if validation_data is None else inputs_lib.source(
             validation_data, what="validation_data")
         stream = isinstance(train, inputs_lib.StreamSource)
+        self._hook.begin_fit(self, train)  # e.g. refuses input its workers cannot read
         if stream and not self._hook.accepts_streams:
             raise data_lib.DataError(
                 f"{type(self.strategy).__name__} trains on in-memory arrays (each worker takes "
                 f"its share of every epoch); got a {train.name}: pass (x, y) arrays")
-        self._hook.begin_fit(self, train)
         b = self.global_batch_size
         if stream:
             spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)

@@ -35,19 +35,19 @@ class TrainerHandle:
     _run_dir: str | None = None
 
     # ------------------------------------------------------------------ learning rate
-    def _no_ps(self, what: str) -> None:
-        if not self._hook.local_state:
-            raise ValueError(f"{what} is not supported under {type(self.strategy).__name__}: "
-                             f"the optimizer state lives on the parameter servers")
-
     @property
     def learning_rate(self) -> float:
         """The optimizer's current learning rate (settable; no recompilation).
 
+        Under the parameter-server strategies the optimizers run on the ps tasks: reading
+        asks them, setting changes the rate every ps applies from its next push.
+
         Raises:
-            ValueError: the optimizer was not built with ``optax.inject_hyperparams``.
+            ValueError: the optimizer was not built with ``optax.inject_hyperparams``, or the
+                rate follows a schedule.
         """
-        self._no_ps("changing the learning rate")
+        if not self._hook.local_state:
+            return self._hook.get_learning_rate(self)
         value = lr_lib.get_learning_rate(self.opt_state)
         if value is None:
             raise ValueError(f"the learning rate is not readable from this optimizer; "
@@ -59,13 +59,15 @@ class TrainerHandle:
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        self._no_ps("changing the learning rate")
+        if not self._hook.local_state:
+            self._hook.set_learning_rate(self, float(value))
+            return
         self.opt_state = lr_lib.set_learning_rate(self.opt_state, float(value))
 
     def current_learning_rate(self) -> float | None:
         """The rate of the last update, for the logs (``None`` when it cannot be read)."""
         if not self._hook.local_state:
-            return None
+            return self._hook.current_learning_rate(self)
         return lr_lib.get_learning_rate(self.opt_state)
 
     # ------------------------------------------------------------------ weights
@@ -74,8 +76,12 @@ class TrainerHandle:
         return {"params": self._current_params(), "rest": self.rest}
 
     def set_weights(self, weights: Any) -> None:
-        """Puts back variables from ``get_weights`` (the optimizer state is kept)."""
-        self._no_ps("set_weights")
+        """Puts back variables from ``get_weights`` (the optimizer state is kept). Under the
+        parameter-server strategies the ps tasks' variables are assigned."""
+        if not self._hook.local_state:
+            self._hook.set_weights(self, weights["params"])
+            self.rest = weights["rest"]
+            return
         self.params, self.rest = weights["params"], weights["rest"]
 
     def save_checkpoint_to(self, path: str | os.PathLike, weights_only: bool = False) -> None:

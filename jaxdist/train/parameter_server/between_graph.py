@@ -69,6 +69,52 @@ class PSHookMixin:
             return None
         return tuple(sorted(self.variables.versions.items()))
 
+    _noted: frozenset = frozenset()
+
+    def _chief_only(self, what: str) -> bool:
+        """Whether this task may change the state shared on the ps (the chief owns it)."""
+        if self.is_chief:
+            return True
+        if what not in self._noted:
+            self._noted = self._noted | {what}
+            print(f"[ps] worker {getattr(self, 'worker_index', '?')}: {what} is done by the "
+                  f"chief only (it validates and owns the shared state); ignored here",
+                  flush=True)
+        return False
+
+    def get_learning_rate(self, trainer: Any) -> float:
+        """The rate the ps tasks' optimizers apply now (read from them)."""
+        value = self.variables.learning_rate()
+        if value is None:
+            raise ValueError(f"the ps optimizer {ps_optimizers.as_spec(trainer.optimizer)} has "
+                             f"no learning_rate to read or change")
+        if isinstance(value, dict):
+            raise ValueError("the learning rate follows a schedule on the ps, which sets it at "
+                             "every update; use a constant learning rate to change it at run "
+                             "time (e.g. with ReduceLROnPlateau)")
+        return float(value)
+
+    def set_learning_rate(self, trainer: Any, value: float) -> None:
+        """Sets the rate on every ps task (an authenticated ``LearningRate`` call); pushes
+        from then on use it. Only the chief changes it (see ``_chief_only``)."""
+        if not self._chief_only("changing the learning rate"):
+            return
+        self.variables.set_learning_rate(value)
+
+    def current_learning_rate(self, trainer: Any) -> float | None:
+        """The rate on the ps now (one small call; ``None`` for a schedule)."""
+        if self.variables is None:
+            return None
+        value = self.variables.learning_rate()
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def set_weights(self, trainer: Any, params: Any) -> None:
+        """Assigns the ps variables (their optimizer state is kept). Chief only."""
+        if not self._chief_only("set_weights"):
+            return
+        self.variables.assign(params)
+        trainer.params = params
+
     def end_fit(self, trainer: Any) -> None:
         """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
         if (trainer.checkpoint_dir is not None and self.is_chief
@@ -83,6 +129,9 @@ class ParameterServerHook(PSHookMixin, TrainerHook):
     Args:
         strategy: the ``ParameterServerStrategy``.
     """
+
+    #: Each worker reads the stream it is given (the user shards it per worker).
+    accepts_streams = True
 
     def __init__(self, strategy: Any):
         self.strategy = strategy
@@ -130,7 +179,7 @@ class ParameterServerHook(PSHookMixin, TrainerHook):
             self.variables.apply_gradients(grads)   # push; each ps applies its optimizer
             out.append(stats)
         fetched = jax.device_get(out)
-        return {k: np.stack([np.asarray(s[k]) for s in fetched]) for k in fetched[0]}
+        return jax.tree.map(lambda *a: np.stack([np.asarray(v) for v in a]), *fetched)
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self, trainer: Any, steps_per_epoch: int) -> None:
@@ -197,10 +246,10 @@ def _make_grad_replica(trainer: Any):
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
         grads = ctx.all_reduce("SUM", grads)
-        stats = ctx.all_reduce("SUM", {"loss": loss,
-                                       "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
-                                       "weight": jnp.sum(wb)})
-        return stats, grads
+        stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
+                 "weight": jnp.sum(wb)}
+        stats.update(trainer._metric_stats(logits, yb, None))  # every metric, as in sync fit
+        return ctx.all_reduce("SUM", stats), grads
 
     return grad_replica
 

@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -83,27 +83,31 @@ class WorkerShard:
         >>> xb, yb = next(it)                # worker 1's first batch of epoch 0
     """
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, start_epoch: int = 0, start_batch: int = 0):
-        self.x, self.y, self.batch_size = x, y, int(batch_size)
+    def __init__(self, x: Any, y: np.ndarray, batch_size: int, seed: int = 0,
+                 shuffle: bool = True, start_epoch: int = 0, start_batch: int = 0,
+                 w: np.ndarray | None = None):
+        self.x, self.y, self.w, self.batch_size = x, y, w, int(batch_size)
         self.seed, self.shuffle = seed, shuffle
         self.start_epoch, self.start_batch = int(start_epoch), int(start_batch)
 
     def __call__(self, ctx: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.batches(ctx.input_pipeline_id, ctx.num_input_pipelines)
 
-    def batches(self, worker: int, num_workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The batches of ``worker`` (endless)."""
+    def batches(self, worker: int, num_workers: int) -> Iterator[tuple[Any, ...]]:
+        """The batches of ``worker`` (endless): ``(x, y)``, or ``(x, y, w)`` with sample
+        weights; ``x`` an array or a dict of feature arrays."""
         b, epoch, skip = self.batch_size, self.start_epoch, self.start_batch
+        n = len(self.y)
         while True:
-            order = data_lib.epoch_order(len(self.x), epoch, self.seed, self.shuffle)
+            order = data_lib.epoch_order(n, epoch, self.seed, self.shuffle)
             share = worker_share(order, worker, num_workers, b)
             if len(share) == 0:
                 raise ValueError(f"worker {worker} of {num_workers} has no whole batch of {b} "
-                                 f"in {len(self.x)} training examples")
+                                 f"in {n} training examples")
             for j in range(skip, len(share) // b):
                 idx = share[j * b:(j + 1) * b]
-                yield self.x[idx], self.y[idx]
+                xb = jax.tree.map(lambda a: a[idx], self.x)  # noqa: B023
+                yield (xb, self.y[idx]) if self.w is None else (xb, self.y[idx], self.w[idx])
             epoch, skip = epoch + 1, 0
 
 
@@ -113,10 +117,13 @@ class WorkerStep:
     Takes the next batch of the worker's iterator, pulls the parameters (``strategy.run`` with
     the ``PSVariables``), computes loss and gradient on the worker's local devices (jit, the
     batch split across them, gradients all-reduced), pushes the gradient and returns
-    ``{"loss", "correct"}`` of the step.
+    ``{"loss", "correct", "weight"}`` (and ``"metrics"``: the metrics' sums) of the step.
 
-    Dropout keys differ per step (a counter of the steps this worker ran), per worker and per
-    replica.
+    Dropout keys are ``fold_in(fold_in(seed key, step), local replica)``, ``step`` being the
+    global step the coordinator scheduled (unique per step): they differ per step and replica,
+    do not depend on which worker runs the step (a step run again after a worker died draws
+    the same masks), and a run with one worker is reproducible from the model's seed (equal
+    to between-graph training with one worker). Without ``step`` a per-worker counter is used.
 
     Args:
         model_state: the model's ``ModelState`` (graph definition, random streams; no
@@ -130,8 +137,10 @@ class WorkerStep:
     """
 
     def __init__(self, model_state: Any, loss_fn: Callable, global_batch_size: int,
-                 variables: Any, rest: Any, strategy: Any, compute_dtype: Any = None):
+                 variables: Any, rest: Any, strategy: Any, compute_dtype: Any = None,
+                 metrics: Any = ()):
         self.model_state, self.loss_fn = model_state, loss_fn
+        self.metrics = tuple(metrics)
         self.global_batch_size = int(global_batch_size)
         self.variables, self.rest, self.strategy = variables, rest, strategy
         self.compute_dtype = compute_dtype
@@ -142,8 +151,10 @@ class WorkerStep:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_replica_fn": None, "_rngs": None}
 
-    def __call__(self, iterator: Iterator) -> dict[str, np.ndarray]:
-        x, y = next(iterator)
+    def __call__(self, iterator: Iterator, step: Any = None) -> dict[str, np.ndarray]:
+        batch = next(iterator)
+        x, y = batch[0], batch[1]
+        w = batch[2] if len(batch) > 2 else np.ones((len(y),), np.float32)
         strategy = self.strategy
         n, b = strategy.num_replicas_in_sync, self.global_batch_size
         if b % n:
@@ -151,61 +162,86 @@ class WorkerStep:
                              f"devices of this worker; expected a multiple of {n}")
         if self._replica_fn is None:  # once per worker: strategy.run keeps it compiled
             self._replica_fn = _make_grad_replica(self.model_state, self.loss_fn, b,
-                                                  self.compute_dtype)
+                                                  self.compute_dtype, self.metrics)
             self._rngs = strategy.place(self.model_state.rngs)
         per = b // n
 
-        def part(a: np.ndarray) -> Any:
-            return strategy.experimental_distribute_values_from_function(
+        def part(tree: Any) -> Any:
+            return jax.tree.map(lambda a: strategy.experimental_distribute_values_from_function(
                 lambda ctx: a[ctx.replica_id_in_sync_group * per:
-                              (ctx.replica_id_in_sync_group + 1) * per])
+                              (ctx.replica_id_in_sync_group + 1) * per]), tree)
 
-        worker = int(getattr(strategy.extended, "worker_index", 0) or 0)
-        step, self._count = self._count, self._count + 1
+        count, self._count = self._count, self._count + 1
+        step = count if step is None else int(step)
         stats, grads = strategy.run(self._replica_fn,
                                     args=(self.variables, self.rest, self._rngs,
-                                          part(x), part(y), np.int32(step), np.int32(worker)))
+                                          part(x), part(y), part(np.asarray(w, np.float32)),
+                                          np.int32(step)))
         self.variables.apply_gradients(grads)
         return jax.device_get(stats)
 
 
 def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
-                       compute_dtype: Any = None) -> Callable:
-    from jaxdist.train.losses import correct as _correct
+                       compute_dtype: Any = None, metrics: Any = ()) -> Callable:
+    from jaxdist.train.losses import correct_per_example as _correct_per_example
 
-    def grad_replica(params, rest, rngs, x, y, step, worker):
+    def grad_replica(params, rest, rngs, x, y, w, step):
         ctx = distribute.get_replica_context()
-        replica = worker * ctx.num_replicas_in_sync + ctx.replica_id_in_sync_group
+        replica = ctx.replica_id_in_sync_group
 
         def objective(p):
             logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
                                  compute_dtype=compute_dtype, rngs=rngs)
             per_example = loss_fn(logits, y)
-            loss = distribute.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            loss = distribute.compute_average_loss(per_example, sample_weight=w,
+                                                   global_batch_size=global_batch_size)
             return loss, logits
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
         grads = ctx.all_reduce("SUM", grads)
-        stats = ctx.all_reduce("SUM", {"loss": loss, "correct": _correct(logits, y)})
-        return stats, grads
+        stats = {"loss": loss, "correct": jax.numpy.sum(_correct_per_example(logits, y) * w),
+                 "weight": jax.numpy.sum(w)}
+        if metrics:  # the same sums as the synchronous trainer's (keras_metrics)
+            ones = jax.numpy.ones(y.shape[:1], jax.numpy.float32)
+            stats["metrics"] = {m.name: m.update(logits, y, ones) for m in metrics}
+        return ctx.all_reduce("SUM", stats), grads
 
     return grad_replica
 
 
-class StepResults:
-    """One statistic of scheduled steps; ``np.asarray`` (and ``jax.device_get``) waits for
-    them and gives one value per step. The ``Trainer`` reads it only to log or check NaN."""
+class StepStats(Mapping):
+    """The statistics of scheduled steps, fetched when first read: ``stats["loss"]`` (one
+    value per step), ``"correct"``, ``"weight"`` and ``"metrics"`` (``{name: {sum: per-step
+    values}}``). Every step counts once, whichever worker ran it (a step lost with its worker
+    and run again returns one result). The ``Trainer`` reads it only to log or check NaN.
 
-    def __init__(self, remote_values: list[Any], key: str):
-        self.remote_values, self.key = remote_values, key
+    Example:
+        >>> stats = StepStats([coordinator.schedule(step_fn, args=(it,))])
+        >>> stats["loss"]          # waits for the step
+    """
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        values = np.asarray([np.asarray(rv.fetch()[self.key]) for rv in self.remote_values],
-                            np.float32)
-        return values if dtype is None else values.astype(dtype)
+    def __init__(self, remote_values: list[Any]):
+        self.remote_values = remote_values
+        self._stacked: dict[str, Any] | None = None
+
+    def _fetch(self) -> dict[str, Any]:
+        if self._stacked is None:
+            values = [rv.fetch() for rv in self.remote_values]
+            self._stacked = jax.tree.map(
+                lambda *a: np.asarray([np.asarray(v, np.float64) for v in a]), *values)
+        return self._stacked
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fetch()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetch())
+
+    def __len__(self) -> int:
+        return len(self._fetch())
 
     def __repr__(self) -> str:
-        return f"StepResults({self.key!r}, steps={len(self.remote_values)})"
+        return f"StepStats(steps={len(self.remote_values)})"
 
 
 class CoordinatorHook(PSHookMixin, TrainerHook):
@@ -245,7 +281,7 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         ms = dataclasses.replace(trainer._ms, params=None)  # the parameters live on the ps
         self._step_fn = WorkerStep(ms, trainer.loss_fn, trainer.global_batch_size,
                                    self.variables, host_rest, self.strategy,
-                                   trainer._compute_dtype)
+                                   trainer._compute_dtype, trainer.metrics)
         return host, rest, None
 
     def current_params(self, trainer: Any) -> Any:
@@ -255,11 +291,13 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
 
     # ------------------------------------------------------------------ data and steps
     def begin_fit(self, trainer: Any, train: Any) -> None:
-        if train.w is not None or isinstance(train.x, dict):
+        if not isinstance(train, data_lib.ArrayData):
             raise data_lib.DataError(
-                "ClusterCoordinator training takes (x, y) arrays: sample_weight, class_weight "
-                "and dict features are not sent to the workers; train without them or use "
-                "ParameterServerStrategy without a coordinator (between-graph)")
+                f"ClusterCoordinator training takes in-memory arrays (each worker gets its "
+                f"share of every epoch, sent with the per-worker dataset); got a {train.name}: "
+                f"a {train.name} lives in the chief's process and the workers cannot read it. "
+                f"Pass (x, y) arrays, or use ParameterServerStrategy without a coordinator "
+                f"(between-graph: each worker reads the stream it is given)")
         if self._train is not train:
             self._train, self._iterator = train, None
 
@@ -277,7 +315,7 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
                                "passes the training data to the hook first")
         shard = WorkerShard(train.x, train.y, trainer.global_batch_size, trainer.seed,
                             trainer.shuffle, trainer.epoch,
-                            trainer.step_in_epoch // self.num_workers)
+                            trainer.step_in_epoch // self.num_workers, w=train.w)
         dataset = self.coordinator.create_per_worker_dataset(shard)
         self._iterator = iter(dataset)
 
@@ -286,9 +324,10 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         del x, y, w  # the workers read their own shares (per-worker datasets)
         if self._iterator is None:
             self._start_input(trainer)
-        rvs = [self.coordinator.schedule(self._step_fn, args=(self._iterator,))
-               for _ in range(num_steps)]
-        return {"loss": StepResults(rvs, "loss"), "correct": StepResults(rvs, "correct")}
+        rvs = [self.coordinator.schedule(self._step_fn,
+                                         args=(self._iterator, np.int64(trainer.step + i)))
+               for i in range(num_steps)]
+        return StepStats(rvs)
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self, trainer: Any, steps_per_epoch: int) -> None:
@@ -300,6 +339,11 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         trainer.step = step
         trainer.epoch, trainer.step_in_epoch = divmod(step, steps_per_epoch)
         trainer.last_checkpoint = step
+
+    def set_weights(self, trainer: Any, params: Any) -> None:
+        """Assigns the ps variables once the steps scheduled so far have pushed."""
+        self.coordinator.join()
+        super().set_weights(trainer, params)
 
     def save(self, trainer: Any) -> None:
         self.coordinator.join()
@@ -316,5 +360,5 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
             for st, n in zip(states, runs)), flush=True)
 
 
-__all__ = ["COLLECTION", "CoordinatorHook", "StepResults", "WorkerShard", "WorkerStep",
+__all__ = ["COLLECTION", "CoordinatorHook", "StepStats", "WorkerShard", "WorkerStep",
            "coordinator_of", "parameter_server_hook", "worker_share"]
