@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (60 if args.quick else 200)
     rounds = args.rounds or (1 if args.quick else 5)
     warmup = 5
+    from benchmarks.common import print_machine
+
+    print_machine()
     print(f"jaxdist ClusterCoordinator benchmark ({os.cpu_count()} CPUs, loopback, mutual TLS): "
           f"2 workers, 1 ps, MLP 784-256-10, batch {BATCH}, adam on the ps, {steps} steps, "
           f"{rounds} rotated rounds (between-graph, coordinator, between-graph, ...)")
