@@ -8,6 +8,8 @@ Example:
     >>> out = strategy.run(step, args=(params, batch))
 """
 
+import sys
+
 from jaxdist import cluster_resolver, coordinator, tpu
 from jaxdist.input import (
     AutoShardPolicy,
@@ -55,10 +57,25 @@ from jaxdist.strategies import (
 from jaxdist.strategies.context import experimental_set_strategy, get_cross_replica_context
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.replica_reduce import DoubleReductionError
+from jaxdist.strategies.strategy import register_scope_hook
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
 from jaxdist.values import PerReplicaSpec
 
 __version__ = "0.1.0"
+
+
+def _keras_scope_hook(strategy):
+    # strategy.scope() distributes Keras models once keras is imported (this never imports
+    # it). jaxdist.keras sits above jaxdist.strategies, so the hook is wired in here, where
+    # every import of jaxdist.strategies passes first.
+    if "keras" not in sys.modules:
+        return None
+    from jaxdist.keras import strategy_scope_hook
+
+    return strategy_scope_hook(strategy)
+
+
+register_scope_hook(_keras_scope_hook)
 
 
 def __getattr__(name: str):

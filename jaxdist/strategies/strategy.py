@@ -797,20 +797,18 @@ class Strategy:
         return ctx_lib.StrategyScope(self, self._scope_contexts)
 
     def _scope_contexts(self) -> Any:
-        """What entering ``scope()`` enters: the placement context, then the Keras hook.
+        """What entering ``scope()`` enters: the placement context, then the scope hooks'.
 
-        Once ``keras`` has been imported (and only then: this never imports it), Keras models
-        built and fit inside the scope are distributed as this strategy (see ``jaxdist.keras``).
+        The Keras hook (registered by ``jaxdist/__init__.py``): once ``keras`` has been
+        imported (and only then: it never imports it), Keras models built and fit inside the
+        scope are distributed as this strategy (see ``jaxdist.keras``).
         """
-        placement = self._extended._scope_context()
-        if "keras" not in sys.modules:
-            return placement
-        from jaxdist.keras import strategy_scope_hook
-
-        hook = strategy_scope_hook(self)
-        if hook is None:
-            return placement
-        return _Entered(placement, hook)
+        entered = self._extended._scope_context()
+        for hook in _SCOPE_HOOKS:
+            extra = hook(self)
+            if extra is not None:
+                entered = _Entered(entered, extra)
+        return entered
 
     def run(self, fn: Callable, args=(), kwargs=None, options: Any = None) -> Any:
         """Runs ``fn`` once per replica and returns its (per-replica or replicated) outputs.
@@ -1038,6 +1036,22 @@ def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
 
 
 __all__ = ["Strategy", "StrategyExtended", "ValueContext", "local_components"]
+
+
+#: ``fn(strategy) -> context manager | None``: contexts every ``scope()`` enters after the
+#: placement context. ``jaxdist/__init__.py`` registers Keras's, so that this package imports
+#: nothing above it (``jaxdist.keras`` sits above ``strategies``).
+_SCOPE_HOOKS: list[Callable[[Any], Any]] = []
+
+
+def register_scope_hook(hook: Callable[[Any], Any]) -> None:
+    """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
+
+    Example:
+        >>> register_scope_hook(lambda strategy: None)   # a hook that never adds a context
+    """
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
 
 
 class _Entered:
