@@ -14,8 +14,9 @@ its batches from host memory every step, from the same 8 host batches in the sam
 * ``hand-written shard_map`` (2+ devices): the same with ``jit(shard_map(...))`` and ``psum``.
 
 The ratio is jaxdist's examples/s over the best hand-written loop's, per device count, each the
-median of ``--repeats`` interleaved, rotated rounds of ``--steps`` steps. The second table is the
-scaling of the jaxdist loop with the device count.
+median of ``--repeats`` interleaved, rotated rounds of ``--steps`` steps; the same-round ratio is
+the median over rounds of the ratio within each round (robust to load drifts between rounds).
+The second table is the scaling of the jaxdist loop with the device count.
 
 Run: ``python -m benchmarks.bench_strategy_step [--steps 20 --repeats 7 --devices 1 2 4 8]``.
 """
@@ -26,7 +27,13 @@ import argparse
 import collections
 import functools
 
-from benchmarks.common import force_cpu_devices, print_machine, print_table, time_interleaved
+from benchmarks.common import (  # noqa: I001
+    force_cpu_devices,
+    paired_ratio,
+    print_machine,
+    print_table,
+    time_interleaved,
+)
 
 force_cpu_devices(8)
 
@@ -235,19 +242,23 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
             diff = max_param_difference(runners["hand-written jit"], runners[name])
             if diff > 1e-4:
                 raise AssertionError(f"{name} diverges from hand-written JAX by {diff:g}")
-        t = time_interleaved(runners, args.steps, args.repeats)
+        rounds: dict[str, list[float]] = {}
+        t = time_interleaved(runners, args.steps, args.repeats, rounds)
         best = min((v, n) for n, v in t.items() if n != "jaxdist")
+        hand = [n for n in runners if n != "jaxdist"]
         for name in runners:
             eps = GLOBAL_BATCH / t[name]
             rows.append([k, name, t[name] * 1e3, eps,
-                         "" if name != "jaxdist" else f"{best[0] / t[name]:.3f}"])
+                         "" if name != "jaxdist" else f"{best[0] / t[name]:.3f}",
+                         "" if name != "jaxdist" else f"{paired_ratio(rounds, name, hand):.3f}"])
         scaling.append([k, GLOBAL_BATCH / t["jaxdist"], GLOBAL_BATCH / best[0]])
     strategy_name = "OneDevice at 1 device, Mirrored above"
     print_table(
         f"Training loop with input pipeline, MLP {'-'.join(map(str, SIZES))}, global batch "
         f"{GLOBAL_BATCH}, SGD, donated state ({all_devices[0].platform}; {strategy_name}; "
         f"median of {args.repeats} rotated rounds of {args.steps} steps)",
-        ["devices", "implementation", "ms/step", "examples/s", "jaxdist / best hand-written"],
+        ["devices", "implementation", "ms/step", "examples/s", "jaxdist / best hand-written",
+         "same-round ratio (median)"],
         rows,
     )
     print()

@@ -17,14 +17,16 @@ def force_cpu_devices(n: int = 8) -> None:
 
 
 def time_interleaved(
-    runners: dict[str, Callable[[int], None]], steps: int, repeats: int
+    runners: dict[str, Callable[[int], None]], steps: int, repeats: int,
+    rounds: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per step of each runner, measured in interleaved, rotated rounds.
 
     Each runner is called as ``runner(steps)`` and must block until its steps are done.
     Interleaving (A, B, A, B, ...) spreads machine noise evenly over the candidates, and each
     round starts one runner later than the previous (A, B, C; B, C, A; ...) so no runner always
-    runs right after the same other one.
+    runs right after the same other one. ``rounds``, when given, receives every round's
+    seconds per step (for ``paired_ratio``).
     """
     samples: dict[str, list[float]] = {name: [] for name in runners}
     names = list(runners)
@@ -35,7 +37,21 @@ def time_interleaved(
             start = time.perf_counter()
             run(steps)
             samples[name].append((time.perf_counter() - start) / steps)
+    if rounds is not None:
+        rounds.update(samples)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def paired_ratio(rounds: dict[str, list[float]], candidate: str, baselines: Sequence[str]) -> float:
+    """Median over rounds of (best baseline's seconds / candidate's seconds) in the same round.
+
+    Each round times every runner back to back, so a ratio within a round cancels most of a
+    load drift that the ratio of two medians taken over different rounds keeps.
+    """
+    return statistics.median(
+        min(rounds[b][r] for b in baselines) / rounds[candidate][r]
+        for r in range(len(rounds[candidate]))
+    )
 
 
 def machine_line() -> str:
