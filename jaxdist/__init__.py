@@ -27,7 +27,7 @@ from jaxdist.ps import (
     byte_size_load_fn,
     replica_device_setter,
 )
-from jaxdist.ps.task import Server
+from jaxdist.server import Server
 from jaxdist.strategies import (
     CentralStorageStrategy,
     CommunicationImplementation,

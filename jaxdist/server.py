@@ -25,11 +25,11 @@ import sys
 import threading
 from typing import Any
 
-from jaxdist.ps.cluster import task_info
+from jaxdist.cluster.task_info import task_info
+from jaxdist.coordinator.worker_runtime import WorkerRuntime
+from jaxdist.coordinator.worker_service import WorkerServer
 from jaxdist.ps.server import ParameterServer
 from jaxdist.ps.service import ParameterService
-from jaxdist.ps.worker_runtime import WorkerRuntime
-from jaxdist.ps.worker_service import WorkerServer
 
 log = logging.getLogger("jaxdist.server")
 
@@ -89,7 +89,7 @@ class Server:
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
         if isinstance(cluster_resolver, dict) and "cluster" not in cluster_resolver:
-            from jaxdist.ps.cluster import TaskInfo
+            from jaxdist.cluster.task_info import TaskInfo
 
             info = TaskInfo({k: list(v) for k, v in cluster_resolver.items()}, job_name,
                             task_index or 0, token)
@@ -209,3 +209,6 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
 
 
 __all__ = ["Server", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

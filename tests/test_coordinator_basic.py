@@ -19,8 +19,8 @@ from jaxdist.coordinator import (
     RemoteValueStatus,
     WorkerAuthenticationError,
 )
+from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.ps import optimizers as O
-from jaxdist.ps.worker_client import WorkerClient
 
 pytestmark = pytest.mark.slow
 by_value(__name__)

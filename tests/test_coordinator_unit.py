@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 import jaxdist
+from jaxdist.cluster.task_info import TaskInfo
 from jaxdist.coordinator import (
     CancelledError,
     ClusterCoordinator,
     JoinTimeoutError,
     PerWorkerValues,
     RemoteValue,
+    closure_pickle,
 )
-from jaxdist.ps import closure_pickle
-from jaxdist.ps.closure_queue import Closure, ClosureQueue
-from jaxdist.ps.cluster import TaskInfo
-from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
-from jaxdist.ps.worker_service import WorkerService, from_bytes_array, to_bytes_array
+from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
+from jaxdist.coordinator.worker_service import WorkerService, from_bytes_array, to_bytes_array
 
 
 def _closure(i, fn=lambda: None):
@@ -177,7 +177,7 @@ GLOBAL_SCALE = 2.0
 
 
 def test_function_fingerprints_change_when_what_they_refer_to_is_rebound():
-    from jaxdist.ps.coordinator import _fingerprint, _same
+    from jaxdist.coordinator.cluster_coordinator import _fingerprint, _same
 
     global GLOBAL_SCALE
     lr = 0.1

@@ -268,7 +268,7 @@ def test_the_token_never_appears_in_errors_logs_or_files(served, tmp_path, caplo
 
 # ---------------------------------------------------------------------- configuration
 def test_server_flags_and_arguments_set_the_limits(monkeypatch, capsys):
-    from jaxdist.ps.task import Server, main
+    from jaxdist.server import Server, main
 
     cluster = {"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:1"]}
     server = Server(cluster, job_name="ps", task_index=0, token=TOKEN,

@@ -18,20 +18,20 @@ from jaxdist.cluster.credentials import (
     token_digest,
 )
 from jaxdist.cluster.pki import apply_task_security, local_pki
+from jaxdist.cluster.task_info import TaskInfo
 from jaxdist.cluster.tls import TLSConfigError, resolve_tls
+from jaxdist.coordinator.errors import WorkerAuthenticationError
+from jaxdist.coordinator.worker_client import WorkerClient
+from jaxdist.coordinator.worker_runtime import WorkerRuntime
+from jaxdist.coordinator.worker_service import SERVICE_NAME as WORKER_SERVICE
+from jaxdist.coordinator.worker_service import WorkerServer, to_bytes_array
 from jaxdist.ps import wire
 from jaxdist.ps.client import PSClient
-from jaxdist.ps.cluster import TaskInfo
-from jaxdist.ps.coordinator_errors import WorkerAuthenticationError
 from jaxdist.ps.errors import PSUnavailableError
 from jaxdist.ps.protocol import SERVICE_NAME as PS_SERVICE
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 from jaxdist.ps.server import ParameterServer
 from jaxdist.ps.service import ParameterService
-from jaxdist.ps.worker_client import WorkerClient
-from jaxdist.ps.worker_runtime import WorkerRuntime
-from jaxdist.ps.worker_service import SERVICE_NAME as WORKER_SERVICE
-from jaxdist.ps.worker_service import WorkerServer, to_bytes_array
 from jaxdist.testing.tls import process_pki
 
 _NO_ENV = {"JAXDIST_INSECURE": "", "JAXDIST_TLS_CA": "", "JAXDIST_TLS_CERT": "",

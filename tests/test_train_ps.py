@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import jaxdist
+from jaxdist.cluster.task_info import TaskInfo
 from jaxdist.ps import optimizers as O
-from jaxdist.ps.cluster import TaskInfo
 from jaxdist.train.__main__ import main as train_main
 from jaxdist.train.config import ConfigError, load_config
 from jaxdist.train.job import run_job

@@ -11,13 +11,13 @@ Example:
     >>> rv.fetch()
 """
 
-from jaxdist.ps.coordinator import (
+from jaxdist.coordinator.cluster_coordinator import (
     ClusterCoordinator,
     PerWorkerDataset,
     PerWorkerIterator,
     get_current_worker_index,
 )
-from jaxdist.ps.coordinator_errors import (
+from jaxdist.coordinator.errors import (
     CancelledError,
     ClosureInputError,
     CoordinatorError,
@@ -27,8 +27,8 @@ from jaxdist.ps.coordinator_errors import (
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
+from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
 from jaxdist.ps.errors import PSUnavailableError
-from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
 
 __all__ = [
     "CancelledError",

@@ -1,7 +1,7 @@
 """Pickling of scheduled functions and their arguments for one worker (cloudpickle).
 
 Objects bound to the coordinator's process travel as references that the worker resolves
-against its own objects (``jaxdist.ps.worker_runtime``):
+against its own objects (``jaxdist.coordinator.worker_runtime``):
 
 * a ``ParameterServerStrategy`` -> the worker's strategy;
 * ``PSVariables`` / ``EmbeddingTable`` -> the same variables through the worker's ps client;
@@ -23,9 +23,9 @@ from typing import Any
 
 import cloudpickle
 
-from jaxdist.ps import worker_runtime as wr
-from jaxdist.ps.coordinator_errors import ClosureInputError
-from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue
+from jaxdist.coordinator import worker_runtime as wr
+from jaxdist.coordinator.errors import ClosureInputError
+from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue
 
 
 class WorkerResource:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxdist.ps.coordinator_errors import CancelledError, CoordinatorShutdownError
-from jaxdist.ps.remote_value import RemoteValue
+from jaxdist.coordinator.errors import CancelledError, CoordinatorShutdownError
+from jaxdist.coordinator.remote_value import RemoteValue
 
 
 @dataclass

@@ -52,21 +52,21 @@ from typing import Any
 
 import jax
 
-from jaxdist.ps import closure_pickle
-from jaxdist.ps.closure_pickle import WorkerResource
-from jaxdist.ps.closure_queue import Closure, ClosureQueue
-from jaxdist.ps.coordinator_errors import (
+from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator.closure_pickle import WorkerResource
+from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist.coordinator.errors import (
     ClosureInputError,
     CoordinatorError,
     JoinTimeoutError,
     RemoteError,
     WorkerUnavailableError,
 )
-from jaxdist.ps.health import HealthWatcher, WorkerState
-from jaxdist.ps.remote_value import PerWorkerValues, RemoteValue
-from jaxdist.ps.worker_client import WorkerClient
-from jaxdist.ps.worker_runtime import make_dataset, make_iterator, resolve_strategy
-from jaxdist.ps.worker_service import FN_DIGEST_KEY, from_bytes_array, to_bytes_array
+from jaxdist.coordinator.health import HealthWatcher, WorkerState
+from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue
+from jaxdist.coordinator.worker_client import WorkerClient
+from jaxdist.coordinator.worker_runtime import make_dataset, make_iterator, resolve_strategy
+from jaxdist.coordinator.worker_service import FN_DIGEST_KEY, from_bytes_array, to_bytes_array
 
 log = logging.getLogger(__name__)
 
@@ -910,7 +910,7 @@ def get_current_worker_index() -> int:
         ...     i = jaxdist.coordinator.get_current_worker_index()
         ...     return jaxdist.Dataset.from_tensor_slices(x[i::num_workers])
     """
-    from jaxdist.ps import worker_runtime
+    from jaxdist.coordinator import worker_runtime
 
     try:
         runtime = worker_runtime.current()

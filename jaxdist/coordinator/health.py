@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
-from jaxdist.ps.coordinator_errors import CoordinatorError, WorkerUnavailableError
+from jaxdist.coordinator.errors import CoordinatorError, WorkerUnavailableError
 from jaxdist.ps.errors import PSError
 
 log = logging.getLogger(__name__)

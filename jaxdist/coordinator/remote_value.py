@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.ps.coordinator_errors import JoinTimeoutError
+from jaxdist.coordinator.errors import JoinTimeoutError
 
 
 class RemoteValueStatus(enum.Enum):

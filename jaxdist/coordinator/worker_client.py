@@ -28,14 +28,14 @@ import numpy as np
 
 from jaxdist.cluster.credentials import COORDINATOR_METADATA_KEY, coordinator_token
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.ps import wire
-from jaxdist.ps.coordinator_errors import (
+from jaxdist.coordinator.errors import (
     CoordinatorError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
+from jaxdist.coordinator.worker_service import MAC_KEY, NONCE_KEY, SERVICE_NAME, arrays_mac
+from jaxdist.ps import wire
 from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
-from jaxdist.ps.worker_service import MAC_KEY, NONCE_KEY, SERVICE_NAME, arrays_mac
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 

@@ -3,7 +3,7 @@
 Functions arrive pickled (cloudpickle) by the coordinator. References to coordinator objects
 that cannot travel (the strategy with its gRPC channels, ``PSVariables`` and embedding tables
 bound to the coordinator's client, per-worker resources) are pickled as small references
-(see ``jaxdist.ps.closure_pickle``) that the functions below resolve here, on the worker,
+(see ``jaxdist.coordinator.closure_pickle``) that the functions below resolve here, on the worker,
 against this worker's own objects.
 
 Example:
@@ -21,8 +21,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist.ps.cluster import TaskInfo
-from jaxdist.ps.coordinator_errors import MissingResourceError
+from jaxdist.cluster.task_info import TaskInfo
+from jaxdist.coordinator.errors import MissingResourceError
+from jaxdist.strategies.parameter_server import ParameterServerStrategy
 
 _current: WorkerRuntime | None = None
 
@@ -39,25 +40,9 @@ class _Resolver:
         return {k: list(v) for k, v in self._info.cluster.items()}
 
 
-_STRATEGY_CLASS: list[Any] = []
-
-
-def register_worker_strategy(strategy_cls: Any) -> None:
-    """Registers the strategy class worker tasks run functions under.
-
-    ``jaxdist.strategies.parameter_server`` registers ``ParameterServerStrategy`` when it is
-    imported (``import jaxdist`` does), so ``jaxdist.ps`` never imports ``jaxdist.strategies``.
-    """
-    _STRATEGY_CLASS[:] = [strategy_cls]
-
-
 def default_strategy_factory(info: TaskInfo, timeout: float) -> Any:
     """A ``ParameterServerStrategy`` for this worker (its local devices, its own ps client)."""
-    if not _STRATEGY_CLASS:  # importing any jaxdist module runs jaxdist/__init__, which registers
-        raise RuntimeError(
-            "no worker strategy registered: import jaxdist.strategies.parameter_server first"
-        )
-    return _STRATEGY_CLASS[0](_Resolver(info), timeout=timeout)
+    return ParameterServerStrategy(_Resolver(info), timeout=timeout)
 
 
 class WorkerRuntime:

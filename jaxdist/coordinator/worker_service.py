@@ -47,11 +47,12 @@ from jaxdist.cluster.credentials import (
     coordinator_verifier,
 )
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.ps import closure_pickle, wire
-from jaxdist.ps.coordinator_errors import MissingResourceError
+from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator.errors import MissingResourceError
+from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
+from jaxdist.ps import wire
 from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.worker_runtime import WorkerRuntime, set_current
 
 log = logging.getLogger(__name__)
 

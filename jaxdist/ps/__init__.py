@@ -6,7 +6,7 @@ Example:
 """
 
 from jaxdist.ps import optimizers, wire
-from jaxdist.ps.checkpoint_reader import PSCheckpointReader
+from jaxdist.ps.checkpoints import PSCheckpointReader
 from jaxdist.ps.client import LocalClient, PSClient
 from jaxdist.ps.embedding import EmbeddingLookup, EmbeddingTable
 from jaxdist.ps.errors import (

@@ -296,7 +296,7 @@ def replica_device_setter(
         ('/job:ps/task:0', '/job:ps/task:1', '/job:ps/task:0')
     """
     if cluster is not None:
-        from jaxdist.ps.cluster import cluster_dict
+        from jaxdist.cluster.task_info import cluster_dict
 
         jobs = cluster_dict(cluster)
         ps_job = _DeviceSpec.from_string(ps_device or "").job

@@ -161,7 +161,7 @@ class SidecarEvaluator:
 class PSCheckpointState:
     """Serves parameter-server checkpoints to ``SidecarEvaluator`` as Trainer states.
 
-    The parameters come from the ps shards (``jaxdist.ps.checkpoint_reader``); the rest of the
+    The parameters come from the ps shards (``jaxdist.ps.checkpoints``); the rest of the
     state (non-parameter model state, optimizer state) stays the evaluating Trainer's own, which
     evaluation does not use.
 
@@ -177,7 +177,7 @@ class PSCheckpointState:
 
     def __init__(self, directory: str, collection: str = "model",
                  steps_per_epoch: int | None = None):
-        from jaxdist.ps.checkpoint_reader import PSCheckpointReader
+        from jaxdist.ps.checkpoints import PSCheckpointReader
 
         self.reader = PSCheckpointReader(directory)
         self.collection = collection

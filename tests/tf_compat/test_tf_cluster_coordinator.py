@@ -31,8 +31,8 @@ from jaxdist.coordinator import (
     RemoteValue,
     RemoteValueStatus,
 )
+from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist.ps import optimizers as O
-from jaxdist.ps.closure_queue import Closure, ClosureQueue
 
 by_value(__name__)
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist import ps as ps_lib
-from jaxdist.ps.cluster import task_info
+from jaxdist.cluster.task_info import task_info
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.train.optimizers import learning_rate_from_config
 from jaxdist.train.schema import ConfigError, Field
@@ -154,7 +154,7 @@ def serve(cfg: Mapping[str, Any]) -> int:
     Raises:
         ConfigError: the job's optimizer cannot run on a ps (checked before serving).
     """
-    from jaxdist.ps.task import main
+    from jaxdist.server import main
 
     check_config(cfg)
 
