@@ -100,8 +100,7 @@ def strategy_scope_hook(strategy: Any) -> Any:
 
     Never imports keras and never raises: ``None`` when keras is not imported or runs on
     another backend, or for a ``ParameterServerStrategy`` (its Keras models are attached with
-    ``jaxdist.keras.attach``). For a strategy Keras ``fit`` cannot follow, the context makes
-    ``fit`` / ``evaluate`` / ``predict`` inside the scope raise ``NotImplementedError``.
+    ``jaxdist.keras.attach``).
 
     Example:
         >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
@@ -116,15 +115,10 @@ def strategy_scope_hook(strategy: Any) -> Any:
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
         from jaxdist.keras import distribution as dist_lib
-        from jaxdist.strategies.parameter_server import ParameterServerStrategy
 
-        if isinstance(strategy, ParameterServerStrategy):
+        if dist_lib._unsupported_reason(strategy) is not None:
             return None
-        why = dist_lib._unsupported_reason(strategy)
-        if why is None:
-            dist = dist_lib.StrategyDistribution(strategy)
-        else:
-            dist = dist_lib.UnsupportedDistribution(strategy, why)
+        dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist
     return dist.scope()
 
@@ -168,15 +162,17 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     # Classes that subclass Keras's are imported on first use (keras stays optional).
-    if name == "TensorBoard":
+    if name in ("BackupAndRestore", "ModelCheckpoint", "TensorBoard"):
         require_keras()
-        from jaxdist.keras.callbacks import TensorBoard
+        from jaxdist.keras import callbacks
 
-        return TensorBoard
+        return getattr(callbacks, name)
     raise AttributeError(f"module 'jaxdist.keras' has no attribute {name!r}")
 
 
 __all__ = [
+    "BackupAndRestore",
+    "ModelCheckpoint",
     "TensorBoard",
     "attach",
     "distribution_for",

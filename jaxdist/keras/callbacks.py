@@ -1,4 +1,4 @@
-"""Keras callbacks that need no TensorFlow: ``TensorBoard`` written with tensorboardX.
+"""Keras callbacks for jaxdist: chief-only writers, and ``TensorBoard`` without TensorFlow.
 
 Keras 3's own ``keras.callbacks.TensorBoard`` imports ``tensorflow.summary`` and so fails on
 a JAX-only install. ``jaxdist.keras.TensorBoard`` writes the same scalars (``epoch_loss``,
@@ -6,6 +6,12 @@ a JAX-only install. ``jaxdist.keras.TensorBoard`` writes the same scalars (``epo
 ``batch_*`` with an integer ``update_freq``) with tensorboardX, and only on the chief process
 (``jax.process_index() == 0``), as TF's Keras writes summaries only from the chief under a
 multi-worker strategy.
+
+Keras 3's ``ModelCheckpoint`` and ``BackupAndRestore`` know nothing of processes: under
+``MultiWorkerMirroredStrategy`` every process would write the same files at once.
+``jaxdist.keras.ModelCheckpoint`` and ``jaxdist.keras.BackupAndRestore`` write from the chief
+only (the state is mirrored, so the chief's copy is everyone's); every process reads the backup
+when ``fit`` starts, so a relaunched job resumes from the chief's last epoch on all workers.
 """
 
 from __future__ import annotations
@@ -81,3 +87,40 @@ class TensorBoard(keras.callbacks.Callback):
         for w in self._writers.values():
             w.close()
         self._writers.clear()
+
+
+def _is_chief() -> bool:
+    return jax.process_index() == 0
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's ``ModelCheckpoint``, written by the chief process only.
+
+    Takes Keras's arguments. On a single process it is Keras's callback.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[jaxdist.keras.ModelCheckpoint("ckpt/{epoch}.weights.h5",
+        ...                                                          save_weights_only=True)])
+    """
+
+    def _save_model(self, epoch: int, batch: Any, logs: dict | None) -> None:
+        if _is_chief():
+            super()._save_model(epoch, batch, logs)
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras's ``BackupAndRestore``: every process restores, only the chief backs up.
+
+    Takes Keras's arguments (``backup_dir`` on storage every process can read).
+
+    Example:
+        >>> model.fit(x, y, epochs=10, callbacks=[jaxdist.keras.BackupAndRestore("backup")])
+    """
+
+    def _save_model(self) -> None:
+        if _is_chief():
+            super()._save_model()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if _is_chief():
+            super().on_train_end(logs)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import keras
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from keras.src.distribution import distribution_lib
 
 from jaxdist.keras import central_storage
 from jaxdist.strategies.central_storage import CentralStorageStrategy
@@ -30,18 +30,12 @@ class _Layout:
 
 def _unsupported_reason(strategy: Any) -> str | None:
     """Why Keras fit cannot follow ``strategy`` as a data-parallel distribution (or None)."""
-    from jaxdist.strategies.multi_worker import MultiWorkerMirroredStrategy
     from jaxdist.strategies.parameter_server import ParameterServerStrategy
 
     if isinstance(strategy, ParameterServerStrategy):
         return (
             "a Keras model trains on parameter servers through "
             "jaxdist.keras.attach(model, strategy) after model.compile, not a scope"
-        )
-    if isinstance(strategy, MultiWorkerMirroredStrategy):
-        return (
-            "Keras fit across processes is not implemented; use jaxdist.Trainer or a custom "
-            "loop with strategy.run"
         )
     return None
 
@@ -52,46 +46,6 @@ def _check_supported(strategy: Any) -> None:
     why = _unsupported_reason(strategy)
     if why is not None:
         raise NotImplementedError(f"jaxdist.keras with {type(strategy).__name__}: {why}")
-
-
-class UnsupportedDistribution(distribution_lib.Distribution):
-    """What ``strategy.scope()`` installs for Keras when Keras cannot run under the strategy.
-
-    Variables are created as without a distribution (so non-Keras code and Keras objects used
-    outside ``fit`` keep working), and ``fit`` / ``evaluate`` / ``predict`` inside the scope
-    fail loudly instead of training each process on its own.
-
-    Example:
-        >>> with UnsupportedDistribution(strategy, "why").scope():
-        ...     model.fit(x, y)     # NotImplementedError naming the strategy and why
-    """
-
-    def __init__(self, strategy: Strategy, why: str):
-        super().__init__(keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"]))
-        self._strategy = strategy
-        self._why = why
-
-    @property
-    def strategy(self) -> Strategy:
-        """The jaxdist strategy whose scope installed this."""
-        return self._strategy
-
-    def get_data_layout(self, data_shape: Any) -> Any:
-        raise NotImplementedError(
-            f"Keras fit/evaluate/predict inside the scope of {self._strategy!r}: {self._why}"
-        )
-
-    def get_variable_layout(self, variable: Any) -> Any:
-        return None
-
-    def get_tensor_layout(self, path: str) -> Any:
-        return None
-
-    def distribute_dataset(self, dataset: Any) -> Any:
-        return dataset
-
-    def __repr__(self) -> str:
-        return f"UnsupportedDistribution({self._strategy!r})"
 
 
 class StrategyDistribution(keras.distribution.DataParallel):
@@ -127,6 +81,9 @@ class StrategyDistribution(keras.distribution.DataParallel):
         # flat twin and then keep the real mesh (data layouts span every replica axis).
         flat = keras.distribution.DeviceMesh((len(names),), [mesh.axis_names[0]], names)
         super().__init__(device_mesh=flat)
+        # Across processes each one feeds its own rows of every global batch (as each TF worker
+        # reads its shard of the dataset); Keras would otherwise want a tf.data dataset to shard.
+        self.auto_shard_dataset = False
         self._device_mesh = device_mesh
         self._strategy = strategy
         self._data_sharding = NamedSharding(mesh, P(ext.replica_axis_names))
@@ -147,7 +104,9 @@ class StrategyDistribution(keras.distribution.DataParallel):
         return self._strategy.num_replicas_in_sync
 
     def get_data_layout(self, data_shape: Any) -> Any:
-        n = self._strategy.num_replicas_in_sync
+        # Keras hands each process's own rows (make_array_from_process_local_data).
+        me = jax.process_index()
+        n = sum(d.process_index == me for d in self._strategy.extended.worker_devices)
         if data_shape and data_shape[0] is not None and data_shape[0] % n:
             raise ValueError(
                 f"a batch of {data_shape[0]} rows cannot be split over {n} replicas of "
