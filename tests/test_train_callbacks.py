@@ -293,3 +293,61 @@ def test_evaluate_and_predict_take_callbacks(data):
     t.predict(data[1][0], callbacks=[cb])
     assert calls == ["test_begin", ("test_end", ["accuracy", "loss"]), "predict_begin",
                      ("predict_end", (len(data[1][0]), 4))]
+
+
+# ---------------------------------------------------------------------- test / predict batches
+def C_top_k():
+    from jaxdist.train.keras_metrics import SparseTopKCategoricalAccuracy
+
+    return SparseTopKCategoricalAccuracy(k=2)
+
+
+def _strategy(name):
+    if name == "one_device":
+        return jaxdist.OneDeviceStrategy("/cpu:0")
+    if name == "mirrored":
+        return jaxdist.MirroredStrategy(jax.devices()[:2])
+    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored", "parameter_server"])
+def test_test_and_predict_batch_hooks_get_keras_logs(data, strategy, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    (x, y), (xv, yv) = data
+    from jaxdist.ps import optimizers as O
+
+    t = _trainer(_strategy(strategy),
+                 optimizer=O.sgd(0.1) if strategy == "parameter_server" else None,
+                 metrics=["accuracy", C_top_k()])
+    events = []
+
+    def record(name):
+        return lambda *a: events.append((name, *a))
+
+    cb = C.LambdaCallback(**{h: record(h) for h in (
+        "on_test_begin", "on_test_end", "on_test_batch_begin", "on_test_batch_end",
+        "on_predict_begin", "on_predict_end", "on_predict_batch_begin",
+        "on_predict_batch_end")})
+    rows = 2 * GBS + 8                     # three batches, the last one padded
+    result = t.evaluate((x[:rows], y[:rows]), callbacks=[cb])
+    names = [e[0] for e in events]
+    assert names == ["on_test_begin", *["on_test_batch_begin", "on_test_batch_end"] * 3,
+                     "on_test_end"], names
+    assert [e[1] for e in events if e[0].startswith("on_test_batch")] == [0, 0, 1, 1, 2, 2]
+    ends = [e[2] for e in events if e[0] == "on_test_batch_end"]
+    # Keras: each batch's logs are the results over the batches so far
+    assert ends[0] == pytest.approx(t.evaluate((x[:GBS], y[:GBS])))
+    assert ends[-1] == pytest.approx(result) and events[-1][1] == result
+    events.clear()
+    out = t.predict(x[:rows], callbacks=[cb])
+    assert [e[0] for e in events] == ["on_predict_begin", *["on_predict_batch_begin",
+                                                            "on_predict_batch_end"] * 3,
+                                      "on_predict_end"]
+    batches = [e[2]["outputs"] for e in events if e[0] == "on_predict_batch_end"]
+    assert [len(b) for b in batches] == [GBS, GBS, 8]
+    np.testing.assert_array_equal(np.concatenate(batches), out)
+    # fit's validation calls the test hooks of fit's callbacks
+    events.clear()
+    t.fit((x, y), steps=2, validation_data=(xv[:GBS], yv[:GBS]), callbacks=[cb], verbose=0)
+    assert [e[0] for e in events] == ["on_test_begin", "on_test_batch_begin",
+                                      "on_test_batch_end", "on_test_end"]

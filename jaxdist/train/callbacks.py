@@ -155,6 +155,17 @@ class CallbackList:
         """Whether a callback overrides a training batch hook (logs are then fetched)."""
         return any(_overrides(cb, h) for cb in self.callbacks for h in _BATCH_HOOKS)
 
+    def overrides(self, *hooks: str) -> bool:
+        """Whether a callback implements one of ``hooks`` (e.g. ``"on_test_batch_end"``), so
+        the caller computes what it would be passed only when someone reads it.
+
+        Example:
+            >>> CallbackList([LambdaCallback(on_test_batch_end=f)]).overrides("on_test_batch_end")
+            True
+        """
+        return any(_overrides(cb, h) or _lambda_overrides(cb, h)
+                   for cb in self.callbacks for h in hooks)
+
     def __getattr__(self, name: str) -> Callable[..., None]:
         if not name.startswith("on_"):
             raise AttributeError(name)
@@ -168,7 +179,8 @@ class CallbackList:
 
 def with_callbacks(phase: str) -> Callable:
     """Decorates ``Trainer.evaluate`` (``"test"``) or ``predict`` (``"predict"``): an optional
-    ``callbacks=[...]`` argument gets ``on_<phase>_begin()`` and ``on_<phase>_end(logs)``.
+    ``callbacks=[...]`` argument gets ``on_<phase>_begin()`` and ``on_<phase>_end(logs)``, and
+    the method gets the ``CallbackList`` as ``callback_list`` (for the batch hooks).
 
     Example:
         >>> trainer.evaluate((x, y), callbacks=[LambdaCallback(on_test_end=print)])
@@ -178,12 +190,14 @@ def with_callbacks(phase: str) -> Callable:
     def wrap(method: Callable) -> Callable:
         @functools.wraps(method)
         def run(self: Any, *args: Any, callbacks: Iterable[Callback] | None = None,
-                **kwargs: Any) -> Any:
+                callback_list: CallbackList | None = None, **kwargs: Any) -> Any:
+            if callback_list is not None:  # fit's validation: its callbacks, begin/end there
+                return method(self, *args, callback_list=callback_list, **kwargs)
             if not callbacks:
                 return method(self, *args, **kwargs)
             cbs = CallbackList(callbacks, model=self, is_chief=self.should_save_summary)
             getattr(cbs, f"on_{phase}_begin")()
-            out = method(self, *args, **kwargs)
+            out = method(self, *args, callback_list=cbs, **kwargs)
             getattr(cbs, f"on_{phase}_end")(out if isinstance(out, dict) else {"outputs": out})
             return out
 

@@ -442,21 +442,41 @@ class Trainer(TrainerHandle):
                                           is_chief=self.should_save_summary, params=params)
 
     @callbacks_lib.with_callbacks("test")
-    def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None) -> dict[str, float]:
+    def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None,
+                 callback_list: Any = None) -> dict[str, float]:
         """Mean loss and accuracy over every example of ``data`` (arrays or a stream, as in
         ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` and the
-        accuracy ``sum(w * correct) / sum(w)`` (Keras)."""
+        accuracy ``sum(w * correct) / sum(w)`` (Keras).
+
+        ``callbacks=[...]`` get ``on_test_begin``, ``on_test_batch_begin(i)`` and
+        ``on_test_batch_end(i, logs)`` for every global batch ``i`` (``logs``: the results
+        over the batches so far, as Keras), and ``on_test_end(results)``; ``fit`` calls the
+        same hooks of its callbacks when it validates."""
         d = inputs_lib.source(data, y, sample_weight, what="evaluate data")
         self._check_shapes(self._example(d), "evaluate data")
         totals: list[Any] = []
         params = self._current_params()
-        for xb, yb, wb, mb in self._distribute(self._eval_chunks(d, labels=True)):
+        cbs = callback_list
+        batch_logs = cbs is not None and cbs.overrides("on_test_batch_end")
+        batches = self._distribute(self._eval_chunks(d, labels=True))
+        for i, (xb, yb, wb, mb) in enumerate(batches):
+            if cbs is not None:
+                cbs.on_test_batch_begin(i)
             totals.append(self.strategy.run(self._eval_replica,
                                             args=(params, self.rest, self._rngs, xb, yb, wb, mb)))
-        fetched = jax.device_get(totals)
+            if cbs is not None:
+                cbs.on_test_batch_end(i, self._eval_results(jax.device_get(totals))
+                                      if batch_logs else {})
+        out = self._eval_results(jax.device_get(totals))
+        if out is None:
+            raise data_lib.DataError("evaluate data has no examples")
+        return out
+
+    def _eval_results(self, fetched: Sequence[Any]) -> dict[str, float] | None:
+        """Loss, accuracy and metrics from fetched evaluation sums (``None``: no examples)."""
         count = sum(float(t["count"]) for t in fetched)
         if count == 0:
-            raise data_lib.DataError("evaluate data has no examples")
+            return None
         loss = sum(float(t["loss"]) for t in fetched)
         correct = sum(float(t["correct"]) for t in fetched)
         weight = sum(float(t["weight"]) for t in fetched)
@@ -475,9 +495,13 @@ class Trainer(TrainerHandle):
         return {m.name: m.result(total[m.name]) for m in self.metrics}
 
     @callbacks_lib.with_callbacks("predict")
-    def predict(self, x: Any) -> np.ndarray:
+    def predict(self, x: Any, callback_list: Any = None) -> np.ndarray:
         """The model's outputs for every row of ``x`` (an array, a dict of feature arrays or a
-        stream of batches; labels in it are ignored), batched by ``global_batch_size``."""
+        stream of batches; labels in it are ignored), batched by ``global_batch_size``.
+
+        ``callbacks=[...]`` get ``on_predict_begin``, ``on_predict_batch_begin(i)`` and
+        ``on_predict_batch_end(i, {"outputs": the batch's outputs})`` for every global batch
+        ``i`` (padding rows dropped), and ``on_predict_end({"outputs": all outputs})``."""
         if isinstance(x, data_lib.ArrayData) or inputs_lib._is_features(x):
             feats = x.x if isinstance(x, data_lib.ArrayData) else x
             first = next(iter(feats.values())) if isinstance(feats, Mapping) else feats
@@ -486,11 +510,16 @@ class Trainer(TrainerHandle):
             d = inputs_lib.StreamSource(x, "predict data")
         outs, n = [], 0
         params = self._current_params()
-        for xb, mb in self._distribute(self._eval_chunks(d, labels=False)):
+        cbs = callback_list
+        for i, (xb, mb) in enumerate(self._distribute(self._eval_chunks(d, labels=False))):
+            if cbs is not None:
+                cbs.on_predict_batch_begin(i)
             out = self.strategy.run(self._predict_replica, args=(params, self.rest, self._rngs, xb))
             mask = np.asarray(self.strategy.gather(mb, axis=0)) > 0
             outs.append(np.asarray(self.strategy.gather(out, axis=0))[mask])
             n += int(mask.sum())
+            if cbs is not None:
+                cbs.on_predict_batch_end(i, {"outputs": outs[-1]})
         if not outs:
             return np.zeros((0,), np.float32)
         return np.concatenate(outs)[:n]
@@ -712,7 +741,7 @@ class Trainer(TrainerHandle):
         def validate() -> dict[str, float]:
             nonlocal last_val_step, last_val_version, last_log_time
             cbs.on_test_begin()
-            values = self.evaluate(val)
+            values = self.evaluate(val, callback_list=cbs)
             cbs.on_test_end(values)
             last_val_version = self._hook.state_version(self)
             history.records.append(logger.write("validation", self.step, epoch=self.epoch,
