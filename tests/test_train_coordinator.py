@@ -241,7 +241,8 @@ def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
 
     ps = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
     t = trainer(ps, O.sgd(0.1))
-    step = WorkerStep(t._ms, t.loss_fn, 16, t._hook.variables, t.rest, ps, None, t.metrics)
+    step = WorkerStep(t._ms, t.loss_fn, 16, t._hook.variables, t.rest, ps, None,
+                      t._metric_specs)
     got = step(iter([(x, y, w)]))
 
     class Ready:  # a RemoteValue that is ready

@@ -186,7 +186,7 @@ def test_grain_missing_gives_the_install_command(monkeypatch):
 
 def test_sample_and_class_weights_weight_the_loss_and_the_metrics(data, strategy):
     x, y = data
-    doubled = _trainer(strategy)
+    doubled = _trainer(strategy, weighted_metrics=["accuracy"])
     doubled.fit((x, y), steps=3, sample_weight=np.full(64, 2.0, np.float32))
     faster = _trainer(strategy, lr=0.2)
     faster.fit((x, y), steps=3)
@@ -194,11 +194,13 @@ def test_sample_and_class_weights_weight_the_loss_and_the_metrics(data, strategy
     by_class = _trainer(strategy)
     by_class.fit((x, y), steps=3, class_weight={0: 2.0, 1: 2.0, 2: 2.0})
     _same(by_class, faster, rtol=1e-5, atol=1e-6)
-    # zero weights: those rows count for nothing
+    # zero weights: those rows count for nothing in the weighted metrics (Keras'
+    # weighted_metrics, named weighted_accuracy beside the unweighted accuracy) and the loss
     w = (np.arange(64) < 40).astype(np.float32)
     m = doubled.evaluate((x, y, w))
     ref = doubled.evaluate((x[:40], y[:40]))
-    assert m["accuracy"] == pytest.approx(ref["accuracy"], rel=1e-6)
+    assert m["weighted_accuracy"] == pytest.approx(ref["accuracy"], rel=1e-6)
+    assert m["accuracy"] == pytest.approx(doubled.evaluate((x, y))["accuracy"], rel=1e-6)
     assert m["loss"] == pytest.approx(ref["loss"] * 40 / 64, rel=1e-5)   # sum(w*l)/n
     with pytest.raises(DataError, match="class_weight has no weight for class 2"):
         _trainer(strategy).fit((x, y), steps=1, class_weight={0: 1.0, 1: 1.0})

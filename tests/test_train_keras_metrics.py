@@ -125,3 +125,41 @@ def test_config_metrics_are_validated(metrics, message):
     with pytest.raises(ConfigError) as e:
         load_config(raw={"train": {"metrics": metrics}})
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_weighted_metrics_are_weighted_and_metrics_are_not_as_in_keras():
+    """``metrics`` ignore the sample weights, ``weighted_metrics`` use them (Keras' names:
+    a repeated name gets ``weighted_``); a weight of 2 counts a row twice."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxdist
+    from jaxdist.train.keras_metrics import AUC
+    from jaxdist.train.models import MLP
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(48, 5)).astype(np.float32)
+    y = (x[:, 0] + rng.normal(size=48) > 0).astype(np.int32)
+    w = rng.integers(0, 3, size=48).astype(np.float32)          # 0, 1 or 2 per row
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+    with strategy.scope():
+        t = jaxdist.Trainer(MLP(5, [8], 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                            global_batch_size=16, strategy=strategy, progress_bar="never",
+                            metrics=["accuracy", AUC()],
+                            weighted_metrics=["accuracy", AUC(), AUC(name="auc_w")])
+    got = t.evaluate((x, y, w))
+    assert set(got) == {"loss", "accuracy", "auc", "weighted_accuracy", "weighted_auc",
+                        "auc_w"}
+    plain = t.evaluate((x, y))
+    assert got["accuracy"] == pytest.approx(plain["accuracy"])
+    assert got["auc"] == pytest.approx(plain["auc"])
+    # weights as repeated rows: the weighted metrics equal the unweighted ones on them
+    rep = np.repeat(np.arange(48), w.astype(int))
+    repeated = t.evaluate((x[rep], y[rep]))
+    assert got["weighted_accuracy"] == pytest.approx(repeated["accuracy"], rel=1e-6)
+    assert got["weighted_auc"] == pytest.approx(repeated["auc"], rel=1e-6)
+    assert got["auc_w"] == pytest.approx(got["weighted_auc"])
+    # and in training: the logged weighted metrics use the sample weights
+    h = t.fit((x, y), sample_weight=w, epochs=1, verbose=0)
+    assert {"weighted_accuracy", "weighted_auc", "accuracy", "auc"} <= set(h.history)

@@ -211,7 +211,7 @@ def _small_trainer(strategy, optimizer, **kwargs):
             MLP(6, [8], 2, rngs=nnx.Rngs(0)), optimizer, global_batch_size=16,
             strategy=strategy, log_dir=None, progress_bar="never", log_every_steps=3,
             metrics=["accuracy", "auc", SparseTopKCategoricalAccuracy(k=1, name="top1")],
-            **kwargs)
+            weighted_metrics=["accuracy", "auc"], **kwargs)
 
 
 def test_every_metric_is_computed_under_ps_and_equals_the_synchronous_trainers():
@@ -225,7 +225,8 @@ def test_every_metric_is_computed_under_ps_and_equals_the_synchronous_trainers()
                   verbose=0)
     h_sync = sync.fit((x, y), epochs=2, sample_weight=w, validation_data=(x[:40], y[:40]),
                       verbose=0)
-    for key in ("loss", "accuracy", "auc", "top1", "val_loss", "val_auc", "val_top1"):
+    for key in ("loss", "accuracy", "auc", "top1", "val_loss", "val_auc", "val_top1",
+                "weighted_accuracy", "weighted_auc", "val_weighted_auc"):
         assert key in h_ps.history, (key, sorted(h_ps.history))
         np.testing.assert_allclose(h_ps.history[key], h_sync.history[key], rtol=1e-4,
                                    atol=1e-5, err_msg=key)

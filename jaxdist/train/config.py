@@ -95,21 +95,23 @@ def _cross_checks(cfg: dict[str, Any]) -> None:
 
 
 def _check_keras_lists(cfg: Mapping[str, Any]) -> None:
-    """Validates ``callbacks`` and ``train.metrics`` by building them once (cheap objects)."""
+    """Validates ``callbacks``, ``train.metrics`` and ``train.weighted_metrics`` by building
+    them once (cheap objects)."""
     from jaxdist.train import callbacks, keras_metrics
 
     try:
         callbacks.from_config(cfg["callbacks"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for i, spec in enumerate(cfg["train"]["metrics"]):
-        if not isinstance(spec, (str, Mapping)):
-            raise ConfigError(f"train.metrics[{i}]: {spec!r} is not valid; expected a metric "
-                              f"name or {{name: ..., **arguments}}")
-        try:
-            keras_metrics.get(spec)
-        except ValueError as e:
-            raise ConfigError(f"train.metrics[{i}]: {e}") from None
+    for key in ("metrics", "weighted_metrics"):
+        for i, spec in enumerate(cfg["train"].get(key) or ()):
+            if not isinstance(spec, (str, Mapping)):
+                raise ConfigError(f"train.{key}[{i}]: {spec!r} is not valid; expected a "
+                                  f"metric name or {{name: ..., **arguments}}")
+            try:
+                keras_metrics.get(spec)
+            except ValueError as e:
+                raise ConfigError(f"train.{key}[{i}]: {e}") from None
 
 
 def check_replicas(cfg: Mapping[str, Any], num_replicas: int) -> None:

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -203,6 +203,24 @@ class AUC(Metric):
         return float(np.sum((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2.0))
 
 
+def metric_sums(specs: Sequence[tuple[str, Any, bool]], logits: jax.Array, y: jax.Array,
+                mask: Any, w: Any = None) -> dict[str, Any]:
+    """``{"metrics": {name: sums}}`` for ``(name, metric, weighted)`` specs: unweighted
+    metrics count the rows where ``mask`` is 1 (``None``: all), weighted ones weight each
+    row by ``w`` (times ``mask``). Used inside replica functions (jax).
+
+    Example:
+        >>> metric_sums([("auc", AUC(), False), ("weighted_auc", AUC(), True)],
+        ...             logits, labels, None, sample_weight)["metrics"]["auc"]["tp"]
+    """
+    if not specs:
+        return {}
+    mask = jnp.ones(y.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    weighted = mask if w is None else mask * w.astype(jnp.float32)
+    return {"metrics": {name: m.update(logits, y, weighted if is_weighted else mask)
+                        for name, m, is_weighted in specs}}
+
+
 _ACCURACY_NAMES = ("accuracy", "acc", "sparse_categorical_accuracy")
 METRICS: dict[str, Callable[..., Metric]] = {
     "categorical_accuracy": CategoricalAccuracy,
@@ -257,4 +275,4 @@ def get(spec: Any) -> Metric:
 
 __all__ = ["AUC", "BinaryAccuracy", "CategoricalAccuracy", "METRICS", "MeanMetricWrapper",
            "Metric", "SparseCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "get",
-           "is_accuracy"]
+           "is_accuracy", "metric_sums"]

@@ -158,6 +158,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
                          "sparse_top_k_categorical_accuracy, auc, ...) or {name: ..., k: 3}",
                          arg="metrics",
                          arg_default=None),  # Trainer: None = ["accuracy"] if accuracy=True
+        "weighted_metrics": Field(list, [], "Keras weighted_metrics: metrics weighted by "
+                                  "the sample/class weights (the metrics above are not); a "
+                                  "name also in metrics is logged as weighted_<name>",
+                                  arg="weighted_metrics", arg_default=None),
     },
     "checkpoint": {
         "dir": Field(str, None, "checkpoint directory (null: no checkpoints); on start the "

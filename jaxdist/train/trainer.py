@@ -102,7 +102,12 @@ class Trainer(TrainerHandle):
         metrics: Keras metrics, e.g. ``["accuracy", "auc",
             SparseTopKCategoricalAccuracy(k=3)]`` (``jaxdist.train.keras_metrics``); summed
             over replicas, processes and steps before dividing. ``None``: ``["accuracy"]``
-            when ``accuracy`` is true.
+            when ``accuracy`` is true. As in Keras these are *not* weighted by
+            ``sample_weight``/``class_weight`` (only the loss is).
+        weighted_metrics: Keras' ``weighted_metrics``: metrics weighted by the sample (and
+            class) weights, e.g. ``["accuracy", "auc"]`` (``sum(w * hit) / sum(w)``; AUC's
+            confusion counts weighted). A name already in ``metrics`` is logged as
+            ``weighted_<name>``, as Keras does.
         log_every_steps: training metrics are logged every this many steps.
         tensorboard: write TensorBoard event files into ``log_dir``.
         progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
@@ -151,6 +156,7 @@ class Trainer(TrainerHandle):
         log_every_steps: int = _D["log_every_steps"],
         run_name: str | None = _D["run_name"],
         metrics: Sequence[Any] | None = _D["metrics"],
+        weighted_metrics: Sequence[Any] | None = _D["weighted_metrics"],
         tensorboard: bool = _D["tensorboard"],
         progress_bar: str = _D["progress_bar"],
         halt_on_nan: bool = _D["halt_on_nan"],
@@ -188,6 +194,15 @@ class Trainer(TrainerHandle):
         specs = (["accuracy"] if accuracy else []) if metrics is None else list(metrics)
         accuracy = any(keras_metrics.is_accuracy(m) for m in specs)
         self.metrics = [keras_metrics.get(m) for m in specs if not keras_metrics.is_accuracy(m)]
+        self.weighted_metrics = [keras_metrics.get(m) for m in (weighted_metrics or ())]
+        # (logged name, metric, weighted): Keras' names, "weighted_" before a repeated name.
+        taken = {"loss", *(["accuracy"] if accuracy else []), *(m.name for m in self.metrics)}
+        self._metric_specs = [(m.name, m, False) for m in self.metrics]
+        for spec, m in zip(weighted_metrics or (), self.weighted_metrics):
+            name = spec if keras_metrics.is_accuracy(spec) else m.name
+            name = f"weighted_{name}" if name in taken else name
+            taken.add(name)
+            self._metric_specs.append((name, m, True))
         self.log_every_steps = log_every_steps
         self.tensorboard = tensorboard
         self.progress_bar = progress_bar
@@ -272,9 +287,10 @@ class Trainer(TrainerHandle):
                 rest = _mean_where_varying(ctx, new_rest)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 params = optax.apply_updates(params, updates)
-                stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
-                         "weight": jnp.sum(wb)}
-                stats.update(metric_stats(logits, yb, None))
+                # accuracy, as Keras' `metrics`, is not weighted (every training row is real)
+                stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
+                         "weight": jnp.float32(yb.shape[0])}
+                stats.update(metric_stats(logits, yb, None, wb))
                 return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
 
             (params, rest, opt_state, _), stats = lax.scan(
@@ -291,21 +307,21 @@ class Trainer(TrainerHandle):
             per_example = loss_fn(logits, y)
             stats = {
                 "loss": jnp.sum(per_example * w),
-                "correct": jnp.sum(_correct_per_example(logits, y) * w),
-                "weight": jnp.sum(w),
+                "correct": jnp.sum(_correct_per_example(logits, y) * mask),  # unweighted
+                "weight": jnp.sum(mask),
                 "count": jnp.sum(mask),
             }
-            stats.update(metric_stats(logits, y, mask))
+            stats.update(metric_stats(logits, y, mask, w))
             return distribute.get_replica_context().all_reduce("SUM", stats)
 
         return eval_replica
 
-    def _metric_stats(self, logits: jax.Array, y: jax.Array, mask: Any) -> dict[str, Any]:
-        """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller)."""
-        if not self.metrics:
-            return {}
-        mask = jnp.ones(y.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
-        return {"metrics": {m.name: m.update(logits, y, mask) for m in self.metrics}}
+    def _metric_stats(self, logits: jax.Array, y: jax.Array, mask: Any,
+                      w: Any = None) -> dict[str, Any]:
+        """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller): the
+        ``metrics`` over the real rows (``mask``), the ``weighted_metrics`` with each row
+        weighted by its sample weight ``w``."""
+        return keras_metrics.metric_sums(self._metric_specs, logits, y, mask, w)
 
     def _make_predict_replica(self) -> Callable:
         apply = self._apply
@@ -445,8 +461,9 @@ class Trainer(TrainerHandle):
     def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None,
                  callback_list: Any = None) -> dict[str, float]:
         """Mean loss and accuracy over every example of ``data`` (arrays or a stream, as in
-        ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` and the
-        accuracy ``sum(w * correct) / sum(w)`` (Keras).
+        ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` (Keras); the
+        ``metrics`` (accuracy included) are not weighted, the ``weighted_metrics`` are
+        (``sum(w * hit) / sum(w)``), as in Keras.
 
         ``callbacks=[...]`` get ``on_test_begin``, ``on_test_batch_begin(i)`` and
         ``on_test_batch_end(i, logs)`` for every global batch ``i`` (``logs``: the results
@@ -489,10 +506,10 @@ class Trainer(TrainerHandle):
     def _metric_results(self, sums: Sequence[Any]) -> dict[str, float]:
         """Each metric's value from the summed stats of several dispatches (host arrays)."""
         sums = [s for s in sums if s is not None]
-        if not self.metrics or not sums:
+        if not self._metric_specs or not sums:
             return {}
         total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *sums)
-        return {m.name: m.result(total[m.name]) for m in self.metrics}
+        return {name: m.result(total[name]) for name, m, _ in self._metric_specs}
 
     @callbacks_lib.with_callbacks("predict")
     def predict(self, x: Any, callback_list: Any = None) -> np.ndarray:

@@ -246,9 +246,9 @@ def _make_grad_replica(trainer: Any):
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
         grads = ctx.all_reduce("SUM", grads)
-        stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb) * wb),
-                 "weight": jnp.sum(wb)}
-        stats.update(trainer._metric_stats(logits, yb, None))  # every metric, as in sync fit
+        stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
+                 "weight": jnp.float32(yb.shape[0])}        # accuracy: unweighted (Keras)
+        stats.update(trainer._metric_stats(logits, yb, None, wb))  # as in the sync fit
         return ctx.all_reduce("SUM", stats), grads
 
     return grad_replica

@@ -43,6 +43,7 @@ import numpy as np
 from jaxdist import strategies as distribute
 from jaxdist.ps import optimizers as ps_optimizers
 from jaxdist.train import data as data_lib
+from jaxdist.train import keras_metrics
 from jaxdist.train.hooks import TrainerHook
 from jaxdist.train.parameter_server.between_graph import ParameterServerHook, PSHookMixin
 
@@ -139,6 +140,7 @@ class WorkerStep:
     def __init__(self, model_state: Any, loss_fn: Callable, global_batch_size: int,
                  variables: Any, rest: Any, strategy: Any, compute_dtype: Any = None,
                  metrics: Any = ()):
+        # metrics: the trainer's ``(name, metric, weighted)`` specs
         self.model_state, self.loss_fn = model_state, loss_fn
         self.metrics = tuple(metrics)
         self.global_batch_size = int(global_batch_size)
@@ -199,11 +201,10 @@ def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
 
         (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
         grads = ctx.all_reduce("SUM", grads)
-        stats = {"loss": loss, "correct": jax.numpy.sum(_correct_per_example(logits, y) * w),
-                 "weight": jax.numpy.sum(w)}
-        if metrics:  # the same sums as the synchronous trainer's (keras_metrics)
-            ones = jax.numpy.ones(y.shape[:1], jax.numpy.float32)
-            stats["metrics"] = {m.name: m.update(logits, y, ones) for m in metrics}
+        stats = {"loss": loss, "correct": jax.numpy.sum(_correct_per_example(logits, y)),
+                 "weight": jax.numpy.float32(y.shape[0])}    # accuracy: unweighted (Keras)
+        # the same sums as the synchronous trainer's (weighted_metrics weighted by w)
+        stats.update(keras_metrics.metric_sums(metrics, logits, y, None, w))
         return ctx.all_reduce("SUM", stats), grads
 
     return grad_replica
@@ -281,7 +282,7 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         ms = dataclasses.replace(trainer._ms, params=None)  # the parameters live on the ps
         self._step_fn = WorkerStep(ms, trainer.loss_fn, trainer.global_batch_size,
                                    self.variables, host_rest, self.strategy,
-                                   trainer._compute_dtype, trainer.metrics)
+                                   trainer._compute_dtype, trainer._metric_specs)
         return host, rest, None
 
     def current_params(self, trainer: Any) -> Any:
