@@ -317,3 +317,18 @@ def test_frames_round_trip_with_aligned_arrays():
 def test_prefix_layout():
     assert direct.PREFIX.size == 16
     assert struct.unpack("<4sIQ", direct.PREFIX.pack(b"JDQ1", 3, 4)) == (b"JDQ1", 3, 4)
+
+
+def test_one_deadline_covers_discovery_and_the_call():
+    from jaxdist.ps.errors import PSUnavailableError
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+    client = PSClient([f"127.0.0.1:{port}"], TOKEN, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(PSUnavailableError, match=r"ps:0 .* did not answer Pull within 1.0 s"):
+        client.call(0, "Pull", {"keys": ["w"]})
+    assert time.monotonic() - t0 < 1.8  # the direct port's discovery ate part of the 1 s
+    client.close()

@@ -148,18 +148,19 @@ class PSClient(_Base):
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"ps task {task} does not exist: the cluster has {self.num_tasks}")
         timeout = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout  # one deadline for both transports
         if self._direct is not None:
             try:
                 return self._direct.call(task, method, dict(meta or {}), arrays or {},
-                                         time.monotonic() + timeout, timeout,
-                                         method in protocol.IDEMPOTENT)
+                                         deadline, timeout, method in protocol.IDEMPOTENT)
             except DirectUnavailable:
                 pass  # no direct port, or it failed before the call could matter: use gRPC
-        return self._grpc_call(task, method, meta, arrays, timeout)
+        return self._grpc_call(task, method, meta, arrays, timeout, deadline)
 
     def _grpc_call(self, task: int, method: str, meta: dict | None, arrays: dict | None,
-                   timeout: float) -> Message:
-        deadline = time.monotonic() + timeout
+                   timeout: float, deadline: float | None = None) -> Message:
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
