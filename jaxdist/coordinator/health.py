@@ -74,10 +74,13 @@ class WorkerState:
             call.cancel()
 
     def mark_down(self, error: BaseException | None = None) -> None:
-        if self.up.is_set():
-            self.downs += 1
+        with self._lock:  # two senders may lose their calls at once: one down, counted once
+            was_up = self.up.is_set()
+            self.up.clear()
+            if was_up:
+                self.downs += 1
+        if was_up:
             log.warning("%s is down: %s", self.name, error)
-        self.up.clear()
         if error is not None:
             self.last_error = error
 
