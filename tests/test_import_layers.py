@@ -1,0 +1,315 @@
+"""The package's import structure: every module imports alone, no circles, arrows point down.
+
+The layers (docs/architecture.md), read from the imports of every file (imports inside functions
+included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out):
+
+    train -> coordinator -> strategies -> (input, ps) -> cluster, values -> jax
+    keras -> strategies (and what strategies may import)
+
+``cluster`` and ``values`` import nothing of jaxdist; ``testing`` and the top-level modules
+(``jaxdist/*.py``) may import anything. Between files there is no circle at all.
+
+The checker (``module_graph``, ``find_cycles``, ``layer_violations``) is tested on small
+synthetic graphs first, so a circle or an upward arrow is known to fail the test.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterable, Mapping
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxdist")
+
+# Package -> the jaxdist packages it may import (a package may always import its own modules).
+# "*" means anything. The top-level modules (jaxdist/__init__.py, jaxdist/launch.py, ...) are
+# the package "" and, like testing/, sit above everything.
+_BELOW_STRATEGIES = {"input", "ps", "cluster", "values"}
+ALLOWED: dict[str, set[str] | str] = {
+    "values": set(),
+    "cluster": set(),
+    "input": {"values"},
+    "ps": {"cluster", "values"},
+    "strategies": set(_BELOW_STRATEGIES),
+    "coordinator": {"strategies", *_BELOW_STRATEGIES},
+    "keras": {"strategies", *_BELOW_STRATEGIES},
+    "train": {"coordinator", "strategies", *_BELOW_STRATEGIES},
+    "testing": "*",
+    "": "*",
+}
+
+# Explicit exceptions, each naming why it is still there. Keep this empty: an entry is a bug to
+# fix (issue 12), not a rule.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
+
+
+# ---------------------------------------------------------------------- the checker
+def _module_name(path: str, root: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(root))[: -len(".py")]
+    parts = rel.split(os.sep)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _walk(node: ast.AST) -> Iterable[ast.AST]:
+    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` (they never run)."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterable[tuple[str, list[str]]]:
+    """Yields ``(base, names)`` for every import in ``tree`` that can run: function bodies
+    included, ``if TYPE_CHECKING:`` blocks (annotations only) left out."""
+    for node in _walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                pkg = module.split(".")
+                if not is_package:
+                    pkg = pkg[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            yield base, [a.name for a in node.names]
+
+
+def module_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """``{module: {jaxdist modules it imports}}`` for every ``.py`` file under ``root``.
+
+    ``from a.b import c`` is an arrow to ``a.b.c`` when that is a module, else to ``a.b``.
+    """
+    files: dict[str, str] = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                files[_module_name(path, root)] = path
+    top = os.path.basename(root)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        out: set[str] = set()
+        is_package = path.endswith("__init__.py")
+        for base, names in _imports(tree, module, is_package):
+            if base != top and not base.startswith(top + "."):
+                continue
+            targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in files]
+            if len(targets) < len(names) or not names:
+                # Some names are attributes of ``base`` itself; ``import a.b`` needs ``a.b``.
+                while base not in files and "." in base:
+                    base = base.rsplit(".", 1)[0]
+                targets.append(base)
+            out.update(t for t in targets if t != module)
+        graph[module] = out
+    return graph
+
+
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        # Iterative Tarjan: (node, iterator over its successors).
+        work = [(v, iter(sorted(graph.get(v, ()))))]
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, succ = work[-1]
+            advanced = False
+            for w in succ:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _packages(root: str = ROOT) -> set[str]:
+    return {d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "__init__.py"))}
+
+
+_PACKAGES = _packages()
+
+
+def package_of(module: str) -> str:
+    """``jaxdist.train.job`` -> ``train``; a top-level module (``jaxdist.launch``) -> ``""``."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in _PACKAGES):
+        return parts[1]
+    return ""
+
+
+def layer_violations(graph: Mapping[str, Iterable[str]],
+                     allowed: Mapping[str, set[str] | str] = ALLOWED,
+                     exceptions: set[tuple[str, str]] = frozenset()) -> list[str]:
+    """``"a -> b (package x may not import package y)"`` for every arrow the layers forbid."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        src = package_of(module)
+        ok = allowed.get(src)
+        if ok is None:
+            out.append(f"{module}: package {src!r} is not in the layer table; add it")
+            continue
+        for t in sorted(targets):
+            dst = package_of(t)
+            if ok == "*" or dst == src or dst in ok or (module, t) in exceptions:
+                continue
+            out.append(f"{module} -> {t} (package {src or 'jaxdist'!r} may not import "
+                       f"{dst or 'jaxdist'!r}; allowed: {sorted(ok)})")
+    return out
+
+
+# ---------------------------------------------------------------------- the checker's own tests
+def _write(root: str, files: Mapping[str, str]) -> None:
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(text))
+
+
+def test_checker_finds_a_circle_through_an_import_inside_a_function(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/x.py": "from jaxdist.a.y import f\n",
+        "a/y.py": "def f():\n    from jaxdist.a import z\n",
+        "a/z.py": "import jaxdist.a.x\n",
+        "a/t.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import jaxdist.a.u\n",
+        "a/u.py": "import jaxdist.a.t\n",      # only a type-checking arrow back: no circle
+        "a/w.py": "from jaxdist.a.x import f\n",   # depends on the circle, not part of it
+    })
+    graph = module_graph(str(root))
+    assert graph["jaxdist.a.y"] == {"jaxdist.a.z"}
+    assert find_cycles(graph) == [["jaxdist.a.x", "jaxdist.a.y", "jaxdist.a.z"]]
+    graph["jaxdist.a.z"] = set()
+    assert find_cycles(graph) == []
+
+
+def test_checker_finds_an_upward_arrow():
+    graph = {
+        "jaxdist.cluster.tf_config": {"jaxdist.values.per_replica"},   # cluster imports nothing
+        "jaxdist.input.distributed": {"jaxdist.values.per_replica"},   # allowed
+        "jaxdist.strategies.strategy": {"jaxdist.train.job"},          # upward
+        "jaxdist.testing.cluster": {"jaxdist.train.job"},              # testing: anything
+    }
+    bad = layer_violations(graph)
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("jaxdist.cluster.tf_config -> jaxdist.values.per_replica")
+    assert bad[1].startswith("jaxdist.strategies.strategy -> jaxdist.train.job")
+    assert layer_violations(graph, exceptions={
+        ("jaxdist.cluster.tf_config", "jaxdist.values.per_replica"),
+        ("jaxdist.strategies.strategy", "jaxdist.train.job")}) == []
+
+
+def test_checker_resolves_relative_and_attribute_imports(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist.b import thing\n",
+        "b/__init__.py": "from .c import thing\nfrom . import d\n",
+        "b/c.py": "thing = 1\nfrom jaxdist import b\n",
+        "b/d.py": "from ..b.c import thing\n",
+    })
+    graph = module_graph(str(root))
+    assert graph["jaxdist"] == {"jaxdist.b"}
+    assert graph["jaxdist.b"] == {"jaxdist.b.c", "jaxdist.b.d"}
+    assert graph["jaxdist.b.d"] == {"jaxdist.b.c"}
+    assert find_cycles(graph) == [["jaxdist.b", "jaxdist.b.c", "jaxdist.b.d"]]  # b->d->c->b
+
+
+# ---------------------------------------------------------------------- the package itself
+def test_no_import_circle_between_files():
+    cycles = find_cycles(module_graph())
+    assert not cycles, "import circles between files:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_only_allowed_arrows_between_packages():
+    missing = _PACKAGES - set(ALLOWED)
+    assert not missing, f"packages without a layer in ALLOWED: {sorted(missing)}"
+    bad = layer_violations(module_graph(), exceptions=KNOWN_EXCEPTIONS)
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+_IMPORT_EACH = """
+import importlib, json, sys, traceback
+import jax, numpy  # stay imported: only jaxdist is re-imported for each module
+failed = {}
+for name in json.loads(sys.argv[1]):
+    for key in [k for k in sys.modules if k == "jaxdist" or k.startswith("jaxdist.")]:
+        del sys.modules[key]
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        failed[name] = traceback.format_exc(limit=-3)
+print(json.dumps(failed))
+"""
+
+
+def test_every_module_imports_alone():
+    modules = sorted(m for m in module_graph() if not m.endswith("__main__"))
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=os.path.dirname(ROOT) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(modules)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failed, "modules that fail to import alone:\n" + "\n".join(
+        f"{k}:\n{v}" for k, v in failed.items())
+    assert len(modules) > 50  # the walk found the package
+
