@@ -42,9 +42,10 @@ ALLOWED: dict[str, set[str] | str] = {
     "": "*",
 }
 
-# Explicit exceptions, each naming why it is still there. Keep this empty: an entry is a bug to
+# Explicit exceptions, each naming why it is still there. Keep these empty: an entry is a bug to
 # fix (issue 12), not a rule.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()   # (importer, imported) arrows
+KNOWN_CYCLES: list[list[str]] = []                # circles, as find_cycles reports them
 
 
 # ---------------------------------------------------------------------- the checker
@@ -274,7 +275,7 @@ def test_checker_resolves_relative_and_attribute_imports(tmp_path):
 
 # ---------------------------------------------------------------------- the package itself
 def test_no_import_circle_between_files():
-    cycles = find_cycles(module_graph())
+    cycles = [c for c in find_cycles(module_graph()) if c not in KNOWN_CYCLES]
     assert not cycles, "import circles between files:\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
 
