@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterable, Mapping
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxdist")
@@ -44,8 +45,16 @@ ALLOWED: dict[str, set[str] | str] = {
 
 # Explicit exceptions, each naming why it is still there. Keep these empty: an entry is a bug to
 # fix (issue 12), not a rule.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()   # (importer, imported) arrows
-KNOWN_CYCLES: list[list[str]] = []                # circles, as find_cycles reports them
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = {   # (importer, imported) arrows
+    # Issue 12 (r12a's move ps/task.py -> jaxdist/server.py): a ps task of a job serves through
+    # the top-level server CLI; the serving code belongs in a package below train.
+    ("jaxdist.train.parameter_server.config", "jaxdist.server"),
+}
+KNOWN_CYCLES: list[list[str]] = [             # circles, as find_cycles reports them
+    # Issue 12, point 2 (r12a, in progress): cluster.validation imports cluster.bringup.
+    ["jaxdist.cluster.bringup", "jaxdist.cluster.process_group", "jaxdist.cluster.resolver",
+     "jaxdist.cluster.validation"],
+]
 
 
 # ---------------------------------------------------------------------- the checker
@@ -278,6 +287,18 @@ def test_no_import_circle_between_files():
     cycles = [c for c in find_cycles(module_graph()) if c not in KNOWN_CYCLES]
     assert not cycles, "import circles between files:\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
+
+
+def test_known_exceptions_are_still_needed():
+    """An entry that no longer applies should be deleted (the lists only shrink); a warning
+    says so, so that the fix landing in parallel does not turn this test red."""
+    graph = module_graph()
+    stale = [f"{a} -> {b}" for a, b in sorted(KNOWN_EXCEPTIONS) if b not in graph.get(a, ())]
+    cycles = find_cycles(graph)
+    stale += [" <-> ".join(c) for c in KNOWN_CYCLES if c not in cycles]
+    if stale:
+        warnings.warn("delete from KNOWN_EXCEPTIONS / KNOWN_CYCLES (fixed): " + "; ".join(stale),
+                      stacklevel=1)
 
 
 def test_only_allowed_arrows_between_packages():
