@@ -35,7 +35,7 @@ def main():
     with strategy.scope():
         params = strategy.create_variables(
             lambda: {"w": jnp.zeros((8,)), "b": jnp.zeros(())},
-            O.momentum(0.05, 0.9), name="linear")
+            O.momentum(0.05, 0.5), name="linear")
     it = strategy.make_input_fn_iterator(input_fn)
 
     def grad_fn(p, x, y):

@@ -111,7 +111,10 @@ def test_async_training_two_workers_converges(num_ps):
         codes = [stop(p) for p in procs]
     assert codes == [0] * num_ps
     for o in outs:
-        assert o["loss"] < 0.1, o  # initial loss ~8
+        # initial loss ~8. Momentum 0.5 (not 0.9): with two unbounded-staleness workers the ps
+        # can apply gradients up to ~5 steps stale when a worker is descheduled, and momentum 0.9
+        # at this learning rate then oscillates (a property of async SGD, not of the transport).
+        assert o["loss"] < 0.1, o
     variables = {k: v for s in outs[0]["status"] for k, v in s["variables"].items()}
     assert variables and all(v["pushes"] >= 60 for v in variables.values())
 
