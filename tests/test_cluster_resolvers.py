@@ -147,8 +147,8 @@ def test_process_order_chief_first_then_workers_ps_excluded():
                                     "task": {"type": task[0], "index": task[1]}}))
         assert g.tasks == (("chief", 0), ("worker", 0), ("worker", 1))
         assert (g.process_id, g.is_chief) == (pid, chief)
-        assert g.coordinator_address == "h0:2222"
-        assert g.coordinator_bind_address == "h0:2222"  # only the interface named
+        assert g.coordination_address == "h0:2222"
+        assert g.coordination_bind_address == "h0:2222"  # only the interface named
         assert g.task_name(2) == "worker:1"
     g = process_group(resolver({"cluster": CLUSTER, "task": {"type": "ps", "index": 0}}))
     assert g.process_id is None and not g.in_training_group
@@ -158,8 +158,8 @@ def test_worker0_is_chief_without_chief_and_loopback_binds_loopback():
     g = process_group(resolver({"cluster": {"worker": ["localhost:5000", "localhost:5001"]},
                                 "task": {"type": "worker", "index": 0}}))
     assert g.is_chief and g.process_id == 0
-    assert g.coordinator_address == "127.0.0.1:5000"
-    assert g.coordinator_bind_address == "127.0.0.1:5000"
+    assert g.coordination_address == "127.0.0.1:5000"
+    assert g.coordination_bind_address == "127.0.0.1:5000"
 
 
 def test_multi_task_cluster_without_task_is_an_error():
@@ -213,7 +213,7 @@ def test_tpu_pod_slice_resolver(monkeypatch):
     assert r.cluster_spec().as_dict() == {"worker": [f"t{i}:8470" for i in range(4)]}
     assert r.master() == "grpc://t2:8470"
     g = process_group(r)
-    assert g.process_id == 2 and g.coordinator_address == "t0:8476"
+    assert g.process_id == 2 and g.coordination_address == "t0:8476"
     monkeypatch.setenv("TPU_WORKER_ID", "7")
     with pytest.raises(ClusterConfigError, match="worker id 7"):
         TPUClusterResolver()

@@ -190,13 +190,13 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
     with _lock:
         prev = _state["group"]
         if prev is not None:
-            if (prev.tasks, prev.process_id, prev.coordinator_address) != (
-                group.tasks, group.process_id, group.coordinator_address
+            if (prev.tasks, prev.process_id, prev.coordination_address) != (
+                group.tasks, group.process_id, group.coordination_address
             ):
                 raise ClusterConfigError(
                     f"jax.distributed is already initialized as {prev.name} of "
                     f"{[prev.task_name(i) for i in range(prev.num_processes)]} (coordinator "
-                    f"{prev.coordinator_address}); cannot join as {group.name} of "
+                    f"{prev.coordination_address}); cannot join as {group.name} of "
                     f"{[group.task_name(i) for i in range(group.num_processes)]}"
                 )
             return prev
@@ -227,13 +227,13 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
         else:
             join_handshake(group, token, timeout)
             # JAX aborts the process when the coordinator never answers: probe it first.
-            _wait_for_coordinator(group, max(1.0, deadline - time.monotonic()))
+            _wait_for_coordination_service(group, max(1.0, deadline - time.monotonic()))
         try:
             start_runtime(
-                coordinator_address=group.coordinator_address,
+                coordination_address=group.coordination_address,
                 num_processes=group.num_processes,
                 process_id=group.process_id,
-                bind_address=group.coordinator_bind_address,
+                bind_address=group.coordination_bind_address,
                 join_timeout=max(1.0, deadline - time.monotonic()),
                 heartbeat_timeout=hb,
                 shutdown_timeout=max(1, math.ceil(timeout)),
@@ -253,7 +253,7 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
                       if i != group.process_id]
             raise ClusterTimeoutError(
                 f"{group.name} could not join the cluster within {timeout:g} s: the "
-                f"coordinator {group.task_name(0)} at {group.coordinator_address} and the "
+                f"coordinator {group.task_name(0)} at {group.coordination_address} and the "
                 f"tasks {others} must all start (error: {_first_line(e)})",
                 tasks=tuple(others),
                 timeout_seconds=timeout,
@@ -263,8 +263,8 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
         return group
 
 
-def _wait_for_coordinator(group: ProcessGroup, timeout: float) -> None:
-    host, _, port = str(group.coordinator_address).rpartition(":")
+def _wait_for_coordination_service(group: ProcessGroup, timeout: float) -> None:
+    host, _, port = str(group.coordination_address).rpartition(":")
     host = host.strip("[]")
     deadline = time.monotonic() + timeout
     last: OSError | None = None
@@ -279,7 +279,7 @@ def _wait_for_coordinator(group: ProcessGroup, timeout: float) -> None:
               if i != group.process_id]
     raise ClusterTimeoutError(
         f"{group.name} could not join the cluster within {timeout:g} s: the coordinator "
-        f"{group.task_name(0)} at {group.coordinator_address} is not reachable ({last}); start "
+        f"{group.task_name(0)} at {group.coordination_address} is not reachable ({last}); start "
         f"it (and {others or 'no other task'}) with the same cluster spec",
         tasks=(group.task_name(0),),
         timeout_seconds=timeout,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from collections.abc import Mapping
@@ -56,11 +55,9 @@ def token_digest(token: str) -> str:
 
 
 def _tf_config(env: Mapping[str, str]) -> dict:
-    try:
-        config = json.loads(env.get("TF_CONFIG") or "{}")
-    except (ValueError, RecursionError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    from jaxdist.cluster.tf_config import tf_config_sections
+
+    return tf_config_sections(env)
 
 
 def coordinator_token(token: str | None = None,

@@ -67,7 +67,7 @@ def group_digest(group: Any) -> bytes:
         >>> len(group_digest(group))
         32
     """
-    text = repr((tuple(group.tasks), group.coordinator_address))
+    text = repr((tuple(group.tasks), group.coordination_address))
     return hashlib.sha256(text.encode()).digest()
 
 
@@ -127,10 +127,10 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
     """Process 0: waits until every other process of ``group`` has proven the token.
 
     Args:
-        group: the ``ProcessGroup`` (``tasks``, ``num_processes``, ``coordinator_address``).
+        group: the ``ProcessGroup`` (``tasks``, ``num_processes``, ``coordination_address``).
         token: the cluster token.
         timeout: seconds to wait for every process.
-        bind_address: where to listen (default ``group.coordinator_bind_address``).
+        bind_address: where to listen (default ``group.coordination_bind_address``).
         tls_material: a ``TLSConfig``, ``None`` for plain TCP, or ``"auto"`` (the task's own,
             if it has one).
 
@@ -143,7 +143,7 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
     material = _tls_material() if tls_material == "auto" else tls_material
     ctx = _server_context(material)
     key, gdig = token.encode(), group_digest(group)
-    host, port = _split(bind_address or group.coordinator_bind_address)
+    host, port = _split(bind_address or group.coordination_bind_address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -160,7 +160,7 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                 raise ClusterTimeoutError(
                     f"{group.name} could not join the cluster within {timeout:g} s: the "
                     f"tasks {list(missing)} must all start and prove the cluster token in the "
-                    f"handshake with {group.name} at {group.coordinator_address} (none did, "
+                    f"handshake with {group.name} at {group.coordination_address} (none did, "
                     f"or with another token)",
                     tasks=missing, timeout_seconds=timeout)
             listener.settimeout(min(left, 1.0))
@@ -240,8 +240,8 @@ def join_handshake(group: Any, token: str, timeout: float, tls_material: Any = "
     material = _tls_material() if tls_material == "auto" else tls_material
     ctx = _client_context(material)
     key, gdig, pid = token.encode(), group_digest(group), group.process_id
-    host, port = _split(group.coordinator_address)
-    chief = f"{group.task_name(0)} at {group.coordinator_address}"
+    host, port = _split(group.coordination_address)
+    chief = f"{group.task_name(0)} at {group.coordination_address}"
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:

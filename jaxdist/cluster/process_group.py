@@ -34,9 +34,9 @@ class ProcessGroup:
         task_type: this process's task type.
         task_id: this process's task index.
         process_id: this process's index in ``tasks`` (``None`` for ps / evaluator tasks).
-        coordinator_address: ``host:port`` of process 0's coordination service (``None`` when
+        coordination_address: ``host:port`` of process 0's coordination service (``None`` when
             the group has a single process).
-        coordinator_bind_address: where process 0's service listens.
+        coordination_bind_address: where process 0's coordination service listens.
         is_chief: this task is the chief (TF's rule: chief, or worker 0 without a chief).
 
     Example:
@@ -49,9 +49,19 @@ class ProcessGroup:
     task_type: str | None
     task_id: int | None
     process_id: int | None
-    coordinator_address: str | None
-    coordinator_bind_address: str | None
+    coordination_address: str | None
+    coordination_bind_address: str | None
     is_chief: bool
+
+    @property
+    def coordinator_address(self) -> str | None:
+        """The earlier name of ``coordination_address`` (kept working)."""
+        return self.coordination_address
+
+    @property
+    def coordinator_bind_address(self) -> str | None:
+        """The earlier name of ``coordination_bind_address`` (kept working)."""
+        return self.coordination_bind_address
 
     @property
     def num_processes(self) -> int:
@@ -132,8 +142,8 @@ def process_group(resolver: Any) -> ProcessGroup:
         task_type=task_type,
         task_id=task_id,
         process_id=pid,
-        coordinator_address=coord if multi else None,
-        coordinator_bind_address=bind_address_for(coord) if multi else None,
+        coordination_address=coord if multi else None,
+        coordination_bind_address=bind_address_for(coord) if multi else None,
         # TF's is_chief counts the evaluator as its own chief; here it never checkpoints the
         # training state, so it is not the chief of the group (a deliberate difference).
         is_chief=task_type != "evaluator" and is_chief(spec, task_type, task_id),

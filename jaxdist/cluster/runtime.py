@@ -36,7 +36,7 @@ class JoinTimeout(TimeoutError):
     """Not every process registered with the coordination service in time."""
 
 
-def start_runtime(coordinator_address: str, num_processes: int, process_id: int,
+def start_runtime(coordination_address: str, num_processes: int, process_id: int,
                   bind_address: str, join_timeout: float, heartbeat_timeout: int,
                   shutdown_timeout: int, recoverable: bool = True,
                   linger_seconds: float = 60.0) -> None:
@@ -52,7 +52,7 @@ def start_runtime(coordinator_address: str, num_processes: int, process_id: int,
     (``join_abandoned()``) until the process exits.
 
     Args:
-        coordinator_address: ``host:port`` of the coordination service.
+        coordination_address: ``host:port`` of the coordination service.
         num_processes: processes in the group.
         process_id: this process's index.
         bind_address: where the service listens.
@@ -75,7 +75,7 @@ def start_runtime(coordinator_address: str, num_processes: int, process_id: int,
     state = distributed.global_state
     if state.client is not None or state.service is not None:
         raise RuntimeError("JAX's distributed runtime is already initialized in this process")
-    state.coordinator_address = coordinator_address
+    state.coordination_address = coordination_address
     state.process_id = process_id
     state.num_processes = num_processes
     register_timeout = int(math.ceil(join_timeout)) + _REGISTRATION_SLACK_SECONDS
@@ -87,14 +87,14 @@ def start_runtime(coordinator_address: str, num_processes: int, process_id: int,
             register_timeout=register_timeout,
         )
     state.client = _jax.get_distributed_runtime_client(
-        coordinator_address,
+        coordination_address,
         process_id,
         init_timeout=register_timeout,
         shutdown_timeout=shutdown_timeout,
         heartbeat_timeout=heartbeat_timeout,
         use_compression=True,
     )
-    log.info("connecting to the JAX distributed service on %s", coordinator_address)
+    log.info("connecting to the JAX distributed service on %s", coordination_address)
     finished, error = call_with_timeout(state.client.connect, join_timeout, "jaxdist-connect")
     if not finished:
         _abandoned.set()

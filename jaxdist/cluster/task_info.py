@@ -8,10 +8,11 @@ list of addresses), ``task_type``, ``task_id`` and ``cluster_token``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-TOKEN_ENV = "JAXDIST_CLUSTER_TOKEN"
+from jaxdist.cluster.resolver import TOKEN_ENV
 
 
 def cluster_dict(resolver_or_spec: Any) -> dict[str, list[str]]:
@@ -110,9 +111,29 @@ def _env_resolver() -> Any:
     """The TF_CONFIG resolver (parsed in ``jaxdist.cluster``), or ``None`` without TF_CONFIG."""
     if not os.environ.get("TF_CONFIG"):
         return None
-    from jaxdist.cluster import TFConfigClusterResolver
+    from jaxdist.cluster.tf_config import TFConfigClusterResolver
 
     return TFConfigClusterResolver()
 
 
-__all__ = ["TOKEN_ENV", "TaskInfo", "cluster_dict", "cluster_token", "task_info"]
+def evaluator_task(environ: Mapping[str, str] | None = None) -> str | None:
+    """``"evaluator:0"`` when ``TF_CONFIG`` makes this process the evaluator, else ``None``.
+
+    Example:
+        >>> evaluator_task({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
+        ...                 '"task": {"type": "evaluator", "index": 0}}'})
+        'evaluator:0'
+    """
+    from jaxdist.cluster.tf_config import TFConfigClusterResolver
+
+    env = os.environ if environ is None else environ
+    raw = env.get("TF_CONFIG")
+    if not raw:
+        return None
+    resolver = TFConfigClusterResolver(tf_config=raw)
+    if resolver.task_type != "evaluator":
+        return None
+    return f"evaluator:{resolver.task_id or 0}"
+
+
+__all__ = ["TOKEN_ENV", "TaskInfo", "cluster_dict", "cluster_token", "evaluator_task", "task_info"]

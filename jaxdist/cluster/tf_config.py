@@ -217,6 +217,25 @@ def _check_task(task: Any) -> dict[str, Any]:
     return out
 
 
+def tf_config_sections(environ: Any = None) -> dict:
+    """``TF_CONFIG``'s JSON object, read leniently for the sections beyond cluster and task.
+
+    The TLS paths (``"tls"``) and the coordinator token (``"coordinator_token"``...) are read
+    through this one function; an absent or unreadable ``TF_CONFIG`` gives ``{}`` here
+    (``TFConfigClusterResolver`` is the one that reports a malformed one).
+
+    Example:
+        >>> tf_config_sections({"TF_CONFIG": '{"tls": {"ca": "c"}}'})
+        {'tls': {'ca': 'c'}}
+    """
+    env = os.environ if environ is None else environ
+    try:
+        config = json.loads(env.get(TF_CONFIG_ENV) or "{}")
+    except (ValueError, RecursionError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def parse_tf_config(raw: str | dict | None) -> dict[str, Any]:
     """Parses ``TF_CONFIG`` text (or a dict) and checks every part strictly.
 
@@ -398,4 +417,5 @@ __all__ = [
     "TF_CONFIG_ENV",
     "check_address",
     "parse_tf_config",
+    "tf_config_sections",
 ]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -135,14 +134,9 @@ def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _from_tf_config(env: Mapping[str, str]) -> TLSConfig | None:
-    raw = env.get("TF_CONFIG")
-    if not raw:
-        return None
-    try:
-        config = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None  # TF_CONFIG's own parser reports it
-    section = config.get(TF_CONFIG_TLS_KEY) if isinstance(config, dict) else None
+    from jaxdist.cluster.tf_config import tf_config_sections
+
+    section = tf_config_sections(env).get(TF_CONFIG_TLS_KEY)  # bad JSON: the resolver says so
     if section is None:
         return None
     if not isinstance(section, dict) or not all(

@@ -24,30 +24,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxdist.cluster.errors import ClusterTimeoutError
+from jaxdist.cluster.task_info import evaluator_task
 
 
 class EvaluatorTimeoutError(ClusterTimeoutError):
     """No new checkpoint appeared within the evaluator's idle timeout."""
-
-
-def evaluator_task(environ: Mapping[str, str] | None = None) -> str | None:
-    """``"evaluator:0"`` when ``TF_CONFIG`` makes this process the evaluator, else ``None``.
-
-    Example:
-        >>> evaluator_task({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
-        ...                 '"task": {"type": "evaluator", "index": 0}}'})
-        'evaluator:0'
-    """
-    from jaxdist.cluster.tf_config import TFConfigClusterResolver
-
-    env = os.environ if environ is None else environ
-    raw = env.get("TF_CONFIG")
-    if not raw:
-        return None
-    resolver = TFConfigClusterResolver(tf_config=raw)
-    if resolver.task_type != "evaluator":
-        return None
-    return f"evaluator:{resolver.task_id or 0}"
 
 
 class SidecarEvaluator:
