@@ -13,6 +13,8 @@ from jaxdist.cluster.bringup import (
     find_lost_tasks,
     initialize_from_resolver,
     lost_tasks,
+    should_load_checkpoint,
+    should_save_checkpoint,
     shutdown,
     wait_for_step,
 )
@@ -43,8 +45,6 @@ from jaxdist.cluster.validation import (
     id_in_cluster,
     is_chief,
     normalize_cluster_spec,
-    should_load_checkpoint,
-    should_save_checkpoint,
     task_count,
     task_name,
     training_tasks,

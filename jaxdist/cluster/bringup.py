@@ -541,7 +541,33 @@ def shutdown(timeout_seconds: float | None = None) -> None:
     _state["group"] = None
 
 
+def should_save_checkpoint() -> bool:
+    """Whether this task writes checkpoints: the chief of the joined cluster (True alone).
+
+    Example:
+        >>> should_save_checkpoint()     # a single process
+        True
+    """
+    group = current_group()
+    return True if group is None else bool(group.is_chief)
+
+
+def should_load_checkpoint() -> bool:
+    """Whether this task loads checkpoints: every task of a synchronous cluster does.
+
+    TF returns the worker context's ``experimental_should_init``, which is True for every
+    task of ``MultiWorkerMirroredStrategy`` (each task restores the same state).
+
+    Example:
+        >>> should_load_checkpoint()
+        True
+    """
+    return True
+
+
 __all__ = [
+    "should_load_checkpoint",
+    "should_save_checkpoint",
     "DEFAULT_TIMEOUT_SECONDS",
     "check_healthy",
     "cluster_broken",

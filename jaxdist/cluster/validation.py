@@ -7,8 +7,8 @@ missing). Every violation raises ``ClusterConfigError`` (a ``ValueError``) whose
 TF's sentence and quotes the offending part of the configuration.
 
 The helpers keep TF's names and behaviour: ``normalize_cluster_spec``, ``task_count``,
-``is_chief``, ``worker_count``, ``id_in_cluster``, ``collective_leader``,
-``should_save_checkpoint``, ``should_load_checkpoint``.
+``is_chief``, ``worker_count``, ``id_in_cluster``, ``collective_leader`` (``should_save_checkpoint``/
+``should_load_checkpoint`` live in ``bringup``, next to the joined group they read).
 """
 
 from __future__ import annotations
@@ -265,32 +265,6 @@ def collective_leader(cluster_spec: Any, task_type: str | None, task_id: int | N
     return "/job:worker/replica:0/task:0"
 
 
-def should_save_checkpoint() -> bool:
-    """Whether this task writes checkpoints: the chief of the joined cluster (True alone).
-
-    Example:
-        >>> should_save_checkpoint()     # a single process
-        True
-    """
-    from jaxdist.cluster.bringup import current_group  # the joined group, if any
-
-    group = current_group()
-    return True if group is None else bool(group.is_chief)
-
-
-def should_load_checkpoint() -> bool:
-    """Whether this task loads checkpoints: every task of a synchronous cluster does.
-
-    TF returns the worker context's ``experimental_should_init``, which is True for every
-    task of ``MultiWorkerMirroredStrategy`` (each task restores the same state).
-
-    Example:
-        >>> should_load_checkpoint()
-        True
-    """
-    return True
-
-
 def training_tasks(spec: ClusterSpec) -> list[tuple[str, int]]:
     """The tasks of the synchronous training group, in process order: chief, then workers.
 
@@ -316,8 +290,6 @@ __all__ = [
     "is_chief",
     "normalize_cluster_spec",
     "quote",
-    "should_load_checkpoint",
-    "should_save_checkpoint",
     "split_address",
     "task_count",
     "task_name",
