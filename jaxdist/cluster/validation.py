@@ -7,8 +7,9 @@ missing). Every violation raises ``ClusterConfigError`` (a ``ValueError``) whose
 TF's sentence and quotes the offending part of the configuration.
 
 The helpers keep TF's names and behaviour: ``normalize_cluster_spec``, ``task_count``,
-``is_chief``, ``worker_count``, ``id_in_cluster``, ``collective_leader`` (``should_save_checkpoint``/
-``should_load_checkpoint`` live in ``bringup``, next to the joined group they read).
+``is_chief``, ``worker_count``, ``id_in_cluster``, ``collective_leader``
+(``should_save_checkpoint`` / ``should_load_checkpoint`` live in ``bringup``, next to the
+joined group they read).
 """
 
 from __future__ import annotations
