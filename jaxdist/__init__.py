@@ -11,6 +11,7 @@ Example:
 import sys
 
 from jaxdist import cluster_resolver, coordinator, tpu
+from jaxdist.coordinator.server import Server
 from jaxdist.input import (
     AutoShardPolicy,
     Dataset,
@@ -27,7 +28,6 @@ from jaxdist.ps import (
     byte_size_load_fn,
     replica_device_setter,
 )
-from jaxdist.server import Server
 from jaxdist.strategies import (
     CentralStorageStrategy,
     CommunicationImplementation,

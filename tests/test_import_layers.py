@@ -45,16 +45,8 @@ ALLOWED: dict[str, set[str] | str] = {
 
 # Explicit exceptions, each naming why it is still there. Keep these empty: an entry is a bug to
 # fix (issue 12), not a rule.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {   # (importer, imported) arrows
-    # Issue 12 (r12a's move ps/task.py -> jaxdist/server.py): a ps task of a job serves through
-    # the top-level server CLI; the serving code belongs in a package below train.
-    ("jaxdist.train.parameter_server.config", "jaxdist.server"),
-}
-KNOWN_CYCLES: list[list[str]] = [             # circles, as find_cycles reports them
-    # Issue 12, point 2 (r12a, in progress): cluster.validation imports cluster.bringup.
-    ["jaxdist.cluster.bringup", "jaxdist.cluster.process_group", "jaxdist.cluster.resolver",
-     "jaxdist.cluster.validation"],
-]
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()   # (importer, imported) arrows
+KNOWN_CYCLES: list[list[str]] = []             # circles, as find_cycles reports them
 
 
 # ---------------------------------------------------------------------- the checker

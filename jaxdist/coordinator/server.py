@@ -209,6 +209,3 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
 
 
 __all__ = ["Server", "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -154,7 +154,7 @@ def serve(cfg: Mapping[str, Any]) -> int:
     Raises:
         ConfigError: the job's optimizer cannot run on a ps (checked before serving).
     """
-    from jaxdist.server import main
+    from jaxdist.coordinator.server import main
 
     check_config(cfg)
 
