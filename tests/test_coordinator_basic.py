@@ -88,7 +88,10 @@ def test_a_function_is_pickled_once_and_sent_by_digest_until_rebound(coordinator
     coordinator.join()
     assert [rv.fetch() for rv in rvs] == [2 * i for i in range(10)]
     with_fn = [t for t, has_fn, _ in sent if has_fn]
-    assert len(sent) == 10 and 1 <= len(with_fn) <= 4, sent  # about once per worker
+    # About once per worker (2 workers). With two closures in flight per worker, the second can
+    # reach a worker before the first has stored the function: it answers missing_function and
+    # the closure is re-sent with the function (one extra call), so allow one per worker.
+    assert 10 <= len(sent) <= 12 and 1 <= len(with_fn) <= 4, sent
     scale = 5  # rebound: pickled and sent again, and the new value is used
     rvs = [coordinator.schedule(step, args=(i,)) for i in range(4)]
     coordinator.join()
