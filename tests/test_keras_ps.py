@@ -301,3 +301,21 @@ def test_between_graph_two_workers_train_asynchronously():
     for o in outs:
         assert o["steps"] == 16  # 32 rows each, batches of 8, 4 epochs
         assert o["loss"][-1] < 0.5 * o["loss"][0], o["loss"]
+
+
+def test_a_model_compiled_in_the_scope_but_not_attached_refuses_to_fit_locally():
+    # TF's guide: build and compile inside ParameterServerStrategy().scope(), then fit. Without
+    # attach, fit would train a local copy and leave the ps unchanged: it must fail loudly.
+    strategy = jaxdist.ParameterServerStrategy()
+    with strategy.scope():
+        m = _model(keras.optimizers.SGD(0.1))
+    with pytest.raises(RuntimeError, match=r"not attached.*jaxdist\.keras\.attach"):
+        _fit(m)
+    with strategy.scope():  # fit inside the scope is refused as well
+        with pytest.raises(RuntimeError, match="jaxdist.keras.attach"):
+            _fit(_model(keras.optimizers.SGD(0.1)))
+    # attached, the same model trains on the ps; a model compiled outside trains locally
+    training = jk.attach(m, strategy)
+    assert len(_fit(m)["loss"]) == 2 and training.steps == 8
+    local = _model(keras.optimizers.SGD(0.1))
+    assert len(_fit(local)["loss"]) == 2

@@ -117,6 +117,9 @@ def strategy_scope_hook(strategy: Any) -> Any:
         from jaxdist.keras import distribution as dist_lib
 
         if dist_lib._unsupported_reason(strategy) is not None:
+            from jaxdist.keras import ps_guard
+
+            ps_guard.install()  # an unattached model compiled in this scope must not fit locally
             return None
         dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist
