@@ -1,5 +1,7 @@
 """The parameter service in-process: ps-side optimizers, versions/staleness, rows, checkpoints."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -193,3 +195,20 @@ def test_save_keeps_the_newest_checkpoints_and_the_last_complete_one(tmp_path):
     assert sorted(os.listdir(task_dir))[:3] == ["ckpt-400", "ckpt-500", "ckpt-600"]
     with pytest.raises(PSInvalidArgumentError, match="keep must be >= 1"):
         svc.save(str(tmp_path), 700, keep=0)
+
+
+def test_many_learning_rate_changes_keep_the_compiled_update_cache_bounded():
+    # Each new rate is a new optimizer spec; a job that changes it often must not grow the ps
+    # without end. An evicted spec compiles again on its next use with the same numbers.
+    from jaxdist.ps import service as S
+
+    svc = ParameterService("ps:0")
+    svc.create({"v": np.ones((4,), np.float32)}, {"v": {"optimizer": O.sgd(0.1).to_json()}})
+    for i in range(S._TX_CACHE_SIZE + 10):
+        svc.learning_rate("", 0.001 * (i + 1))
+        svc.push({"v": np.ones((4,), np.float32)}, {"v": 0})
+        assert len(S._TX_CACHE) <= S._TX_CACHE_SIZE
+    total = sum(0.001 * (i + 1) for i in range(S._TX_CACHE_SIZE + 10))
+    np.testing.assert_allclose(svc.pull(["v"])["v"][0], 1.0 - total, rtol=1e-5)
+    first = json.dumps(O.sgd(0.001).to_json(), sort_keys=True)
+    assert first not in S._TX_CACHE  # the least recently used went first

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -38,7 +39,12 @@ from jaxdist.ps.optimizers import OptimizerSpec
 
 CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
 
-_TX_CACHE: dict[str, tuple[optax.GradientTransformation, Any, Any]] = {}
+# Least recently used first. Bounded: every learning-rate change (ReduceLROnPlateau, the
+# LearningRate RPC) is a new spec, and a job that changes its rate often must not grow the ps
+# without end; an evicted spec compiles again on its next use (same numbers).
+_TX_CACHE: collections.OrderedDict[str, tuple[optax.GradientTransformation, Any, Any]] = (
+    collections.OrderedDict())
+_TX_CACHE_SIZE = 64
 _TX_LOCK = threading.Lock()
 
 
@@ -47,6 +53,7 @@ def _transform(spec_json: dict[str, Any] | None):
     key = json.dumps(spec_json, sort_keys=True)
     with _TX_LOCK:
         if key in _TX_CACHE:
+            _TX_CACHE.move_to_end(key)
             return _TX_CACHE[key]
     spec = OptimizerSpec.from_json(spec_json)
     if not spec.elementwise:
@@ -67,6 +74,8 @@ def _transform(spec_json: dict[str, Any] | None):
     entry = (tx, jax.jit(dense, donate_argnums=(0, 2)), jax.jit(dense))
     with _TX_LOCK:
         _TX_CACHE[key] = entry
+        while len(_TX_CACHE) > _TX_CACHE_SIZE:
+            _TX_CACHE.popitem(last=False)
     return entry
 
 
