@@ -157,9 +157,18 @@ def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
     strategy = jaxdist.MirroredStrategy(devices[:4])
     with jk.scope(strategy):
         model = _model()
-    hist = _fit(model)
+    seen = []
+
+    class Where(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append((jaxdist.get_strategy(), keras.distribution.distribution()))
+
+    hist = _fit(model, callbacks=[Where()])
     _assert_same(hist, model.get_weights(), reference)
     assert model.weights[0].value.sharding.device_set == set(devices[:4])
+    # ... and, as in TF, that fit is distributed: the model's strategy is entered again
+    assert seen and all(s is strategy and d.strategy is strategy for s, d in seen), seen
+    assert keras.distribution.distribution() is None and not jaxdist.has_strategy()
 
 
 def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):

@@ -112,14 +112,14 @@ def strategy_scope_hook(strategy: Any) -> Any:
             return None
     except AttributeError:  # keras is being imported right now
         return None
+    from jaxdist.keras import model_strategy
+
+    model_strategy.install()  # models remember this strategy (fit outside the scope, as TF)
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
         from jaxdist.keras import distribution as dist_lib
 
         if dist_lib._unsupported_reason(strategy) is not None:
-            from jaxdist.keras import ps_guard
-
-            ps_guard.install()  # an unattached model compiled in this scope must not fit locally
             return None
         dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist

@@ -1,0 +1,118 @@
+"""A Keras model remembers the strategy it was compiled under, as in TF.
+
+TF's guide builds and compiles a Keras model inside ``strategy.scope()`` and calls
+``model.fit`` *outside* it; TF still distributes that ``fit``, because the model belongs to the
+strategy. Two consequences on jaxdist, both wired here on Keras's ``JAXTrainer``:
+
+- **Synchronous strategies** (Mirrored, OneDevice, TPU, CentralStorage, MultiWorkerMirrored):
+  ``fit`` / ``evaluate`` / ``predict`` called outside every strategy scope re-enter the scope the
+  model was compiled in, so batches are split over the replicas as inside it.
+- **ParameterServerStrategy**: a Keras model trains on the ps through
+  ``jaxdist.keras.attach(model, strategy)``. A model compiled (or fit) inside the scope but not
+  attached would train a local copy and leave the ps untouched, a wrong result without an
+  error: its first ``fit`` raises instead (``attach`` installs its own train function on the
+  model, which bypasses this check).
+
+Installed the first time a strategy scope is entered with Keras (JAX backend) imported.
+
+Example:
+    >>> with jaxdist.MirroredStrategy().scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> model.fit(x, y)          # data-parallel over the strategy's replicas, as in TF
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_installed = False
+_ATTR = "_jaxdist_strategy"
+_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                 "predict_on_batch")
+
+
+def _current_strategy() -> Any:
+    """The strategy of the innermost scope, or ``None`` outside every scope."""
+    from jaxdist.strategies.context import has_strategy
+    from jaxdist.strategies.current import get_strategy
+
+    return get_strategy() if has_strategy() else None
+
+
+def _is_ps(strategy: Any) -> bool:
+    from jaxdist.strategies.parameter_server import ParameterServerStrategy
+
+    return isinstance(strategy, ParameterServerStrategy)
+
+
+def unattached_error(model: Any, strategy: Any) -> RuntimeError:
+    """The error for ``fit`` on a model of a ``ParameterServerStrategy`` that was not attached.
+
+    Example:
+        >>> raise unattached_error(model, strategy)
+    """
+    return RuntimeError(
+        f"Keras model {getattr(model, 'name', model)!r} was compiled (or is fit) inside "
+        f"{type(strategy).__name__}.scope() but is not attached to the parameter servers: "
+        f"model.fit would train a local copy on this process and leave the ps variables "
+        f"unchanged. Call jaxdist.keras.attach(model, strategy) after model.compile (see "
+        f"docs/parameter_server.md, 'Keras models'); to train locally on purpose, compile "
+        f"the model outside the strategy's scope")
+
+
+def strategy_of(model: Any) -> Any:
+    """The strategy whose scope ``model`` was compiled in (``None``: outside every scope).
+
+    Example:
+        >>> strategy_of(model) is strategy
+        True
+    """
+    return getattr(model, _ATTR, None)
+
+
+def _reenter(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        strategy = strategy_of(self)
+        if strategy is None or _is_ps(strategy) or _current_strategy() is not None:
+            return original(self, *args, **kwargs)
+        with strategy.scope():  # as TF: the model's strategy distributes it outside the scope
+            return original(self, *args, **kwargs)
+
+    return call
+
+
+def install() -> None:
+    """Wraps Keras's ``JAXTrainer`` once (idempotent); see the module docstring.
+
+    Example:
+        >>> install()
+    """
+    global _installed
+    if _installed:
+        return
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    original_compile = JAXTrainer.compile
+    original_make = JAXTrainer.make_train_function
+
+    @functools.wraps(original_compile)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_compile(self, *args, **kwargs)
+        object.__setattr__(self, _ATTR, _current_strategy())
+        return result
+
+    @functools.wraps(original_make)
+    def make_train_function(self: Any, force: bool = False) -> Any:
+        for strategy in (strategy_of(self), _current_strategy()):
+            if strategy is not None and _is_ps(strategy):
+                raise unattached_error(self, strategy)
+        return original_make(self, force)
+
+    JAXTrainer.compile = compile
+    JAXTrainer.make_train_function = make_train_function
+    for name in _ENTRY_POINTS:
+        setattr(JAXTrainer, name, _reenter(name, getattr(JAXTrainer, name)))
+    _installed = True
