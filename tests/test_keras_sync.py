@@ -271,3 +271,22 @@ def test_tensorboard_without_tensorflow(devices, tmp_path):
     np.testing.assert_allclose([e.value for e in val.Scalars("epoch_loss")], hist["val_loss"],
                                rtol=1e-6)
     assert [e.step for e in train.Scalars("batch_loss")] == [2, 4, 6, 8]
+
+
+def test_keras_file_callbacks_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
+    # Keras's own ModelCheckpoint / BackupAndRestore know nothing about processes: every process
+    # would write the same files. The jaxdist.keras versions write from the chief only.
+    from jaxdist.keras import model_strategy
+
+    model_strategy.install()  # done by the first strategy scope entered with keras imported
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    model = _model()
+    for cb, name in [(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+                      "ModelCheckpoint"),
+                     (keras.callbacks.BackupAndRestore(str(tmp_path / "b")), "BackupAndRestore")]:
+        with pytest.raises(ValueError, match=rf"keras.callbacks.{name} in a job of 2 processes"
+                                             rf".*jaxdist.keras.{name}"):
+            model.fit(np.zeros((8, 5), "float32"), np.zeros((8, 1), "float32"), epochs=1,
+                      verbose=0, callbacks=[cb])
+    model_strategy.check_multi_process_callbacks([jk.ModelCheckpoint(str(tmp_path / "m.keras")),
+                                   jk.BackupAndRestore(str(tmp_path / "b"))])  # accepted

@@ -72,9 +72,48 @@ def strategy_of(model: Any) -> Any:
     return getattr(model, _ATTR, None)
 
 
+#: Keras callbacks that write files from every process of a multi-process job (the same paths:
+#: the processes overwrite each other) and the jaxdist versions that write from the chief only.
+_CHIEF_ONLY = {"ModelCheckpoint": "ModelCheckpoint", "BackupAndRestore": "BackupAndRestore",
+               "TensorBoard": "TensorBoard"}
+
+
+def check_multi_process_callbacks(callbacks: Any) -> None:
+    """Refuses Keras's own file-writing callbacks in a job of several processes.
+
+    Keras's ``ModelCheckpoint`` / ``BackupAndRestore`` / ``TensorBoard`` know nothing about
+    processes: every process would write the same files. ``jaxdist.keras`` has versions that
+    write from the chief only (and restore on every process).
+
+    Raises:
+        ValueError: naming the callback and its ``jaxdist.keras`` replacement.
+
+    Example:
+        >>> check_multi_process_callbacks([jaxdist.keras.ModelCheckpoint("ckpt.keras")])
+    """
+    import jax
+    import keras
+
+    if jax.process_count() <= 1 or not callbacks:
+        return
+    from jaxdist.keras import callbacks as chief_only
+
+    for cb in callbacks:
+        for name, replacement in _CHIEF_ONLY.items():
+            if (isinstance(cb, getattr(keras.callbacks, name))
+                    and not isinstance(cb, getattr(chief_only, replacement))):
+                raise ValueError(
+                    f"keras.callbacks.{name} in a job of {jax.process_count()} processes: every "
+                    f"process would write the same files. Use jaxdist.keras.{replacement} (same "
+                    f"arguments; it writes from the chief only)")
+
+
 def _reenter(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "fit":  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+            check_multi_process_callbacks(
+                kwargs.get("callbacks", args[5] if len(args) > 5 else None))
         strategy = strategy_of(self)
         if strategy is None or _is_ps(strategy) or _current_strategy() is not None:
             return original(self, *args, **kwargs)
