@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxdist.cluster.resolver import TOKEN_ENV
+from jaxdist.cluster.validation import is_training_chief
 
 
 def cluster_dict(resolver_or_spec: Any) -> dict[str, list[str]]:
@@ -86,11 +87,7 @@ class TaskInfo:
     @property
     def is_chief(self) -> bool:
         """TF's rule: the ``chief`` task, or worker 0 when the cluster has no chief job."""
-        if self.task_type == "chief":
-            return True
-        return self.task_type in ("worker", None) and self.task_id == 0 and not self.cluster.get(
-            "chief"
-        )
+        return is_training_chief(self.cluster, self.task_type, self.task_id)
 
     @property
     def name(self) -> str:

@@ -194,10 +194,24 @@ def is_chief(cluster_spec: Any, task_type: str | None, task_id: int | None) -> b
         True
     """
     validate_cluster_spec(cluster_spec, task_type, task_id)
-    spec = normalize_cluster_spec(cluster_spec)
-    if task_type in ("chief", "evaluator"):
+    if task_type == "evaluator":
         return True
-    return "chief" not in spec and task_type == "worker" and task_id == 0
+    return is_training_chief(normalize_cluster_spec(cluster_spec).as_dict(), task_type, task_id)
+
+
+def is_training_chief(cluster: Mapping[str, Any], task_type: str | None, task_id: int) -> bool:
+    """The one chief rule of a training cluster: the ``chief`` task, else worker 0.
+
+    ``task_type`` ``None`` is a task outside any cluster (a local run): it is its own chief.
+    No validation here (``is_chief`` validates first); the evaluator is not a training task.
+
+    Example:
+        >>> is_training_chief({"chief": ["a:1"], "worker": ["b:1"]}, "worker", 0)
+        False
+    """
+    if task_type == "chief":
+        return True
+    return task_type in ("worker", None) and task_id == 0 and not cluster.get("chief")
 
 
 def worker_count(cluster_spec: Any, task_type: str) -> int:
