@@ -277,3 +277,57 @@ def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
     with pytest.raises(DataError, match="lives in the chief's process and the workers cannot "
                                         "read it"):
         hook.begin_fit(None, source(gen, what="train_data"))
+
+
+def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has():
+    """With a coordinator, ``num_replicas_in_sync`` is the workers' count (here 1) while the
+    chief evaluates and predicts on its own devices (here 2): the numbers equal a one-device
+    synchronous trainer's, also when the chief's devices do not divide the batch (3 rows)."""
+    import threading
+
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxdist
+    from jaxdist.ps import optimizers as O
+    from jaxdist.train.models import MLP
+
+    class OneDeviceWorkers:  # what the chief's hook and strategy ask of a ClusterCoordinator
+        num_workers = 1
+        _num_replicas = 1
+
+        def __init__(self):
+            self._stopping = threading.Event()
+
+        def worker_num_replicas(self):
+            return 1
+
+        def join(self):
+            pass
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(11, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    w = np.linspace(0.5, 2.0, 11).astype(np.float32)
+
+    def trainer(strategy, opt):
+        with strategy.scope():
+            return jaxdist.Trainer(MLP(5, [8], 2, rngs=nnx.Rngs(0)), opt, global_batch_size=3,
+                                   strategy=strategy, metrics=["accuracy", "auc"],
+                                   weighted_metrics=["accuracy"], log_dir=None,
+                                   progress_bar="never")
+
+    chief = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+    chief._jaxdist_coordinator = OneDeviceWorkers()
+    t = trainer(chief, O.sgd(0.1))
+    assert type(t._hook).__name__ == "CoordinatorHook"
+    assert chief.num_replicas_in_sync == 1 and chief.extended.num_replicas_in_mesh == 2
+    ref = trainer(jaxdist.MirroredStrategy(jax.devices()[:1]), optax.sgd(0.1))
+    got, want = t.evaluate(x, y, sample_weight=w), ref.evaluate(x, y, sample_weight=w)
+    assert set(got) == set(want) == {"loss", "accuracy", "auc", "weighted_accuracy"}
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    out = t.predict(x)
+    assert out.shape == (11, 2)
+    np.testing.assert_allclose(out, ref.predict(x), rtol=1e-5, atol=1e-6)

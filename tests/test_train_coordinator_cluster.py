@@ -54,10 +54,10 @@ def _in_process(seed):
 def test_coordinator_trains_a_dropout_model_reproducibly_with_metrics_lr_and_weights():
     c = start_cluster(workers=1, ps=1)
     try:
-        # The chief evaluates on one device, as many as each worker has (the Trainer splits
-        # its evaluation batches by the workers' replica count).
+        # The chief validates on its own 2 devices while the worker has 1 (the Trainer
+        # splits evaluation batches over the chief's mesh, not num_replicas_in_sync).
         strategy = jaxdist.ParameterServerStrategy(ChiefResolver(c.cluster, c.token),
-                                                   compute_devices=jax.devices()[:1],
+                                                   compute_devices=jax.devices()[:2],
                                                    timeout=30.0)
         coordinator = coordinator_for(strategy)
         try:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence  # noqa: F401
@@ -218,6 +219,15 @@ class Trainer(TrainerHandle):
         devices = list(ext.worker_devices)
         me = jax.process_index()
         self._local_replicas = [i for i, d in enumerate(devices) if d.process_index == me]
+        # The replicas of this process's ``strategy.run`` (its mesh, every process of a
+        # multi-worker one): what the distributed dataset splits a batch over. With a
+        # ClusterCoordinator ``num_replicas_in_sync`` is the workers' count, while the chief
+        # evaluates and predicts on its own devices.
+        self._mesh_replicas = int(getattr(ext, "num_replicas_in_mesh", n))
+        # Evaluation batches: ``global_batch_size`` real rows, padded (masked) to a multiple of
+        # the mesh's replicas when the chief's devices do not divide it.
+        self._eval_batch_size = -(-self.global_batch_size // self._mesh_replicas) \
+            * self._mesh_replicas
 
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
@@ -597,27 +607,36 @@ class Trainer(TrainerHandle):
             batches = (data_lib.pad_batch(x, y if y is not None else
                                           np.zeros((inputs_lib._rows(x),), np.int32), w, b)
                        for x, y, w in d.batches(b, epoch=0, pad_last=True))
+        eb = self._eval_batch_size
         for x, y, w, m in batches:
+            if labels and isinstance(d, inputs_lib.StreamSource):
+                _check_batch_labels(y, d.what, self.loss_fn)
+            if eb != b:  # masked zero rows: weight and mask 0, so the sums do not change
+                x, y, w, m = jax.tree.map(lambda a: _pad_rows(a, eb), (x, y, w, m))
+            rows = functools.partial(self._local_rows, num_steps=1, batch_size=eb)
             if labels:
-                if isinstance(d, inputs_lib.StreamSource):
-                    _check_batch_labels(y, d.what, self.loss_fn)
-                yield (self._local_rows(x, 1), self._local_rows(y, 1), self._local_rows(w, 1),
-                       self._local_rows(m, 1))
+                yield rows(x), rows(y), rows(w), rows(m)
             else:
-                yield self._local_rows(x, 1), self._local_rows(m, 1)
+                yield rows(x), rows(m)
 
-    def _local_rows(self, x: Any, num_steps: int) -> Any:
+    def _local_rows(self, x: Any, num_steps: int, batch_size: int | None = None) -> Any:
         """Orders ``num_steps`` global batches so that each local replica gets its rows.
 
-        ``x`` (an array or a dict of arrays) holds ``num_steps`` consecutive global batches.
-        Replica ``r`` must see rows ``[r*B/N, (r+1)*B/N)`` of every one of them, in step order;
-        the distributed dataset splits its input into equal consecutive parts, one per local
-        replica.
+        ``x`` (an array or a dict of arrays) holds ``num_steps`` consecutive global batches of
+        ``batch_size`` rows (default ``global_batch_size``). Replica ``r`` of the ``N`` of
+        this process's mesh must see rows ``[r*B/N, (r+1)*B/N)`` of every one of them, in step
+        order; the distributed dataset splits its input into equal consecutive parts, one per
+        local replica.
         """
         if isinstance(x, Mapping):
-            return {k: self._local_rows(v, num_steps) for k, v in x.items()}
-        n = self.strategy.num_replicas_in_sync
-        per = self.global_batch_size // n
+            return {k: self._local_rows(v, num_steps, batch_size) for k, v in x.items()}
+        n = self._mesh_replicas
+        b = self.global_batch_size if batch_size is None else batch_size
+        if b % n:
+            raise ValueError(
+                f"a batch of {b} rows does not split across the {n} replicas of this "
+                f"process's {type(self.strategy).__name__} mesh; expected a multiple of {n}")
+        per = b // n
         x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
         x = np.swapaxes(x, 0, 1)
         return x.reshape(len(self._local_replicas) * num_steps * per, *x.shape[3:])
@@ -904,6 +923,12 @@ def _check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:
             f"{what}: labels of shape {y.shape} are class ids; loss 'categorical_crossentropy' "
             f"expects one-hot labels of shape {(*y.shape, out.shape[-1])}: use loss="
             f"'sparse_categorical_crossentropy'", exit_code=2)
+
+
+def _pad_rows(a: Any, rows: int) -> np.ndarray:
+    """``a`` with zero rows appended up to ``rows`` rows."""
+    a = np.asarray(a)
+    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
 def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
