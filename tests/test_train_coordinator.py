@@ -274,9 +274,14 @@ def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
 
     hook = CoordinatorHook.__new__(CoordinatorHook)
     gen = ((np.zeros((4, 2), np.float32), np.zeros(4, np.int32)) for _ in range(3))
+    hook._train = None
+    accepted = "Pass \\(x, y\\) arrays or a grain.MapDataset"
     with pytest.raises(DataError, match="lives in the chief's process and the workers cannot "
-                                        "read it"):
+                                        "read it. " + accepted):
         hook.begin_fit(None, source(gen, what="train_data"))
+    stream = _grain_examples(8).batch(4).to_iter_dataset()        # a grain IterDataset
+    with pytest.raises(DataError, match=r"got a grain\.\w*IterDataset: .*" + accepted):
+        hook.begin_fit(None, source(stream, what="train_data"))
 
 
 def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has():
@@ -331,3 +336,49 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
     out = t.predict(x)
     assert out.shape == (11, 2)
     np.testing.assert_allclose(out, ref.predict(x), rtol=1e-5, atol=1e-6)
+
+
+def _grain_examples(n=100):
+    import grain
+
+    x = np.arange(n, dtype=np.float32)[:, None]
+    y = np.arange(n)
+    return grain.MapDataset.source([(x[i], y[i]) for i in range(n)])
+
+
+def test_each_worker_reads_its_share_of_a_grain_map_dataset_once_per_epoch():
+    """A grain MapDataset under the coordinator: worker ``i`` reads elements ``i, i+n, ...``
+    (pickled to it with the per-worker dataset), every example of an epoch once, the same order
+    every epoch, and a resumed shard starts at the batch it is told."""
+    import cloudpickle
+
+    from jaxdist.train.data import DataError
+    from jaxdist.train.inputs import source
+    from jaxdist.train.parameter_server.coordinated import GrainWorkerShard
+
+    ds = _grain_examples().batch(6)            # 17 elements: 16 of 6 rows, the last of 4
+    hook = CoordinatorHook.__new__(CoordinatorHook)
+    hook.num_workers, hook._train = 3, None
+    trainer = type("T", (), {"global_batch_size": 8})()
+    train = source(ds, what="train_data")
+    hook.begin_fit(trainer, train)
+    assert hook._grain == (16, 6)              # the short last element is dropped
+    spe = hook.stream_steps_per_epoch(trainer, train, None)
+    assert spe == 3 * (5 * 6 // 8)             # 5 elements (30 rows) per worker: 3 batches
+    shard = cloudpickle.loads(cloudpickle.dumps(GrainWorkerShard(ds, 8, *hook._grain)))
+    epochs = []
+    for w in range(3):
+        it = shard(InputContext(num_input_pipelines=3, input_pipeline_id=w))
+        batches = [next(it) for _ in range(6)]   # two epochs of 3 batches
+        assert all(b[0].shape == (8, 1) for b in batches)
+        np.testing.assert_array_equal(batches[0][1][:6], np.arange(6 * w, 6 * w + 6))
+        for e in (0, 1):
+            epochs.append((e, np.concatenate([b[1] for b in batches[3 * e:3 * e + 3]])))
+        resumed = GrainWorkerShard(ds, 8, *hook._grain, start_epoch=1, start_batch=2)
+        np.testing.assert_array_equal(next(resumed.batches(w, 3))[1], batches[5][1])
+    for e in (0, 1):
+        rows = np.concatenate([r for ee, r in epochs if ee == e])
+        assert len(rows) == spe * 8 and len(set(rows.tolist())) == len(rows)   # each once
+    np.testing.assert_array_equal(epochs[0][1], epochs[1][1])   # the dataset's own order
+    with pytest.raises(DataError, match=r"steps_per_epoch=4: with a ClusterCoordinator"):
+        hook.stream_steps_per_epoch(trainer, train, 4)

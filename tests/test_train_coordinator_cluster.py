@@ -34,19 +34,19 @@ def _data():
     return x, y
 
 
-def _trainer(strategy, seed=0):
+def _trainer(strategy, seed=0, **kwargs):
     with strategy.scope():
         return jaxdist.Trainer(DropoutNet(rngs=nnx.Rngs(seed)), O.sgd(0.2), global_batch_size=16,
-                               strategy=strategy, log_dir=None, progress_bar="never",
+                               strategy=strategy, log_dir=None, progress_bar="never", **kwargs,
                                metrics=["accuracy", "auc",
                                         SparseTopKCategoricalAccuracy(k=1, name="top1")])
 
 
-def _in_process(seed):
+def _in_process(seed, **kwargs):
     """Between-graph on one in-process worker with one device: the same steps, data order
     and Dropout keys (global step, worker 0, replica 0) as the coordinator's single worker."""
     t = _trainer(jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:1],
-                                                 timeout=30.0), seed)
+                                                 timeout=30.0), seed, **kwargs)
     t.fit(_data(), epochs=2, verbose=0)
     return t.get_weights()["params"]
 
@@ -86,3 +86,34 @@ def test_coordinator_trains_a_dropout_model_reproducibly_with_metrics_lr_and_wei
                  params, same)
     assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params),
                                                      jax.tree.leaves(other)))
+
+
+def test_coordinator_trains_on_a_grain_map_dataset_as_on_the_same_arrays():
+    """A grain MapDataset travels to the worker with the per-worker dataset: with one worker it
+    reads the dataset's batches in order, so the run equals array training without shuffling;
+    a generator is refused with the inputs that work."""
+    import grain
+
+    from jaxdist.train.data import DataError
+
+    x, y = _data()
+    ds = grain.MapDataset.source([(x[i], y[i]) for i in range(len(y))]).batch(16)
+    c = start_cluster(workers=1, ps=1)
+    try:
+        strategy = jaxdist.ParameterServerStrategy(ChiefResolver(c.cluster, c.token),
+                                                   compute_devices=jax.devices()[:1],
+                                                   timeout=30.0)
+        coordinator = coordinator_for(strategy)
+        try:
+            trainer = _trainer(strategy, shuffle=False)
+            with pytest.raises(DataError, match="arrays or a grain.MapDataset"):
+                trainer.fit(((x[:16], y[:16]) for _ in range(4)), steps=2, verbose=0)
+            history = trainer.fit(ds, epochs=2, verbose=0)
+            params = trainer.get_weights()["params"]
+        finally:
+            coordinator.shutdown()
+    finally:
+        c.stop()
+    assert len(history.history["loss"]) == 2 and trainer.step == 2 * 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                 params, _in_process(0, shuffle=False))

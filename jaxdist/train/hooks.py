@@ -49,6 +49,12 @@ class TrainerHook:
     def begin_fit(self, trainer: Any, train: Any) -> None:
         """Called at the start of ``fit`` with the training data (an ``ArrayData``)."""
 
+    def stream_steps_per_epoch(self, trainer: Any, train: Any,
+                               steps_per_epoch: int | None) -> int | None:
+        """The steps of an epoch of the stream ``train`` when the hook sets them (e.g. every
+        worker's whole batches of a grain ``MapDataset`` under a coordinator), else ``None``."""
+        return None
+
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
         """Creates the training state; returns ``(params, rest, opt_state)`` for the trainer."""
         raise NotImplementedError

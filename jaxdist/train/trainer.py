@@ -413,7 +413,9 @@ class Trainer(TrainerHandle):
                 f"its share of every epoch); got a {train.name}: pass (x, y) arrays")
         b = self.global_batch_size
         if stream:
-            spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)
+            spe = self._hook.stream_steps_per_epoch(self, train, steps_per_epoch)
+            if spe is None:
+                spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)
         else:
             spe = data_lib.steps_per_epoch(len(self._epoch_order(len(train), 0)), b)
             if steps_per_epoch is not None:

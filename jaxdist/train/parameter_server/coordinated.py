@@ -8,7 +8,11 @@
   must be a ``jaxdist.ps.optimizers`` spec);
 * it creates a per-worker dataset: worker ``i`` of ``n`` iterates its own disjoint,
   deterministic share of every epoch's order (examples ``i, i+n, ...``), batch by batch,
-  repeating epoch after epoch; a restarted worker rebuilds it;
+  repeating epoch after epoch; a restarted worker rebuilds it. A grain ``MapDataset`` (a
+  picklable, random-access description of the data) is shared the same way, element by
+  element (``GrainWorkerShard``); streams that exist only in the chief's process (generators,
+  iterables, grain ``IterDataset``) are refused, as TF's ``Model.fit`` refuses generators
+  with ``ParameterServerStrategy``;
 * each training step is one scheduled function (``WorkerStep``): on whichever worker runs it,
   it takes the next batch of that worker's iterator, pulls the parameters, computes the
   gradient with jit synchronously across the worker's local devices, and pushes it; the ps
@@ -110,6 +114,79 @@ class WorkerShard:
                 xb = jax.tree.map(lambda a: a[idx], self.x)  # noqa: B023
                 yield (xb, self.y[idx]) if self.w is None else (xb, self.y[idx], self.w[idx])
             epoch, skip = epoch + 1, 0
+
+
+class GrainWorkerShard:
+    """The per-worker dataset function of a grain ``MapDataset``: worker ``i`` of ``n`` reads
+    elements ``i, i+n, ...`` of every epoch (the same count for every worker: ``N // n`` of the
+    ``N`` elements), in the dataset's order, and regroups their rows into batches of
+    ``batch_size`` (the rest of its share is dropped, as the array path's share is cut to whole
+    batches). Every epoch reads the dataset in the same order, as ``fit`` on one process does
+    (shuffle with grain: ``.shuffle(seed)``); a resumed shard skips ``start_batch`` batches of
+    ``start_epoch``.
+
+    Args:
+        dataset: the ``grain.MapDataset``; each element a batch ``(x, y)``, ``(x, y,
+            sample_weight)`` or a dict with ``"x"``, ``"y"``, of ``rows`` rows (a single
+            example when the label is a scalar).
+        batch_size: rows per step.
+        num_elements: elements of an epoch (the dataset's length, less a short last element).
+        rows: rows of every element.
+        class_weight: Keras' ``class_weight``.
+
+    Example:
+        >>> ds = grain.MapDataset.source(examples).batch(32)
+        >>> shard = GrainWorkerShard(ds, 32, num_elements=len(ds) - 1, rows=32)
+        >>> xb, yb = next(iter(shard(InputContext(2, 1))))   # worker 1's first batch (element 1)
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_elements: int, rows: int,
+                 start_epoch: int = 0, start_batch: int = 0,
+                 class_weight: Mapping[int, float] | None = None):
+        self.dataset, self.batch_size = dataset, int(batch_size)
+        self.num_elements, self.rows = int(num_elements), int(rows)
+        self.start_epoch, self.start_batch = int(start_epoch), int(start_batch)
+        self.class_weight = class_weight
+
+    def batches_per_worker(self, num_workers: int) -> int:
+        """Whole batches of each worker's share of an epoch."""
+        return (self.num_elements // num_workers) * self.rows // self.batch_size
+
+    def __call__(self, ctx: Any) -> Iterator[tuple[Any, ...]]:
+        return self.batches(ctx.input_pipeline_id, ctx.num_input_pipelines)
+
+    def batches(self, worker: int, num_workers: int) -> Iterator[tuple[Any, ...]]:
+        """The batches of ``worker`` (endless): ``(x, y)`` or ``(x, y, w)``."""
+        from jaxdist.train import inputs as inputs_lib
+
+        src = inputs_lib.StreamSource(self.dataset, "train_data", self.class_weight)
+        b, skip = self.batch_size, self.start_batch
+        per = self.batches_per_worker(num_workers)
+        if per == 0:
+            raise ValueError(f"worker {worker} of {num_workers} has no whole batch of {b} "
+                             f"in its {self.num_elements // num_workers} elements of "
+                             f"{self.rows} rows")
+        share = range(worker, self.num_elements, num_workers)[:self.num_elements // num_workers]
+        while True:
+            buf: list[tuple[Any, Any, Any]] = []
+            have = done = 0
+            for i in share:
+                part = src._normalize(self.dataset[i])
+                n = inputs_lib._rows(part[0])
+                if n != self.rows:
+                    raise ValueError(f"element {i} of the grain dataset has {n} rows; expected "
+                                     f"{self.rows}, as its first element (every element but "
+                                     f"the last must have as many)")
+                buf.append(part)
+                have += n
+                while have >= b and done < per:
+                    (xb, yb, wb), buf, have = inputs_lib._take(buf, b)
+                    done += 1
+                    if done > skip:
+                        yield (xb, yb) if wb is None else (xb, yb, wb)
+                if done == per:
+                    break
+            skip = 0
 
 
 class WorkerStep:
@@ -245,6 +322,23 @@ class StepStats(Mapping):
         return f"StepStats(steps={len(self.remote_values)})"
 
 
+def _is_grain_map_dataset(data: Any) -> bool:
+    """Whether ``data`` is a grain ``MapDataset`` (grain imported only if ``data`` is grain's)."""
+    if data is None or not type(data).__module__.startswith("grain"):
+        return False
+    import grain
+
+    return isinstance(data, grain.MapDataset)
+
+
+def _element_rows(train: Any, elem: Any) -> int:
+    """Rows of one element of the stream ``train``."""
+    from jaxdist.train import inputs as inputs_lib
+
+    x, y, _ = train._normalize(elem)
+    return inputs_lib._rows(x) if y is None else int(np.shape(y)[0])
+
+
 class CoordinatorHook(PSHookMixin, TrainerHook):
     """``TrainerHook`` for a ``ParameterServerStrategy`` with a ``ClusterCoordinator`` (see the
     module docstring).
@@ -255,6 +349,7 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
     """
 
     owns_input = True
+    accepts_streams = True  # a grain MapDataset; begin_fit refuses the others
     is_chief = True  # the coordinator's process is the chief
 
     def __init__(self, strategy: Any):
@@ -268,6 +363,7 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         self._step_fn: WorkerStep | None = None
         self._train: Any = None
         self._iterator: Any = None
+        self._grain: tuple[int, int] | None = None  # a MapDataset's (elements, rows)
 
     # ------------------------------------------------------------------ state
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
@@ -292,15 +388,51 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
 
     # ------------------------------------------------------------------ data and steps
     def begin_fit(self, trainer: Any, train: Any) -> None:
-        if not isinstance(train, data_lib.ArrayData):
+        grain_map = _is_grain_map_dataset(getattr(train, "data", None))
+        if not isinstance(train, data_lib.ArrayData) and not grain_map:
             raise data_lib.DataError(
-                f"ClusterCoordinator training takes in-memory arrays (each worker gets its "
-                f"share of every epoch, sent with the per-worker dataset); got a {train.name}: "
-                f"a {train.name} lives in the chief's process and the workers cannot read it. "
-                f"Pass (x, y) arrays, or use ParameterServerStrategy without a coordinator "
+                f"ClusterCoordinator training takes in-memory arrays or a grain MapDataset "
+                f"(each worker reads its share of every epoch, sent with the per-worker "
+                f"dataset); got a {train.name}: a {train.name} lives in the chief's process and "
+                f"the workers cannot read it. Pass (x, y) arrays or a grain.MapDataset (not "
+                f"to_iter_dataset()), or use ParameterServerStrategy without a coordinator "
                 f"(between-graph: each worker reads the stream it is given)")
+        self._grain = None
+        if grain_map:
+            ds = train.data
+            n = len(ds)
+            if n <= 0 or n >= 2 ** 62:
+                raise data_lib.DataError(
+                    f"ClusterCoordinator training needs a finite grain MapDataset (its length "
+                    f"is an epoch); got one of length {n}: leave out .repeat(), fit repeats "
+                    f"it every epoch")
+            rows = train.rows_per_element()
+            last = _element_rows(train, ds[n - 1])
+            if last != rows and n > 1:
+                n -= 1  # a short last element (batch without drop_remainder) is dropped
+            self._grain = (n, rows)
         if self._train is not train:
             self._train, self._iterator = train, None
+
+    def stream_steps_per_epoch(self, trainer: Any, train: Any,
+                               steps_per_epoch: int | None) -> int | None:
+        """A grain ``MapDataset``'s steps per epoch: every worker's whole batches."""
+        if self._grain is None:
+            return None
+        n, rows = self._grain
+        spe = self.num_workers * GrainWorkerShard(None, trainer.global_batch_size, n,
+                                                  rows).batches_per_worker(self.num_workers)
+        if spe == 0:
+            raise data_lib.DataError(
+                f"train_data: the grain MapDataset's {n} elements of {rows} rows give no whole "
+                f"batch of {trainer.global_batch_size} to each of the {self.num_workers} "
+                f"workers; use a smaller global_batch_size or more data")
+        if steps_per_epoch is not None and int(steps_per_epoch) != spe:
+            raise data_lib.DataError(
+                f"steps_per_epoch={steps_per_epoch}: with a ClusterCoordinator an epoch of a "
+                f"grain MapDataset is every worker's whole batches ({spe} steps); leave "
+                f"steps_per_epoch out, or pass steps=N for a number of steps")
+        return spe
 
     def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
         """The examples the workers train on in ``epoch``: worker 0's share, then worker 1's...
@@ -314,9 +446,15 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         if train is None:
             raise RuntimeError("CoordinatorHook.train_step before begin_fit: the Trainer "
                                "passes the training data to the hook first")
-        shard = WorkerShard(train.x, train.y, trainer.global_batch_size, trainer.seed,
-                            trainer.shuffle, trainer.epoch,
-                            trainer.step_in_epoch // self.num_workers, w=train.w)
+        if self._grain is not None:
+            shard: Any = GrainWorkerShard(train.data, trainer.global_batch_size, *self._grain,
+                                          start_epoch=trainer.epoch,
+                                          start_batch=trainer.step_in_epoch // self.num_workers,
+                                          class_weight=train.class_weight)
+        else:
+            shard = WorkerShard(train.x, train.y, trainer.global_batch_size, trainer.seed,
+                                trainer.shuffle, trainer.epoch,
+                                trainer.step_in_epoch // self.num_workers, w=train.w)
         dataset = self.coordinator.create_per_worker_dataset(shard)
         self._iterator = iter(dataset)
 
@@ -361,5 +499,5 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
             for st, n in zip(states, runs)), flush=True)
 
 
-__all__ = ["COLLECTION", "CoordinatorHook", "StepStats", "WorkerShard", "WorkerStep",
-           "coordinator_of", "parameter_server_hook", "worker_share"]
+__all__ = ["COLLECTION", "CoordinatorHook", "GrainWorkerShard", "StepStats", "WorkerShard",
+           "WorkerStep", "coordinator_of", "parameter_server_hook", "worker_share"]
