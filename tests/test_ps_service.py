@@ -10,8 +10,9 @@ import optax
 import pytest
 
 from jaxdist.ps import optimizers as O
+from jaxdist.ps.checkpoints import write_checkpoint_pointer
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
+from jaxdist.ps.service import ParameterService
 
 
 def _shards_vs_whole(spec, ref_tx, split, steps, seed):

@@ -87,8 +87,8 @@ def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
 def test_ps_checkpoint_reader_reassembles_partitioned_leaves(tmp_path):
     import numpy as np
 
-    from jaxdist.ps.checkpoints import PSCheckpointReader
-    from jaxdist.ps.service import ParameterService, write_checkpoint_pointer
+    from jaxdist.ps.checkpoints import PSCheckpointReader, write_checkpoint_pointer
+    from jaxdist.ps.service import ParameterService
     from jaxdist.train.evaluator import PSCheckpointState
 
     w = np.arange(15, dtype=np.float32).reshape(5, 3)

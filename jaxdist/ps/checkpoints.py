@@ -1,4 +1,8 @@
-"""Reading parameter-server checkpoints outside the cluster (side-car evaluation, export).
+"""Parameter-server checkpoints: the file format, writing, reading, confinement, pruning.
+
+``ParameterService.save`` / ``restore`` gather and rebuild a task's variables and call
+``write_task_checkpoint`` / ``read_task_checkpoint`` here; ``checkpoint_directory`` keeps a
+requested directory under the server's checkpoint root.
 
 ``strategy.extended.save(directory, step)`` makes every ps write its shards to
 ``directory/ps-<i>/ckpt-<step>/state.jdw`` and then the chief writes ``directory/checkpoint``
@@ -16,15 +20,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxdist.ps import wire
-from jaxdist.ps.service import CHECKPOINT_POINTER
+from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.variables import leaf_names
 
+CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
 _TASK_DIR = re.compile(r"ps-\d+|local")
 _PART = re.compile(r"(.+)/part_(\d+)")
 
@@ -126,4 +134,219 @@ class PSCheckpointReader:
         return treedef.unflatten(out)
 
 
-__all__ = ["PSCheckpointReader"]
+def _task_dir(directory: str, task: str) -> str:
+    return os.path.join(directory, task.replace(":", "-"))
+
+
+def checkpoint_directory(task: str, requested: str | None, what: str, *, confined: bool,
+                         root: str | None, default: str | None) -> str | None:
+    """The directory ``task`` may ``what`` (save / restore) for the ``requested`` one.
+
+    Unconfined: ``requested`` or ``default``. Confined: ``requested`` resolved under ``root``
+    (relative to it, symlinks followed) and refused unless it lies under ``root``, as is a
+    task directory that is a link out of it.
+
+    Raises:
+        PSInvalidArgumentError: ``requested`` is not a string, there is no root, or the path
+            resolves outside the root.
+
+    Example:
+        >>> checkpoint_directory("ps:0", "run1", "save", confined=True, root="/ckpt",
+        ...                      default="/ckpt")
+        '/ckpt/run1'
+    """
+    if requested is not None and not isinstance(requested, str):
+        raise PSInvalidArgumentError(
+            f"{task}: {what} directory {requested!r}: expected a string path", task=task)
+    if not confined:
+        return requested or default
+    if not root:
+        raise PSInvalidArgumentError(
+            f"{task} refuses {what}: the server has no checkpoint root; start it with "
+            f"--checkpoint_root or --checkpoint_dir (jaxdist.Server(checkpoint_root=...)) "
+            f"and save under it",
+            task=task)
+    real_root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(real_root, requested or real_root))
+    if os.path.commonpath([path, real_root]) != real_root:
+        raise PSInvalidArgumentError(
+            f"{task} refuses {what} to {requested!r}: it resolves to {path!r}, outside "
+            f"the server's checkpoint root {real_root!r} (start the server with "
+            f"--checkpoint_root set to the training's checkpoint directory)",
+            task=task)
+    task_dir = _task_dir(path, task)
+    if os.path.lexists(task_dir) and os.path.commonpath(
+            [os.path.realpath(task_dir), real_root]) != real_root:
+        raise PSInvalidArgumentError(
+            f"{task} refuses {what}: {task_dir!r} is a link out of the checkpoint "
+            f"root {real_root!r}", task=task)
+    return path
+
+
+def check_keep(task: str, keep: int | None) -> None:
+    """Raises ``PSInvalidArgumentError`` unless ``keep`` is ``None`` or at least 1."""
+    if keep is not None and int(keep) < 1:
+        raise PSInvalidArgumentError(f"{task}: keep must be >= 1 checkpoints, got "
+                                     f"{keep!r}", task=task)
+
+
+def write_task_checkpoint(directory: str | None, task: str, step: int,
+                          variables: dict[str, dict[str, Any]], arrays: dict[str, np.ndarray],
+                          markers: Iterable[str] = (), keep: int | None = None) -> str:
+    """Writes ``task``'s checkpoint ``<directory>/<task>/ckpt-<step>/state.jdw`` atomically.
+
+    The file holds ``arrays`` (``v/<key>`` values, ``s/<key>/<i>`` optimizer state leaves) and
+    a header with ``variables`` (per key: kind, optimizer spec, version, number of state
+    leaves), the markers and the step. It is written to a temp directory that is then renamed;
+    then ``<task>/latest`` names the step, and with ``keep`` older checkpoints are pruned
+    (``prune_checkpoints``). Returns the checkpoint directory.
+
+    Raises:
+        PSInvalidArgumentError: no ``directory``, or ``keep`` < 1.
+
+    Example:
+        >>> write_task_checkpoint("/ckpt", "ps:0", 100, {"w": {"kind": "dense",
+        ...     "optimizer": None, "version": 3, "num_state": 0}}, {"v/w": np.zeros(4)})
+        '/ckpt/ps-0/ckpt-100'
+    """
+    check_keep(task, keep)
+    if not directory:
+        raise PSInvalidArgumentError(
+            f"{task}: save needs a directory (none given, and the server was started "
+            f"without checkpoint_dir)",
+            task=task,
+        )
+    task_dir = _task_dir(directory, task)
+    os.makedirs(task_dir, exist_ok=True)
+    final = os.path.join(task_dir, f"ckpt-{int(step)}")
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    meta: dict[str, Any] = {"step": int(step), "task": task, "variables": variables,
+                            "markers": sorted(markers)}
+    with open(os.path.join(tmp, "state.jdw"), "wb") as f:
+        for chunk in wire.encode(meta, arrays):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
+    if keep is not None:
+        prune_checkpoints(directory, task, int(keep), just_saved=int(step))
+    return final
+
+
+def read_task_checkpoint(directory: str | None, task: str, step: int | None = None
+                         ) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
+    """Reads ``task``'s checkpoint ``step`` (default: ``latest_step``) written by
+    ``write_task_checkpoint``; returns ``(step, header, arrays)``.
+
+    Raises:
+        PSNotFoundError: no checkpoint under ``directory``, or that step's file is missing.
+
+    Example:
+        >>> step, meta, arrays = read_task_checkpoint("/ckpt", "ps:0")
+        >>> meta["variables"]["w"]["version"], arrays["v/w"].shape
+        (3, (4,))
+    """
+    if step is None:
+        step = latest_step(directory, task) if directory else None
+    if step is None:
+        raise PSNotFoundError(f"{task}: no checkpoint under {directory!r}", task=task)
+    path = os.path.join(_task_dir(directory, task), f"ckpt-{int(step)}", "state.jdw")
+    if not os.path.exists(path):
+        raise PSNotFoundError(f"{task}: checkpoint {path} does not exist", task=task)
+    with open(path, "rb") as f:
+        meta, arrays = wire.decode([f.read()])
+    return int(step), meta, arrays
+
+
+def latest_step(directory: str, task: str) -> int | None:
+    """The step to restore: the chief's pointer (every ps saved it) else this task's latest."""
+    for path in (
+        os.path.join(directory, CHECKPOINT_POINTER),
+        os.path.join(directory, task.replace(":", "-"), "latest"),
+    ):
+        try:
+            with open(path) as f:
+                step = int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        ckpt = os.path.join(directory, task.replace(":", "-"), f"ckpt-{step}")
+        if os.path.isdir(ckpt):
+            return step
+    return None
+
+
+def _step_of(name: str) -> int | None:
+    match = re.fullmatch(r"ckpt-(\d+)(\.tmp-[0-9a-f]+)?", name)
+    return int(match.group(1)) if match else None
+
+
+def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> list[str]:
+    """Deletes ``task``'s checkpoints beyond the newest ``keep``; returns the deleted paths.
+
+    The checkpoint the chief's pointer names is kept whatever its age: it is the last step every
+    ps saved, the one a restarted cluster restores. Leftovers of interrupted saves
+    (``ckpt-<step>.tmp-*``) older than ``just_saved`` go too.
+
+    Example:
+        >>> prune_checkpoints("/ckpt", "ps:0", keep=3, just_saved=900)
+        ['/ckpt/ps-0/ckpt-500']
+    """
+    task_dir = os.path.join(directory, task.replace(":", "-"))
+    protected = None
+    try:
+        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+            protected = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        pass
+    complete, partial = [], []
+    for name in os.listdir(task_dir):
+        step = _step_of(name)
+        if step is None:
+            continue
+        (partial if ".tmp-" in name else complete).append((step, name))
+    complete.sort(reverse=True)
+    doomed = [name for i, (step, name) in enumerate(complete) if i >= keep and step != protected]
+    doomed += [name for step, name in partial if step < just_saved]
+    deleted = []
+    for name in doomed:
+        path = os.path.join(task_dir, name)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint_pointer(directory: str, step: int, final: bool = False) -> None:
+    """Marks ``step`` as complete on every ps (the chief calls it after all saves succeed).
+
+    Args:
+        final: the step is the last of a finished run (a side-car evaluator stops after it).
+    """
+    os.makedirs(directory, exist_ok=True)
+    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER),
+                  json.dumps({"step": int(step), "final": bool(final)}))
+
+
+__all__ = [
+    "CHECKPOINT_POINTER",
+    "PSCheckpointReader",
+    "check_keep",
+    "checkpoint_directory",
+    "latest_step",
+    "prune_checkpoints",
+    "read_task_checkpoint",
+    "write_checkpoint_pointer",
+    "write_task_checkpoint",
+]

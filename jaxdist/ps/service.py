@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -33,11 +30,16 @@ import numpy as np
 import optax
 
 from jaxdist.ps import wire
+from jaxdist.ps.checkpoints import (
+    check_keep,
+    checkpoint_directory,
+    latest_step,
+    read_task_checkpoint,
+    write_task_checkpoint,
+)
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.memory import aligned_copy
 from jaxdist.ps.optimizers import OptimizerSpec
-
-CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
 
 # Least recently used first. Bounded: every learning-rate change (ReduceLROnPlateau, the
 # LearningRate RPC) is a new spec, and a job that changes its rate often must not grow the ps
@@ -474,34 +476,8 @@ class ParameterService:
 
     def _checkpoint_directory(self, requested: str | None, what: str) -> str | None:
         """The directory ``what`` (save / restore) may use for ``requested``."""
-        if requested is not None and not isinstance(requested, str):
-            raise PSInvalidArgumentError(
-                f"{self.task}: {what} directory {requested!r}: expected a string path",
-                task=self.task)
-        if not self._confined:
-            return requested or self.checkpoint_dir
-        root = self.checkpoint_root
-        if not root:
-            raise PSInvalidArgumentError(
-                f"{self.task} refuses {what}: the server has no checkpoint root; start it with "
-                f"--checkpoint_root or --checkpoint_dir (jaxdist.Server(checkpoint_root=...)) "
-                f"and save under it",
-                task=self.task)
-        real_root = os.path.realpath(root)
-        path = os.path.realpath(os.path.join(real_root, requested or real_root))
-        if os.path.commonpath([path, real_root]) != real_root:
-            raise PSInvalidArgumentError(
-                f"{self.task} refuses {what} to {requested!r}: it resolves to {path!r}, outside "
-                f"the server's checkpoint root {real_root!r} (start the server with "
-                f"--checkpoint_root set to the training's checkpoint directory)",
-                task=self.task)
-        task_dir = os.path.join(path, self.task.replace(":", "-"))
-        if os.path.lexists(task_dir) and os.path.commonpath(
-                [os.path.realpath(task_dir), real_root]) != real_root:
-            raise PSInvalidArgumentError(
-                f"{self.task} refuses {what}: {task_dir!r} is a link out of the checkpoint "
-                f"root {real_root!r}", task=self.task)
-        return path
+        return checkpoint_directory(self.task, requested, what, confined=self._confined,
+                                    root=self.checkpoint_root, default=self.checkpoint_dir)
 
     def save(self, directory: str | None, step: int, keep: int | None = None) -> str:
         """Writes every variable, its optimizer state and version to
@@ -512,30 +488,16 @@ class ParameterService:
                 leftovers of interrupted saves), never the one the chief's pointer names (the
                 last step every ps saved). ``None`` keeps all.
         """
-        if keep is not None and int(keep) < 1:
-            raise PSInvalidArgumentError(f"{self.task}: keep must be >= 1 checkpoints, got "
-                                         f"{keep!r}", task=self.task)
+        check_keep(self.task, keep)
         directory = self._checkpoint_directory(directory, "save")
-        if not directory:
-            raise PSInvalidArgumentError(
-                f"{self.task}: save needs a directory (none given, and the server was started "
-                f"without checkpoint_dir)",
-                task=self.task,
-            )
-        task_dir = os.path.join(directory, self.task.replace(":", "-"))
-        os.makedirs(task_dir, exist_ok=True)
-        final = os.path.join(task_dir, f"ckpt-{int(step)}")
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        os.makedirs(tmp)
-        meta: dict[str, Any] = {"step": int(step), "task": self.task, "variables": {},
-                                "markers": sorted(self._markers)}
+        variables: dict[str, dict[str, Any]] = {}
         arrays: dict[str, np.ndarray] = {}
         with self._vars_lock:
             items = list(self._vars.items())
         for key, var in items:
             with var.lock:
                 state_leaves = jax.tree.leaves(var.opt_state) if var.opt_state is not None else []
-                meta["variables"][key] = {
+                variables[key] = {
                     "kind": var.kind,
                     "optimizer": var.optimizer,
                     "version": var.version,
@@ -544,34 +506,13 @@ class ParameterService:
                 arrays[f"v/{key}"] = np.array(var.value)
                 for i, leaf in enumerate(state_leaves):
                     arrays[f"s/{key}/{i}"] = np.array(leaf)
-        with open(os.path.join(tmp, "state.jdw"), "wb") as f:
-            for chunk in wire.encode(meta, arrays):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
-        if keep is not None:
-            prune_checkpoints(directory, self.task, int(keep), just_saved=int(step))
-        return final
+        return write_task_checkpoint(directory, self.task, step, variables, arrays,
+                                     markers=self._markers, keep=keep)
 
     def restore(self, directory: str | None = None, step: int | None = None) -> int:
         """Replaces all state with checkpoint ``step`` (default: the latest); returns the step."""
         directory = self._checkpoint_directory(directory, "restore")
-        if step is None:
-            step = latest_step(directory, self.task) if directory else None
-        if step is None:
-            raise PSNotFoundError(
-                f"{self.task}: no checkpoint under {directory!r}", task=self.task
-            )
-        path = os.path.join(directory, self.task.replace(":", "-"), f"ckpt-{int(step)}",
-                            "state.jdw")
-        if not os.path.exists(path):
-            raise PSNotFoundError(f"{self.task}: checkpoint {path} does not exist", task=self.task)
-        with open(path, "rb") as f:
-            meta, arrays = wire.decode([f.read()])
+        step, meta, arrays = read_task_checkpoint(directory, self.task, step)
         new_vars = {}
         for key, info in meta["variables"].items():
             value = aligned_copy(arrays[f"v/{key}"])
@@ -587,9 +528,8 @@ class ParameterService:
         with self._vars_lock:
             self._vars = new_vars
             self._markers = set(meta.get("markers", []))
-        self.restored_step = int(step)
-        return int(step)
-
+        self.restored_step = step
+        return step
 
 def _spec_learning_rate(spec: dict[str, Any] | None) -> Any:
     """The ``learning_rate`` of an optimizer spec JSON (the first one of a chain): a number,
@@ -617,81 +557,4 @@ def _with_learning_rate(spec: dict[str, Any], value: float) -> dict[str, Any]:
     return {**spec, "kwargs": {**kwargs, "learning_rate": value}}
 
 
-def latest_step(directory: str, task: str) -> int | None:
-    """The step to restore: the chief's pointer (every ps saved it) else this task's latest."""
-    for path in (
-        os.path.join(directory, CHECKPOINT_POINTER),
-        os.path.join(directory, task.replace(":", "-"), "latest"),
-    ):
-        try:
-            with open(path) as f:
-                step = int(json.load(f)["step"])
-        except (OSError, ValueError, KeyError):
-            continue
-        ckpt = os.path.join(directory, task.replace(":", "-"), f"ckpt-{step}")
-        if os.path.isdir(ckpt):
-            return step
-    return None
-
-
-def _step_of(name: str) -> int | None:
-    match = re.fullmatch(r"ckpt-(\d+)(\.tmp-[0-9a-f]+)?", name)
-    return int(match.group(1)) if match else None
-
-
-def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> list[str]:
-    """Deletes ``task``'s checkpoints beyond the newest ``keep``; returns the deleted paths.
-
-    The checkpoint the chief's pointer names is kept whatever its age: it is the last step every
-    ps saved, the one a restarted cluster restores. Leftovers of interrupted saves
-    (``ckpt-<step>.tmp-*``) older than ``just_saved`` go too.
-
-    Example:
-        >>> prune_checkpoints("/ckpt", "ps:0", keep=3, just_saved=900)
-        ['/ckpt/ps-0/ckpt-500']
-    """
-    task_dir = os.path.join(directory, task.replace(":", "-"))
-    protected = None
-    try:
-        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
-            protected = int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError):
-        pass
-    complete, partial = [], []
-    for name in os.listdir(task_dir):
-        step = _step_of(name)
-        if step is None:
-            continue
-        (partial if ".tmp-" in name else complete).append((step, name))
-    complete.sort(reverse=True)
-    doomed = [name for i, (step, name) in enumerate(complete) if i >= keep and step != protected]
-    doomed += [name for step, name in partial if step < just_saved]
-    deleted = []
-    for name in doomed:
-        path = os.path.join(task_dir, name)
-        shutil.rmtree(path, ignore_errors=True)
-        deleted.append(path)
-    return deleted
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_checkpoint_pointer(directory: str, step: int, final: bool = False) -> None:
-    """Marks ``step`` as complete on every ps (the chief calls it after all saves succeed).
-
-    Args:
-        final: the step is the last of a finished run (a side-car evaluator stops after it).
-    """
-    os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, CHECKPOINT_POINTER),
-                  json.dumps({"step": int(step), "final": bool(final)}))
-
-
-__all__ = ["ParameterService", "latest_step", "prune_checkpoints", "write_checkpoint_pointer"]
+__all__ = ["ParameterService"]

@@ -24,12 +24,13 @@ import numpy as np
 from jaxdist.cluster.task_info import TaskInfo, task_info
 from jaxdist.cluster.validation import validate_cluster_spec
 from jaxdist.ps import optimizers as ps_optimizers
+from jaxdist.ps.checkpoints import latest_step, write_checkpoint_pointer
 from jaxdist.ps.client import LocalClient, PSClient
 from jaxdist.ps.embedding import EmbeddingTable
 from jaxdist.ps.errors import PSInvalidArgumentError, StalenessTimeoutError
 from jaxdist.ps.partitioners import split_rows
 from jaxdist.ps.placement import ReplicaDeviceSetter, replica_device_setter
-from jaxdist.ps.service import ParameterService, latest_step, write_checkpoint_pointer
+from jaxdist.ps.service import ParameterService
 from jaxdist.ps.variables import Layout, PSVariables, ShardInfo, wait_for_marker
 from jaxdist.strategies.devices import resolve_devices
 from jaxdist.strategies.reduce_util import ReduceOp
