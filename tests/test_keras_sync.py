@@ -290,3 +290,17 @@ def test_keras_file_callbacks_are_refused_in_a_multi_process_job(monkeypatch, tm
                       verbose=0, callbacks=[cb])
     model_strategy.check_multi_process_callbacks([jk.ModelCheckpoint(str(tmp_path / "m.keras")),
                                    jk.BackupAndRestore(str(tmp_path / "b"))])  # accepted
+
+
+def test_keras_steps_in_flight_are_bounded(devices):
+    # Keras's fit loop dispatches steps without waiting; with more forced CPU devices than cores
+    # that let XLA's CPU rendezvous abort the process (200 steps on 4 devices did, every time).
+    # Under a jaxdist strategy each step function keeps at most two calls in flight.
+    strategy = jaxdist.MirroredStrategy(devices[:4])
+    with strategy.scope():
+        model = _model()
+    x = np.random.default_rng(0).normal(size=(8 * 120, 5)).astype("float32")
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert model.train_function._jaxdist_bounded
+    model.evaluate(x[:64], x[:64, :1], batch_size=8, verbose=0)
+    assert model.test_function._jaxdist_bounded

@@ -108,6 +108,52 @@ def check_multi_process_callbacks(callbacks: Any) -> None:
                     f"arguments; it writes from the chief only)")
 
 
+_STEP_ATTRS = {"make_train_function": "train_function", "make_test_function": "test_function",
+               "make_predict_function": "predict_function"}
+
+
+def _bounded(fn: Any) -> Any:
+    """``fn`` (a Keras step function) with at most 2 of its calls dispatched and unfinished.
+
+    Keras's ``fit`` loop dispatches step after step without waiting (unless a callback reads
+    the logs). With more forced CPU devices than cores, many dispatched steps that contain
+    cross-device collectives make XLA's CPU rendezvous abort the process after 40 s; waiting on
+    step k-2 before dispatching step k avoids it (``jaxdist.strategies.inflight``) and keeps two
+    steps in flight.
+    """
+    if fn is None or getattr(fn, "_jaxdist_bounded", False):
+        return fn
+    from jaxdist.strategies.inflight import StepThrottle
+
+    throttle = StepThrottle(2)
+
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        throttle.before_dispatch()
+        out = fn(*args, **kwargs)
+        throttle.after_dispatch(out)  # donated (deleted) outputs are skipped when waiting
+        return out
+
+    step._jaxdist_bounded = True
+    return step
+
+
+def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def make(self: Any, force: bool = False) -> Any:
+        strategy = strategy_of(self) or _current_strategy()
+        if maker == "make_train_function":
+            for s in (strategy_of(self), _current_strategy()):
+                if s is not None and _is_ps(s):
+                    raise unattached_error(self, s)
+        result = original(self, force)
+        if strategy is not None:
+            setattr(self, attr, _bounded(getattr(self, attr, None)))
+        return result
+
+    return make
+
+
 def _reenter(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,7 +181,6 @@ def install() -> None:
     from keras.src.backend.jax.trainer import JAXTrainer
 
     original_compile = JAXTrainer.compile
-    original_make = JAXTrainer.make_train_function
 
     @functools.wraps(original_compile)
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -143,15 +188,9 @@ def install() -> None:
         object.__setattr__(self, _ATTR, _current_strategy())
         return result
 
-    @functools.wraps(original_make)
-    def make_train_function(self: Any, force: bool = False) -> Any:
-        for strategy in (strategy_of(self), _current_strategy()):
-            if strategy is not None and _is_ps(strategy):
-                raise unattached_error(self, strategy)
-        return original_make(self, force)
-
     JAXTrainer.compile = compile
-    JAXTrainer.make_train_function = make_train_function
+    for maker, attr in _STEP_ATTRS.items():
+        setattr(JAXTrainer, maker, _bounded_maker(maker, attr, getattr(JAXTrainer, maker)))
     for name in _ENTRY_POINTS:
         setattr(JAXTrainer, name, _reenter(name, getattr(JAXTrainer, name)))
     _installed = True
