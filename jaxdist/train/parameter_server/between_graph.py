@@ -222,10 +222,42 @@ class ParameterServerHook(PSHookMixin, TrainerHook):
                   flush=True)
 
 
+def replica_gradients(ms: Any, params: Any, rest: Any, rngs: Any, x: Any, y: Any, w: Any, *,
+                      loss_fn: Any, global_batch_size: int, step: Any, replica: Any,
+                      compute_dtype: Any, metric_sums: Any) -> tuple[Any, Any]:
+    """One replica's share of a parameter-server step (between-graph and coordinator alike).
+
+    Differentiates the loss w.r.t. this replica's view of ``params`` (``ctx.local``), sums the
+    gradients over the local replicas, and returns ``(stats, grads)`` with the step statistics
+    summed over the replicas: ``loss``, ``correct`` and ``weight`` (the accuracy is unweighted,
+    as Keras) plus ``metric_sums(logits, y, w)`` (the synchronous trainer's metric sums).
+
+    Example:
+        >>> stats, grads = replica_gradients(ms, params, rest, rngs, x, y, w, loss_fn=loss_fn,
+        ...     global_batch_size=64, step=step, replica=0, compute_dtype=None,
+        ...     metric_sums=lambda logits, y, w: {})
+    """
+    from jaxdist.train.losses import correct_per_example
+
+    ctx = distribute.get_replica_context()
+
+    def objective(p):
+        logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
+                             compute_dtype=compute_dtype, rngs=rngs)
+        loss = distribute.compute_average_loss(loss_fn(logits, y), sample_weight=w,
+                                               global_batch_size=global_batch_size)
+        return loss, logits
+
+    (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
+    grads = ctx.all_reduce("SUM", grads)
+    stats = {"loss": loss, "correct": jnp.sum(correct_per_example(logits, y)),
+             "weight": jnp.float32(y.shape[0])}
+    stats.update(metric_sums(logits, y, w))
+    return ctx.all_reduce("SUM", stats), grads
+
+
 def _make_grad_replica(trainer: Any):
     """The per-replica step: loss, gradient (all-reduced over local replicas), stats."""
-    from jaxdist.train.losses import correct_per_example as _correct_per_example
-
     gbs, loss_fn, ms = trainer.global_batch_size, trainer.loss_fn, trainer._ms
     dtype = trainer._compute_dtype
     per = gbs // trainer.strategy.num_replicas_in_sync
@@ -236,20 +268,10 @@ def _make_grad_replica(trainer: Any):
         xb, yb, wb = jax.tree.map(part, x), part(y), part(w)
         replica = worker * trainer.strategy.num_replicas_in_sync + ctx.replica_id_in_sync_group
 
-        def objective(p):
-            logits, _ = ms.apply(p, rest, xb, training=True, step=step, replica_id=replica,
-                                 compute_dtype=dtype, rngs=rngs)
-            per_example = loss_fn(logits, yb)
-            loss = distribute.compute_average_loss(per_example, sample_weight=wb,
-                                                global_batch_size=gbs)
-            return loss, logits
-
-        (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
-        grads = ctx.all_reduce("SUM", grads)
-        stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
-                 "weight": jnp.float32(yb.shape[0])}        # accuracy: unweighted (Keras)
-        stats.update(trainer._metric_stats(logits, yb, None, wb))  # as in the sync fit
-        return ctx.all_reduce("SUM", stats), grads
+        return replica_gradients(
+            ms, params, rest, rngs, xb, yb, wb, loss_fn=loss_fn, global_batch_size=gbs,
+            step=step, replica=replica, compute_dtype=dtype,
+            metric_sums=lambda logits, y_, w_: trainer._metric_stats(logits, y_, None, w_))
 
     return grad_replica
 

@@ -49,7 +49,11 @@ from jaxdist.ps import optimizers as ps_optimizers
 from jaxdist.train import data as data_lib
 from jaxdist.train import keras_metrics
 from jaxdist.train.hooks import TrainerHook
-from jaxdist.train.parameter_server.between_graph import ParameterServerHook, PSHookMixin
+from jaxdist.train.parameter_server.between_graph import (
+    ParameterServerHook,
+    PSHookMixin,
+    replica_gradients,
+)
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
@@ -262,27 +266,17 @@ class WorkerStep:
 
 def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
                        compute_dtype: Any = None, metrics: Any = ()) -> Callable:
-    from jaxdist.train.losses import correct_per_example as _correct_per_example
-
     def grad_replica(params, rest, rngs, x, y, w, step):
         ctx = distribute.get_replica_context()
         replica = ctx.replica_id_in_sync_group
 
-        def objective(p):
-            logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
-                                 compute_dtype=compute_dtype, rngs=rngs)
-            per_example = loss_fn(logits, y)
-            loss = distribute.compute_average_loss(per_example, sample_weight=w,
-                                                   global_batch_size=global_batch_size)
-            return loss, logits
-
-        (loss, logits), grads = jax.value_and_grad(objective, has_aux=True)(ctx.local(params))
-        grads = ctx.all_reduce("SUM", grads)
-        stats = {"loss": loss, "correct": jax.numpy.sum(_correct_per_example(logits, y)),
-                 "weight": jax.numpy.float32(y.shape[0])}    # accuracy: unweighted (Keras)
         # the same sums as the synchronous trainer's (weighted_metrics weighted by w)
-        stats.update(keras_metrics.metric_sums(metrics, logits, y, None, w))
-        return ctx.all_reduce("SUM", stats), grads
+        return replica_gradients(
+            ms, params, rest, rngs, x, y, w, loss_fn=loss_fn,
+            global_batch_size=global_batch_size, step=step, replica=replica,
+            compute_dtype=compute_dtype,
+            metric_sums=lambda logits, y_, w_: keras_metrics.metric_sums(metrics, logits, y_,
+                                                                          None, w_))
 
     return grad_replica
 
