@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import threading
 import time
 import uuid
@@ -38,7 +39,8 @@ from jaxdist.ps.checkpoints import (
     write_task_checkpoint,
 )
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.memory import aligned_copy
+from jaxdist.ps.host_update import host_add, host_add_mode
+from jaxdist.ps.memory import aligned_copy, aligned_empty
 from jaxdist.ps.optimizers import OptimizerSpec
 
 # Least recently used first. Bounded: every learning-rate change (ReduceLROnPlateau, the
@@ -85,6 +87,11 @@ def _transform(spec_json: dict[str, Any] | None):
 _ASSIGN_ADD = jax.jit(lambda value, delta: value + delta.astype(value.dtype), donate_argnums=0)
 
 
+def _jitted_assign_add(value: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """``_ASSIGN_ADD`` on a copy of ``value`` (what ``host_add_mode`` compares numpy with)."""
+    return np.asarray(_ASSIGN_ADD(jnp.array(value), delta))
+
+
 @dataclass
 class _Var:
     key: str
@@ -108,6 +115,46 @@ class _Var:
             "staleness_max": self.stale_max,
             "staleness_mean": self.stale_sum / self.pushes if self.pushes else 0.0,
         }
+
+
+def _value_refs(var: _Var) -> tuple[int, int]:
+    """Reference counts of ``var.value`` and of the allocation it views (``(n, 0)`` when it
+    owns its memory), as seen from here; the same code measures ``_UNSHARED`` below."""
+    value = var.value
+    base = value.base
+    return sys.getrefcount(value), (sys.getrefcount(base) if base is not None else 0)
+
+
+#: ``_value_refs`` of a value nothing but its ``_Var`` refers to (a pulled array, a view of
+#: it, a JAX array made from it, a buffer being sent: each holds a reference and raises one
+#: of the counts).
+_UNSHARED = _value_refs(_Var("probe", aligned_copy(np.zeros(1, np.float32))))
+
+
+def _host_assign_add(var: _Var, grad: np.ndarray) -> np.ndarray | None:
+    """``var.value + grad`` as a numpy add (``jaxdist.ps.host_update``), bit-identical to
+    ``_ASSIGN_ADD``; ``None`` when this value or dtype is left to ``_ASSIGN_ADD``.
+
+    Like the donating jitted add, it writes into the value's own buffer only when nothing
+    else refers to it (a pull in flight keeps the old value unchanged: the sum then goes into
+    a fresh buffer). Called under ``var.lock``.
+    """
+    value = var.value
+    if type(value) is not np.ndarray:  # a jax array (a jitted add made it) or a subclass
+        return None
+    mode = host_add_mode(value.dtype, _jitted_assign_add)
+    if mode is None:
+        return None
+    base = value.base
+    own = (value.flags.writeable and value.flags.c_contiguous
+           and (base is None or (type(base) is np.ndarray and base.base is None)))
+    del value, base
+    refs = _value_refs(var)
+    if own and refs[0] <= _UNSHARED[0] and refs[1] <= _UNSHARED[1]:
+        out = var.value
+    else:
+        out = aligned_empty(var.value.nbytes).view(var.value.dtype).reshape(var.value.shape)
+    return host_add(var.value, grad, out, mode)
 
 
 def _writable(state: Any) -> Any:
@@ -255,9 +302,11 @@ class ParameterService:
     def push(self, grads: dict[str, np.ndarray], versions: dict[str, int], worker: int = 0):
         """Applies each gradient with the variable's optimizer; returns new versions/staleness.
 
-        A variable without optimizer gets ``value += grad`` (an ``assign_add``). The update
-        is a jitted XLA computation that donates the old value (and optimizer state), so it
-        runs in place unless a pull still holds the old value, which then stays unchanged.
+        A variable without optimizer gets ``value += grad`` (an ``assign_add``): a numpy add
+        on the host buffer for float32 and 8-32 bit integers (``jaxdist.ps.host_update``,
+        bit-identical to XLA's), a jitted add otherwise. Optimizer updates are jitted XLA
+        computations. Both write into the old value's buffer (XLA: donation) unless a pull
+        still holds the old value, which then stays unchanged.
         """
         out = {}
         for key, grad in grads.items():
@@ -272,14 +321,18 @@ class ParameterService:
             self._check_dtype(var, grad, "gradient")
             with var.lock:
                 stale = self._record(var, versions.get(key, var.version))
+                state = None
                 if var.optimizer is None:
-                    new, state = _ASSIGN_ADD(var.value, grad), None
+                    new = _host_assign_add(var, grad)  # numpy, on the host buffer
+                    if new is None:
+                        new = _ASSIGN_ADD(var.value, grad)
                 else:
                     _, dense, _ = _transform(var.optimizer)
                     new, state = dense(var.value, grad, var.opt_state)
                 # Applied before the push is acknowledged (and a queue of dispatched
                 # updates, each holding its gradient, cannot build up).
-                jax.block_until_ready((new, state))
+                if not isinstance(new, np.ndarray):
+                    jax.block_until_ready((new, state))
                 var.value = new  # a jax array: the next update may reuse its buffer
                 var.opt_state = state
                 var.version += 1
