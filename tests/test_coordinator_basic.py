@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from coordinator_util import by_value, coordinator_for, start_cluster, strategy_for
+from coordinator_util import by_value, coordinator_for, start_cluster, strategy_for, wait_until
 
 import jaxdist
 from jaxdist.coordinator import (
@@ -19,6 +19,7 @@ from jaxdist.coordinator import (
     RemoteValueStatus,
     WorkerAuthenticationError,
 )
+from jaxdist.coordinator import cluster_coordinator as cc
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.ps import optimizers as O
 
@@ -71,14 +72,15 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
 
 def test_a_function_is_pickled_once_and_sent_by_digest_until_rebound(coordinator):
     sent = []
-    real = coordinator._client.call
+    real = coordinator._client.call_stream
 
     def spy(task, method, meta=None, arrays=None, **kw):
-        if method == "RunClosure":
-            sent.append((task, "fn" in (arrays or {}), meta.get("fn_digest")))
+        if method == "RunClosures":  # one entry per closure of the batch
+            for i, item in enumerate(meta["closures"]):
+                sent.append((task, f"fn.{i}" in arrays, item.get("fn_digest")))
         return real(task, method, meta, arrays, **kw)
 
-    coordinator._client.call = spy
+    coordinator._client.call_stream = spy
     scale = 2
 
     def step(i):
@@ -248,3 +250,82 @@ def _live_cluster_pids() -> set[int]:
             for hist in obj.history.values():
                 pids.update(t.pid for t in hist)
     return pids
+
+
+def _spy_batches(coordinator) -> list[list[int]]:
+    """Records the closure ids of every RunClosures call (one list per call)."""
+    batches: list[list[int]] = []
+    real = coordinator._client.call_stream
+
+    def spy(task, method, meta=None, arrays=None, **kw):
+        if method == "RunClosures":
+            batches.append([item["closure_id"] for item in meta["closures"]])
+        return real(task, method, meta, arrays, **kw)
+
+    coordinator._client.call_stream = spy
+    return batches
+
+
+def _gates(coordinator, seconds: float) -> list[RemoteValue]:
+    """Keeps both workers busy for ``seconds`` so that what is scheduled next queues up."""
+    def gate(s):
+        time.sleep(s)
+        return -1
+
+    rvs = [coordinator.schedule(gate, args=(seconds,)) for _ in range(2)]
+    wait_until(lambda: all(w.current is not None for w in coordinator._workers), 10,
+               "both workers busy")
+    return rvs
+
+
+def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator):
+    batches = _spy_batches(coordinator)
+
+    def square(i):
+        return np.int64(i * i), os.getpid()
+
+    gates = _gates(coordinator, 0.5)
+    rvs = [coordinator.schedule(square, args=(i,)) for i in range(40)]
+    coordinator.join()
+    assert [rv.fetch()[0] for rv in rvs] == [i * i for i in range(40)]
+    assert [rv.fetch() for rv in gates] == [-1, -1]
+    assert sum(coordinator.functions_run()) == 42
+    assert max(len(b) for b in batches) > 1, batches  # a queue of 40 went out in batches
+    assert all(b == sorted(b) for b in batches), batches  # each in queue order
+    assert sorted(i for b in batches for i in b) == sorted(set(i for b in batches for i in b))
+    assert max(len(b) for b in batches) <= cc.MAX_BATCH
+    # Each closure's RemoteValue names the worker that ran it (a batch runs on one worker).
+    pids = {rv.worker: rv.fetch()[1] for rv in rvs}
+    assert all(rv.fetch()[1] == pids[rv.worker] for rv in rvs)
+
+
+def test_an_error_in_the_middle_of_a_batch_fails_only_that_closure(coordinator):
+    batches = _spy_batches(coordinator)
+
+    def step(i):
+        time.sleep(0.01)
+        if i == 12:
+            raise ValueError(f"closure {i} failed")
+        return i
+
+    _gates(coordinator, 0.5)
+    rvs = [coordinator.schedule(step, args=(i,)) for i in range(30)]
+    with pytest.raises(ValueError, match="closure 12 failed"):
+        coordinator.join()
+    coordinator.join()  # raised once
+    ids = [rv._name for rv in rvs]
+    assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
+    with pytest.raises(ValueError, match="closure 12 failed"):
+        rvs[12].fetch()
+    for i, rv in enumerate(rvs):  # every other closure: its own value, or cancelled (TF)
+        if i != 12:
+            assert isinstance(rv._error, CancelledError) or rv.fetch() == i, (i, rv._error)
+    # The failing closure went in a batch with others: the closures before it in that
+    # batch kept their values.
+    cid = int(ids[12].split("#")[1])
+    batch = next(b for b in batches if cid in b)
+    assert len(batch) > 1, batches
+    first = int(ids[0].split("#")[1])
+    for other in batch[:batch.index(cid)]:
+        assert rvs[other - first].fetch() == other - first
+    assert coordinator.schedule(step, args=(3,)).fetch() == 3  # new schedules work

@@ -197,3 +197,62 @@ def test_function_fingerprints_change_when_what_they_refer_to_is_rebound():
         GLOBAL_SCALE = 2.0
     assert _fingerprint(print) is None and _fingerprint(np.add) is None
     assert _fingerprint(lambda: lr) is not None
+
+
+def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
+    import hashlib
+    import time
+
+    svc = WorkerService(_runtime())
+    try:
+        def step(i):
+            if i == 1:
+                raise ValueError(f"closure {i} failed")
+            return i * 10, time.monotonic_ns()
+
+        raw = closure_pickle.dumps(step)
+        digest = hashlib.sha256(raw).hexdigest()
+        payload = to_bytes_array(raw)
+        arrays = {"fn.0": payload}  # sent once, with the first closure; the others by digest
+        for i in range(4):
+            arrays[f"args.{i}"] = to_bytes_array(closure_pickle.dumps(((i,), {})))
+        meta = {"closures": [{"closure_id": i, "fn_digest": digest} for i in range(4)]}
+        answers = list(svc.run_closures(svc.batch_items(meta, arrays)))
+        # In order; the error fails only its own closure, the ones after it still run.
+        assert [m["ok"] for m, _ in answers] == [True, False, True, True]
+        values = [cloudpickle.loads(from_bytes_array(a["value"])) for m, a in answers
+                  if m["ok"]]
+        assert [v for v, _ in values] == [0, 20, 30]
+        assert [t for _, t in values] == sorted(t for _, t in values)
+        assert answers[1][0]["kind"] == "user" and "closure 1 failed" in answers[1][0]["message"]
+        assert svc.functions_run == 3
+        # A closure without its function (unknown digest) is refused alone, not the batch.
+        meta = {"closures": [{"closure_id": 4, "fn_digest": "0" * 64},
+                             {"closure_id": 5, "fn_digest": digest}]}
+        answers = list(svc.run_closures(svc.batch_items(
+            meta, {"args.0": arrays["args.0"], "args.1": arrays["args.2"]})))
+        assert [m.get("kind") for m, _ in answers] == ["missing_function", None]
+        # A cancelled call starts nothing more.
+        state = iter([True, False])
+        answers = list(svc.run_closures(svc.batch_items(
+            {"closures": [{"closure_id": 6, "fn_digest": digest}] * 2},
+            {"args.0": arrays["args.0"], "args.1": arrays["args.2"]}),
+            active=lambda: next(state, False)))
+        assert len(answers) == 1 and answers[0][0]["kind"] == "cancelled"
+        for bad in ({"closures": []}, {"closures": "x"}, {"closures": [{"closure_id": 0}]},
+                    {}, {"closures": [{}] * 65}):
+            with pytest.raises(ValueError, match="RunClosures"):
+                svc.batch_items(bad, {})
+    finally:
+        set_current(None)
+
+
+def test_results_of_plain_data_are_pickled_without_cloudpickle():
+    from jaxdist.coordinator.worker_service import dumps_value
+
+    plain = {"loss": np.float32(1.5), "xs": [np.arange(3), (1, "a", None)], "b": b"x"}
+    out = cloudpickle.loads(dumps_value(plain))
+    assert out["loss"] == 1.5 and out["xs"][0].tolist() == [0, 1, 2] and out["b"] == b"x"
+    fn = lambda x: x + 1  # noqa: E731 - by value: only cloudpickle can send it
+    assert cloudpickle.loads(dumps_value({"f": fn}))["f"](1) == 2
+    assert cloudpickle.loads(dumps_value(np.array([fn], dtype=object)))[0](2) == 3

@@ -25,7 +25,7 @@ import cloudpickle
 
 from jaxdist.coordinator import worker_runtime as wr
 from jaxdist.coordinator.errors import ClosureInputError
-from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue
+from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
 
 
 class WorkerResource:
@@ -50,13 +50,18 @@ def _is_strategy(obj: Any) -> bool:
             and hasattr(obj, "create_variables"))
 
 
+class NotReadyError(Exception):
+    """``dumps(..., wait=False)`` met a ``RemoteValue`` argument that has no value yet."""
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, worker_index: int, timeout: float,
-                 input_timeout: float | None):
+                 input_timeout: float | None, wait: bool = True):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.worker_index = worker_index
         self.timeout = timeout
         self.input_timeout = input_timeout
+        self.wait = wait
 
     def reducer_override(self, obj: Any) -> Any:
         from jaxdist.ps.embedding import EmbeddingTable
@@ -72,6 +77,8 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, WorkerResource):
             return wr.lookup_resource, (obj.resource_id,)
         if isinstance(obj, RemoteValue):
+            if not self.wait and obj._status is RemoteValueStatus.NOT_READY:
+                raise NotReadyError(repr(obj))
             try:
                 value = obj.fetch(self.input_timeout)
             except Exception as e:  # noqa: BLE001 - re-raised as the input's failure
@@ -92,7 +99,7 @@ def _identity(x: Any) -> Any:
 
 
 def dumps(obj: Any, worker_index: int = 0, timeout: float = 60.0,
-          input_timeout: float | None = None) -> bytes:
+          input_timeout: float | None = None, wait: bool = True) -> bytes:
     """Pickles ``obj`` for worker ``worker_index`` (see the module docstring).
 
     Args:
@@ -100,9 +107,11 @@ def dumps(obj: Any, worker_index: int = 0, timeout: float = 60.0,
         worker_index: picks the part of every ``PerWorkerValues``.
         timeout: the worker strategy's RPC timeout (when the worker builds it).
         input_timeout: how long to wait for ``RemoteValue`` arguments.
+        wait: ``False``: raise ``NotReadyError`` at a ``RemoteValue`` without a value instead
+            of waiting for it.
     """
     buf = io.BytesIO()
-    _Pickler(buf, worker_index, timeout, input_timeout).dump(obj)
+    _Pickler(buf, worker_index, timeout, input_timeout, wait).dump(obj)
     return buf.getvalue()
 
 
@@ -111,4 +120,4 @@ def loads(payload: bytes) -> Any:
     return pickle.loads(payload)
 
 
-__all__ = ["WorkerResource", "dumps", "loads"]
+__all__ = ["NotReadyError", "WorkerResource", "dumps", "loads"]

@@ -211,6 +211,35 @@ class ClosureQueue:
             self._inflight += 1
             return self._queue.popleft()
 
+    def get_batch(self, max_n: int, timeout: float | None = None, tag: Any = None,
+                  min_queued: int = 1, share: int = 1) -> list[Closure]:
+        """Several closures at once (all in flight now), oldest first; ``[]`` as ``get``
+        returns ``None``.
+
+        Waits until at least ``min_queued`` are queued, then takes ``len(queue) // share``
+        of them (at least 1, at most ``max_n``): a short queue is handed out one closure at
+        a time, a long one in batches. A closure put with ``tag`` comes alone, first.
+        """
+        with self._cond:
+            deadline = None if timeout is None else time.monotonic() + timeout
+
+            def tagged() -> bool:
+                return tag is not None and bool(self._tagged.get(tag))
+
+            while ((len(self._queue) < max(1, min_queued) and not tagged())
+                   or self._cancelling) and not self._stopped:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._cond.wait(left)
+            if self._stopped:
+                return []
+            if tagged():
+                return [self._tagged[tag].popleft()]
+            n = max(1, min(max_n, len(self._queue) // max(1, share)))
+            self._inflight += n
+            return [self._queue.popleft() for _ in range(n)]
+
     def _end_inflight(self, what: str) -> None:
         if self._inflight < 1:
             raise AssertionError(f"There is no inflight closures to {what}.")

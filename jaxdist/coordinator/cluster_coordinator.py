@@ -66,32 +66,44 @@ from jaxdist.coordinator.health import HealthWatcher, WorkerState
 from jaxdist.coordinator.remote_value import PerWorkerValues, RemoteValue
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.coordinator.worker_runtime import make_dataset, make_iterator, resolve_strategy
-from jaxdist.coordinator.worker_service import FN_DIGEST_KEY, from_bytes_array, to_bytes_array
+from jaxdist.coordinator.worker_service import (
+    BATCH_KEY,
+    FN_DIGEST_KEY,
+    from_bytes_array,
+    to_bytes_array,
+)
 
 log = logging.getLogger(__name__)
 
 _MAX_RESOURCE_RETRIES = 20
 
 
-#: Closures sent to one worker at once: while it runs one, the next one is already there
+#: Calls in flight to one worker at once: while it runs one, the next one is already there
 #: (it waits on the worker until the first ends), so the worker never waits for a round trip
-#: to the coordinator. The second sender takes a closure only while more are queued than
+#: to the coordinator. The second sender takes closures only while more are queued than
 #: there are workers, so short queues still spread over every worker.
 PIPELINE_DEPTH = 2
 
+#: The most closures one call carries to a worker (``RunClosures``). A sender takes
+#: ``queued // (workers * PIPELINE_DEPTH)`` closures, at least one: a lone closure is sent at
+#: once, a long queue in batches. The worker runs them in order and answers each as it ends,
+#: so a worker lost mid-batch loses only the closure it was running and those not started.
+MAX_BATCH = 8
+
 
 class _Slot:
-    """One sender of a worker: the closure it has in flight and that closure's call."""
+    """One sender of a worker: the closures it has in flight and their call."""
 
     def __init__(self, index: int):
         self.index = index
-        self.current: Closure | None = None
+        self.batch: list[Closure] = []
         self.call: Any = None
 
 
 class _WorkerThread:
     """Sends queued closures to one worker task (TF's ``Worker``): ``PIPELINE_DEPTH`` sender
-    threads, each with one closure in flight; the worker runs them one at a time."""
+    threads, each with one call (a batch of closures) in flight; the worker runs them one at a
+    time."""
 
     def __init__(self, coordinator: ClusterCoordinator, state: WorkerState):
         self._c = coordinator
@@ -116,7 +128,7 @@ class _WorkerThread:
     def current(self) -> Closure | None:
         """A closure in flight on this worker (``None``: none)."""
         with self._current_lock:
-            return next((s.current for s in self._slots if s.current is not None), None)
+            return next((s.batch[0] for s in self._slots if s.batch), None)
 
     # -------------------------------------------------------------- resources
     def resources_lost(self) -> None:
@@ -178,24 +190,22 @@ class _WorkerThread:
             if not ready:
                 time.sleep(0.05)
                 continue
-            if slot.index and (len(c._queue) <= c.num_workers or not self._busy()):
-                time.sleep(0.002)  # pipeline only a surplus, behind a closure in flight
-                continue
-            closure = c._queue.get(timeout=0.1, tag=self.index)
-            if closure is None:
+            # The second sender pipelines only a surplus: more queued than there are workers.
+            batch = c._queue.get_batch(
+                MAX_BATCH, timeout=0.1, tag=self.index,
+                min_queued=1 if slot.index == 0 else c.num_workers + 1,
+                share=c.num_workers * PIPELINE_DEPTH)
+            if not batch:
                 continue
             with self._current_lock:
-                slot.current, slot.call = closure, None
+                slot.batch, slot.call = list(batch), None
             try:
-                self._process(closure, slot)
+                self._process(batch, slot)
             finally:
                 # Hold no reference to a finished closure: its arguments (iterators) can go.
                 with self._current_lock:
-                    slot.current = slot.call = closure = None
-
-    def _busy(self) -> bool:
-        with self._current_lock:
-            return self._slots[0].current is not None
+                    slot.batch, slot.call = [], None
+                batch = None
 
     def _function(self, fn: Callable[..., Any]) -> _ShippedFunction:
         """``fn`` pickled for this worker, pickled again only when it may have changed.
@@ -227,11 +237,12 @@ class _WorkerThread:
         calls = []
         with self._current_lock:
             for slot in self._slots:
-                if slot.current is None:
+                if not slot.batch:
                     continue
-                slot.current.cancel_requested = True
+                for closure in slot.batch:
+                    closure.cancel_requested = True
                 if slot.call is not None:
-                    calls.append(slot.call)  # that closure's own call, never the next one's
+                    calls.append(slot.call)  # that batch's own call, never the next one's
         for call in calls:
             call.cancel()
 
@@ -239,61 +250,136 @@ class _WorkerThread:
         self.state.set_call(call, slot.index)  # heartbeats cancel it when the worker is lost
         with self._current_lock:
             slot.call = call
-            cancelled = slot.current is not None and slot.current.cancel_requested
+            cancelled = any(closure.cancel_requested for closure in slot.batch)
         if cancelled:
             call.cancel()  # the cancellation came before the call started
 
-    def _process(self, closure: Closure, slot: _Slot) -> None:
-        c, st = self._c, self.state
-        closure.attempts += 1
-        broken = c._broken_input((closure.args, closure.kwargs), self.index)
-        if broken is not None:
-            closure.remote_value._set_error(broken)
-            c._queue.mark_failed(broken)
-            return
-        try:
-            shipped = self._function(closure.fn)
-            args_payload = closure_pickle.dumps((closure.args, closure.kwargs), self.index,
-                                                c._ps_rpc_timeout, c._join_timeout)
-        except Exception as e:  # noqa: BLE001 - unpicklable function or a failed input
-            closure.remote_value._set_error(e)
-            c._queue.mark_failed(e)
-            return
-        try:
-            for _ in range(3):  # a worker that lost the function (restart, eviction) gets it
-                request = {"args": to_bytes_array(args_payload)}
-                if shipped.digest not in self._shipped:
-                    # Counted as held from now on: the other sender's next call waits on the
-                    # worker behind this one (or gets missing_function and sends it again).
-                    request["fn"] = to_bytes_array(shipped.payload)
-                    self._shipped.add(shipped.digest)
-                meta, arrays = c._client.call(
-                    self.index, "RunClosure",
-                    {"closure_id": closure.closure_id, FN_DIGEST_KEY: shipped.digest},
-                    request, timeout=c._closure_timeout,
-                    on_start=functools.partial(self._on_start, slot))
-                if meta.get("incarnation") != self._shipped_for:  # a new worker process
-                    self._shipped, self._shipped_for = set(), meta.get("incarnation")
-                    if "fn" in request:
-                        self._shipped.add(shipped.digest)
-                if meta.get("kind") != "missing_function" or "fn" in request:
-                    break
-                self._shipped.discard(shipped.digest)
-        except CoordinatorError as e:
-            # The worker died, hung (heartbeats cancelled the call) or is unreachable: run the
-            # function again elsewhere (at-least-once).
-            st.set_call(None, slot.index)
-            if c._stopping.is_set() or closure.cancel_requested:
-                # Shutdown, or an earlier error, cancelled the call: the queue cancels the
-                # closure (put_back with an error pending); the worker is fine.
-                c._queue.put_back(closure)
+    def _prepare(self, batch: list[Closure], slot: _Slot) -> list[_Item]:
+        """Pickles the closures of ``batch`` to send; fails those that cannot be sent.
+
+        A closure (after the first) with a ``RemoteValue`` argument that has no value yet
+        goes back to the queue with the ones after it: that value may be the result of a
+        closure of this very batch, which has not been sent.
+        """
+        c = self._c
+        items: list[_Item] = []
+        for k, closure in enumerate(batch):
+            closure.attempts += 1
+            broken = c._broken_input((closure.args, closure.kwargs), self.index)
+            if broken is not None:
+                closure.remote_value._set_error(broken)
+                c._queue.mark_failed(broken)
+                continue
+            try:
+                shipped = self._function(closure.fn)
+                args_payload = closure_pickle.dumps(
+                    (closure.args, closure.kwargs), self.index, c._ps_rpc_timeout,
+                    c._join_timeout, wait=not items)
+            except closure_pickle.NotReadyError:
+                rest = batch[k:]
+                for other in rest:
+                    other.attempts -= 1  # not started
+                self._forget(slot, rest)
+                for other in reversed(rest):
+                    c._queue.put_back(other)
+                break
+            except Exception as e:  # noqa: BLE001 - unpicklable function or a failed input
+                closure.remote_value._set_error(e)
+                c._queue.mark_failed(e)
+                continue
+            items.append(_Item(closure, shipped, args_payload))
+        return items
+
+    def _forget(self, slot: _Slot, closures: list[Closure]) -> None:
+        """``closures`` are no longer in flight on ``slot`` (cancel() leaves them alone)."""
+        gone = {id(closure) for closure in closures}
+        with self._current_lock:
+            slot.batch = [closure for closure in slot.batch if id(closure) not in gone]
+
+    def _process(self, batch: list[Closure], slot: _Slot) -> None:
+        items = self._prepare(batch, slot)
+        for _ in range(3):  # a worker that lost a function (restart, eviction) gets it again
+            if not items:
                 return
-            st.mark_down(e)
-            log.warning("function #%d lost on %s (%s); scheduling it again",
-                        closure.closure_id, st.name, e)
-            c._queue.put_back(closure)
-            return
+            items = self._send(items, slot)
+        for item in items:  # unreachable: a closure sent with its function is never refused
+            error = RemoteError(f"{self.state.name} refused function #{item.closure.closure_id}"
+                                f" three times (missing_function)", task=self.state.name)
+            item.closure.remote_value._set_error(error, self.state.name)
+            self._c._queue.mark_failed(error)
+
+    def _send(self, items: list[_Item], slot: _Slot) -> list[_Item]:
+        """Sends ``items`` in one ``RunClosures`` call and settles each closure as its
+        answer arrives; returns those the worker did not hold the function of (to send again
+        with it)."""
+        c, st = self._c, self.state
+        closures, arrays = [], {}
+        with_fn: set[str] = set()
+        for i, item in enumerate(items):
+            digest = item.shipped.digest
+            closures.append({"closure_id": item.closure.closure_id, FN_DIGEST_KEY: digest})
+            arrays[f"args.{i}"] = to_bytes_array(item.args_payload)
+            if item.with_fn or (digest not in self._shipped and digest not in with_fn):
+                # Counted as held from now on: the other sender's next call waits on the
+                # worker behind this one (or gets missing_function and sends it again).
+                arrays[f"fn.{i}"] = to_bytes_array(item.shipped.payload)
+                self._shipped.add(digest)
+                with_fn.add(digest)
+        with self._current_lock:
+            slot.batch = [item.closure for item in items]
+        again: list[_Item] = []
+        answered = 0
+        try:
+            answers = c._client.call_stream(
+                self.index, "RunClosures", {BATCH_KEY: closures}, arrays,
+                timeout=c._closure_timeout, on_start=functools.partial(self._on_start, slot))
+            for meta, out in answers:
+                if answered >= len(items):
+                    raise WorkerUnavailableError(
+                        f"{st.name} sent more answers than the {len(items)} closures it was "
+                        f"sent", task=st.name)
+                item = items[answered]
+                answered += 1
+                if meta.get("incarnation") != self._shipped_for:  # a new worker process
+                    self._shipped, self._shipped_for = set(with_fn), meta.get("incarnation")
+                if meta.get("kind") == "missing_function" and not item.with_fn and (
+                        f"fn.{answered - 1}" not in arrays):
+                    self._shipped.discard(item.shipped.digest)
+                    item.with_fn = True
+                    again.append(item)  # it did not run: send it again with its function
+                    continue
+                self._forget(slot, [item.closure])
+                self._settle(item.closure, meta, out)
+            if answered < len(items):
+                raise WorkerUnavailableError(
+                    f"{st.name} answered {answered} of the {len(items)} closures it was sent",
+                    task=st.name)
+        except CoordinatorError as e:
+            # The worker died, hung (heartbeats cancelled the call) or is unreachable: the
+            # closures without an answer run again elsewhere (at-least-once); those answered
+            # are settled (exactly once).
+            st.set_call(None, slot.index)
+            self._lost([item.closure for item in items[answered:] + again], e)
+            return []
         st.set_call(None, slot.index)
+        return again
+
+    def _lost(self, closures: list[Closure], e: BaseException) -> None:
+        c, st = self._c, self.state
+        if not closures:
+            return
+        if not c._stopping.is_set() and not all(cl.cancel_requested for cl in closures):
+            st.mark_down(e)
+            log.warning("functions %s lost on %s (%s); scheduling them again",
+                        [cl.closure_id for cl in closures], st.name, e)
+        # Shutdown, or an earlier error, cancelled the call: the queue cancels the closures
+        # (put_back with an error pending); the worker is fine.
+        for closure in reversed(closures):  # back at the front, in their order
+            c._queue.put_back(closure)
+
+    def _settle(self, closure: Closure, meta: dict, arrays: dict) -> None:
+        """Records the worker's answer for ``closure``: its value, error, or a re-run."""
+        c, st = self._c, self.state
         if meta.get("ok"):
             try:
                 value = pickle.loads(from_bytes_array(arrays["value"]))
@@ -315,9 +401,22 @@ class _WorkerThread:
                 # others hold state: iterators, accumulators).
             c._queue.put_back(closure)
             return
+        if meta.get("kind") == "cancelled":  # the call was given up before it started
+            c._queue.put_back(closure)
+            return
         error = _remote_exception(meta, arrays)
         closure.remote_value._set_error(error, st.name)
         c._queue.mark_failed(error)
+
+
+class _Item:
+    """A closure of a batch, pickled for one worker."""
+
+    __slots__ = ("args_payload", "closure", "shipped", "with_fn")
+
+    def __init__(self, closure: Closure, shipped: _ShippedFunction, args_payload: bytes):
+        self.closure, self.shipped, self.args_payload = closure, shipped, args_payload
+        self.with_fn = False
 
 
 _MAX_CACHED_FUNCTIONS = 32

@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -33,7 +34,13 @@ from jaxdist.coordinator.errors import (
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
-from jaxdist.coordinator.worker_service import MAC_KEY, NONCE_KEY, SERVICE_NAME, arrays_mac
+from jaxdist.coordinator.worker_service import (
+    MAC_KEY,
+    NONCE_KEY,
+    SERVICE_NAME,
+    arrays_mac,
+    item_nonce,
+)
 from jaxdist.ps import wire
 from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 
@@ -45,6 +52,31 @@ _OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.enable_retries", 0),
 ]
+
+
+#: The prefix of a message's first chunk (``jaxdist.ps.wire``): magic, header and payload bytes.
+_FRAME_PREFIX = struct.Struct("<4sQQ")
+
+
+def _next_message(responses: Iterator[bytes]) -> list[bytes] | None:
+    """The chunks of the next message of a stream of several (``None``: the stream ended)."""
+    first = next(responses, None)
+    if first is None:
+        return None
+    if len(first) < _FRAME_PREFIX.size:
+        raise wire.WireError(f"a message starts with {len(first)} bytes, shorter than the "
+                             f"frame prefix")
+    magic, hlen, total = _FRAME_PREFIX.unpack_from(first)
+    if magic != wire.MAGIC:
+        raise wire.WireError(f"bad frame magic {magic!r}: expected {wire.MAGIC!r}")
+    chunks, got = [first], len(first) - _FRAME_PREFIX.size - hlen
+    while got < total:
+        chunk = next(responses, None)
+        if chunk is None:
+            raise wire.WireError(f"truncated message: got {got} of {total} payload bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks
 
 
 class WorkerClient:
@@ -109,6 +141,55 @@ class WorkerClient:
             out_meta, out_arrays = wire.decode(responses)
         except grpc.RpcError as e:
             raise self._translate(task, method, timeout, e) from None
+        self._check_mac(task, method, nonce, out_meta, out_arrays)
+        return out_meta, out_arrays
+
+    def call_stream(self, task: int, method: str, meta: dict | None = None,
+                    arrays: dict | None = None, timeout: float = 30.0,
+                    on_start: Callable[[Any], None] | None = None) -> Iterator[Message]:
+        """One RPC to worker ``task`` whose answer is several messages (``RunClosures``):
+        yields each as it arrives, after checking its MAC over ``"<nonce>/<index>"``.
+
+        Raises (while iterating):
+            WorkerUnavailableError: no answer within ``timeout``, connection lost, cancelled,
+                or an answer that is not a well-formed message.
+            WorkerAuthenticationError: the worker refused the token, or an answer lacks the
+                worker's MAC for this call and its place in it.
+            CoordinatorError: the worker rejected the request.
+        """
+        if not 0 <= task < self.num_tasks:
+            raise ValueError(f"worker task {task} does not exist: the cluster has "
+                             f"{self.num_tasks}")
+        nonce = secrets.token_hex(16)
+        index, responses, ended = 0, None, False
+        try:
+            responses = self._stubs(
+                task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
+                timeout=timeout, metadata=self._metadata, wait_for_ready=False)
+            if on_start is not None:
+                on_start(responses)
+            while True:
+                chunks = _next_message(responses)
+                if chunks is None:
+                    ended = True
+                    return
+                out_meta, out_arrays = wire.decode(chunks)
+                self._check_mac(task, method, item_nonce(nonce, index), out_meta, out_arrays)
+                index += 1
+                yield out_meta, out_arrays
+        except grpc.RpcError as e:
+            raise self._translate(task, method, timeout, e) from None
+        except wire.WireError as e:
+            name = self.task_name(task)
+            raise WorkerUnavailableError(
+                f"{name} at {self.addresses[task]}: answer {index} to {method} is not a "
+                f"well-formed message: {e}", task=name, address=self.addresses[task]) from None
+        finally:
+            if not ended and responses is not None:
+                responses.cancel()  # the caller stopped reading, or the answer was refused
+
+    def _check_mac(self, task: int, method: str, nonce: str, out_meta: dict,
+                   out_arrays: dict) -> None:
         mac = out_meta.pop(MAC_KEY, None)
         if not isinstance(mac, str) or not hmac.compare_digest(
                 mac, arrays_mac(self._key, nonce, out_arrays)):
@@ -118,7 +199,6 @@ class WorkerClient:
                 f"worker's MAC for this call; refusing to unpickle it (is something else "
                 f"listening on that address, or does the worker have another coordinator "
                 f"credential?)", task=name, address=self.addresses[task])
-        return out_meta, out_arrays
 
     def _translate(self, task: int, method: str, timeout: float,
                    e: grpc.RpcError) -> CoordinatorError:

@@ -8,6 +8,11 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
   that SHA-256) -> ``{"ok": True}`` plus ``value`` (pickled numpy result), or ``{"ok": False,
   "kind": "user" | "missing_resource" | "missing_function", ...}`` plus ``error`` (the pickled
   exception).
+* ``RunClosures`` (meta ``closures``: a list of ``{"closure_id", "fn_digest"}``, arrays
+  ``args.<i>`` and optionally ``fn.<i>`` for closure ``i``): several closures in one call, run
+  in order; the answer streams one ``RunClosure`` answer per closure as soon as it ends (each
+  with its own MAC over ``"<nonce>/<i>"``), so a worker lost mid-batch loses only the closure it
+  was running and those not started. A closure whose call was cancelled is not started.
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
 * ``Stop``: stops the task.
 
@@ -34,7 +39,7 @@ import pickle
 import threading
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
@@ -57,7 +62,7 @@ from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "jaxdist.coordinator.WorkerService"
-METHODS = ("Ping", "RunClosure", "CreateResource", "Stop")
+METHODS = ("Ping", "RunClosure", "RunClosures", "CreateResource", "Stop")
 
 
 def to_bytes_array(payload: bytes) -> np.ndarray:
@@ -73,6 +78,15 @@ NONCE_KEY = "nonce"
 #: holds that function (it answers ``kind: "missing_function"`` when it does not).
 FN_DIGEST_KEY = "fn_digest"
 MAC_KEY = "mac"
+#: RunClosures meta: the closures of the batch, in the order they run.
+BATCH_KEY = "closures"
+#: The most closures one ``RunClosures`` call may carry.
+MAX_BATCH_CLOSURES = 64
+
+
+def item_nonce(nonce: str, index: int) -> str:
+    """The nonce the answer of closure ``index`` of a ``RunClosures`` call is MAC'd over."""
+    return f"{nonce}/{index}"
 
 
 def arrays_mac(key: bytes, nonce: str, arrays: dict) -> str:
@@ -120,6 +134,35 @@ def _host_value(value: Any) -> Any:
     if jax is None:
         return value
     return jax.device_get(value)
+
+
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, np.generic)
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is numpy arrays/scalars and builtins only (nested up to 8 levels in
+    tuples, lists and str-keyed dicts, 1000 elements each): plain ``pickle`` then writes it as
+    cloudpickle would, only faster."""
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind != "O"
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if depth >= 8:
+        return False
+    if type(value) in (tuple, list):
+        return len(value) <= 1000 and all(_is_plain(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return len(value) <= 1000 and all(
+            type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def dumps_value(value: Any) -> bytes:
+    """A function's result pickled for the coordinator (plain ``pickle`` for plain data,
+    cloudpickle for the rest)."""
+    if _is_plain(value):
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return cloudpickle.dumps(value)
 
 
 def _pickle_error(e: BaseException) -> bytes:
@@ -190,7 +233,7 @@ class WorkerService:
                     return self._failure("user", e)
                 self.functions_run += 1
                 try:
-                    payload = cloudpickle.dumps(value)
+                    payload = dumps_value(value)
                 except Exception as e:  # noqa: BLE001
                     return self._failure("user", TypeError(
                         f"the result of function #{meta.get('closure_id')} cannot be sent "
@@ -199,6 +242,37 @@ class WorkerService:
                         {"value": to_bytes_array(payload)})
             finally:
                 self.busy = False
+
+    def batch_items(self, meta: dict, arrays: dict) -> list[tuple[dict, dict]]:
+        """The ``(meta, arrays)`` of each closure of a ``RunClosures`` request.
+
+        Raises:
+            ValueError: the request is not a list of closures with their arguments.
+        """
+        items = meta.get(BATCH_KEY)
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH_CLOSURES:
+            raise ValueError(f"RunClosures needs {BATCH_KEY!r}: a list of 1 to "
+                             f"{MAX_BATCH_CLOSURES} closures, got {str(items)[:100]}")
+        out = []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict) or f"args.{i}" not in arrays:
+                raise ValueError(f"RunClosures closure {i}: expected a dict with array "
+                                 f"'args.{i}', got {str(item)[:100]}")
+            sub = {"args": arrays[f"args.{i}"]}
+            if f"fn.{i}" in arrays:
+                sub["fn"] = arrays[f"fn.{i}"]
+            out.append(({"closure_id": item.get("closure_id"),
+                         FN_DIGEST_KEY: item.get(FN_DIGEST_KEY)}, sub))
+        return out
+
+    def run_closures(self, items: list[tuple[dict, dict]],
+                     active: Callable[[], bool] | None = None) -> Iterator[tuple[dict, dict]]:
+        """Runs the closures of a batch in order, yielding each one's answer when it ends;
+        stops when ``active()`` turns ``False`` (the caller cancelled the call)."""
+        for meta, arrays in items:
+            if active is not None and not active():
+                return
+            yield self.run_closure(meta, arrays, active)
 
     def _function(self, meta: dict, arrays: dict) -> Any:
         """The function of a ``RunClosure``: unpickled from ``fn`` (then cached under its
@@ -278,6 +352,9 @@ class WorkerServer(GrpcTaskServer):
         def handler(request_iterator, context):
             # Before any byte is unpickled.
             check_coordinator(context, self._verifier, self.service.task, method)
+            if method == "RunClosures":
+                yield from self._run_batch(request_iterator, context)
+                return
             try:
                 meta, arrays = wire.decode(request_iterator)
                 out_meta, out_arrays = self.service.handle(method, meta, arrays,
@@ -296,12 +373,28 @@ class WorkerServer(GrpcTaskServer):
 
         return handler
 
+    def _run_batch(self, request_iterator, context):
+        """``RunClosures``: one MAC'd answer message per closure, sent as each one ends."""
+        try:
+            meta, arrays = wire.decode(request_iterator)
+            nonce = meta.get(NONCE_KEY)
+            if not isinstance(nonce, str):
+                raise ValueError(f"RunClosures needs a {NONCE_KEY!r} string")
+            items = self.service.batch_items(meta, arrays)
+        except (wire.WireError, KeyError, ValueError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.service.task} RunClosures: {type(e).__name__}: {e}")
+        for i, (out_meta, out_arrays) in enumerate(
+                self.service.run_closures(items, context.is_active)):
+            mac = arrays_mac(self._verifier.digest, item_nonce(nonce, i), out_arrays)
+            yield from wire.encode({**out_meta, MAC_KEY: mac}, out_arrays)
+
     _stop_wait_seconds = 1.0
 
     def _after_stop(self) -> None:
         set_current(None)
 
 
-__all__ = ["FN_DIGEST_KEY", "METHODS", "SERVICE_NAME", "WorkerServer", "WorkerService",
-           "arrays_mac",
-           "check_coordinator"]
+__all__ = ["BATCH_KEY", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SERVICE_NAME",
+           "WorkerServer", "WorkerService", "arrays_mac", "check_coordinator", "dumps_value",
+           "item_nonce"]
