@@ -157,3 +157,23 @@ def test_host_add_mode_refuses_a_numpy_add_that_differs(monkeypatch):
 
     assert host_update.host_add_mode(np.dtype(np.int32), off_by_one) is None
     assert host_update.host_add_mode(np.dtype(np.float16), off_by_one) is None
+
+
+def test_large_values_keep_the_jitted_add():
+    n = host_update.HOST_ADD_MAX_BYTES // 4 + 16
+    svc = ParameterService("ps:0")
+    svc.create({"w": np.ones(n, np.float32), "s": np.ones(16, np.float32)}, {"w": {}, "s": {}})
+    svc.push({"w": np.ones(n, np.float32), "s": np.ones(16, np.float32)}, {"w": 0, "s": 0})
+    assert isinstance(svc._vars["w"].value, jax.Array)
+    assert type(svc._vars["s"].value) is np.ndarray
+    assert (svc.pull(["w"])["w"][0] == 2).all()
+
+
+def test_row_pushes_to_a_dense_variable_never_change_a_pulled_value():
+    svc = ParameterService("ps:0")
+    svc.create({"w": np.zeros((4, 2), np.float32)}, {"w": {}})
+    svc.push({"w": np.ones((4, 2), np.float32)}, {"w": 0})  # stays a numpy value
+    pulled = svc.pull(["w"])["w"][0]
+    svc.push_rows("w", np.array([1]), np.ones((1, 2), np.float32), 1)
+    np.testing.assert_array_equal(pulled, np.ones((4, 2), np.float32))
+    np.testing.assert_array_equal(svc.pull(["w"])["w"][0][1], [2, 2])

@@ -6,9 +6,10 @@ threads (~0.15-0.2 ms for a 1 MiB float32 variable on a quiet machine, far more 
 one) against ~0.03 ms for ``np.add`` into the same buffer. This module does that add in numpy
 where it gives the very bits XLA gives:
 
-* only for dtypes whose numpy add is a plain IEEE / wrapping add as fast as XLA's (float32 and
-  the 8/16/32-bit integers; not bfloat16 / float16, whose numpy loops are scalar and slower,
-  nor 64-bit types, which JAX narrows without ``jax_enable_x64``);
+* only for values of at most ``HOST_ADD_MAX_BYTES`` (checked by ``jaxdist.ps.service``), and
+  for dtypes whose numpy add is a plain IEEE / wrapping add as fast as XLA's (float32 and the
+  8/16/32-bit integers; not bfloat16 / float16, whose numpy loops are scalar and slower, nor
+  64-bit types, which JAX narrows without ``jax_enable_x64``);
 * XLA on CPU flushes float denormals to zero (inputs and results); numpy adds with the
   thread's MXCSR flush-to-zero and denormals-are-zero bits set for the add (x86-64 glibc only);
 * each dtype is checked once per process against XLA on probe values (denormals, signed
@@ -34,6 +35,11 @@ import numpy as np
 #: Dtypes the host add may serve (each still checked against XLA before its first use).
 HOST_ADD_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.int8, np.int16, np.int32,
                                                   np.uint8, np.uint16, np.uint32))
+
+#: Larger values keep the jitted add: a numpy add runs on one thread, XLA may split a large
+#: add over several (on 2 cores both take ~3.5 ms for 64 MiB; below a few MiB XLA's dispatch
+#: and thread hand-off cost more than the add itself).
+HOST_ADD_MAX_BYTES = 4 << 20
 
 _MXCSR_FLUSH = 0x8040  # FTZ (bit 15) and DAZ (bit 6)
 _FENV_BYTES = 32  # sizeof(fenv_t) on x86-64 glibc: x87 environment (28 bytes), then MXCSR
@@ -147,4 +153,4 @@ def host_add_mode(dtype: np.dtype, jitted_add: Callable[[Any, Any], Any]) -> str
         return mode
 
 
-__all__ = ["HOST_ADD_DTYPES", "host_add", "host_add_mode"]
+__all__ = ["HOST_ADD_DTYPES", "HOST_ADD_MAX_BYTES", "host_add", "host_add_mode"]

@@ -39,7 +39,7 @@ from jaxdist.ps.checkpoints import (
     write_task_checkpoint,
 )
 from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.host_update import host_add, host_add_mode
+from jaxdist.ps.host_update import HOST_ADD_MAX_BYTES, host_add, host_add_mode
 from jaxdist.ps.memory import aligned_copy, aligned_empty
 from jaxdist.ps.optimizers import OptimizerSpec
 
@@ -131,6 +131,12 @@ def _value_refs(var: _Var) -> tuple[int, int]:
 _UNSHARED = _value_refs(_Var("probe", aligned_copy(np.zeros(1, np.float32))))
 
 
+def _unshared(var: _Var) -> bool:
+    """True when nothing but ``var`` refers to its (numpy) value or the memory it views."""
+    refs = _value_refs(var)
+    return refs[0] <= _UNSHARED[0] and refs[1] <= _UNSHARED[1]
+
+
 def _host_assign_add(var: _Var, grad: np.ndarray) -> np.ndarray | None:
     """``var.value + grad`` as a numpy add (``jaxdist.ps.host_update``), bit-identical to
     ``_ASSIGN_ADD``; ``None`` when this value or dtype is left to ``_ASSIGN_ADD``.
@@ -140,8 +146,8 @@ def _host_assign_add(var: _Var, grad: np.ndarray) -> np.ndarray | None:
     a fresh buffer). Called under ``var.lock``.
     """
     value = var.value
-    if type(value) is not np.ndarray:  # a jax array (a jitted add made it) or a subclass
-        return None
+    if type(value) is not np.ndarray or value.nbytes > HOST_ADD_MAX_BYTES:
+        return None  # a jax array (a jitted add made it), a subclass, or a large value
     mode = host_add_mode(value.dtype, _jitted_assign_add)
     if mode is None:
         return None
@@ -149,8 +155,7 @@ def _host_assign_add(var: _Var, grad: np.ndarray) -> np.ndarray | None:
     own = (value.flags.writeable and value.flags.c_contiguous
            and (base is None or (type(base) is np.ndarray and base.base is None)))
     del value, base
-    refs = _value_refs(var)
-    if own and refs[0] <= _UNSHARED[0] and refs[1] <= _UNSHARED[1]:
+    if own and _unshared(var):
         out = var.value
     else:
         out = aligned_empty(var.value.nbytes).view(var.value.dtype).reshape(var.value.shape)
@@ -303,10 +308,10 @@ class ParameterService:
         """Applies each gradient with the variable's optimizer; returns new versions/staleness.
 
         A variable without optimizer gets ``value += grad`` (an ``assign_add``): a numpy add
-        on the host buffer for float32 and 8-32 bit integers (``jaxdist.ps.host_update``,
-        bit-identical to XLA's), a jitted add otherwise. Optimizer updates are jitted XLA
-        computations. Both write into the old value's buffer (XLA: donation) unless a pull
-        still holds the old value, which then stays unchanged.
+        on the host buffer for float32 and 8-32 bit integers up to ``HOST_ADD_MAX_BYTES``
+        (``jaxdist.ps.host_update``, bit-identical to XLA's), a jitted add otherwise.
+        Optimizer updates are jitted XLA computations. Both write into the old value's buffer
+        (XLA: donation) unless a pull still holds the old value, which then stays unchanged.
         """
         out = {}
         for key, grad in grads.items():
@@ -365,6 +370,9 @@ class ParameterService:
             if isinstance(var.value, jax.Array):  # a dense update made it a jax array
                 var.value = aligned_copy(var.value)
                 var.opt_state = _writable(var.opt_state)
+            elif var.kind != "rows" and not _unshared(var):
+                # A dense pull hands out the value itself: rows are written into a copy.
+                var.value = aligned_copy(var.value)
             stale = self._record(var, version)
             if var.optimizer is None:
                 var.value[ids] += grads.astype(var.value.dtype)
