@@ -175,15 +175,20 @@ class _TCPPeer:
         self.proc.wait(10)
 
 
-OPS = ("ref_get", "ps_pull", "grpc_pull", "ref_put", "ps_push", "grpc_push")
+#: Transfers timed in alternation, round after round: the reference and the ps calls share
+#: every round (the same load on a busy machine); the gRPC-only calls get their own rounds
+#: afterwards (gRPC's threads keep working in the ps process for a while after each call
+#: (stream teardown, completion queue), which slowed the next direct call by up to ~50%).
+OPS = (("ref_get", "ps_pull", "ref_put", "ps_push"), ("grpc_pull", "grpc_push"))
 
 
 def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float]]:
     """Median seconds of reference get/put, ps pull/push (direct transport, the default) and
     ps pull/push over gRPC only, per size.
 
-    The six transfers of a size alternate within every round (after one warm-up each), so
-    the reference and the ps see the same load on a busy machine.
+    The reference and ps transfers of a size alternate within every round (after one
+    warm-up each), so both see the same load on a busy machine; then the gRPC-only
+    transfers alternate in rounds of their own (``OPS``).
     """
     from jaxdist.ps import PSClient
 
@@ -209,13 +214,14 @@ def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float
                     0, "Push", {"versions": {key: 0}}, {key: x}),
             }
             times: dict[str, list[float]] = {name: [] for name in ops}
-            for fn in ops.values():
-                fn()  # warm-up
-            for _ in range(repeats):
-                for name, fn in ops.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            for group in OPS:
+                for name in group:
+                    ops[name]()  # warm-up
+                for _ in range(repeats):
+                    for name in group:
+                        t0 = time.perf_counter()
+                        ops[name]()
+                        times[name].append(time.perf_counter() - t0)
             out[n] = {name: statistics.median(t) for name, t in times.items()}
         if client.direct_calls == 0:
             raise RuntimeError("the ps client never used the direct transport")
@@ -380,7 +386,8 @@ def _print_transfers(sizes: list[int], repeats: int, transport: str) -> None:
         print(f"{n // MiB:>4}MiB {mem:>7.2f} {rg:>8.2f} {rp:>8.2f} {pp:>8.2f} {pu:>8.2f} "
               f"{gp:>9.2f} {gu:>9.2f} {pp / rg:>8.2f} {pu / rp:>8.2f}")
     print(f"(GB/s, median of {repeats} interleaved rounds; ps = the default direct transport, "
-          f"grpc = the same calls over gRPC only; the reference ({ref}) is a hand-written "
+          f"grpc = the same calls over gRPC only, in rounds of their own; the reference "
+          f"({ref}, in the ps's rounds) is a hand-written "
           f"socket transfer of the same bytes between two processes{tls_note}; push = "
           f"transfer + assign_add on the ps; targets: pull/ref and push/ref >= 0.5 at 1 MiB, "
           f">= 0.6 at 64 and 256 MiB)")

@@ -314,6 +314,67 @@ def test_frames_round_trip_with_aligned_arrays():
         b.close()
 
 
+class _Trickle:
+    """A plain socket whose ``sendmsg`` sends at most ``step`` bytes per call."""
+
+    def __init__(self, sock, step):
+        self.sock, self.step, self.calls = sock, step, 0
+
+    def settimeout(self, t):
+        self.sock.settimeout(t)
+
+    def sendmsg(self, buffers):
+        self.calls += 1
+        assert len(buffers) <= direct._MAX_IOV
+        data = b"".join(bytes(b) for b in buffers)[:self.step]
+        self.sock.sendall(data)
+        return len(data)
+
+    def sendall(self, data):
+        raise AssertionError("a frame with arrays leaves through sendmsg on a plain socket")
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000, 1 << 30])
+def test_gathered_sends_survive_partial_writes_and_many_arrays(step, monkeypatch):
+    monkeypatch.setattr(direct, "_MAX_IOV", 2)  # several sendmsg calls even without partials
+    a, b = socket.socketpair()
+    rng = np.random.default_rng(step)
+    arrays = {f"a{i}": rng.normal(size=(i % 7) * 5).astype(np.float32) for i in range(150)}
+    if step > 1:  # arrays of 256 KiB and more leave as their own buffers (no copy)
+        arrays["big"] = rng.normal(size=300_000).astype(np.float32)
+        arrays["big16"] = rng.normal(size=(300, 500)).astype(ml_dtypes.bfloat16)
+        arrays["big8"] = rng.integers(0, 255, 270_001).astype(np.uint8)
+        arrays["z"] = np.zeros(3, np.int64)
+    trickle = _Trickle(a, step)
+    try:
+        sender = threading.Thread(target=direct.send_frame, args=(
+            trickle, direct.REQUEST, {"method": "Push", "meta": {}}, arrays,
+            time.monotonic() + 60), daemon=True)
+        sender.start()
+        header, got = direct.recv_frame(b, direct.REQUEST, 1 << 20, 1 << 30,
+                                        time.monotonic() + 60)
+        sender.join(30)
+        assert not sender.is_alive()
+        assert header == {"method": "Push", "meta": {}} and set(got) == set(arrays)
+        for k, v in arrays.items():
+            assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes()
+        assert trickle.calls >= 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_gathered_send_keeps_the_deadline():
+    a, b = socket.socketpair()
+    try:
+        with pytest.raises(TimeoutError):  # nobody reads: the socket buffer fills up
+            direct.send_frame(a, direct.REQUEST, {"method": "Push", "meta": {}},
+                              {"x": np.ones(8 << 20, np.uint8)}, time.monotonic() + 0.3)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_prefix_layout():
     assert direct.PREFIX.size == 16
     assert struct.unpack("<4sIQ", direct.PREFIX.pack(b"JDQ1", 3, 4)) == (b"JDQ1", 3, 4)

@@ -7,7 +7,7 @@ length-prefixed frames over a plain socket: mutual TLS with the same certificate
 port (plaintext only where gRPC would allow it: loopback, explicitly asked for), then the
 cluster token, then any number of calls, one at a time per connection. Arrays go from the
 numpy buffer to the socket and from the socket into a ``RECEIVE_POOL`` buffer with no copy
-in between.
+in between; on a plaintext socket a frame's header and arrays leave in one ``sendmsg``.
 
 Frames: a 16-byte prefix ``<4sIQ`` (magic, JSON header length, payload length), the JSON
 header, then the payload (arrays at 64-byte aligned offsets, as ``jaxdist.ps.wire``).
@@ -56,6 +56,7 @@ MAX_HANDSHAKE_BYTES = 4096
 GRPC_ONLY = frozenset({"Stop"})
 _SMALL = 256 << 10  # arrays below this are joined into one send with the header
 _IDLE_REUSE_S = 60.0  # a pooled connection idle for longer is not reused
+_MAX_IOV = 64  # buffers per sendmsg call (the kernel accepts up to IOV_MAX = 1024)
 
 
 def enabled() -> bool:
@@ -102,14 +103,39 @@ def _specs(arrays: Mapping[str, Any]) -> tuple[list, list[Any], int]:
     return specs, views, offset
 
 
+def _gather(sock: socket.socket, buffers: list[Any], deadline: float | None) -> None:
+    """Sends ``buffers`` in order with ``sendmsg`` (a plain socket): the header and the
+    arrays leave in one system call, so the receiver wakes once for them, not once for the
+    header and again for the payload."""
+    buffers = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while buffers:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
+        sent = sock.sendmsg(buffers[:_MAX_IOV])
+        while sent:
+            if sent >= len(buffers[0]):
+                sent -= len(buffers.pop(0))
+            else:
+                buffers[0] = buffers[0][sent:]
+                sent = 0
+
+
 def send_frame(sock: socket.socket, magic: bytes, header: Mapping[str, Any],
                arrays: Mapping[str, Any] | None = None, deadline: float | None = None) -> None:
     """Sends one frame: prefix, JSON ``header`` (plus the arrays' specs), payload."""
     specs, views, total = _specs(arrays or {})
     head = json.dumps({**header, "arrays": specs}).encode()
     pending: list[Any] = [PREFIX.pack(magic, len(head), total), head]
+    gather = views and not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "sendmsg")
+    out: list[Any] = []
 
     def send(data: Any) -> None:
+        if gather:
+            out.append(data)
+            return
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -126,6 +152,8 @@ def send_frame(sock: socket.socket, magic: bytes, header: Mapping[str, Any],
         send(view)
     if pending:
         send(b"".join(pending))
+    if out:
+        _gather(sock, out, deadline)
 
 
 def recv_frame(sock: socket.socket, magic: bytes, max_header: int, max_bytes: int | None,
