@@ -7,6 +7,12 @@ step over a mesh of those devices; the ratio shows what jaxdist's placement (exp
 strategy scope) costs or saves. Timings are medians of interleaved one-epoch fits after a
 warm-up fit (compilation excluded).
 
+Both fit loops keep at most two steps dispatched and unfinished: jaxdist's Keras integration
+bounds its step functions itself (``jaxdist.keras.model_strategy._bounded``), and the reference's
+``train_function`` gets the same wrapper here, after a two-step warm-up fit has built it and the
+optimizer. Keras's own loop dispatches unbounded, which with more forced CPU devices than cores
+lets XLA's CPU collective rendezvous abort the process on long runs (``--steps 200``).
+
 Run: ``python -m benchmarks.bench_keras [--devices 4 --steps 64 --repeats 3] [--quick]``.
 """
 
@@ -46,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> str:
 
     import jaxdist
     import jaxdist.keras as jk
+    from jaxdist.keras.model_strategy import _bounded
 
     devices = jax.devices()[: args.devices]
     rng = np.random.default_rng(0)
@@ -76,10 +83,16 @@ def main(argv: Sequence[str] | None = None) -> str:
         "keras DataParallel": keras_dp.scope,
     }
     models = {}
+    warm = 2 * GLOBAL_BATCH  # two steps: builds the train function and the optimizer variables
     for name, scope in scopes.items():
         with scope():
-            models[name] = build()
-            models[name].fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+            model = models[name] = build()
+            model.fit(x[:warm], y[:warm], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+                      verbose=0)
+            # Keras's fit reuses this train_function from now on; jaxdist's is already bounded
+            # (the wrapper is idempotent), the reference's gets the same bound here.
+            model.train_function = _bounded(model.train_function)
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
 
     def runner(name):
         def run(steps):

@@ -16,9 +16,17 @@ import jax
 
 
 def _wait(leaves: list[Any]) -> None:
-    for x in leaves:
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            x.block_until_ready()
+    """Waits for a step's outputs (one batched wait); outputs donated to a later step since
+    are skipped (that step consumes them, and waiting for it covers them)."""
+    live = [x for x in leaves if isinstance(x, jax.Array) and not x.is_deleted()]
+    if not live:
+        return
+    try:
+        jax.block_until_ready(live)
+    except Exception:  # e.g. an output deleted meanwhile: wait on the others one by one
+        for x in live:
+            if not x.is_deleted():
+                x.block_until_ready()
 
 
 class StepThrottle:

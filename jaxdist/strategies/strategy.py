@@ -245,7 +245,10 @@ class StrategyExtended:
             if not isinstance(x, jax.Array) or x.sharding != self._data_sharding:
                 x = jax.device_put(x, self._data_sharding)
             return x
-        if isinstance(leaf, jax.core.Tracer) or isinstance(leaf, _SCALAR_TYPES):
+        if isinstance(leaf, (jax.core.Tracer, *_SCALAR_TYPES)) or (
+            isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc"
+        ):
+            # A scalar: the compiled call takes it as it is (far cheaper than a device_put).
             return leaf
         if isinstance(leaf, jax.Array):
             sh = leaf.sharding
@@ -311,11 +314,13 @@ class StrategyExtended:
             return compiled.raw(*dyn)
         self._throttle.before_dispatch()
         out = compiled.jitted(*dyn)
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+        leaves = jax.tree.leaves(out)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return out  # under a user's jax.jit with no traced argument: nothing to throttle
-        out = self._post_run(out)
-        self._throttle.after_dispatch(out)
-        return out
+        posted = self._post_run(out)
+        # The throttle waits on the step's array outputs (the flat list: no second flatten).
+        self._throttle.after_dispatch(leaves if posted is out else posted)
+        return posted
 
     def _post_run(self, out: Any) -> Any:
         return out

@@ -15,11 +15,60 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxdist.train import data as data_lib
+
+#: The key of the packed statistics of a synchronous step, and the fields packed in it (the
+#: step's float32 ``loss``, ``correct`` and ``weight``, one row per step).
+PACKED = "packed"
+PACKED_FIELDS = ("loss", "correct", "weight")
+
+
+class PackedStepStats(Mapping):
+    """The statistics of one dispatch of a synchronous step, fetched once, when first read:
+    ``stats["loss"]``, ``"correct"``, ``"weight"`` (one value per step) and ``"metrics"`` when
+    there are metrics. The step returns ``loss``, ``correct`` and ``weight`` stacked in one
+    device array (``PACKED``), so reading them is one device-to-host transfer, not three.
+
+    Example:
+        >>> stats = PackedStepStats({"packed": packed})
+        >>> stats["loss"]          # waits for the step
+    """
+
+    __slots__ = ("_device", "_host")
+
+    def __init__(self, device: Mapping[str, Any]):
+        self._device = device
+        self._host: dict[str, Any] | None = None
+
+    def _fetch(self) -> dict[str, Any]:
+        if self._host is None:
+            host = dict(jax.device_get(dict(self._device)))
+            packed = host.pop(PACKED, None)
+            if packed is not None:
+                packed = np.asarray(packed)
+                for i, name in enumerate(PACKED_FIELDS):
+                    host[name] = packed[..., i]
+            self._host = host
+            self._device = {}
+        return self._host
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fetch()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetch())
+
+    def __len__(self) -> int:
+        return len(self._fetch())
+
+    def __repr__(self) -> str:
+        return f"PackedStepStats(fetched={self._host is not None})"
 
 
 class TrainerHook:
@@ -45,6 +94,9 @@ class TrainerHook:
     local_state: bool = False
     #: Whether ``fit`` may take a stream of batches (else in-memory arrays only).
     accepts_streams: bool = False
+    #: Whether ``train_step`` takes input blocks: ``x``, ``y``, ``w`` hold several chunks
+    #: (``Trainer._input_block``) and ``chunk=j`` names the one to run.
+    input_blocks: bool = False
 
     def begin_fit(self, trainer: Any, train: Any) -> None:
         """Called at the start of ``fit`` with the training data (an ``ArrayData``)."""
@@ -129,12 +181,20 @@ class SyncHook(TrainerHook):
 
     local_state = True
     accepts_streams = True
+    input_blocks = True
 
     def __init__(self, strategy: Any):
         self.strategy = strategy
+        # Device copies of the step numbers passed to the compiled step, made once per input
+        # block (the block's first step) and once per chunk index: no per-dispatch transfer.
+        self._block_step: tuple[int, Any] | None = None
+        self._chunk_ids: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return "SyncHook()"
+
+    def _on_device(self, value: int) -> Any:
+        return jax.device_put(np.int32(value), self.strategy.extended.replicated_sharding)
 
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
         with self.strategy.scope():
@@ -144,12 +204,21 @@ class SyncHook(TrainerHook):
         return params, rest, opt_state
 
     def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
-                   w: Any = None) -> dict[str, Any]:
+                   w: Any = None, chunk: int = 0) -> dict[str, Any]:
+        """Runs chunk ``chunk`` of the input block ``(x, y, w)`` (``num_steps`` steps; the
+        block's chunks run in order, so its first step is ``trainer.step - chunk *
+        num_steps``)."""
+        first = trainer.step - chunk * num_steps
+        if self._block_step is None or self._block_step[0] != first:
+            self._block_step = (first, self._on_device(first))
+        chunk_id = self._chunk_ids.get(chunk)
+        if chunk_id is None:
+            chunk_id = self._chunk_ids[chunk] = self._on_device(chunk)
         trainer.params, trainer.rest, trainer.opt_state, stats = self.strategy.run(
             trainer._train_replica,
             args=(trainer.params, trainer.rest, trainer._rngs, trainer.opt_state, x, y, w,
-                  np.int32(trainer.step)))
-        return stats
+                  self._block_step[1], chunk_id))
+        return PackedStepStats(stats)
 
     def resume(self, trainer: Any, steps_per_epoch: int) -> None:
         ckpt = trainer._checkpointer_or_none()
@@ -178,4 +247,4 @@ class SyncHook(TrainerHook):
         trainer.last_checkpoint = trainer.step
 
 
-__all__ = ["SyncHook", "TrainerHook"]
+__all__ = ["PACKED", "PACKED_FIELDS", "PackedStepStats", "SyncHook", "TrainerHook"]

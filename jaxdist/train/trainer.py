@@ -41,6 +41,7 @@ from jaxdist.train import inputs as inputs_lib
 from jaxdist.train import keras_metrics, strategy_registry
 from jaxdist.train.callbacks import History
 from jaxdist.train.checkpoint import Checkpointer
+from jaxdist.train.hooks import PACKED, PACKED_FIELDS
 from jaxdist.train.losses import (  # noqa: F401 - LOSSES and the losses: public here too
     LOSSES,
     LossFn,
@@ -53,6 +54,11 @@ from jaxdist.train.model_state import ModelState, check_batch_norm
 from jaxdist.train.precision import compute_dtype
 from jaxdist.train.schema import trainer_defaults
 from jaxdist.train.trainer_handle import TrainerHandle
+
+# Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
+# steps, of at most this many bytes (this process's rows).
+_BLOCK_STEPS = 32
+_BLOCK_BYTES = 16 << 20
 
 # The defaults of the arguments a job config also sets, written once in the schema.
 _D = trainer_defaults()
@@ -269,10 +275,15 @@ class Trainer(TrainerHandle):
 
         per_replica = gbs // self.strategy.num_replicas_in_sync
 
-        def train_replica(params, rest, rngs, opt_state, x, y, w, step):
+        def train_replica(params, rest, rngs, opt_state, x, y, w, block_step, chunk):
+            # x, y, w: a block of chunks, one per leading index (``_input_block``), whose
+            # first step is ``block_step``; this dispatch runs chunk ``chunk``, its steps one
+            # after the other.
             ctx = distribute.get_replica_context()
-            num_steps = y.shape[0] // per_replica
-            split = lambda a: a.reshape(num_steps, -1, *a.shape[1:])  # noqa: E731
+            num_steps = y.shape[1] // per_replica
+            step = block_step + chunk * num_steps
+            split = lambda a: lax.dynamic_index_in_dim(  # noqa: E731
+                a, chunk, keepdims=False).reshape(num_steps, -1, *a.shape[2:])
             xs, ys, ws = jax.tree.map(split, x), split(y), split(w)
             replica, axes = ctx.replica_id_in_sync_group, sync_axes()
 
@@ -300,6 +311,9 @@ class Trainer(TrainerHandle):
                 # accuracy, as Keras' `metrics`, is not weighted (every training row is real)
                 stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
                          "weight": jnp.float32(yb.shape[0])}
+                if all(v.dtype == jnp.float32 and v.ndim == 0 for v in stats.values()):
+                    # one array per dispatch to fetch, not three (``hooks.PackedStepStats``)
+                    stats = {PACKED: jnp.stack([stats[name] for name in PACKED_FIELDS])}
                 stats.update(metric_stats(logits, yb, None, wb))
                 return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
 
@@ -690,11 +704,64 @@ class Trainer(TrainerHandle):
             yield (self._local_rows(part.x, k), self._local_rows(part.y, k),
                    self._local_rows(w, k))
 
+    def _host_blocks(self, train: data_lib.ArrayData, order: np.ndarray,
+                     groups: Sequence[Sequence[tuple[int, int]]], sizes: Mapping[int, int]):
+        """Like ``_host_chunks`` for groups of consecutive chunks of ``kk`` steps each: one
+        input block per group (``_input_block``), padded to ``sizes[kk]`` chunks so that
+        its shape, hence the compiled step, is the same for every group."""
+        b = self.global_batch_size
+        for group in groups:
+            start, kk = group[0]
+            part = train.take(order[start * b:(start + len(group) * kk) * b])
+            w = np.ones((len(part),), np.float32) if part.w is None else part.w
+            yield self._input_block(part.x, part.y, w, kk, sizes[kk])
+
+    def _input_block(self, x: Any, y: Any, w: Any, kk: int, count: int) -> tuple[Any, Any, Any]:
+        """``count`` chunks of ``kk`` global batches as one input block ``(x, y, w)``.
+
+        ``x``, ``y``, ``w`` hold the rows of up to ``count`` chunks, in step order (missing
+        chunks at the end are zero rows, never run). Each array becomes ``(local replicas x
+        count, kk x rows per replica, ...)``: the distributed dataset gives every replica its
+        ``(count, kk x rows per replica, ...)`` share, and a dispatch of ``train_replica``
+        takes one chunk of it on the device. One transfer then feeds ``count`` dispatches.
+        """
+        rows = count * kk * self.global_batch_size
+        per = self.global_batch_size // self._mesh_replicas
+        local = len(self._local_replicas)
+
+        def block(a: Any) -> np.ndarray:
+            a = np.asarray(a)
+            if a.shape[0] != rows:
+                a = _pad_rows(a, rows)
+            a = self._local_rows(a, count * kk)
+            return a.reshape(local * count, kk * per, *a.shape[1:])
+
+        return jax.tree.map(block, x), block(y), block(w)
+
+    def _block_sizes(self, train: Any, spe: int) -> dict[int, int]:
+        """Chunks per input block for chunks of ``k`` and of 1 steps: up to ``_BLOCK_STEPS``
+        steps and ``_BLOCK_BYTES`` bytes per block, a power of two no larger than needed for
+        an epoch (so one fit compiles at most two programs, as without blocks)."""
+        k = self.steps_per_execution
+        if not isinstance(train, data_lib.ArrayData):
+            return {k: 1, 1: 1}   # a stream: one chunk per block (no reading further ahead)
+        row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
+                  for a in jax.tree.leaves((train.x, train.y))) + 4  # + the weight
+        chunk_bytes = max(1, row * self.global_batch_size)
+
+        def size(kk: int, chunks_needed: int) -> int:
+            cap = max(1, min(_BLOCK_STEPS // kk, _BLOCK_BYTES // (kk * chunk_bytes)))
+            need = 1 << max(0, int(chunks_needed) - 1).bit_length()  # next power of two
+            return max(1, min(cap, need))
+
+        return {k: size(k, spe // k), 1: size(1, spe if k == 1 else k - 1)}
+
     def _stream_chunks(self, train: inputs_lib.StreamSource, chunks: Sequence[tuple[int, int]],
-                       positions: list[Any], ran_out: list[bool]):
+                       positions: list[Any], ran_out: list[bool], blocks: bool = False):
         """Like ``_host_chunks`` for a stream: ``k`` global batches per chunk; the stream's
         position after each chunk goes to ``positions`` (the distributed dataset reads ahead,
-        so the loop takes a position only when it runs the chunk)."""
+        so the loop takes a position only when it runs the chunk). With ``blocks`` each chunk
+        is an input block of one chunk (``_input_block``)."""
         b = self.global_batch_size
         restored = self._restored_position
         self._restored_position = None
@@ -714,7 +781,10 @@ class Trainer(TrainerHandle):
             w = np.concatenate([np.ones((b,), np.float32) if g[2] is None else g[2]
                                 for g in got])
             positions.append(train.position())
-            yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
+            if blocks:
+                yield self._input_block(x, y, w, k, 1)
+            else:
+                yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
 
     def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
                   num_epochs) -> None:
@@ -730,7 +800,7 @@ class Trainer(TrainerHandle):
         def check_nan(keep_last: int = 0) -> None:
             while len(unchecked) > keep_last:
                 stats, end_step = unchecked.pop(0)
-                losses = np.asarray(jax.device_get(stats["loss"]))
+                losses = np.asarray(jax.device_get(stats)["loss"])
                 bad = np.flatnonzero(~np.isfinite(losses))
                 if bad.size:
                     step = end_step - len(losses) + int(bad[0]) + 1
@@ -789,6 +859,7 @@ class Trainer(TrainerHandle):
             return values
 
         opts = InputOptions(experimental_per_replica_buffer_size=2)
+        block_sizes = self._block_sizes(train, spe)
         while self.step < total and not self.stop_training:
             order = (None if isinstance(train, inputs_lib.StreamSource)
                      else self._epoch_order(len(train), self.epoch))
@@ -806,20 +877,39 @@ class Trainer(TrainerHandle):
                 s += kk
             positions: list[Any] = []
             ran_out = [False]
+            # With a hook that takes input blocks, consecutive chunks of the same length share
+            # one block (one host-to-device transfer for several dispatches).
+            blocks = self._hook.input_blocks and not self._hook.owns_input
+            groups: list[list[tuple[int, int]]] = []
+            for chunk in chunks:
+                if (blocks and groups and groups[-1][0][1] == chunk[1]
+                        and len(groups[-1]) < block_sizes[chunk[1]]):
+                    groups[-1].append(chunk)
+                else:
+                    groups.append([chunk])
             if self._hook.owns_input:  # e.g. per-worker datasets
-                iterator = ((None, None, None) for _ in chunks)
+                iterator = ((None, None, None) for _ in groups)
             elif isinstance(train, inputs_lib.StreamSource):
                 iterator = iter(self._distribute(
-                    self._stream_chunks(train, chunks, positions, ran_out), options=opts))
+                    self._stream_chunks(train, chunks, positions, ran_out, blocks),
+                    options=opts))
+            elif blocks:
+                iterator = iter(self._distribute(
+                    self._host_blocks(train, order, groups, block_sizes), options=opts))
             else:
                 iterator = iter(self._distribute(
                     self._host_chunks(train, order, chunks), options=opts))
+            steps_of = (((j, chunk, xyw) for j, chunk in enumerate(group))
+                        for group, xyw in zip(groups, iterator))
             try:
-                for (s, kk), (xb, yb, wb) in zip(chunks, iterator):
+                for j, (s, kk), (xb, yb, wb) in itertools.chain.from_iterable(steps_of):
                     if positions:
                         self._data_position = positions.pop(0)
                     cbs.on_train_batch_begin(s + kk - 1)
-                    stats = self._hook.train_step(self, xb, yb, kk, wb)
+                    if blocks:
+                        stats = self._hook.train_step(self, xb, yb, kk, wb, chunk=j)
+                    else:
+                        stats = self._hook.train_step(self, xb, yb, kk, wb)
                     before = self.step
                     self.step += kk
                     self.step_in_epoch = s + kk
