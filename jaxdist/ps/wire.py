@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable, Iterator, Mapping
@@ -50,12 +51,19 @@ class MessageTooLargeError(WireError):
 def dtype_from_name(name: str) -> np.dtype:
     """The numpy dtype called ``name`` (numpy names, or an ``ml_dtypes`` name like bfloat16).
 
+    Names that parse are cached (at most 256; a bad name raises every time).
+
     Example:
         >>> dtype_from_name("bfloat16")
         dtype(bfloat16)
     """
     if not isinstance(name, str) or not name or len(name) > 64:
         raise WireError(f"bad dtype name {str(name)[:64]!r}: expected a numpy or ml_dtypes name")
+    return _dtype_from_name(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_from_name(name: str) -> np.dtype:
     ml = getattr(ml_dtypes, name, None) if not name.startswith("_") else None
     try:
         if ml is not None and isinstance(ml, type) and issubclass(ml, np.generic):
@@ -74,13 +82,21 @@ def dtype_from_name(name: str) -> np.dtype:
 
 def dtype_name(dtype: Any) -> str:
     """The wire name of ``dtype`` (``dtype_from_name`` inverts it)."""
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None
+    if name is not None:
+        return name
     dt = np.dtype(dtype)
     if dt.kind in "OUS" or (dt.kind == "V" and getattr(ml_dtypes, dt.name, None) is None):
         raise WireError(
             f"arrays of dtype {dt} cannot cross the wire: expected a numeric dtype "
             f"(bool, ints, floats, complex, or an ml_dtypes type such as bfloat16)"
         )
+    if len(_NAMES) < 256:
+        _NAMES[dt] = dt.name
     return dt.name
+
+
+_NAMES: dict[np.dtype, str] = {}  # dtype_name's answers for dtypes that have a wire form
 
 
 def _as_wire_array(x: Any) -> np.ndarray:
