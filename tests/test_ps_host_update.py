@@ -177,3 +177,25 @@ def test_row_pushes_to_a_dense_variable_never_change_a_pulled_value():
     svc.push_rows("w", np.array([1]), np.ones((1, 2), np.float32), 1)
     np.testing.assert_array_equal(pulled, np.ones((4, 2), np.float32))
     np.testing.assert_array_equal(svc.pull(["w"])["w"][0][1], [2, 2])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [5, host_update.HOST_ADD_MAX_BYTES // 8 + 3], ids=["small", "large"])
+def test_64_bit_variables_keep_their_dtype_and_every_bit(dtype, n):
+    if jax.config.jax_enable_x64:
+        pytest.skip("with x64 the jitted add holds 64-bit values (covered above)")
+    value, grads = _values(dtype, n, 0), [_values(dtype, n, s) for s in (1, 2)]
+    if dtype == np.float64:
+        value[:3] = 1.0
+        grads[0][:3] = grads[1][:3] = 1e-10  # lost in float32
+    svc = ParameterService("ps:0")
+    svc.create({"w": value}, {"w": {}})
+    for i, g in enumerate(grads):
+        svc.push({"w": g}, {"w": i})  # the second push was refused once the value narrowed
+    got = svc.pull(["w"])["w"][0]
+    with np.errstate(all="ignore"):
+        want = (value + grads[0]) + grads[1]
+    assert got.dtype == np.dtype(dtype) and got.tobytes() == want.tobytes()
+    if dtype == np.float64:
+        assert (got[:3] > 1.0).all()

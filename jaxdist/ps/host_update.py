@@ -7,9 +7,11 @@ one) against ~0.03 ms for ``np.add`` into the same buffer. This module does that
 where it gives the very bits XLA gives:
 
 * only for values of at most ``HOST_ADD_MAX_BYTES`` (checked by ``jaxdist.ps.service``), and
-  for dtypes whose numpy add is a plain IEEE / wrapping add as fast as XLA's (float32 and the
-  8/16/32-bit integers; not bfloat16 / float16, whose numpy loops are scalar and slower, nor
-  64-bit types, which JAX narrows without ``jax_enable_x64``);
+  for dtypes whose numpy add is a plain IEEE / wrapping add as fast as XLA's (float32/64 and
+  the integers; not bfloat16 / float16, whose numpy loops are scalar and slower);
+* 64-bit dtypes without ``jax_enable_x64``: the jitted add would narrow them to 32 bits (the
+  variable silently became float32, its small updates lost, and the next float64 push was
+  refused); the numpy add keeps them, at any size;
 * XLA on CPU flushes float denormals to zero (inputs and results); numpy adds with the
   thread's MXCSR flush-to-zero and denormals-are-zero bits set for the add (x86-64 glibc only);
 * each dtype is checked once per process against XLA on probe values (denormals, signed
@@ -27,14 +29,16 @@ import ctypes
 import platform
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 #: Dtypes the host add may serve (each still checked against XLA before its first use).
-HOST_ADD_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.int8, np.int16, np.int32,
-                                                  np.uint8, np.uint16, np.uint32))
+HOST_ADD_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16,
+                                                  np.int32, np.int64, np.uint8, np.uint16,
+                                                  np.uint32, np.uint64))
 
 #: Larger values keep the jitted add: a numpy add runs on one thread, XLA may split a large
 #: add over several (on 2 cores both take ~3.5 ms for 64 MiB; below a few MiB XLA's dispatch
@@ -84,8 +88,8 @@ _MODES_LOCK = threading.Lock()
 
 
 def host_add(value: np.ndarray, grad: np.ndarray, out: np.ndarray, mode: str) -> np.ndarray:
-    """``out = value + grad`` in numpy (``mode``: ``"plain"`` or ``"flush"``, from
-    ``host_add_mode``); ``out`` may be ``value`` itself."""
+    """``out = value + grad`` in numpy (``mode``: ``"plain"``, ``"exact"`` (the same add) or
+    ``"flush"``, from ``host_add_mode``); ``out`` may be ``value`` itself."""
     with np.errstate(all="ignore"):  # inf / overflow are results, as in XLA: no warnings
         if mode == "flush":
             return _FLUSH.run(lambda: np.add(value, grad, out=out))
@@ -126,7 +130,10 @@ def _bits(x: Any) -> bytes:
 def host_add_mode(dtype: np.dtype, jitted_add: Callable[[Any, Any], Any]) -> str | None:
     """How ``host_add`` matches ``jitted_add`` (the ps's jitted ``value + delta``) for
     ``dtype``: ``"plain"``, ``"flush"``, or ``None`` (no numpy add gives XLA's bits: use
-    ``jitted_add``). Probed once per dtype and process (one small compile).
+    ``jitted_add``); ``"exact"`` when ``jitted_add`` returns another dtype (JAX without
+    ``jax_enable_x64`` narrows float64 / int64 / uint64 to 32 bits, which would lose the
+    variable's values and dtype): then only the numpy add (IEEE, or wrapping) is right, at any
+    size. Probed once per dtype and process (one small compile).
     """
     dtype = np.dtype(dtype)
     if dtype not in HOST_ADD_DTYPES:
@@ -137,7 +144,13 @@ def host_add_mode(dtype: np.dtype, jitted_add: Callable[[Any, Any], Any]) -> str
         mode = None
         try:
             a, b = _probe(dtype)
-            want = _bits(jitted_add(a.copy(), b))
+            with warnings.catch_warnings():  # JAX warns when it narrows a 64-bit dtype
+                warnings.simplefilter("ignore")
+                got = np.asarray(jitted_add(a.copy(), b))
+            if got.dtype != dtype:  # XLA cannot hold the dtype (64-bit without x64)
+                _MODES[dtype] = "exact"
+                return "exact"
+            want = _bits(got)
             modes = ["plain", "flush"] if _FLUSH.available and dtype.kind == "f" else ["plain"]
             for m in modes:
                 if _bits(host_add(a, b, np.empty_like(a), m)) == want:

@@ -146,10 +146,10 @@ def _host_assign_add(var: _Var, grad: np.ndarray) -> np.ndarray | None:
     a fresh buffer). Called under ``var.lock``.
     """
     value = var.value
-    if type(value) is not np.ndarray or value.nbytes > HOST_ADD_MAX_BYTES:
-        return None  # a jax array (a jitted add made it), a subclass, or a large value
+    if type(value) is not np.ndarray:
+        return None  # a jax array (a jitted add made it) or a subclass
     mode = host_add_mode(value.dtype, _jitted_assign_add)
-    if mode is None:
+    if mode is None or (value.nbytes > HOST_ADD_MAX_BYTES and mode != "exact"):
         return None
     base = value.base
     own = (value.flags.writeable and value.flags.c_contiguous
@@ -308,8 +308,9 @@ class ParameterService:
         """Applies each gradient with the variable's optimizer; returns new versions/staleness.
 
         A variable without optimizer gets ``value += grad`` (an ``assign_add``): a numpy add
-        on the host buffer for float32 and 8-32 bit integers up to ``HOST_ADD_MAX_BYTES``
-        (``jaxdist.ps.host_update``, bit-identical to XLA's), a jitted add otherwise.
+        on the host buffer for float32/64 and integers up to ``HOST_ADD_MAX_BYTES``
+        (``jaxdist.ps.host_update``, bit-identical to XLA's; 64-bit dtypes at any size when
+        JAX would narrow them), a jitted add otherwise.
         Optimizer updates are jitted XLA computations. Both write into the old value's buffer
         (XLA: donation) unless a pull still holds the old value, which then stays unchanged.
         """
