@@ -282,12 +282,17 @@ def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator)
     batches = _spy_batches(coordinator)
 
     def square(i):
-        return np.int64(i * i), os.getpid()
+        time.sleep(0.002)
+        return np.int64(i * i), os.getpid(), time.monotonic_ns()
 
     gates = _gates(coordinator, 0.5)
     rvs = [coordinator.schedule(square, args=(i,)) for i in range(40)]
     coordinator.join()
     assert [rv.fetch()[0] for rv in rvs] == [i * i for i in range(40)]
+    # Each worker ran its closures in queue order: its two calls in flight never interleave.
+    for worker in ("worker:0", "worker:1"):
+        started = [rv.fetch()[2] for rv in rvs if rv.worker == worker]
+        assert started == sorted(started), worker
     assert [rv.fetch() for rv in gates] == [-1, -1]
     assert sum(coordinator.functions_run()) == 42
     assert max(len(b) for b in batches) > 1, batches  # a queue of 40 went out in batches

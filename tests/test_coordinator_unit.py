@@ -233,7 +233,7 @@ def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
             meta, {"args.0": arrays["args.0"], "args.1": arrays["args.2"]})))
         assert [m.get("kind") for m, _ in answers] == ["missing_function", None]
         # A cancelled call starts nothing more.
-        state = iter([True, False])
+        state = iter([True, True, False])  # its turn, the loop, then run_closure
         answers = list(svc.run_closures(svc.batch_items(
             {"closures": [{"closure_id": 6, "fn_digest": digest}] * 2},
             {"args.0": arrays["args.0"], "args.1": arrays["args.2"]}),
@@ -256,3 +256,120 @@ def test_results_of_plain_data_are_pickled_without_cloudpickle():
     fn = lambda x: x + 1  # noqa: E731 - by value: only cloudpickle can send it
     assert cloudpickle.loads(dumps_value({"f": fn}))["f"](1) == 2
     assert cloudpickle.loads(dumps_value(np.array([fn], dtype=object)))[0](2) == 3
+
+
+def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypatch):
+    import threading
+    import types
+    import weakref
+
+    from jaxdist.coordinator import cluster_coordinator as cc
+    from jaxdist.coordinator.closure_queue import Closure
+    from jaxdist.coordinator.remote_value import PerWorkerValues
+
+    w = object.__new__(cc._WorkerThread)
+    w._c = types.SimpleNamespace(_ps_rpc_timeout=1.0, _join_timeout=1.0)
+    w.index, w._fn_lock, w._args_cache = 1, threading.Lock(), {}
+    real, pickled = closure_pickle.dumps, []
+    monkeypatch.setattr(closure_pickle, "dumps",
+                        lambda obj, *a, **k: pickled.append(obj) or real(obj, *a, **k))
+
+    def closure(*args, **kwargs):
+        return Closure(len(pickled), abs, args, kwargs, RemoteValue())
+
+    def parts(rid):
+        return PerWorkerValues([closure_pickle.WorkerResource(rid, i) for i in range(2)])
+
+    it = parts(3)
+    first = w._arguments(closure(it), True)
+    assert w._arguments(closure(it), True) is first and len(pickled) == 1
+    assert first == real(((it,), {}), 1, 1.0, 1.0)
+    other = parts(4)
+    assert w._arguments(closure(other), True) != first and len(pickled) == 2
+    # A cached entry whose object died is not used for a new object at the same address.
+    dead = PerWorkerValues([])
+    stale = (weakref.ref(dead),)
+    del dead
+    w._args_cache[(id(it),)] = (stale, b"stale")
+    assert w._arguments(closure(it), True) == first and len(pickled) == 3
+    # Anything else is pickled every time.
+    for args, kwargs in (((it, 5), {}), ((), {}), ((it,), {"x": it}),
+                         ((PerWorkerValues([1, 2]),), {})):
+        n = len(pickled)
+        w._arguments(closure(*args, **kwargs), True)
+        w._arguments(closure(*args, **kwargs), True)
+        assert len(pickled) == n + 2
+
+
+def test_a_second_batch_waits_for_the_whole_first_one():
+    import threading
+
+    svc = WorkerService(_runtime())
+    try:
+        payload = to_bytes_array(closure_pickle.dumps(lambda i: i))
+        args = [to_bytes_array(closure_pickle.dumps(((i,), {}))) for i in range(4)]
+
+        def batch(first):
+            return svc.batch_items({"closures": [{"closure_id": first}, {"closure_id": first + 1}]},
+                                   {"fn.0": payload, "fn.1": payload,
+                                    "args.0": args[first], "args.1": args[first + 1]})
+
+        a = svc.run_closures(batch(0))
+        assert next(a)[0]["ok"]  # the first batch is between its two closures
+        got = []
+        b = threading.Thread(target=lambda: got.extend(svc.run_closures(batch(2))))
+        b.start()
+        b.join(0.3)
+        assert b.is_alive() and not got  # the second batch does not cut in
+        assert next(a)[0]["ok"] and next(a, None) is None
+        b.join(10)
+        assert len(got) == 2 and svc.functions_run == 4
+        # A batch whose caller went away while it waited starts nothing.
+        c = svc.run_closures(batch(0))
+        next(c)
+        assert list(svc.run_closures(batch(2), active=lambda: False)) == []
+        c.close()  # closing a batch mid-way (gRPC drops the call) lets the next one run
+        assert len(list(svc.run_closures(batch(2)))) == 2
+    finally:
+        set_current(None)
+
+
+def test_numbered_batches_of_a_session_run_in_their_order():
+    import threading
+    import time
+
+    from jaxdist.coordinator import worker_service
+
+    svc = WorkerService(_runtime())
+    try:
+        payload = to_bytes_array(closure_pickle.dumps(lambda i: (i, time.monotonic_ns())))
+
+        def batch(i):
+            return svc.batch_items({"closures": [{"closure_id": i}]},
+                                   {"fn.0": payload,
+                                    "args.0": to_bytes_array(closure_pickle.dumps(((i,), {})))})
+
+        got = {}
+
+        def run(i, seq, session="s1"):
+            got[i] = [cloudpickle.loads(from_bytes_array(a["value"]))
+                      for _, a in svc.run_closures(batch(i), session=session, seq=seq)]
+
+        assert run(0, 0) is None and got[0][0][0] == 0
+        # Call 2 arrives before call 1: it waits for it, then runs after it.
+        late = threading.Thread(target=run, args=(2, 2))
+        late.start()
+        time.sleep(0.1)
+        assert late.is_alive() and 2 not in got
+        run(1, 1)
+        late.join(10)
+        assert got[1][0][1] < got[2][0][1]
+        # Another session is not held up by this one's numbering; a number whose
+        # predecessor never comes runs after the grace period.
+        run(3, 7, session="s2")
+        t0 = time.monotonic()
+        run(4, 9, session="s2")
+        assert time.monotonic() - t0 >= worker_service.ORDER_GRACE_SECONDS * 0.9
+        assert [got[i][0][0] for i in range(5)] == [0, 1, 2, 3, 4]
+    finally:
+        set_current(None)

@@ -212,13 +212,16 @@ class ClosureQueue:
             return self._queue.popleft()
 
     def get_batch(self, max_n: int, timeout: float | None = None, tag: Any = None,
-                  min_queued: int = 1, share: int = 1) -> list[Closure]:
+                  min_queued: int = 1, share: int = 1,
+                  on_take: Callable[[list[Closure]], None] | None = None) -> list[Closure]:
         """Several closures at once (all in flight now), oldest first; ``[]`` as ``get``
         returns ``None``.
 
         Waits until at least ``min_queued`` are queued, then takes ``len(queue) // share``
         of them (at least 1, at most ``max_n``): a short queue is handed out one closure at
         a time, a long one in batches. A closure put with ``tag`` comes alone, first.
+        ``on_take(batch)`` is called holding the queue's lock (batches are taken in the order
+        of its calls).
         """
         with self._cond:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -235,10 +238,14 @@ class ClosureQueue:
             if self._stopped:
                 return []
             if tagged():
-                return [self._tagged[tag].popleft()]
-            n = max(1, min(max_n, len(self._queue) // max(1, share)))
-            self._inflight += n
-            return [self._queue.popleft() for _ in range(n)]
+                batch = [self._tagged[tag].popleft()]
+            else:
+                n = max(1, min(max_n, len(self._queue) // max(1, share)))
+                self._inflight += n
+                batch = [self._queue.popleft() for _ in range(n)]
+            if on_take is not None:
+                on_take(batch)
+            return batch
 
     def _end_inflight(self, what: str) -> None:
         if self._inflight < 1:
@@ -250,11 +257,15 @@ class ClosureQueue:
         """An in-flight closure finished."""
         with self._cond:
             self._end_inflight("mark_finished")
-            self._cond.notify_all()
+            if self._inflight == 0:
+                # Only "nothing in flight" wakes anyone (``wait``, a cancellation); ``wait``
+                # sees the progress that restarts its timeout at its next 0.1 s look.
+                self._cond.notify_all()
 
     def put_back(self, closure: Closure) -> None:
-        """Re-queues an in-flight closure at the front (its worker was lost); with a pending
-        error it is cancelled instead (TF)."""
+        """Re-queues an in-flight closure at the front (its worker was lost), in schedule
+        order among the closures put back before it; with a pending error it is cancelled
+        instead (TF)."""
         with self._cond:
             if self._error is not None or self._sticky is not None or self._stopped:
                 self._end_inflight("put_back")
@@ -264,7 +275,13 @@ class ClosureQueue:
                 self._tagged[closure.tag].appendleft(closure)
             else:
                 self._end_inflight("put_back")
-                self._queue.appendleft(closure)
+                # Closures put back (several from one batch, or from both calls in flight)
+                # go back in the order they were scheduled, so a worker still runs a
+                # per-worker iterator's steps in that order (step numbers match the data).
+                i = 0
+                while i < len(self._queue) and self._queue[i].closure_id < closure.closure_id:
+                    i += 1
+                self._queue.insert(i, closure)
             self._cond.notify_all()
 
     def mark_failed(self, error: BaseException) -> None:

@@ -45,6 +45,7 @@ import pickle
 import threading
 import time
 import types
+import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -69,6 +70,8 @@ from jaxdist.coordinator.worker_runtime import make_dataset, make_iterator, reso
 from jaxdist.coordinator.worker_service import (
     BATCH_KEY,
     FN_DIGEST_KEY,
+    SEQ_KEY,
+    SESSION_KEY,
     from_bytes_array,
     to_bytes_array,
 )
@@ -98,6 +101,7 @@ class _Slot:
         self.index = index
         self.batch: list[Closure] = []
         self.call: Any = None
+        self.ticket: int | None = None  # the order its batch was taken in (None: sent)
 
 
 class _WorkerThread:
@@ -116,7 +120,14 @@ class _WorkerThread:
         self._fn_cache: OrderedDict[int, _ShippedFunction] = OrderedDict()
         self._shipped: set[str] = set()
         self._shipped_for: Any = None
+        # Pickled arguments made of per-worker resources only, by the objects' ids.
+        self._args_cache: dict[tuple, tuple[tuple, bytes]] = {}
         self._slots = [_Slot(i) for i in range(PIPELINE_DEPTH)]
+        # Batches start their calls in the order they were taken (the worker runs them in
+        # the order they come): ticket n calls after ticket n - 1 did, or gave up.
+        self._turn = threading.Condition()
+        self._next_ticket = self._turn_now = 0
+        self._session, self._next_seq = uuid.uuid4().hex, 0
         self._current_lock = threading.Lock()
         self._resource_lock = threading.Lock()  # one sender builds resources at a time
         self._fn_lock = threading.Lock()
@@ -194,18 +205,49 @@ class _WorkerThread:
             batch = c._queue.get_batch(
                 MAX_BATCH, timeout=0.1, tag=self.index,
                 min_queued=1 if slot.index == 0 else c.num_workers + 1,
-                share=c.num_workers * PIPELINE_DEPTH)
+                share=c.num_workers * PIPELINE_DEPTH,
+                on_take=functools.partial(self._take_ticket, slot))
             if not batch:
                 continue
             with self._current_lock:
                 slot.batch, slot.call = list(batch), None
             try:
+                with self._resource_lock:  # resources registered while this sender waited
+                    ready = self._ensure_resources()
+                if not ready:
+                    self._forget(slot, batch)
+                    for closure in batch:
+                        c._queue.put_back(closure)
+                    continue
                 self._process(batch, slot)
             finally:
+                self._pass_turn(slot)
                 # Hold no reference to a finished closure: its arguments (iterators) can go.
                 with self._current_lock:
                     slot.batch, slot.call = [], None
                 batch = None
+
+    def _take_ticket(self, slot: _Slot, batch: list[Closure]) -> None:
+        """``get_batch``'s ``on_take`` (holding the queue's lock): the batch's place."""
+        slot.ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+
+    def _wait_turn(self, slot: _Slot) -> None:
+        """Waits until the batches taken before this slot's started their calls."""
+        if slot.ticket is None:
+            return
+        with self._turn:
+            while self._turn_now < slot.ticket and not self._c._stopping.is_set():
+                self._turn.wait(0.1)
+
+    def _pass_turn(self, slot: _Slot) -> None:
+        """This slot's batch started its call (or has none to start): the next one may."""
+        if slot.ticket is None:
+            return
+        self._wait_turn(slot)
+        with self._turn:
+            self._turn_now = max(self._turn_now, slot.ticket + 1)
+            slot.ticket = None
+            self._turn.notify_all()
 
     def _function(self, fn: Callable[..., Any]) -> _ShippedFunction:
         """``fn`` pickled for this worker, pickled again only when it may have changed.
@@ -272,9 +314,7 @@ class _WorkerThread:
                 continue
             try:
                 shipped = self._function(closure.fn)
-                args_payload = closure_pickle.dumps(
-                    (closure.args, closure.kwargs), self.index, c._ps_rpc_timeout,
-                    c._join_timeout, wait=not items)
+                args_payload = self._arguments(closure, wait=not items)
             except closure_pickle.NotReadyError:
                 rest = batch[k:]
                 for other in rest:
@@ -289,6 +329,31 @@ class _WorkerThread:
                 continue
             items.append(_Item(closure, shipped, args_payload))
         return items
+
+    def _arguments(self, closure: Closure, wait: bool) -> bytes:
+        """The closure's arguments pickled for this worker.
+
+        Arguments that are only per-worker resources (``schedule(step, args=(iterator,))``)
+        pickle to references that depend on nothing but the objects' identity: that pickle
+        is kept and reused while the very same objects are passed (checked through weak
+        references, so a new object at a recycled address is pickled afresh).
+        """
+        c = self._c
+        refs = _resource_refs(closure.args, closure.kwargs)
+        key = None if refs is None else tuple(id(r()) for r in refs)
+        if key is not None:
+            with self._fn_lock:
+                hit = self._args_cache.get(key)
+            if hit is not None and all(a() is b() for a, b in zip(hit[0], refs)):
+                return hit[1]
+        payload = closure_pickle.dumps((closure.args, closure.kwargs), self.index,
+                                       c._ps_rpc_timeout, c._join_timeout, wait=wait)
+        if key is not None:
+            with self._fn_lock:
+                self._args_cache[key] = (refs, payload)
+                while len(self._args_cache) > _MAX_CACHED_ARGUMENTS:
+                    self._args_cache.pop(next(iter(self._args_cache)))
+        return payload
 
     def _forget(self, slot: _Slot, closures: list[Closure]) -> None:
         """``closures`` are no longer in flight on ``slot`` (cancel() leaves them alone)."""
@@ -313,6 +378,9 @@ class _WorkerThread:
         answer arrives; returns those the worker did not hold the function of (to send again
         with it)."""
         c, st = self._c, self.state
+        # In turn from here: whether a call carries a function depends on what the calls
+        # before it carried, and the worker runs the calls in the order they start.
+        self._wait_turn(slot)
         closures, arrays = [], {}
         with_fn: set[str] = set()
         for i, item in enumerate(items):
@@ -325,14 +393,22 @@ class _WorkerThread:
                 arrays[f"fn.{i}"] = to_bytes_array(item.shipped.payload)
                 self._shipped.add(digest)
                 with_fn.add(digest)
+        request = {BATCH_KEY: closures}
+        if slot.ticket is not None:  # the worker runs the numbered calls in their order
+            request[SESSION_KEY], request[SEQ_KEY] = self._session, self._next_seq
+            self._next_seq += 1
         with self._current_lock:
             slot.batch = [item.closure for item in items]
         again: list[_Item] = []
         answered = 0
         try:
-            answers = c._client.call_stream(
-                self.index, "RunClosures", {BATCH_KEY: closures}, arrays,
-                timeout=c._closure_timeout, on_start=functools.partial(self._on_start, slot))
+            try:
+                answers = c._client.call_stream(
+                    self.index, "RunClosures", request, arrays,
+                    timeout=c._closure_timeout,
+                    on_start=functools.partial(self._on_start, slot))
+            finally:
+                self._pass_turn(slot)
             for meta, out in answers:
                 if answered >= len(items):
                     raise WorkerUnavailableError(
@@ -420,6 +496,25 @@ class _Item:
 
 
 _MAX_CACHED_FUNCTIONS = 32
+_MAX_CACHED_ARGUMENTS = 16
+
+
+def _resource_refs(args: tuple, kwargs: dict) -> tuple | None:
+    """Weak references to ``args`` when every one is a per-worker resource (a
+    ``PerWorkerValues`` of resources, e.g. an iterator, or one resource) and there are no
+    keyword arguments; ``None`` otherwise (the arguments are pickled every time)."""
+    if kwargs or not args:
+        return None
+    for a in args:
+        if isinstance(a, PerWorkerValues):
+            if not all(type(v) is WorkerResource for v in a.values):
+                return None
+        elif type(a) is not WorkerResource:
+            return None
+    try:
+        return tuple(weakref.ref(a) for a in args)
+    except TypeError:  # not weakly referenceable
+        return None
 
 
 class _ShippedFunction:
@@ -448,13 +543,20 @@ def _fingerprint(fn: Any) -> tuple | None:
         cells = tuple(c.cell_contents for c in fn.__closure__ or ())
     except ValueError:  # an empty cell
         return None
-    names = sorted(_code_names(fn.__code__, set()))
+    names = _CODE_NAMES.get(fn.__code__)
+    if names is None:
+        names = tuple(sorted(_code_names(fn.__code__, set())))
+        if len(_CODE_NAMES) >= 256:
+            _CODE_NAMES.clear()
+        _CODE_NAMES[fn.__code__] = names
     glob = fn.__globals__
     refs = tuple(glob.get(n, _MISSING) for n in names)
-    return (fn.__code__, cells, fn.__defaults__, fn.__kwdefaults__, tuple(names), refs)
+    return (fn.__code__, cells, fn.__defaults__, fn.__kwdefaults__, names, refs)
 
 
 _MISSING = object()
+#: The global names each code object reads (its own and its nested code's), sorted.
+_CODE_NAMES: dict[types.CodeType, tuple[str, ...]] = {}
 
 
 def _same(a: tuple | None, b: tuple | None) -> bool:

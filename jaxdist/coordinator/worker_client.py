@@ -147,10 +147,11 @@ class WorkerClient:
     def call_stream(self, task: int, method: str, meta: dict | None = None,
                     arrays: dict | None = None, timeout: float = 30.0,
                     on_start: Callable[[Any], None] | None = None) -> Iterator[Message]:
-        """One RPC to worker ``task`` whose answer is several messages (``RunClosures``):
-        yields each as it arrives, after checking its MAC over ``"<nonce>/<index>"``.
+        """Starts one RPC to worker ``task`` whose answer is several messages
+        (``RunClosures``); the call is under way when this returns. The iterator it returns
+        yields each answer as it arrives, after checking its MAC over ``"<nonce>/<index>"``.
 
-        Raises (while iterating):
+        Raises (here or while iterating):
             WorkerUnavailableError: no answer within ``timeout``, connection lost, cancelled,
                 or an answer that is not a well-formed message.
             WorkerAuthenticationError: the worker refused the token, or an answer lacks the
@@ -161,13 +162,20 @@ class WorkerClient:
             raise ValueError(f"worker task {task} does not exist: the cluster has "
                              f"{self.num_tasks}")
         nonce = secrets.token_hex(16)
-        index, responses, ended = 0, None, False
         try:
             responses = self._stubs(
                 task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
                 timeout=timeout, metadata=self._metadata, wait_for_ready=False)
-            if on_start is not None:
-                on_start(responses)
+        except grpc.RpcError as e:
+            raise self._translate(task, method, timeout, e) from None
+        if on_start is not None:
+            on_start(responses)
+        return self._answers(task, method, timeout, nonce, responses)
+
+    def _answers(self, task: int, method: str, timeout: float, nonce: str,
+                 responses: Any) -> Iterator[Message]:
+        index, ended = 0, False
+        try:
             while True:
                 chunks = _next_message(responses)
                 if chunks is None:
@@ -185,7 +193,7 @@ class WorkerClient:
                 f"{name} at {self.addresses[task]}: answer {index} to {method} is not a "
                 f"well-formed message: {e}", task=name, address=self.addresses[task]) from None
         finally:
-            if not ended and responses is not None:
+            if not ended:
                 responses.cancel()  # the caller stopped reading, or the answer was refused
 
     def _check_mac(self, task: int, method: str, nonce: str, out_meta: dict,

@@ -37,6 +37,7 @@ import hmac
 import logging
 import pickle
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -82,6 +83,10 @@ MAC_KEY = "mac"
 BATCH_KEY = "closures"
 #: The most closures one ``RunClosures`` call may carry.
 MAX_BATCH_CLOSURES = 64
+#: RunClosures meta: the coordinator's session (a random id) and the call's number in it.
+SESSION_KEY, SEQ_KEY = "session", "seq"
+#: How long a call waits for the call numbered just below it that has not arrived.
+ORDER_GRACE_SECONDS = 0.25
 
 
 def item_nonce(nonce: str, index: int) -> str:
@@ -186,6 +191,11 @@ class WorkerService:
         self.incarnation = runtime.incarnation or uuid.uuid4().hex
         runtime.incarnation = self.incarnation
         self._run_lock = threading.Lock()
+        # One RunClosures batch at a time, whole, in each coordinator session's order.
+        self._order = threading.Condition()
+        self._batch_running = False
+        self._last_seq: dict[str, int] = {}
+        self._waiting: dict[str, set[int]] = {}
         self.busy = False
         self.stopped = threading.Event()
         self.functions_run = 0
@@ -266,13 +276,58 @@ class WorkerService:
         return out
 
     def run_closures(self, items: list[tuple[dict, dict]],
-                     active: Callable[[], bool] | None = None) -> Iterator[tuple[dict, dict]]:
+                     active: Callable[[], bool] | None = None, session: str | None = None,
+                     seq: int | None = None) -> Iterator[tuple[dict, dict]]:
         """Runs the closures of a batch in order, yielding each one's answer when it ends;
-        stops when ``active()`` turns ``False`` (the caller cancelled the call)."""
-        for meta, arrays in items:
-            if active is not None and not active():
-                return
-            yield self.run_closure(meta, arrays, active)
+        stops when ``active()`` turns ``False`` (the caller cancelled the call).
+
+        A batch runs whole before the next one starts (the coordinator's second call waits
+        here behind the first). Calls of one coordinator ``session`` run in the order of
+        their ``seq`` (the order it took their closures from its queue): a call that arrives
+        before the one numbered just below it waits for it (up to ``ORDER_GRACE_SECONDS``,
+        in case that call never comes). The batch's turn ends when the generator ends or is
+        closed (gRPC drops it when the call ends).
+        """
+        if not self._enter(active, session, seq):
+            return
+        try:
+            for meta, arrays in items:
+                if active is not None and not active():
+                    return
+                yield self.run_closure(meta, arrays, active)
+        finally:
+            with self._order:
+                self._batch_running = False
+                self._order.notify_all()
+
+    def _enter(self, active: Callable[[], bool] | None, session: str | None,
+               seq: int | None) -> bool:
+        """Waits for this batch's turn (see ``run_closures``); False: the caller went away."""
+        ordered = isinstance(session, str) and isinstance(seq, int)
+        with self._order:
+            waiting = self._waiting.setdefault(session, set()) if ordered else None
+            if waiting is not None:
+                waiting.add(seq)
+            grace = time.monotonic() + ORDER_GRACE_SECONDS
+            try:
+                while True:
+                    if active is not None and not active():
+                        return False
+                    if not self._batch_running and (not ordered or (
+                            not any(s < seq for s in waiting)
+                            and (self._last_seq.get(session, -1) >= seq - 1
+                                 or time.monotonic() >= grace))):
+                        break
+                    self._order.wait(0.05)
+                self._batch_running = True
+                if ordered:
+                    self._last_seq[session] = max(self._last_seq.get(session, -1), seq)
+                return True
+            finally:
+                if waiting is not None:
+                    waiting.discard(seq)
+                    if not waiting:
+                        self._waiting.pop(session, None)
 
     def _function(self, meta: dict, arrays: dict) -> Any:
         """The function of a ``RunClosure``: unpickled from ``fn`` (then cached under its
@@ -384,8 +439,8 @@ class WorkerServer(GrpcTaskServer):
         except (wire.WireError, KeyError, ValueError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{self.service.task} RunClosures: {type(e).__name__}: {e}")
-        for i, (out_meta, out_arrays) in enumerate(
-                self.service.run_closures(items, context.is_active)):
+        for i, (out_meta, out_arrays) in enumerate(self.service.run_closures(
+                items, context.is_active, meta.get(SESSION_KEY), meta.get(SEQ_KEY))):
             mac = arrays_mac(self._verifier.digest, item_nonce(nonce, i), out_arrays)
             yield from wire.encode({**out_meta, MAC_KEY: mac}, out_arrays)
 
@@ -395,6 +450,7 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["BATCH_KEY", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SERVICE_NAME",
+__all__ = ["BATCH_KEY", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SEQ_KEY",
+           "SERVICE_NAME", "SESSION_KEY",
            "WorkerServer", "WorkerService", "arrays_mac", "check_coordinator", "dumps_value",
            "item_nonce"]
