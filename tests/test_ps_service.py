@@ -213,3 +213,20 @@ def test_many_learning_rate_changes_keep_the_compiled_update_cache_bounded():
     np.testing.assert_allclose(svc.pull(["v"])["v"][0], 1.0 - total, rtol=1e-5)
     first = json.dumps(O.sgd(0.001).to_json(), sort_keys=True)
     assert first not in S._TX_CACHE  # the least recently used went first
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64])
+def test_optimizer_variable_jax_would_narrow_is_refused(dtype):
+    # Without jax_enable_x64 the jitted update ran in 32 bits and the float64 variable came
+    # back as float32 after the first push (its 1e-10 updates lost): now refused at creation.
+    if jax.config.jax_enable_x64:
+        pytest.skip("with x64 the ps holds 64-bit optimizer variables")
+    svc = ParameterService("ps:0")
+    with pytest.raises(PSInvalidArgumentError, match=r"'w'.*JAX_ENABLE_X64=1"):
+        svc.create({"w": np.ones(3, dtype)}, {"w": {"optimizer": O.sgd(0.1).to_json()}})
+    # float32 with an optimizer and float64 without one (host add, exact) still work
+    svc.create({"f": np.ones(3, np.float32)}, {"f": {"optimizer": O.sgd(0.1).to_json()}})
+    svc.create({"d": np.ones(3, np.float64)}, {"d": {}})
+    svc.push({"d": np.full(3, 1e-10)}, {"d": 0})
+    value = svc.pull(["d"])["d"][0]
+    assert value.dtype == np.float64 and value[0] == 1 + 1e-10

@@ -242,6 +242,7 @@ class ParameterService:
                 opt = spec.get("optimizer")
                 state = None
                 if opt is not None:
+                    _check_optimizer_dtype(self.task, key, value.dtype, opt)
                     tx, _, _ = _transform(opt)
                     state = _writable(tx.init(jnp.asarray(value)))
                 self._vars[key] = _Var(key, value, kind, opt, state)
@@ -592,6 +593,25 @@ class ParameterService:
             self._markers = set(meta.get("markers", []))
         self.restored_step = step
         return step
+
+def _check_optimizer_dtype(task: str, key: str, dtype: np.dtype, opt: dict) -> None:
+    """Refuses an optimizer variable JAX cannot hold in its own dtype on this ps.
+
+    Optimizer updates are jitted: without ``jax_enable_x64`` JAX computes a float64 / int64
+    variable's update in 32 bits and the variable would silently come back as float32 (its
+    small updates lost) after the first push.
+    """
+    if dtype.itemsize == 8 and dtype.kind in "fiu" and not jax.config.jax_enable_x64:
+        name = opt.get("name", "the optimizer") if isinstance(opt, dict) else "the optimizer"
+        raise PSInvalidArgumentError(
+            f"{task}: variable {key!r} is {dtype} with ps-side optimizer {name!r}, but this ps "
+            f"runs JAX without jax_enable_x64, which would compute its updates in 32 bits and "
+            f"turn it into {np.dtype(dtype.kind + '4')} after the first push; create it as "
+            f"{np.dtype(dtype.kind + '4')} (e.g. np.asarray(value, np.float32)), or start "
+            f"every ps task with JAX_ENABLE_X64=1",
+            task=task,
+        )
+
 
 def _spec_learning_rate(spec: dict[str, Any] | None) -> Any:
     """The ``learning_rate`` of an optimizer spec JSON (the first one of a chain): a number,
