@@ -283,15 +283,17 @@ class StrategyExtended:
                 kinds.append("pr")
                 tracing |= isinstance(leaf.stacked, jax.core.Tracer)
                 dyn.append(leaf)
-            elif _is_dynamic(leaf) and np.size(leaf) == 0 and hasattr(leaf, "shape"):
-                # An empty array carries no data: rebuilt inside (XLA rejects size-0 operands
-                # of a shard_map body).
-                kinds.append("empty")
-                statics.append((tuple(leaf.shape), np.dtype(leaf.dtype)))
             elif _is_dynamic(leaf):
-                kinds.append("arr")
-                tracing |= isinstance(leaf, jax.core.Tracer)
-                dyn.append(leaf)
+                shape = getattr(leaf, "shape", None)
+                if shape is not None and 0 in tuple(shape):
+                    # An empty array carries no data: rebuilt inside (XLA rejects size-0
+                    # operands of a shard_map body).
+                    kinds.append("empty")
+                    statics.append((tuple(shape), np.dtype(leaf.dtype)))
+                else:
+                    kinds.append("arr")
+                    tracing |= isinstance(leaf, jax.core.Tracer)
+                    dyn.append(leaf)
             else:
                 try:
                     hash(leaf)
@@ -308,8 +310,7 @@ class StrategyExtended:
             donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
         key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
         compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
-        dyn_kinds = [k for k in kinds if k not in ("static", "empty")]
-        dyn = [self._prepare_leaf(x, k) for x, k in zip(dyn, dyn_kinds)]
+        dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
         if tracing:
             return compiled.raw(*dyn)
         self._throttle.before_dispatch()

@@ -826,6 +826,11 @@ class Trainer(TrainerHandle):
             return out
 
         batch_logs = callbacks_lib.needs_batch_logs(cbs.callbacks)
+        # The batch hooks are called only when a callback implements them (the others'
+        # are no-ops): no per-step calls into the callback list otherwise.
+        on_begin, on_end = (cbs.overrides(h) or any(h in getattr(cb, "__dict__", {})
+                                                     for cb in cbs.callbacks)
+                            for h in ("on_train_batch_begin", "on_train_batch_end"))
         cbs.on_train_begin()
 
         def log_train() -> None:
@@ -905,7 +910,8 @@ class Trainer(TrainerHandle):
                 for j, (s, kk), (xb, yb, wb) in itertools.chain.from_iterable(steps_of):
                     if positions:
                         self._data_position = positions.pop(0)
-                    cbs.on_train_batch_begin(s + kk - 1)
+                    if on_begin:
+                        cbs.on_train_batch_begin(s + kk - 1)
                     if blocks:
                         stats = self._hook.train_step(self, xb, yb, kk, wb, chunk=j)
                     else:
@@ -931,8 +937,9 @@ class Trainer(TrainerHandle):
                         if self.halt_on_nan:
                             check_nan()
                         self.save_checkpoint()
-                    cbs.on_train_batch_end(s + kk - 1, summarize(epoch_stats) if batch_logs
-                                           else {})
+                    if on_end:
+                        cbs.on_train_batch_end(s + kk - 1, summarize(epoch_stats) if batch_logs
+                                               else {})
                     if self.stop_training:
                         break
             finally:
