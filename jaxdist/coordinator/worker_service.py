@@ -13,6 +13,8 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
   in order; the answer streams one ``RunClosure`` answer per closure as soon as it ends (each
   with its own MAC over ``"<nonce>/<i>"``), so a worker lost mid-batch loses only the closure it
   was running and those not started. A closure whose call was cancelled is not started.
+  Batches run one at a time, whole; meta ``session`` and ``seq`` number a coordinator's calls,
+  which then run in that order.
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
 * ``Stop``: stops the task.
 
