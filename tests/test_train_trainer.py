@@ -191,3 +191,43 @@ def test_same_seed_and_config_same_final_loss_through_run_job():
     ends = [run_job(cfg).records[-1] for _ in range(2)]
     assert ends[0]["final_loss"] == ends[1]["final_loss"]
     assert ends[0]["val_loss"] == ends[1]["val_loss"]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_input_blocks_train_on_each_batch_once_in_order(dataset, k):
+    """Steps fed from input blocks (several steps per host-to-device transfer, the chunk picked
+    on the device, the last block of an epoch padded) equal a hand-written optax loop over the
+    same batches in the same order, across epochs and a partial last epoch."""
+    train, _ = dataset
+    spe = len(train) // GBS                 # 6 steps an epoch: blocks of 8 at k=1 (padded)
+    steps = 2 * spe + 2
+    strategy = jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    t = _trainer(strategy, steps_per_execution=k, shuffle=False)
+    assert t._block_sizes(train, spe) == ({1: 8} if k == 1 else {4: 1, 1: 4})
+    history = t.fit((train.x, train.y), steps=steps)
+
+    graphdef, params = nnx.split(MLP(12, [16], 4, rngs=nnx.Rngs(0)), nnx.Param)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for i in range(steps):
+        s = i % spe
+        params, opt_state, loss = step(params, opt_state, train.x[s * GBS:(s + 1) * GBS],
+                                       train.y[s * GBS:(s + 1) * GBS])
+        losses.append(float(loss))
+    for a, b in zip(jax.tree.leaves(params), _leaves(t)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert history.history["loss"] == pytest.approx(          # the two completed epochs
+        [np.mean(losses[:spe]), np.mean(losses[spe:2 * spe])], rel=1e-5)
+    assert history.records[-1]["final_loss"] == pytest.approx(np.mean(losses), rel=1e-5)
