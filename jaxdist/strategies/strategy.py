@@ -245,10 +245,12 @@ class StrategyExtended:
             if not isinstance(x, jax.Array) or x.sharding != self._data_sharding:
                 x = jax.device_put(x, self._data_sharding)
             return x
-        if isinstance(leaf, (jax.core.Tracer, *_SCALAR_TYPES)) or (
-            isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc"
-        ):
-            # A scalar: the compiled call takes it as it is (far cheaper than a device_put).
+        if isinstance(leaf, (jax.core.Tracer, *_SCALAR_TYPES)):
+            return leaf
+        if isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc" and self._one_process():
+            # A numpy scalar: the compiled call takes it as it is (far cheaper than a
+            # device_put). Across processes it is placed below, as before: that placement
+            # checks it against the peers (a collective, whose failure names a lost peer).
             return leaf
         if isinstance(leaf, jax.Array):
             sh = leaf.sharding
@@ -257,6 +259,13 @@ class StrategyExtended:
             ):
                 return leaf
         return jax.device_put(leaf, self._replicated)
+
+    def _one_process(self) -> bool:
+        """Whether this strategy's devices all belong to this process (cached)."""
+        one = self.__dict__.get("_one_process_mesh")
+        if one is None:
+            one = self._one_process_mesh = bool(self._replicated.is_fully_addressable)
+        return one
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
         if not callable(fn):

@@ -48,7 +48,14 @@ class PackedStepStats(Mapping):
 
     def _fetch(self) -> dict[str, Any]:
         if self._host is None:
-            host = dict(jax.device_get(dict(self._device)))
+            try:
+                host = dict(jax.device_get(dict(self._device)))
+            except Exception as e:
+                # the step failed: with several processes, name a lost peer as run() does
+                from jaxdist.cluster.bringup import raise_if_peer_lost
+
+                raise_if_peer_lost(e, "a step")
+                raise
             packed = host.pop(PACKED, None)
             if packed is not None:
                 packed = np.asarray(packed)
@@ -194,7 +201,12 @@ class SyncHook(TrainerHook):
         return "SyncHook()"
 
     def _on_device(self, value: int) -> Any:
-        return jax.device_put(np.int32(value), self.strategy.extended.replicated_sharding)
+        sharding = self.strategy.extended.replicated_sharding
+        if not sharding.is_fully_addressable:
+            # Across processes a placement talks to the peers: leave it to ``strategy.run``,
+            # whose errors name a lost peer (``PeerLostError``).
+            return np.int32(value)
+        return jax.device_put(np.int32(value), sharding)
 
     def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
         with self.strategy.scope():
