@@ -128,16 +128,8 @@ class WorkerClient:
             WorkerAuthenticationError: the worker refused the token.
             CoordinatorError: the worker rejected the request.
         """
-        if not 0 <= task < self.num_tasks:
-            raise ValueError(f"worker task {task} does not exist: the cluster has "
-                             f"{self.num_tasks}")
-        nonce = secrets.token_hex(16)
+        nonce, responses = self._start(task, method, meta, arrays, timeout, on_start)
         try:
-            responses = self._stubs(
-                task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
-                timeout=timeout, metadata=self._metadata, wait_for_ready=False)
-            if on_start is not None:
-                on_start(responses)
             out_meta, out_arrays = wire.decode(responses)
         except grpc.RpcError as e:
             raise self._translate(task, method, timeout, e) from None
@@ -158,6 +150,12 @@ class WorkerClient:
                 worker's MAC for this call and its place in it.
             CoordinatorError: the worker rejected the request.
         """
+        nonce, responses = self._start(task, method, meta, arrays, timeout, on_start)
+        return self._answers(task, method, timeout, nonce, responses)
+
+    def _start(self, task: int, method: str, meta: dict | None, arrays: dict | None,
+               timeout: float, on_start: Callable[[Any], None] | None) -> tuple[str, Any]:
+        """Sends the request of one call (with a fresh nonce); ``(nonce, responses)``."""
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"worker task {task} does not exist: the cluster has "
                              f"{self.num_tasks}")
@@ -166,11 +164,11 @@ class WorkerClient:
             responses = self._stubs(
                 task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
                 timeout=timeout, metadata=self._metadata, wait_for_ready=False)
+            if on_start is not None:
+                on_start(responses)
         except grpc.RpcError as e:
             raise self._translate(task, method, timeout, e) from None
-        if on_start is not None:
-            on_start(responses)
-        return self._answers(task, method, timeout, nonce, responses)
+        return nonce, responses
 
     def _answers(self, task: int, method: str, timeout: float, nonce: str,
                  responses: Any) -> Iterator[Message]:

@@ -29,7 +29,29 @@ PACKED = "packed"
 PACKED_FIELDS = ("loss", "correct", "weight")
 
 
-class PackedStepStats(Mapping):
+class LazyStats(Mapping):
+    """A read-only mapping of step statistics computed by ``_fetch()`` when first read.
+
+    Subclasses implement ``_fetch`` (it caches its answer); reading a key, iterating or
+    ``len`` fetch.
+    """
+
+    __slots__ = ()
+
+    def _fetch(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fetch()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetch())
+
+    def __len__(self) -> int:
+        return len(self._fetch())
+
+
+class PackedStepStats(LazyStats):
     """The statistics of one dispatch of a synchronous step, fetched once, when first read:
     ``stats["loss"]``, ``"correct"``, ``"weight"`` (one value per step) and ``"metrics"`` when
     there are metrics. The step returns ``loss``, ``correct`` and ``weight`` stacked in one
@@ -64,15 +86,6 @@ class PackedStepStats(Mapping):
             self._host = host
             self._device = {}
         return self._host
-
-    def __getitem__(self, key: str) -> Any:
-        return self._fetch()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fetch())
-
-    def __len__(self) -> int:
-        return len(self._fetch())
 
     def __repr__(self) -> str:
         return f"PackedStepStats(fetched={self._host is not None})"

@@ -48,7 +48,7 @@ from jaxdist import strategies as distribute
 from jaxdist.ps import optimizers as ps_optimizers
 from jaxdist.train import data as data_lib
 from jaxdist.train import keras_metrics
-from jaxdist.train.hooks import TrainerHook
+from jaxdist.train.hooks import LazyStats, TrainerHook
 from jaxdist.train.parameter_server.between_graph import (
     ParameterServerHook,
     PSHookMixin,
@@ -281,7 +281,7 @@ def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
     return grad_replica
 
 
-class StepStats(Mapping):
+class StepStats(LazyStats):
     """The statistics of scheduled steps, fetched when first read: ``stats["loss"]`` (one
     value per step), ``"correct"``, ``"weight"`` and ``"metrics"`` (``{name: {sum: per-step
     values}}``). Every step counts once, whichever worker ran it (a step lost with its worker
@@ -302,15 +302,6 @@ class StepStats(Mapping):
             self._stacked = jax.tree.map(
                 lambda *a: np.asarray([np.asarray(v, np.float64) for v in a]), *values)
         return self._stacked
-
-    def __getitem__(self, key: str) -> Any:
-        return self._fetch()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fetch())
-
-    def __len__(self) -> int:
-        return len(self._fetch())
 
     def __repr__(self) -> str:
         return f"StepStats(steps={len(self.remote_values)})"
