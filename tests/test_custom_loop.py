@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from reference_loops import optax_step
 
 import jaxdist
 
@@ -40,15 +41,7 @@ def _reference():
     graphdef, params = nnx.split(model, nnx.Param)
     opt_state = TX.init(params)
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = TX.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = optax_step(graphdef, TX)
 
     losses = []
     for x, y in _data():

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from reference_loops import optax_step
 
 import jaxdist
 from jaxdist.train import data as data_lib
@@ -210,15 +211,7 @@ def test_input_blocks_train_on_each_batch_once_in_order(dataset, k):
     tx = optax.adam(1e-2)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            logits = nnx.merge(graphdef, p)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = optax_step(graphdef, tx)
 
     losses = []
     for i in range(steps):
