@@ -594,6 +594,7 @@ class ParameterService:
         self.restored_step = step
         return step
 
+
 def _check_optimizer_dtype(task: str, key: str, dtype: np.dtype, opt: dict) -> None:
     """Refuses an optimizer variable JAX cannot hold in its own dtype on this ps.
 
@@ -603,12 +604,12 @@ def _check_optimizer_dtype(task: str, key: str, dtype: np.dtype, opt: dict) -> N
     """
     if dtype.itemsize == 8 and dtype.kind in "fiu" and not jax.config.jax_enable_x64:
         name = opt.get("name", "the optimizer") if isinstance(opt, dict) else "the optimizer"
+        narrow = np.dtype(dtype.kind + "4")
         raise PSInvalidArgumentError(
             f"{task}: variable {key!r} is {dtype} with ps-side optimizer {name!r}, but this ps "
             f"runs JAX without jax_enable_x64, which would compute its updates in 32 bits and "
-            f"turn it into {np.dtype(dtype.kind + '4')} after the first push; create it as "
-            f"{np.dtype(dtype.kind + '4')} (e.g. np.asarray(value, np.float32)), or start "
-            f"every ps task with JAX_ENABLE_X64=1",
+            f"turn it into {narrow} after the first push; create it as {narrow} (e.g. "
+            f"np.asarray(value, np.{narrow})), or start every ps task with JAX_ENABLE_X64=1",
             task=task,
         )
 
