@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sys
 import threading
 import warnings
@@ -247,7 +248,7 @@ class StrategyExtended:
             return x
         if isinstance(leaf, (jax.core.Tracer, *_SCALAR_TYPES)):
             return leaf
-        if isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc" and self._one_process():
+        if isinstance(leaf, np.generic) and leaf.dtype.kind in "biufc" and self._one_process:
             # A numpy scalar: the compiled call takes it as it is (far cheaper than a
             # device_put). Across processes it is placed below, as before: that placement
             # checks it against the peers (a collective, whose failure names a lost peer).
@@ -260,12 +261,10 @@ class StrategyExtended:
                 return leaf
         return jax.device_put(leaf, self._replicated)
 
+    @functools.cached_property
     def _one_process(self) -> bool:
-        """Whether this strategy's devices all belong to this process (cached)."""
-        one = self.__dict__.get("_one_process_mesh")
-        if one is None:
-            one = self._one_process_mesh = bool(self._replicated.is_fully_addressable)
-        return one
+        """Whether this strategy's devices all belong to this process."""
+        return bool(self._replicated.is_fully_addressable)
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
         if not callable(fn):
