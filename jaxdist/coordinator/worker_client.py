@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -39,9 +40,12 @@ from jaxdist.coordinator.worker_service import (
     NONCE_KEY,
     SERVICE_NAME,
     arrays_mac,
+    direct_enabled,
     item_nonce,
 )
 from jaxdist.ps import wire
+from jaxdist.ps.direct import DirectPool
+from jaxdist.ps.direct import Unavailable as DirectUnavailable
 from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
@@ -53,6 +57,9 @@ _OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.enable_retries", 0),
 ]
 
+
+#: Methods sent over a worker's direct port when it has one (the rest stay on gRPC).
+DIRECT_METHODS = frozenset({"RunClosures"})
 
 #: The prefix of a message's first chunk (``jaxdist.ps.wire``): magic, header and payload bytes.
 _FRAME_PREFIX = struct.Struct("<4sQQ")
@@ -89,6 +96,9 @@ class WorkerClient:
         job: the job name used in messages.
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
             TF_CONFIG / the environment.
+        direct_transport: send ``RunClosures`` over the workers' direct port (one
+            authenticated socket per sender, no gRPC per call) when they have one; ``None``:
+            unless ``JAXDIST_COORDINATOR_DIRECT=0``.
 
     Raises:
         ValueError: no coordinator token configured.
@@ -96,7 +106,8 @@ class WorkerClient:
     """
 
     def __init__(self, addresses: Sequence[str], coordinator_token: str | None = None,
-                 job: str = "worker", *, tls: TLSConfig | str | None = None):
+                 job: str = "worker", *, tls: TLSConfig | str | None = None,
+                 direct_transport: bool | None = None):
         if not addresses:
             raise ValueError("the coordinator needs at least one worker address, got none")
         token = _coordinator_token(coordinator_token)
@@ -107,6 +118,16 @@ class WorkerClient:
         self.tls = resolve_tls(tls, "the coordinator")
         self._channels = open_channels(self.addresses, self.tls, job, _OPTIONS)
         self._stubs = ChunkStubs(self._channels, SERVICE_NAME)
+        use_direct = direct_enabled() if direct_transport is None else direct_transport
+        # One connection per sender thread (PIPELINE_DEPTH of them per worker), kept open.
+        self._direct = DirectPool(self.addresses, token, self.tls, self._ping_meta,
+                                  self._direct_error, max_idle=4,
+                                  job=job) if use_direct else None
+
+    @property
+    def direct_calls(self) -> int:
+        """Calls answered over the direct transport so far."""
+        return self._direct.calls if self._direct is not None else 0
 
     @property
     def num_tasks(self) -> int:
@@ -150,8 +171,41 @@ class WorkerClient:
                 worker's MAC for this call and its place in it.
             CoordinatorError: the worker rejected the request.
         """
+        if self._direct is not None and method in DIRECT_METHODS:
+            if not 0 <= task < self.num_tasks:
+                raise ValueError(f"worker task {task} does not exist: the cluster has "
+                                 f"{self.num_tasks}")
+            nonce, deadline = secrets.token_hex(16), time.monotonic() + timeout
+            try:
+                frames = self._direct.call_stream(
+                    task, method, {**(meta or {}), NONCE_KEY: nonce}, arrays or {},
+                    deadline, timeout, on_start)
+            except DirectUnavailable:
+                # No direct port, or nothing could be sent: gRPC, in the time that is left.
+                timeout = max(1e-3, deadline - time.monotonic())
+            else:
+                return self._direct_answers(task, method, nonce, frames)
         nonce, responses = self._start(task, method, meta, arrays, timeout, on_start)
         return self._answers(task, method, timeout, nonce, responses)
+
+    def _direct_answers(self, task: int, method: str, nonce: str,
+                        frames: Iterator[Message]) -> Iterator[Message]:
+        try:
+            for index, (out_meta, out_arrays) in enumerate(frames):
+                self._check_mac(task, method, item_nonce(nonce, index), out_meta, out_arrays)
+                yield out_meta, out_arrays
+        finally:
+            frames.close()  # a refused answer, or the caller stopped reading: drop the call
+
+    def _ping_meta(self, task: int, timeout: float) -> dict:
+        """The worker's ``Ping`` answer (it says its direct port)."""
+        return self.call(task, "Ping", timeout=timeout)[0]
+
+    def _direct_error(self, task: int, method: str, timeout: float, code: str | None,
+                      details: str | None) -> CoordinatorError:
+        """The typed error of a direct call that failed with the gRPC status named ``code``."""
+        status = getattr(grpc.StatusCode, str(code), None)
+        return self._error(task, method, timeout, status, details or "")
 
     def _start(self, task: int, method: str, meta: dict | None, arrays: dict | None,
                timeout: float, on_start: Callable[[Any], None] | None) -> tuple[str, Any]:
@@ -208,9 +262,13 @@ class WorkerClient:
 
     def _translate(self, task: int, method: str, timeout: float,
                    e: grpc.RpcError) -> CoordinatorError:
-        name, addr = self.task_name(task), self.addresses[task]
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
+        return self._error(task, method, timeout, code, details)
+
+    def _error(self, task: int, method: str, timeout: float, code: grpc.StatusCode | None,
+               details: str) -> CoordinatorError:
+        name, addr = self.task_name(task), self.addresses[task]
         if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.CANCELLED):
             return WorkerUnavailableError(
@@ -223,6 +281,8 @@ class WorkerClient:
                                 task=name, address=addr)
 
     def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         for ch in self._channels:
             ch.close()
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import pickle
 import threading
 import time
@@ -59,7 +60,9 @@ from jaxdist.coordinator import closure_pickle
 from jaxdist.coordinator.errors import MissingResourceError
 from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
 from jaxdist.ps import wire
+from jaxdist.ps.direct_server import CallFailed, DirectServer
 from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server
+from jaxdist.ps.limits import ServerLimits
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,18 @@ MAX_BATCH_CLOSURES = 64
 SESSION_KEY, SEQ_KEY = "session", "seq"
 #: How long a call waits for the call numbered just below it that has not arrived.
 ORDER_GRACE_SECONDS = 0.25
+#: ``0`` / ``false`` / ``no``: no direct transport for ``RunClosures`` (server and client).
+ENV_DIRECT = "JAXDIST_COORDINATOR_DIRECT"
+
+
+def direct_enabled() -> bool:
+    """False when ``JAXDIST_COORDINATOR_DIRECT`` is ``0`` / ``false`` / ``no``.
+
+    Example:
+        >>> direct_enabled()
+        True
+    """
+    return os.environ.get(ENV_DIRECT, "1").strip().lower() not in ("0", "false", "no")
 
 
 def item_nonce(nonce: str, index: int) -> str:
@@ -381,6 +396,10 @@ class WorkerServer(GrpcTaskServer):
         max_workers: gRPC handler threads (pings are answered while a function runs).
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
             TF_CONFIG / the environment.
+        direct_transport: also serve ``RunClosures`` on a second port over one authenticated
+            socket per caller, no gRPC per call (``jaxdist.ps.direct``: the same TLS
+            identity, and the coordinator token presented once per connection); its port is
+            in the ``Ping`` answer. ``None``: unless ``JAXDIST_COORDINATOR_DIRECT=0``.
 
     Raises:
         ValueError: no coordinator credential configured.
@@ -388,7 +407,8 @@ class WorkerServer(GrpcTaskServer):
     """
 
     def __init__(self, runtime: WorkerRuntime, address: str, coordinator: str | None = None,
-                 max_workers: int = 8, *, tls: TLSConfig | str | None = None):
+                 max_workers: int = 8, *, tls: TLSConfig | str | None = None,
+                 direct_transport: bool | None = None):
         verifier = coordinator_verifier(coordinator)
         if verifier is None:
             raise ValueError(
@@ -403,7 +423,18 @@ class WorkerServer(GrpcTaskServer):
         self._server, self.address = bind_server(
             runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
             "jaxdist-worker", tls=self.tls)
+        use_direct = direct_enabled() if direct_transport is None else direct_transport
+        self.direct = DirectServer(
+            runtime.name, self.address.rsplit(":", 1)[0], b"", self.tls,
+            ServerLimits.from_env(), self._refuse_direct, self.service.incarnation,
+            authenticate=self._direct_credential, stream=self._direct_stream,
+            stream_methods=frozenset({"RunClosures"})) if use_direct else None
         self._init_lifecycle()
+
+    def start(self):
+        if self.direct is not None:
+            self.direct.start()
+        return super().start()
 
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
@@ -421,6 +452,8 @@ class WorkerServer(GrpcTaskServer):
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
             nonce = meta.get(NONCE_KEY)
             if isinstance(nonce, str):
+                if method == "Ping" and self.direct is not None:
+                    out_meta = {**out_meta, "direct_port": self.direct.port}
                 out_meta = {**out_meta, MAC_KEY: arrays_mac(self._verifier.digest, nonce,
                                                             out_arrays)}
             if method == "Stop":
@@ -434,25 +467,71 @@ class WorkerServer(GrpcTaskServer):
         """``RunClosures``: one MAC'd answer message per closure, sent as each one ends."""
         try:
             meta, arrays = wire.decode(request_iterator)
-            nonce = meta.get(NONCE_KEY)
-            if not isinstance(nonce, str):
-                raise ValueError(f"RunClosures needs a {NONCE_KEY!r} string")
-            items = self.service.batch_items(meta, arrays)
+            answers = self._batch_answers(meta, arrays, context.is_active)
         except (wire.WireError, KeyError, ValueError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{self.service.task} RunClosures: {type(e).__name__}: {e}")
-        for i, (out_meta, out_arrays) in enumerate(self.service.run_closures(
-                items, context.is_active, meta.get(SESSION_KEY), meta.get(SEQ_KEY))):
-            mac = arrays_mac(self._verifier.digest, item_nonce(nonce, i), out_arrays)
-            yield from wire.encode({**out_meta, MAC_KEY: mac}, out_arrays)
+        try:
+            for out_meta, out_arrays in answers:
+                yield from wire.encode(out_meta, out_arrays)
+        finally:
+            answers.close()
+
+    def _batch_answers(self, meta: dict, arrays: dict, active: Callable[[], bool]
+                       ) -> Iterator[tuple[dict, dict]]:
+        """The MAC'd answers of a ``RunClosures`` request, checked here before anything runs.
+
+        Raises:
+            KeyError / ValueError / TypeError: a malformed request.
+        """
+        nonce = meta.get(NONCE_KEY)
+        if not isinstance(nonce, str):
+            raise ValueError(f"RunClosures needs a {NONCE_KEY!r} string")
+        items = self.service.batch_items(meta, arrays)
+        return self._macd(self.service.run_closures(
+            items, active, meta.get(SESSION_KEY), meta.get(SEQ_KEY)), nonce)
+
+    def _macd(self, answers: Iterator[tuple[dict, dict]], nonce: str
+              ) -> Iterator[tuple[dict, dict]]:
+        try:
+            for i, (out_meta, out_arrays) in enumerate(answers):
+                mac = arrays_mac(self._verifier.digest, item_nonce(nonce, i), out_arrays)
+                yield {**out_meta, MAC_KEY: mac}, out_arrays
+        finally:
+            answers.close()  # the batch's turn ends with the call
+
+    # ------------------------------------------------------------------ direct transport
+    def _direct_credential(self, presented: Any) -> CallFailed | None:
+        """A direct connection must present the coordinator token (checked before any byte
+        of a request is read)."""
+        if isinstance(presented, str) and self._verifier.accepts(presented):
+            return None
+        return CallFailed("UNAUTHENTICATED", f"{self.service.task} refused the connection: " + (
+            "wrong coordinator token" if presented else
+            "it carries no coordinator token"))
+
+    def _refuse_direct(self, method: str, meta: dict, arrays: dict) -> tuple[dict, dict]:
+        raise CallFailed("UNIMPLEMENTED", f"{self.service.task}: method {method[:64]!r} is "
+                                          f"served on gRPC only")
+
+    def _direct_stream(self, method: str, meta: dict, arrays: dict,
+                       active: Callable[[], bool]) -> Iterator[tuple[dict, dict]]:
+        try:
+            return self._batch_answers(meta, arrays, active)
+        except (KeyError, ValueError, TypeError) as e:
+            raise CallFailed("INVALID_ARGUMENT", f"{self.service.task} RunClosures: "
+                                                 f"{type(e).__name__}: {e}") from None
 
     _stop_wait_seconds = 1.0
 
     def _after_stop(self) -> None:
+        if self.direct is not None:
+            self.direct.stop()
         set_current(None)
 
 
-__all__ = ["BATCH_KEY", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SEQ_KEY",
+__all__ = ["BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SEQ_KEY",
            "SERVICE_NAME", "SESSION_KEY",
-           "WorkerServer", "WorkerService", "arrays_mac", "check_coordinator", "dumps_value",
+           "WorkerServer", "WorkerService", "arrays_mac", "check_coordinator", "direct_enabled",
+           "dumps_value",
            "item_nonce"]

@@ -38,7 +38,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -273,12 +273,14 @@ class DirectPool:
         ping: ``ping(task, timeout) -> meta`` over gRPC (says the direct port).
         error: ``error(task, method, timeout, code_name, details) -> Exception``.
         max_idle: pooled idle connections per task.
+        job: the tasks' job name (in messages).
     """
 
     def __init__(self, addresses: Sequence[str], token: str | None, tls: TLSConfig | None,
                  ping: Callable[[int, float], dict], error: Callable[..., Exception],
-                 max_idle: int = 4):
+                 max_idle: int = 4, job: str = "ps"):
         self.addresses = list(addresses)
+        self.job = job
         self._token = token or ""
         self._ctx = client_context(tls) if tls is not None else None
         self._server_name = tls.server_name if tls is not None else None
@@ -325,11 +327,11 @@ class DirectPool:
             if self._ctx is not None:
                 sock = self._ctx.wrap_socket(raw, server_hostname=self._server_name or host)
             else:
-                check_plaintext_allowed(f"ps:{task}", self.addresses[task])
+                check_plaintext_allowed(f"{self.job}:{task}", self.addresses[task])
                 sock = raw
             hello, _ = recv_frame(sock, HELLO, MAX_HANDSHAKE_BYTES, 0, deadline, None)
             if hello.get("incarnation") != info.get("incarnation"):
-                raise ConnectionError("the ps restarted")  # rediscover before sending the token
+                raise ConnectionError("the task restarted")  # rediscover before sending the token
             send_frame(sock, AUTH, {"token": self._token}, None, deadline)
             reply, _ = recv_frame(sock, RESPONSE, MAX_HANDSHAKE_BYTES, 0, deadline, None)
         except (OSError, wire.WireError, ssl.SSLError):
@@ -406,9 +408,90 @@ class DirectPool:
         meta_out = header.get("meta")
         return (meta_out if isinstance(meta_out, dict) else {}), out
 
+    def call_stream(self, task: int, method: str, meta: dict, arrays: dict, deadline: float,
+                    timeout: float, on_start: Callable[[Any], None] | None = None
+                    ) -> Iterator[tuple[dict, dict]]:
+        """Starts one streaming call (a method the server answers with several frames); the
+        request has been sent when this returns. The iterator yields each answer as it
+        arrives; ``on_start`` gets the call (its ``cancel()`` closes the connection, which
+        the server sees as the client giving up).
+
+        Raises (here):
+            Unavailable: no direct port, or nothing could be sent (the caller uses gRPC).
+        Raises (while iterating):
+            Exception: ``error(...)`` of the server's failure, of a lost connection
+                (``UNAVAILABLE``), of a cancelled call (``CANCELLED``) or of the deadline
+                (``DEADLINE_EXCEEDED``).
+        """
+        info = self._discover(task, deadline - time.monotonic())
+        if not info:
+            raise Unavailable()
+        limit = info.get("max_request_bytes")
+        if isinstance(limit, int) and wire.message_nbytes(arrays) > limit:
+            raise Unavailable()
+        conn = self._take(task, info, deadline)
+        try:
+            send_frame(conn.sock, REQUEST, {"method": method, "meta": meta}, arrays, deadline)
+        except (OSError, wire.WireError, ssl.SSLError):
+            conn.close()
+            self.forget(task)
+            raise Unavailable() from None  # an incomplete frame: nothing can have run
+        call = _StreamCall(conn)
+        if on_start is not None:
+            on_start(call)
+        return self._stream_answers(task, method, timeout, deadline, call)
+
+    def _stream_answers(self, task: int, method: str, timeout: float, deadline: float,
+                        call: _StreamCall) -> Iterator[tuple[dict, dict]]:
+        conn, done = call.conn, False
+        try:
+            while True:
+                try:
+                    header, out = recv_frame(conn.sock, RESPONSE, MAX_HEADER_BYTES, None,
+                                             deadline)
+                except TimeoutError:
+                    raise self._error(task, method, timeout, "DEADLINE_EXCEEDED",
+                                      "deadline passed (direct transport)") from None
+                except (OSError, wire.WireError, ssl.SSLError) as e:
+                    if call.cancelled:
+                        raise self._error(task, method, timeout, "CANCELLED",
+                                          "the call was cancelled") from None
+                    self.forget(task)
+                    raise self._error(task, method, timeout, "UNAVAILABLE",
+                                      f"connection lost during the call ({type(e).__name__})"
+                                      ) from None
+                code = header.get("code")
+                if code != "OK":
+                    raise self._error(task, method, timeout, code, header.get("details", ""))
+                if header.get("end"):
+                    done = True
+                    return
+                meta_out = header.get("meta")
+                yield (meta_out if isinstance(meta_out, dict) else {}), out
+        finally:
+            if done and not call.cancelled:
+                self.calls += 1
+                self._give(task, conn)
+            else:  # failed, cancelled, or the caller stopped reading: the server sees it
+                conn.close()
+
     def close(self) -> None:
         for task in range(len(self.addresses)):
             self.forget(task)
+
+
+class _StreamCall:
+    """A streaming call in flight: ``cancel()`` from any thread ends it."""
+
+    def __init__(self, conn: _Conn):
+        self.conn, self.cancelled = conn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        try:  # the plain socket's shutdown: wakes a reader blocked in recv at once
+            socket.socket.shutdown(self.conn.sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 __all__ = ["ENV_DIRECT", "DirectPool", "FrameError", "enabled", "recv_frame", "send_frame"]

@@ -9,6 +9,12 @@ byte of its request to the last byte of its response. A connection idle for
 before allocation) or a wrong token get an error frame with the gRPC path's status and
 message, then the connection is closed.
 
+A server can also stream: a method in ``stream_methods`` answers with any number of
+``{"code": "OK", "meta", "more": true}`` frames and then one ``{"code": "OK", "end": true}``
+(the worker tasks' ``RunClosures``, one frame per closure as it ends). Its handler gets an
+``active()`` that turns ``False`` once the client closed the connection (it gave up on the
+call), as gRPC's ``context.is_active``.
+
 Example:
     >>> direct = DirectServer("ps:0", "127.0.0.1", token, tls, limits, run).start()
     >>> direct.port
@@ -17,13 +23,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
+import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxdist.cluster.tls import TLSConfig, check_plaintext_allowed
@@ -57,14 +65,25 @@ class DirectServer:
         run: ``run(method, meta, arrays) -> (meta, arrays)``; raises ``CallFailed``.
         incarnation: the service's incarnation (sent in the hello).
         max_connections: connections served at once.
+        authenticate: ``authenticate(presented) -> CallFailed | None`` checks the credential a
+            connection presents (default: it must be ``token``, the cluster token).
+        stream: ``stream(method, meta, arrays, active) -> iterator of (meta, arrays)`` serves
+            the methods in ``stream_methods``; raises ``CallFailed``.
+        stream_methods: the methods answered by ``stream``.
     """
 
     def __init__(self, task: str, host: str, token: bytes, tls: TLSConfig | None,
                  limits: ServerLimits, run: Callable[[str, dict, dict], tuple[dict, dict]],
-                 incarnation: str, max_connections: int = 64):
+                 incarnation: str, max_connections: int = 64, *,
+                 authenticate: Callable[[Any], CallFailed | None] | None = None,
+                 stream: Callable[[str, dict, dict, Callable[[], bool]],
+                                  Iterator[tuple[dict, dict]]] | None = None,
+                 stream_methods: frozenset[str] = frozenset()):
         if tls is None:
             check_plaintext_allowed(task, f"{host}:0")
         self.task, self._token, self.limits, self._run = task, token, limits, run
+        self._authenticate = authenticate or self._check_token
+        self._stream, self._stream_methods = stream, frozenset(stream_methods)
         self._incarnation = incarnation
         self._ctx = direct.server_context(tls) if tls is not None else None
         bind_host = host.strip("[]")
@@ -130,7 +149,7 @@ class DirectServer:
                               None, deadline)
             auth, _ = direct.recv_frame(sock, direct.AUTH, direct.MAX_HANDSHAKE_BYTES, 0,
                                         deadline, None)
-            failure = self._check_token(auth.get("token"))
+            failure = self._authenticate(auth.get("token"))
             if failure is not None:
                 self._reply_error(sock, failure, deadline)
                 return
@@ -195,6 +214,8 @@ class DirectServer:
                 f"{self.task}: method {str(method)[:64]!r} is not served on the direct "
                 f"transport"), call_deadline)
             return False
+        if method in self._stream_methods:
+            return self._serve_stream(sock, method, meta, arrays)
         try:
             out_meta, out_arrays = self._run(method, meta, arrays)
         except CallFailed as e:
@@ -206,6 +227,42 @@ class DirectServer:
         direct.send_frame(sock, direct.RESPONSE, {"code": "OK", "meta": out_meta}, out_arrays,
                           call_deadline)
         return True
+
+    def _serve_stream(self, sock: Any, method: str, meta: dict, arrays: dict) -> bool:
+        """Serves one streaming call: an answer frame per item, then the end frame. Each
+        frame must leave within ``max_call_seconds`` (the items themselves take as long as
+        they take: the client's deadline bounds the call)."""
+        answers = None
+        try:
+            answers = self._stream(method, meta, arrays, functools.partial(_peer_open, sock))
+            for out_meta, out_arrays in answers:
+                direct.send_frame(sock, direct.RESPONSE,
+                                  {"code": "OK", "meta": out_meta, "more": True}, out_arrays,
+                                  time.monotonic() + self.limits.max_call_seconds)
+        except CallFailed as e:
+            direct.send_frame(sock, direct.RESPONSE, {"code": e.code, "details": e.details},
+                              None, time.monotonic() + self.limits.max_call_seconds)
+            return True
+        finally:
+            close = getattr(answers, "close", None)
+            if close is not None:
+                close()  # ends its turn even when the client left mid-stream
+            del arrays
+        if not _peer_open(sock):
+            return False  # the client gave up on the call: it closes this connection
+        direct.send_frame(sock, direct.RESPONSE, {"code": "OK", "end": True}, None,
+                          time.monotonic() + self.limits.max_call_seconds)
+        return True
+
+
+def _peer_open(sock: Any) -> bool:
+    """False once the client closed the connection (it sends nothing while it waits for an
+    answer, so a readable socket means it closed, or broke the protocol)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
 
 
 __all__ = ["CallFailed", "DirectServer", "HANDSHAKE_SECONDS", "IDLE_SECONDS"]

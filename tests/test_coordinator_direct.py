@@ -1,0 +1,258 @@
+"""The workers' direct transport for ``RunClosures`` (``jaxdist.ps.direct`` frames on a second
+port): the same answers and MACs as gRPC, the coordinator token checked on connect,
+cancellation seen by the worker, malformed requests refused, and the switch to turn it off.
+
+The worker runs in this process (a ``WorkerServer`` on 127.0.0.1 with the test PKI), so the
+closures are module-level functions pickled by reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import ssl
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+from jaxdist.cluster.credentials import new_coordinator_token, token_digest
+from jaxdist.cluster.task_info import TaskInfo
+from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator.errors import (
+    CoordinatorError,
+    WorkerAuthenticationError,
+    WorkerUnavailableError,
+)
+from jaxdist.coordinator.worker_client import WorkerClient
+from jaxdist.coordinator.worker_runtime import WorkerRuntime
+from jaxdist.coordinator.worker_service import (
+    ENV_DIRECT,
+    WorkerServer,
+    from_bytes_array,
+    to_bytes_array,
+)
+from jaxdist.ps import direct
+from jaxdist.testing.tls import process_pki
+
+RAN: list[int] = []
+
+
+def times_ten(i: int) -> int:
+    return i * 10
+
+
+def slow(i: int) -> int:
+    time.sleep(0.3)
+    RAN.append(i)
+    return i
+
+
+def fails(i: int) -> int:
+    raise ValueError(f"closure {i} failed on purpose")
+
+
+@pytest.fixture()
+def worker():
+    token = new_coordinator_token()
+    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
+    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
+                          tls=process_pki().identities["task"]).start()
+    yield server, token
+    server.stop(0)
+
+
+def _client(server, token, **kwargs) -> WorkerClient:
+    return WorkerClient([server.address], token, tls=process_pki().identities["client"],
+                        **kwargs)
+
+
+def _batch(fn, args: list[int]) -> tuple[dict, dict]:
+    raw = closure_pickle.dumps(fn)
+    digest = hashlib.sha256(raw).hexdigest()
+    arrays = {"fn.0": to_bytes_array(raw)}
+    for i, a in enumerate(args):
+        arrays[f"args.{i}"] = to_bytes_array(closure_pickle.dumps(((a,), {})))
+    meta = {"closures": [{"closure_id": i, "fn_digest": digest} for i in range(len(args))]}
+    return meta, arrays
+
+
+def _values(answers) -> list:
+    return [cloudpickle.loads(from_bytes_array(a["value"])) if m["ok"] else m["kind"]
+            for m, a in answers]
+
+
+@pytest.mark.parametrize("use_direct", [True, False], ids=["direct", "grpc"])
+def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
+    server, token = worker
+    client = _client(server, token, direct_transport=use_direct)
+    try:
+        meta, arrays = _batch(times_ten, [1, 2, 3])
+        answers = list(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0))
+        assert _values(answers) == [10, 20, 30]
+        assert all("mac" not in m for m, _ in answers)  # checked and removed by the client
+        assert client.direct_calls == (1 if use_direct else 0)
+        # A failing closure fails alone, with its typed answer, on either transport.
+        meta, arrays = _batch(fails, [7, 8])
+        answers = list(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0))
+        assert [m["kind"] for m, _ in answers] == ["user", "user"]
+        assert "closure 7 failed on purpose" in answers[0][0]["message"]
+        # The connection is reused: one connection served both calls.
+        if use_direct:
+            assert client.direct_calls == 2 and len(client._direct._idle[0]) == 1
+    finally:
+        client.close()
+
+
+def test_the_ping_answer_names_the_direct_port(worker):
+    server, token = worker
+    client = _client(server, token)
+    try:
+        meta, _ = client.call(0, "Ping", timeout=5.0)
+        assert meta["direct_port"] == server.direct.port != int(server.address.split(":")[1])
+    finally:
+        client.close()
+
+
+def _raw_direct(server) -> ssl.SSLSocket:
+    tls = process_pki().identities["client"]
+    sock = socket.create_connection(("127.0.0.1", server.direct.port), timeout=5.0)
+    return direct.client_context(tls).wrap_socket(sock, server_hostname="127.0.0.1")
+
+
+@pytest.mark.parametrize("presented", ["s3cr3t-guess", "", None, "t0k"],
+                         ids=["wrong", "empty", "missing", "cluster-token"])
+def test_the_direct_port_wants_the_coordinator_token(worker, presented):
+    server, token = worker
+    sock = _raw_direct(server)
+    try:
+        direct.recv_frame(sock, direct.HELLO, direct.MAX_HANDSHAKE_BYTES, 0,
+                          time.monotonic() + 5, None)
+        direct.send_frame(sock, direct.AUTH, {} if presented is None else {"token": presented})
+        reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
+                                     time.monotonic() + 5, None)
+        assert reply["code"] == "UNAUTHENTICATED" and reply.get("close")
+        assert "coordinator token" in reply["details"]
+        if presented:
+            assert presented not in reply["details"]  # never echoed
+        assert sock.recv(1) == b""  # and the connection is closed
+    finally:
+        sock.close()
+
+
+def test_a_client_with_the_wrong_token_is_refused_on_both_ports(worker):
+    server, token = worker
+    bad = _client(server, "not the coordinator token")
+    try:
+        meta, arrays = _batch(times_ten, [1])
+        with pytest.raises(WorkerAuthenticationError, match="wrong coordinator token"):
+            list(bad.call_stream(0, "RunClosures", meta, arrays, timeout=5.0))
+    finally:
+        bad.close()
+
+
+@pytest.mark.parametrize("bad", [{"closures": "x"}, {"closures": []}, {}],
+                         ids=["not-a-list", "empty", "missing"])
+def test_a_malformed_batch_is_invalid_argument(worker, bad):
+    server, token = worker
+    client = _client(server, token)
+    try:
+        with pytest.raises(CoordinatorError, match="INVALID_ARGUMENT.*RunClosures"):
+            list(client.call_stream(0, "RunClosures", bad, {}, timeout=5.0))
+        assert client.direct_calls == 0  # the failed call did not count
+        meta, arrays = _batch(times_ten, [4])  # and the worker still serves
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [40]
+        assert client.direct_calls == 1
+    finally:
+        client.close()
+
+
+def test_a_cancelled_call_starts_no_further_closure_and_frees_the_worker(worker):
+    server, token = worker
+    client = _client(server, token)
+    RAN.clear()
+    calls = []
+    try:
+        meta, arrays = _batch(slow, [0, 1, 2, 3])
+        answers = client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0,
+                                     on_start=calls.append)
+        assert len(calls) == 1
+        with pytest.raises(WorkerUnavailableError, match="cancelled"):
+            for m, _ in answers:
+                assert m["ok"]
+                calls[0].cancel()  # after the first answer; the second closure is running
+        time.sleep(1.0)
+        # The closure running at the cancel ends; none after it starts.
+        assert RAN == [0, 1]
+        # The batch's turn ended with the call: the next call runs at once.
+        meta, arrays = _batch(times_ten, [5])
+        t0 = time.monotonic()
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [50]
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        client.close()
+
+
+def test_a_deadline_passes_as_worker_unavailable(worker):
+    server, token = worker
+    client = _client(server, token)
+    try:
+        meta, arrays = _batch(slow, [0, 1])
+        t0 = time.monotonic()
+        with pytest.raises(WorkerUnavailableError, match="did not answer RunClosures within"):
+            list(client.call_stream(0, "RunClosures", meta, arrays, timeout=0.45))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        client.close()
+
+
+def test_calls_from_two_threads_use_two_connections(worker):
+    server, token = worker
+    client = _client(server, token)
+    results: dict[int, list] = {}
+    try:
+        def send(k: int) -> None:
+            meta, arrays = _batch(times_ten, [k, k + 1])
+            results[k] = _values(client.call_stream(0, "RunClosures", meta, arrays,
+                                                    timeout=30.0))
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in (10, 20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == {10: [100, 110], 20: [200, 210]}
+        assert client.direct_calls == 2
+    finally:
+        client.close()
+
+
+def test_the_direct_transport_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(ENV_DIRECT, "0")
+    token = new_coordinator_token()
+    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
+    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
+                          tls=process_pki().identities["task"]).start()
+    client = _client(server, token)
+    try:
+        assert server.direct is None and client._direct is None
+        assert "direct_port" not in client.call(0, "Ping", timeout=5.0)[0]
+        meta, arrays = _batch(times_ten, [6])
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [60]
+        assert client.direct_calls == 0
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def test_a_worker_without_a_direct_port_is_served_over_grpc(worker):
+    server, token = worker
+    client = _client(server, token)
+    try:
+        server.direct.stop()  # the port goes away: the next call falls back to gRPC
+        meta, arrays = _batch(times_ten, [7])
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [70]
+        assert client.direct_calls == 0
+    finally:
+        client.close()
