@@ -63,6 +63,8 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
     assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
     assert float(counter.pull()["n"]) == 12.0
     assert sum(coordinator.functions_run()) == 12
+    # The closures went over the workers' direct ports (jaxdist.ps.direct frames), not gRPC.
+    assert coordinator._client.direct_calls >= 1
     pids = {rv.fetch()["pid"] for rv in rvs}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
     out = coordinator.fetch({"a": rvs[0], "b": [rvs[1], 5]})

@@ -9,6 +9,7 @@ closures are module-level functions pickled by reference.
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import ssl
 import threading
@@ -137,6 +138,52 @@ def test_the_direct_port_wants_the_coordinator_token(worker, presented):
         if presented:
             assert presented not in reply["details"]  # never echoed
         assert sock.recv(1) == b""  # and the connection is closed
+    finally:
+        sock.close()
+
+
+def _authenticated(server, token) -> ssl.SSLSocket:
+    sock = _raw_direct(server)
+    direct.recv_frame(sock, direct.HELLO, direct.MAX_HANDSHAKE_BYTES, 0, time.monotonic() + 5,
+                      None)
+    direct.send_frame(sock, direct.AUTH, {"token": token})
+    reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
+                                 time.monotonic() + 5, None)
+    assert reply["code"] == "OK", reply
+    return sock
+
+
+def test_a_20_gib_request_is_refused_before_allocating(worker, monkeypatch):
+    from jaxdist.ps.memory import RECEIVE_POOL
+
+    server, token = worker
+    taken = []
+    real = RECEIVE_POOL.take
+    monkeypatch.setattr(RECEIVE_POOL, "take", lambda n: (taken.append(n), real(n))[1])
+    sock = _authenticated(server, token)
+    try:
+        head = json.dumps({"method": "RunClosures", "meta": {}, "arrays": []}).encode()
+        sock.sendall(direct.PREFIX.pack(direct.REQUEST, len(head), 20 << 30) + head)
+        reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
+                                     time.monotonic() + 5, None)
+        assert reply["code"] == "RESOURCE_EXHAUSTED", reply
+        assert "21474836480 payload bytes" in reply["details"]
+        assert sock.recv(1) == b""
+        assert all(n < 1 << 20 for n in taken), taken
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("method", ["Ping", "Stop", "CreateResource", "Nope"])
+def test_only_run_closures_is_served_on_the_direct_port(worker, method):
+    server, token = worker
+    sock = _authenticated(server, token)
+    try:
+        direct.send_frame(sock, direct.REQUEST, {"method": method, "meta": {}})
+        reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
+                                     time.monotonic() + 5, None)
+        assert reply["code"] == "UNIMPLEMENTED", reply
+        assert not server.service.stopped.is_set()
     finally:
         sock.close()
 
