@@ -50,6 +50,13 @@ def slow(i: int) -> int:
     return i
 
 
+def jax_results(i: int):
+    import jax.numpy as jnp
+
+    x = jnp.arange(3, dtype=jnp.float32) * i
+    return x.sum() if i == 0 else {"sum": x.sum(), "x": x, "n": i}
+
+
 def fails(i: int) -> int:
     raise ValueError(f"closure {i} failed on purpose")
 
@@ -102,6 +109,23 @@ def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
         # The connection is reused: one connection served both calls.
         if use_direct:
             assert client.direct_calls == 2 and len(client._direct._idle[0]) == 1
+    finally:
+        client.close()
+
+
+def test_jax_results_come_back_as_numpy_arrays(worker):
+    import numpy as np
+
+    server, token = worker
+    client = _client(server, token)
+    try:
+        meta, arrays = _batch(jax_results, [0, 2])
+        scalar, tree = _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0))
+        assert type(scalar) is np.ndarray and scalar.shape == () and scalar.dtype == np.float32
+        assert float(scalar) == 0.0
+        assert type(tree["sum"]) is np.ndarray and float(tree["sum"]) == 6.0
+        np.testing.assert_array_equal(tree["x"], np.array([0.0, 2.0, 4.0], np.float32))
+        assert tree["n"] == 2
     finally:
         client.close()
 
