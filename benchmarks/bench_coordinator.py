@@ -5,8 +5,11 @@ Model: MLP 784-256-10 (~200k parameters), batch 64, adam applied on the ps. Ever
 a real process on 127.0.0.1 (JAX on CPU, one device each). In coordinator mode this process
 is the chief and schedules every step; in between-graph mode two worker processes loop.
 
+Then the coordinator's own cost per closure: no-op functions per second on 2 workers, over the
+workers' direct ports (the default) and over gRPC only.
+
 Example:
-    $ python -m benchmarks.bench_coordinator            # 200 steps per mode
+    $ python -m benchmarks.bench_coordinator            # 600 steps per mode
     $ python -m benchmarks.bench_coordinator --quick    # 60 steps
 """
 
@@ -170,11 +173,52 @@ def coordinator_steps_per_s(steps: int, warmup: int) -> float:
         c.stop()
 
 
+def noop_closures_per_s(n: int, direct: bool) -> float:
+    """Closures/s of ``n`` functions that do nothing, on 2 workers: the coordinator's own cost
+    per closure, over the workers' direct ports or over gRPC only."""
+    import jaxdist
+    from jaxdist.coordinator import ClusterCoordinator
+    from jaxdist.coordinator.worker_service import ENV_DIRECT
+
+    c = _cluster(2, chief=True)
+    saved = os.environ.get(ENV_DIRECT)
+    try:
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
+        for name in ("ps:0", "worker:0", "worker:1"):
+            c.wait_for_output(name, "listening on", 60)
+        os.environ.update(c.security_env("chief:0"))
+        os.environ[ENV_DIRECT] = "1" if direct else "0"  # read by the coordinator's client
+        strategy = jaxdist.ParameterServerStrategy(_Chief(c.cluster, c.token), timeout=60)
+        coordinator = ClusterCoordinator(strategy)
+
+        def noop():
+            return 1
+
+        for _ in range(50):
+            coordinator.schedule(noop)
+        coordinator.join()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            coordinator.schedule(noop)
+        coordinator.join()
+        elapsed = time.perf_counter() - t0
+        coordinator.shutdown()
+        return n / elapsed
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_DIRECT, None)
+        else:
+            os.environ[ENV_DIRECT] = saved
+        c.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_coordinator")
     parser.add_argument("--quick", action="store_true", help="fewer steps, one round")
     parser.add_argument("--rounds", type=int, help="rotated rounds (default 5, quick 1)")
-    parser.add_argument("--steps", type=int, help="steps per mode and round (default 200)")
+    parser.add_argument("--steps", type=int,
+                        help="steps per mode and round (default 600: ~2 s timed per mode)")
     parser.add_argument("--between-graph-worker", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.between_graph_worker:
@@ -184,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    steps = args.steps or (60 if args.quick else 200)
+    steps = args.steps or (60 if args.quick else 600)
     rounds = args.rounds or (1 if args.quick else 5)
     warmup = 5
     from benchmarks.common import print_machine
@@ -208,6 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, sps, ratio in rows:
         print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.2f} |")
     print("(ratio: the median of the per-round ratios; target >= 0.95)")
+    n = 600 if args.quick else 3000
+    direct, grpc_only = noop_closures_per_s(n, True), noop_closures_per_s(n, False)
+    print(f"\nno-op closures, 2 workers, {n} scheduled: {direct:.0f}/s over the workers' direct "
+          f"ports, {grpc_only:.0f}/s over gRPC only (JAXDIST_COORDINATOR_DIRECT=0): "
+          f"{direct / grpc_only:.2f}x")
 
 
 if __name__ == "__main__":
