@@ -417,7 +417,10 @@ class WorkerServer(GrpcTaskServer):
         direct_transport: also serve ``RunClosures`` on a second port over one authenticated
             socket per caller, no gRPC per call (``jaxdist.ps.direct``: the same TLS
             identity, and the coordinator token presented once per connection); its port is
-            in the ``Ping`` answer. ``None``: unless ``JAXDIST_COORDINATOR_DIRECT=0``.
+            in the ``Ping`` answer. ``None``: unless ``JAXDIST_COORDINATOR_DIRECT=0``. Its
+            limits are the ps direct port's (``JAXDIST_PS_MAX_REQUEST_BYTES``: larger
+            requests go over gRPC; ``JAXDIST_PS_MAX_CALL_SECONDS``: to receive a request, and
+            to send each answer).
 
     Raises:
         ValueError: no coordinator credential configured.
@@ -471,7 +474,9 @@ class WorkerServer(GrpcTaskServer):
             nonce = meta.get(NONCE_KEY)
             if isinstance(nonce, str):
                 if method == "Ping" and self.direct is not None:
-                    out_meta = {**out_meta, "direct_port": self.direct.port}
+                    # Larger requests go over gRPC (the client checks before sending).
+                    out_meta = {**out_meta, "direct_port": self.direct.port,
+                                "max_request_bytes": self.direct.limits.max_request_bytes}
                 out_meta = {**out_meta, MAC_KEY: arrays_mac(self._verifier.digest, nonce,
                                                             out_arrays)}
             if method == "Stop":
