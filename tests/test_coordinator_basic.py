@@ -172,14 +172,21 @@ def test_first_error_cancels_pending_and_is_raised_once(coordinator):
         return i
 
     def bad():
+        # Fails after the 30 functions below are queued (a sub-millisecond failure could be
+        # raised by one of those schedule calls instead: TF raises it from the next
+        # schedule or join, whichever comes first).
+        time.sleep(0.3)
         raise ValueError("bad value 42: expected something else")
 
     before = [coordinator.schedule(slow, args=(i,)) for i in range(2)]
     coordinator.join()
     failing = coordinator.schedule(bad)
-    pending = [coordinator.schedule(slow, args=(i,)) for i in range(30)]
+    pending = []
     with pytest.raises(ValueError, match="bad value 42") as info:
+        for i in range(30):
+            pending.append(coordinator.schedule(slow, args=(i,)))
         coordinator.join()
+    assert len(pending) == 30, "the error was raised while scheduling"
     assert "raised on worker:" in "".join(getattr(info.value, "__notes__", []))
     coordinator.join()  # raised once: cleared now
     with pytest.raises(ValueError):
