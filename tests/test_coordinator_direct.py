@@ -352,3 +352,51 @@ def test_a_worker_without_a_direct_port_is_served_over_grpc(worker):
         assert client.direct_calls == 0
     finally:
         client.close()
+
+
+def test_a_silent_direct_port_is_given_up_on_in_connect_seconds(monkeypatch):
+    # A hung worker: its kernel accepts the TCP connection, nothing answers the handshake.
+    # The caller falls back to gRPC (whose calls heartbeats can cancel) within
+    # CONNECT_SECONDS, not after the call's whole deadline.
+    monkeypatch.setattr(direct, "CONNECT_SECONDS", 0.5)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    pool = direct.DirectPool(
+        ["127.0.0.1:1"], "token", process_pki().identities["client"],
+        ping=lambda task, timeout: {"direct_port": silent.getsockname()[1],
+                                    "incarnation": "i"},
+        error=lambda *a: AssertionError(a), job="worker")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(direct.Unavailable):
+            pool.call_stream(0, "RunClosures", {}, {}, time.monotonic() + 60.0, 60.0)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        pool.close()
+        silent.close()
+
+
+class _Call:
+    cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("up", [True, False], ids=["up", "down"])
+def test_a_call_that_starts_on_a_worker_already_down_is_cancelled(up):
+    # Heartbeats cancel the calls in flight once, when the worker goes down; a call whose
+    # start came later (its connection hung) must not wait for the whole closure timeout.
+    from jaxdist.coordinator.cluster_coordinator import _Slot, _WorkerThread
+    from jaxdist.coordinator.health import WorkerState
+
+    sender = object.__new__(_WorkerThread)
+    sender.state = WorkerState(0, "worker:0")
+    sender._current_lock = threading.Lock()
+    if up:
+        sender.state.up.set()
+    call = _Call()
+    sender._on_start(_Slot(0), call)
+    assert call.cancelled is (not up)
+    assert sender.state._call is call  # registered either way (heartbeats see it)

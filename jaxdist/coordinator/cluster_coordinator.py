@@ -293,7 +293,9 @@ class _WorkerThread:
         with self._current_lock:
             slot.call = call
             cancelled = any(closure.cancel_requested for closure in slot.batch)
-        if cancelled:
+        # Heartbeats cancel the calls in flight once, when the worker goes down: a call that
+        # started later (its connection took long: the worker hung) is cancelled here.
+        if cancelled or not self.state.up.is_set():
             call.cancel()  # the cancellation came before the call started
 
     def _prepare(self, batch: list[Closure], slot: _Slot) -> list[_Item]:

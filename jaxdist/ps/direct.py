@@ -57,6 +57,10 @@ GRPC_ONLY = frozenset({"Stop"})
 _SMALL = 256 << 10  # arrays below this are joined into one send with the header
 _IDLE_REUSE_S = 60.0  # a pooled connection idle for longer is not reused
 _MAX_IOV = 64  # buffers per sendmsg call (the kernel accepts up to IOV_MAX = 1024)
+#: A new connection's TCP connect, TLS handshake, hello and token must be done within this
+#: (or the call's deadline, if sooner): a hung task is left to gRPC, whose calls can be
+#: cancelled, instead of holding the caller for the whole call's deadline.
+CONNECT_SECONDS = 10.0
 
 
 def enabled() -> bool:
@@ -316,8 +320,9 @@ class DirectPool:
 
     def _connect(self, task: int, info: dict, deadline: float) -> _Conn:
         host = self.addresses[task].rsplit(":", 1)[0].strip("[]")
+        deadline = min(deadline, time.monotonic() + CONNECT_SECONDS)
         try:
-            wait = max(1e-3, min(10.0, deadline - time.monotonic()))
+            wait = max(1e-3, deadline - time.monotonic())
             raw = socket.create_connection((host, info["port"]), timeout=wait)
         except OSError:
             self.forget(task)
