@@ -400,3 +400,22 @@ def test_a_call_that_starts_on_a_worker_already_down_is_cancelled(up):
     sender._on_start(_Slot(0), call)
     assert call.cancelled is (not up)
     assert sender.state._call is call  # registered either way (heartbeats see it)
+
+
+def test_plaintext_on_loopback_uses_the_direct_port_too():
+    token = new_coordinator_token()
+    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
+    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
+                          tls="insecure").start()
+    client = WorkerClient([server.address], token, tls="insecure")
+    try:
+        meta, arrays = _batch(times_ten, [8, 9])
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
+            80, 90]
+        assert client.direct_calls == 1
+        # A TLS client cannot talk to the plaintext port (nothing is sent in the clear).
+        with pytest.raises(ssl.SSLError):
+            _raw_direct(server)
+    finally:
+        client.close()
+        server.stop(0)
