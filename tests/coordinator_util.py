@@ -79,3 +79,20 @@ def wait_until(pred, timeout: float, what: str) -> None:
 def by_value(module_name: str) -> None:
     """Ships the test module's functions by value (workers cannot import test modules)."""
     cloudpickle.register_pickle_by_value(sys.modules[module_name])
+
+
+def in_process_worker(tls="task", **kwargs):
+    """A ``WorkerServer`` in this process on 127.0.0.1 (test PKI identity ``tls``, or
+    ``"insecure"``) with a fresh coordinator token: ``(server, token)``, started."""
+    from jaxdist.cluster.credentials import new_coordinator_token, token_digest
+    from jaxdist.cluster.task_info import TaskInfo
+    from jaxdist.coordinator.worker_runtime import WorkerRuntime
+    from jaxdist.coordinator.worker_service import WorkerServer
+    from jaxdist.testing.tls import process_pki
+
+    token = new_coordinator_token()
+    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
+    identity = tls if tls == "insecure" else process_pki().identities[tls]
+    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
+                          tls=identity, **kwargs).start()
+    return server, token

@@ -17,9 +17,8 @@ import time
 
 import cloudpickle
 import pytest
+from coordinator_util import in_process_worker
 
-from jaxdist.cluster.credentials import new_coordinator_token, token_digest
-from jaxdist.cluster.task_info import TaskInfo
 from jaxdist.coordinator import closure_pickle
 from jaxdist.coordinator.errors import (
     CoordinatorError,
@@ -27,10 +26,8 @@ from jaxdist.coordinator.errors import (
     WorkerUnavailableError,
 )
 from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.coordinator.worker_runtime import WorkerRuntime
 from jaxdist.coordinator.worker_service import (
     ENV_DIRECT,
-    WorkerServer,
     from_bytes_array,
     to_bytes_array,
 )
@@ -63,10 +60,7 @@ def fails(i: int) -> int:
 
 @pytest.fixture()
 def worker():
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
-                          tls=process_pki().identities["task"]).start()
+    server, token = in_process_worker()
     yield server, token
     server.stop(0)
 
@@ -74,6 +68,20 @@ def worker():
 def _client(server, token, **kwargs) -> WorkerClient:
     return WorkerClient([server.address], token, tls=process_pki().identities["client"],
                         **kwargs)
+
+
+@pytest.fixture()
+def client(worker):
+    """A client of ``worker`` over the default transports."""
+    c = _client(*worker)
+    yield c
+    c.close()
+
+
+def _run(client: WorkerClient, fn, args: list[int], timeout: float = 30.0) -> list:
+    """The values (or failure kinds) of ``fn(a)`` for each ``a``, in one RunClosures call."""
+    meta, arrays = _batch(fn, args)
+    return _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=timeout))
 
 
 def _batch(fn, args: list[int]) -> tuple[dict, dict]:
@@ -113,31 +121,21 @@ def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
         client.close()
 
 
-def test_jax_results_come_back_as_numpy_arrays(worker):
+def test_jax_results_come_back_as_numpy_arrays(client):
     import numpy as np
 
-    server, token = worker
-    client = _client(server, token)
-    try:
-        meta, arrays = _batch(jax_results, [0, 2])
-        scalar, tree = _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0))
-        assert type(scalar) is np.ndarray and scalar.shape == () and scalar.dtype == np.float32
-        assert float(scalar) == 0.0
-        assert type(tree["sum"]) is np.ndarray and float(tree["sum"]) == 6.0
-        np.testing.assert_array_equal(tree["x"], np.array([0.0, 2.0, 4.0], np.float32))
-        assert tree["n"] == 2
-    finally:
-        client.close()
+    scalar, tree = _run(client, jax_results, [0, 2])
+    assert type(scalar) is np.ndarray and scalar.shape == () and scalar.dtype == np.float32
+    assert float(scalar) == 0.0
+    assert type(tree["sum"]) is np.ndarray and float(tree["sum"]) == 6.0
+    np.testing.assert_array_equal(tree["x"], np.array([0.0, 2.0, 4.0], np.float32))
+    assert tree["n"] == 2
 
 
-def test_the_ping_answer_names_the_direct_port(worker):
-    server, token = worker
-    client = _client(server, token)
-    try:
-        meta, _ = client.call(0, "Ping", timeout=5.0)
-        assert meta["direct_port"] == server.direct.port != int(server.address.split(":")[1])
-    finally:
-        client.close()
+def test_the_ping_answer_names_the_direct_port(worker, client):
+    server = worker[0]
+    meta, _ = client.call(0, "Ping", timeout=5.0)
+    assert meta["direct_port"] == server.direct.port != int(server.address.split(":")[1])
 
 
 def _raw_direct(server) -> ssl.SSLSocket:
@@ -225,93 +223,66 @@ def test_a_client_with_the_wrong_token_is_refused_on_both_ports(worker):
 
 @pytest.mark.parametrize("bad", [{"closures": "x"}, {"closures": []}, {}],
                          ids=["not-a-list", "empty", "missing"])
-def test_a_malformed_batch_is_invalid_argument(worker, bad):
-    server, token = worker
-    client = _client(server, token)
-    try:
-        with pytest.raises(CoordinatorError, match="INVALID_ARGUMENT.*RunClosures"):
-            list(client.call_stream(0, "RunClosures", bad, {}, timeout=5.0))
-        assert client.direct_calls == 0  # the failed call did not count
-        meta, arrays = _batch(times_ten, [4])  # and the worker still serves
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [40]
-        assert client.direct_calls == 1
-    finally:
-        client.close()
+def test_a_malformed_batch_is_invalid_argument(client, bad):
+    with pytest.raises(CoordinatorError, match="INVALID_ARGUMENT.*RunClosures"):
+        list(client.call_stream(0, "RunClosures", bad, {}, timeout=5.0))
+    assert client.direct_calls == 0  # the failed call did not count
+    assert _run(client, times_ten, [4]) == [40]  # and the worker still serves
+    assert client.direct_calls == 1
 
 
-def test_a_cancelled_call_starts_no_further_closure_and_frees_the_worker(worker):
-    server, token = worker
-    client = _client(server, token)
+def test_a_cancelled_call_starts_no_further_closure_and_frees_the_worker(client):
     RAN.clear()
     calls = []
-    try:
-        meta, arrays = _batch(slow, [0, 1, 2, 3])
-        answers = client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0,
-                                     on_start=calls.append)
-        assert len(calls) == 1
-        with pytest.raises(WorkerUnavailableError, match="cancelled"):
-            for m, _ in answers:
-                assert m["ok"]
-                calls[0].cancel()  # after the first answer; the second closure is running
-        time.sleep(1.0)
-        # The closure running at the cancel (the second, unless the cancel came before the
-        # worker started it) ends; none after it starts.
-        assert RAN in ([0], [0, 1]), RAN
-        # The batch's turn ended with the call: the next call runs at once.
-        meta, arrays = _batch(times_ten, [5])
-        t0 = time.monotonic()
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [50]
-        assert time.monotonic() - t0 < 5.0
-    finally:
-        client.close()
+    meta, arrays = _batch(slow, [0, 1, 2, 3])
+    answers = client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0,
+                                 on_start=calls.append)
+    assert len(calls) == 1
+    with pytest.raises(WorkerUnavailableError, match="cancelled"):
+        for m, _ in answers:
+            assert m["ok"]
+            calls[0].cancel()  # after the first answer; the second closure is running
+    time.sleep(1.0)
+    # The closure running at the cancel (the second, unless the cancel came before the
+    # worker started it) ends; none after it starts.
+    assert RAN in ([0], [0, 1]), RAN
+    # The batch's turn ended with the call: the next call runs at once.
+    t0 = time.monotonic()
+    assert _run(client, times_ten, [5]) == [50]
+    assert time.monotonic() - t0 < 5.0
 
 
-def test_a_deadline_passes_as_worker_unavailable(worker):
-    server, token = worker
-    client = _client(server, token)
-    try:
-        meta, arrays = _batch(slow, [0, 1])
-        t0 = time.monotonic()
-        with pytest.raises(WorkerUnavailableError, match="did not answer RunClosures within"):
-            list(client.call_stream(0, "RunClosures", meta, arrays, timeout=0.45))
-        assert time.monotonic() - t0 < 2.0
-    finally:
-        client.close()
+def test_a_deadline_passes_as_worker_unavailable(client):
+    meta, arrays = _batch(slow, [0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(WorkerUnavailableError, match="did not answer RunClosures within"):
+        list(client.call_stream(0, "RunClosures", meta, arrays, timeout=0.45))
+    assert time.monotonic() - t0 < 2.0
 
 
-def test_calls_from_two_threads_use_two_connections(worker):
-    server, token = worker
-    client = _client(server, token)
+def test_calls_from_two_threads_use_two_connections(client):
     results: dict[int, list] = {}
-    try:
-        def send(k: int) -> None:
-            meta, arrays = _batch(times_ten, [k, k + 1])
-            results[k] = _values(client.call_stream(0, "RunClosures", meta, arrays,
-                                                    timeout=30.0))
 
-        threads = [threading.Thread(target=send, args=(k,)) for k in (10, 20)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert results == {10: [100, 110], 20: [200, 210]}
-        assert client.direct_calls == 2
-    finally:
-        client.close()
+    def send(k: int) -> None:
+        results[k] = _run(client, times_ten, [k, k + 1])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in (10, 20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {10: [100, 110], 20: [200, 210]}
+    assert client.direct_calls == 2
 
 
 def test_the_direct_transport_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(ENV_DIRECT, "0")
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
-                          tls=process_pki().identities["task"]).start()
+    server, token = in_process_worker()
     client = _client(server, token)
     try:
         assert server.direct is None and client._direct is None
         assert "direct_port" not in client.call(0, "Ping", timeout=5.0)[0]
-        meta, arrays = _batch(times_ten, [6])
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [60]
+        assert _run(client, times_ten, [6]) == [60]
         assert client.direct_calls == 0
     finally:
         client.close()
@@ -322,10 +293,7 @@ def test_a_request_over_the_direct_ports_limit_goes_over_grpc(monkeypatch):
     import numpy as np
 
     monkeypatch.setenv("JAXDIST_PS_MAX_REQUEST_BYTES", str(64 << 10))
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
-                          tls=process_pki().identities["task"]).start()
+    server, token = in_process_worker()
     client = _client(server, token)
     try:
         assert client.call(0, "Ping", timeout=5.0)[0]["max_request_bytes"] == 64 << 10
@@ -334,24 +302,18 @@ def test_a_request_over_the_direct_ports_limit_goes_over_grpc(monkeypatch):
         assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
             float(1 << 15)]
         assert client.direct_calls == 0  # 256 KiB of arguments: over gRPC, not refused
-        meta, arrays = _batch(times_ten, [3])
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [30]
+        assert _run(client, times_ten, [3]) == [30]
         assert client.direct_calls == 1
     finally:
         client.close()
         server.stop(0)
 
 
-def test_a_worker_without_a_direct_port_is_served_over_grpc(worker):
-    server, token = worker
-    client = _client(server, token)
-    try:
-        server.direct.stop()  # the port goes away: the next call falls back to gRPC
-        meta, arrays = _batch(times_ten, [7])
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [70]
-        assert client.direct_calls == 0
-    finally:
-        client.close()
+def test_a_worker_without_a_direct_port_is_served_over_grpc(worker, client):
+    server = worker[0]
+    server.direct.stop()  # the port goes away: the next call falls back to gRPC
+    assert _run(client, times_ten, [7]) == [70]
+    assert client.direct_calls == 0
 
 
 def test_a_silent_direct_port_is_given_up_on_in_connect_seconds(monkeypatch):
@@ -403,14 +365,10 @@ def test_a_call_that_starts_on_a_worker_already_down_is_cancelled(up):
 
 
 def test_plaintext_on_loopback_uses_the_direct_port_too():
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
-                          tls="insecure").start()
+    server, token = in_process_worker("insecure")
     client = WorkerClient([server.address], token, tls="insecure")
     try:
-        meta, arrays = _batch(times_ten, [8, 9])
-        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
+        assert _run(client, times_ten, [8, 9]) == [
             80, 90]
         assert client.direct_calls == 1
         # A TLS client cannot talk to the plaintext port (nothing is sent in the clear).

@@ -10,6 +10,7 @@ import stat
 import grpc
 import numpy as np
 import pytest
+from coordinator_util import in_process_worker
 
 from jaxdist.cluster.credentials import (
     COORDINATOR_METADATA_KEY,
@@ -153,10 +154,7 @@ def test_local_pki_is_private_and_keys_are_owner_only():
 # ---------------------------------------------------------------- item 2: least privilege
 @pytest.fixture()
 def worker_server():
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
-                          tls=process_pki().identities["task"]).start()
+    server, token = in_process_worker()
     yield server, token
     server.stop(0)
 
