@@ -171,10 +171,8 @@ class WorkerClient:
                 worker's MAC for this call and its place in it.
             CoordinatorError: the worker rejected the request.
         """
+        self._check_task(task)
         if self._direct is not None and method in DIRECT_METHODS:
-            if not 0 <= task < self.num_tasks:
-                raise ValueError(f"worker task {task} does not exist: the cluster has "
-                                 f"{self.num_tasks}")
             nonce, deadline = secrets.token_hex(16), time.monotonic() + timeout
             try:
                 frames = self._direct.call_stream(
@@ -207,12 +205,15 @@ class WorkerClient:
         status = getattr(grpc.StatusCode, str(code), None)
         return self._error(task, method, timeout, status, details or "")
 
-    def _start(self, task: int, method: str, meta: dict | None, arrays: dict | None,
-               timeout: float, on_start: Callable[[Any], None] | None) -> tuple[str, Any]:
-        """Sends the request of one call (with a fresh nonce); ``(nonce, responses)``."""
+    def _check_task(self, task: int) -> None:
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"worker task {task} does not exist: the cluster has "
                              f"{self.num_tasks}")
+
+    def _start(self, task: int, method: str, meta: dict | None, arrays: dict | None,
+               timeout: float, on_start: Callable[[Any], None] | None) -> tuple[str, Any]:
+        """Sends the request of one call (with a fresh nonce); ``(nonce, responses)``."""
+        self._check_task(task)
         nonce = secrets.token_hex(16)
         try:
             responses = self._stubs(

@@ -366,6 +366,21 @@ class DirectPool:
                 return
         conn.close()
 
+    def _open(self, task: int, arrays: dict, deadline: float) -> _Conn:
+        """A connection to ``task`` for a request carrying ``arrays``.
+
+        Raises:
+            Unavailable: the task has no direct port, the request is over its limit (gRPC
+                answers RESOURCE_EXHAUSTED with the usual message), or it cannot be reached.
+        """
+        info = self._discover(task, deadline - time.monotonic())
+        if not info:
+            raise Unavailable()
+        limit = info.get("max_request_bytes")
+        if isinstance(limit, int) and wire.message_nbytes(arrays) > limit:
+            raise Unavailable()
+        return self._take(task, info, deadline)
+
     def call(self, task: int, method: str, meta: dict, arrays: dict, deadline: float,
              timeout: float, idempotent: bool) -> tuple[dict, dict]:
         """One call over the direct transport.
@@ -378,13 +393,7 @@ class DirectPool:
         """
         if method in GRPC_ONLY:
             raise Unavailable()
-        info = self._discover(task, deadline - time.monotonic())
-        if not info:
-            raise Unavailable()
-        limit = info.get("max_request_bytes")
-        if isinstance(limit, int) and wire.message_nbytes(arrays) > limit:
-            raise Unavailable()  # gRPC answers RESOURCE_EXHAUSTED with the usual message
-        conn = self._take(task, info, deadline)
+        conn = self._open(task, arrays, deadline)
         sent = False
         try:
             send_frame(conn.sock, REQUEST, {"method": method, "meta": meta}, arrays, deadline)
@@ -428,13 +437,7 @@ class DirectPool:
                 (``UNAVAILABLE``), of a cancelled call (``CANCELLED``) or of the deadline
                 (``DEADLINE_EXCEEDED``).
         """
-        info = self._discover(task, deadline - time.monotonic())
-        if not info:
-            raise Unavailable()
-        limit = info.get("max_request_bytes")
-        if isinstance(limit, int) and wire.message_nbytes(arrays) > limit:
-            raise Unavailable()
-        conn = self._take(task, info, deadline)
+        conn = self._open(task, arrays, deadline)
         try:
             send_frame(conn.sock, REQUEST, {"method": method, "meta": meta}, arrays, deadline)
         except (OSError, wire.WireError, ssl.SSLError):
