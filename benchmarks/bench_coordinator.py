@@ -9,8 +9,8 @@ Then the coordinator's own cost per closure: no-op functions per second on 2 wor
 workers' direct ports (the default) and over gRPC only.
 
 Example:
-    $ python -m benchmarks.bench_coordinator            # 600 steps per mode
-    $ python -m benchmarks.bench_coordinator --quick    # 60 steps
+    $ python -m benchmarks.bench_coordinator            # 10 rounds of 600 steps per mode
+    $ python -m benchmarks.bench_coordinator --quick    # 2 rounds of 60 steps
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def _repeat_batch(ctx):
 
 
 # ---------------------------------------------------------------------- between-graph
-def _between_graph_worker(steps: int, warmup: int) -> None:
-    """Child process: one worker of the between-graph run; prints its timed steps."""
+def _between_graph_worker(warmup: int) -> None:
+    """Child process: one worker of the between-graph run. After ``warmup`` steps it prints
+    ``ready``, then for each line ``N`` on stdin it runs N timed steps and prints their
+    window (an empty line or end of input: exit)."""
     import jaxdist
     from jaxdist.ps import optimizers as O
 
@@ -83,17 +85,19 @@ def _between_graph_worker(steps: int, warmup: int) -> None:
 
     for _ in range(warmup):
         step()
-    # Barrier on ps:0 so that both workers time the same window (startup skew excluded).
-    from jaxdist.ps.variables import wait_for_marker
+    print(_LINE, json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        steps = int(line)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        print(_LINE, json.dumps({"steps": steps, "start": t0, "end": time.perf_counter()}),
+              flush=True)
 
-    client = strategy.extended.ps_client
-    client.call(0, "SetMarker", {"name": f"bench/ready{strategy.extended.worker_index}"})
-    for i in range(2):
-        wait_for_marker(client, f"bench/ready{i}", 120.0, f"worker {i}")
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    print(json.dumps({"steps": steps, "start": t0, "end": time.perf_counter()}), flush=True)
+
+_LINE = "BENCH"
 
 
 def _cluster(n_workers: int, chief: bool):
@@ -103,24 +107,71 @@ def _cluster(n_workers: int, chief: bool):
                         env={"JAX_NUM_CPU_DEVICES": "1"})
 
 
-def between_graph_steps_per_s(steps_per_worker: int, warmup: int) -> float:
-    """Total steps/s of 2 between-graph workers (overlapping timed windows)."""
-    c = _cluster(2, chief=False)
-    try:
-        c.start_task("ps:0", [sys.executable, "-m", "jaxdist.server"])
-        c.wait_for_output("ps:0", "listening on", 60)
-        cmd = [sys.executable, "-m", "benchmarks.bench_coordinator", "--between-graph-worker",
-               str(steps_per_worker), str(warmup)]
-        for i in range(2):
-            c.start_task(f"worker:{i}", cmd)
-        c.join(600, tasks=["worker:0", "worker:1"])
-        outs = [json.loads([ln for ln in c.output(f"worker:{i}").splitlines()
-                            if ln.startswith("{")][-1]) for i in range(2)]
-    finally:
-        c.stop()
-    # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes of one machine.
-    wall = max(o["end"] for o in outs) - min(o["start"] for o in outs)
-    return sum(o["steps"] for o in outs) / wall
+def _read_line(proc, timeout: float) -> dict:
+    """The next ``BENCH`` line a between-graph worker prints (other output is skipped)."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            raise TimeoutError(f"between-graph worker (pid {proc.pid}) printed nothing within "
+                               f"{timeout:g} s")
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"between-graph worker (pid {proc.pid}) exited with "
+                               f"{proc.wait()}")
+        if line.startswith(_LINE + " "):
+            return json.loads(line[len(_LINE) + 1:])
+
+
+class BetweenGraph:
+    """ps:0 and 2 worker processes that each loop on their own (TF1 between-graph), kept
+    alive and driven in timed windows (idle, blocked on a read, between them)."""
+
+    def __init__(self, warmup: int):
+        import subprocess
+        import tempfile
+
+        self.cluster = _cluster(2, chief=False)
+        self.procs: list = []
+        self._log = tempfile.TemporaryFile(mode="w+")
+        try:
+            self.cluster.start_task("ps:0", [sys.executable, "-m", "jaxdist.server"])
+            self.cluster.wait_for_output("ps:0", "listening on", 60)
+            cmd = [sys.executable, "-m", "benchmarks.bench_coordinator",
+                   "--between-graph-worker", str(warmup)]
+            for i in range(2):
+                self.procs.append(subprocess.Popen(
+                    cmd, env=self.cluster.env_for(f"worker:{i}"), cwd=REPO, text=True,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log))
+            for proc in self.procs:
+                _read_line(proc, 300)
+        except BaseException:
+            self.close()
+            raise
+
+    def steps_per_s(self, steps: int) -> float:
+        """Total steps/s of both workers running ``steps // 2`` steps each, started together
+        (the wall from the first start to the last end)."""
+        for proc in self.procs:
+            proc.stdin.write(f"{steps // 2}\n")
+            proc.stdin.flush()
+        outs = [_read_line(proc, 600) for proc in self.procs]
+        # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes of one machine.
+        wall = max(o["end"] for o in outs) - min(o["start"] for o in outs)
+        return sum(o["steps"] for o in outs) / wall
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.stdin.close()
+                proc.wait(30)
+            except Exception:  # noqa: BLE001 - a stuck worker is killed below
+                proc.kill()
+                proc.wait()
+        self.cluster.stop()
+        self._log.close()
 
 
 # ---------------------------------------------------------------------- coordinator
@@ -133,44 +184,56 @@ class _Chief:
         return self._cluster
 
 
-def coordinator_steps_per_s(steps: int, warmup: int) -> float:
-    """Steps/s of ``steps`` functions scheduled onto 2 worker tasks by this process."""
-    import jaxdist
-    from jaxdist.coordinator import ClusterCoordinator
-    from jaxdist.ps import optimizers as O
+class Coordinator:
+    """ps:0 and 2 worker tasks, with this process as the chief that schedules every step
+    (kept alive, driven in timed windows)."""
 
-    c = _cluster(2, chief=True)
-    try:
-        for name in ("ps:0", "worker:0", "worker:1"):
-            c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
-        for name in ("ps:0", "worker:0", "worker:1"):
-            c.wait_for_output(name, "listening on", 60)
-        os.environ.update(c.security_env("chief:0"))  # this process is the chief
-        strategy = jaxdist.ParameterServerStrategy(_Chief(c.cluster, c.token), timeout=60)
-        init, grad_fn = _model()
-        with strategy.scope():
-            params = strategy.create_variables(init, O.adam(1e-3), name="mlp")
-        coordinator = ClusterCoordinator(strategy)
-        it = iter(coordinator.create_per_worker_dataset(_repeat_batch))
+    def __init__(self, warmup: int):
+        import jaxdist
+        from jaxdist.coordinator import ClusterCoordinator
+        from jaxdist.ps import optimizers as O
 
-        def step(it):
-            x, y = next(it)
-            loss, grads = strategy.run(grad_fn, args=(params, x, y))
-            params.apply_gradients(grads)
-            return loss
+        self.cluster = c = _cluster(2, chief=True)
+        self.coordinator = None
+        try:
+            for name in ("ps:0", "worker:0", "worker:1"):
+                c.start_task(name, [sys.executable, "-m", "jaxdist.server"])
+            for name in ("ps:0", "worker:0", "worker:1"):
+                c.wait_for_output(name, "listening on", 60)
+            os.environ.update(c.security_env("chief:0"))  # this process is the chief
+            strategy = jaxdist.ParameterServerStrategy(_Chief(c.cluster, c.token), timeout=60)
+            init, grad_fn = _model()
+            with strategy.scope():
+                params = strategy.create_variables(init, O.adam(1e-3), name="mlp")
+            self.coordinator = ClusterCoordinator(strategy)
+            self._it = iter(self.coordinator.create_per_worker_dataset(_repeat_batch))
 
-        for _ in range(2 * warmup):
-            coordinator.schedule(step, args=(it,))
-        coordinator.join()
+            def step(it):
+                x, y = next(it)
+                loss, grads = strategy.run(grad_fn, args=(params, x, y))
+                params.apply_gradients(grads)
+                return loss
+
+            self._step = step
+            for _ in range(2 * warmup):
+                self.coordinator.schedule(step, args=(self._it,))
+            self.coordinator.join()
+        except BaseException:
+            self.close()
+            raise
+
+    def steps_per_s(self, steps: int) -> float:
+        """Steps/s of ``steps`` functions scheduled onto the 2 worker tasks."""
         t0 = time.perf_counter()
         for _ in range(steps):
-            coordinator.schedule(step, args=(it,))
-        coordinator.join()
-        elapsed = time.perf_counter() - t0
-        coordinator.shutdown()
-        return steps / elapsed
-    finally:
-        c.stop()
+            self.coordinator.schedule(self._step, args=(self._it,))
+        self.coordinator.join()
+        return steps / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+        self.cluster.stop()
 
 
 def noop_closures_per_s(n: int, direct: bool) -> float:
@@ -215,34 +278,49 @@ def noop_closures_per_s(n: int, direct: bool) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_coordinator")
-    parser.add_argument("--quick", action="store_true", help="fewer steps, one round")
-    parser.add_argument("--rounds", type=int, help="rotated rounds (default 5, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--rounds", type=int, help="rounds (default 10, quick 2)")
     parser.add_argument("--steps", type=int,
-                        help="steps per mode and round (default 600: ~2 s timed per mode)")
-    parser.add_argument("--between-graph-worker", nargs=2, type=int, help=argparse.SUPPRESS)
+                        help="steps per mode and round (default 600: ~1.5 s timed per mode)")
+    parser.add_argument("--between-graph-worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.between_graph_worker:
-        return _between_graph_worker(*args.between_graph_worker)
+    if args.between_graph_worker is not None:
+        return _between_graph_worker(args.between_graph_worker)
     import statistics
 
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     steps = args.steps or (60 if args.quick else 600)
-    rounds = args.rounds or (1 if args.quick else 5)
+    rounds = args.rounds or (2 if args.quick else 10)
     warmup = 5
     from benchmarks.common import print_machine
 
     print_machine()
     print(f"jaxdist ClusterCoordinator benchmark ({os.cpu_count()} CPUs, loopback, mutual TLS): "
-          f"2 workers, 1 ps, MLP 784-256-10, batch {BATCH}, adam on the ps, {steps} steps, "
-          f"{rounds} rotated rounds (between-graph, coordinator, between-graph, ...)")
+          f"2 workers, 1 ps, MLP 784-256-10, batch {BATCH}, adam on the ps, {steps} steps per "
+          f"mode and round, {rounds} rounds. Both clusters stay up; each round times one "
+          f"window of each mode back to back (between-graph first in odd rounds, the "
+          f"coordinator first in even ones), so that a change in machine speed between rounds "
+          f"cancels in the round's ratio.")
     bgs, cos = [], []
-    for r in range(rounds):
-        bgs.append(between_graph_steps_per_s(steps // 2, warmup))
-        cos.append(coordinator_steps_per_s(steps, warmup))
-        print(f"round {r + 1}: between-graph {bgs[-1]:.1f} steps/s, coordinator "
-              f"{cos[-1]:.1f} steps/s, ratio {cos[-1] / bgs[-1]:.2f}", flush=True)
+    between = BetweenGraph(warmup)  # before the chief's credentials enter os.environ
+    try:
+        coordinator = Coordinator(warmup)
+        try:
+            for r in range(rounds):
+                if r % 2 == 0:
+                    bgs.append(between.steps_per_s(steps))
+                    cos.append(coordinator.steps_per_s(steps))
+                else:
+                    cos.append(coordinator.steps_per_s(steps))
+                    bgs.append(between.steps_per_s(steps))
+                print(f"round {r + 1}: between-graph {bgs[-1]:.1f} steps/s, coordinator "
+                      f"{cos[-1]:.1f} steps/s, ratio {cos[-1] / bgs[-1]:.2f}", flush=True)
+        finally:
+            coordinator.close()
+    finally:
+        between.close()
     bg, co = statistics.median(bgs), statistics.median(cos)
     ratio = statistics.median([c / b for c, b in zip(cos, bgs)])
     rows = [("between-graph (2 worker loops)", bg, 1.0),
@@ -251,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"|{'-' * 34}|{'-' * 10}|{'-' * 8}|")
     for name, sps, ratio in rows:
         print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.2f} |")
-    print("(ratio: the median of the per-round ratios; target >= 0.95)")
+    print(f"(ratio: the median of the per-round ratios; target >= 0.95; per-round ratios "
+          f"{min(c / b for c, b in zip(cos, bgs)):.2f}-{max(c / b for c, b in zip(cos, bgs)):.2f})")
     n = 600 if args.quick else 3000
     direct, grpc_only = noop_closures_per_s(n, True), noop_closures_per_s(n, False)
     print(f"\nno-op closures, 2 workers, {n} scheduled: {direct:.0f}/s over the workers' direct "
