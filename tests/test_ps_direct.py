@@ -293,11 +293,15 @@ def test_random_bytes_after_the_token_never_hurt_the_server(served, data):
     assert client.call(0, "Ping")[0]["task"] == "ps:0"
 
 
-def test_frames_round_trip_with_aligned_arrays():
+@pytest.mark.parametrize("size", ["large", "small"])
+def test_frames_round_trip_with_aligned_arrays(size):
     a, b = socket.socketpair()
     try:
         arrays = {"x": np.arange(5, dtype=np.float64), "y": np.ones((300, 300), np.float32),
                   "e": np.zeros(0, np.int32)}
+        if size == "small":  # header and payload come in one read (direct._ONE_READ_BYTES)
+            arrays = {"x": np.arange(5, dtype=np.float64), "s": np.asarray(np.float32(2.5)),
+                      "b": np.arange(3, dtype=np.int8), "c": np.ones(7, np.complex128)}
         sender = threading.Thread(target=direct.send_frame, args=(
             a, direct.REQUEST, {"method": "Push", "meta": {"k": 1}}, arrays,
             time.monotonic() + 30), daemon=True)
@@ -314,6 +318,35 @@ def test_frames_round_trip_with_aligned_arrays():
         b.close()
 
 
+def test_a_small_frame_stalled_midway_times_out_at_its_deadline():
+    a, b = socket.socketpair()
+    try:
+        frame = []
+
+        class _Capture:
+            def settimeout(self, t):
+                pass
+
+            def gettimeout(self):
+                return None
+
+            def sendall(self, data):
+                frame.append(bytes(data))
+
+        direct.send_frame(_Capture(), direct.RESPONSE, {"code": "OK"},
+                          {"v": np.arange(100, dtype=np.float32)})
+        data = b"".join(frame)
+        a.sendall(data[:len(data) // 2])  # the prefix and part of the rest; then nothing
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            direct.recv_frame(b, direct.RESPONSE, 1 << 20, None, t0 + 0.3)
+        took = time.monotonic() - t0
+        assert 0.25 <= took < 0.3 + direct._TIMEOUT_SLACK_S + 0.5, took
+    finally:
+        a.close()
+        b.close()
+
+
 class _Trickle:
     """A plain socket whose ``sendmsg`` sends at most ``step`` bytes per call."""
 
@@ -322,6 +355,9 @@ class _Trickle:
 
     def settimeout(self, t):
         self.sock.settimeout(t)
+
+    def gettimeout(self):
+        return self.sock.gettimeout()
 
     def sendmsg(self, buffers):
         self.calls += 1

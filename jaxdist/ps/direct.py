@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxdist.cluster.tls import TLSConfig, check_plaintext_allowed
 from jaxdist.ps import wire
-from jaxdist.ps.memory import ALIGNMENT, RECEIVE_POOL, BufferPool
+from jaxdist.ps.memory import ALIGNMENT, RECEIVE_POOL, BufferPool, aligned_empty
 
 ENV_DIRECT = "JAXDIST_PS_DIRECT"
 PREFIX = struct.Struct("<4sIQ")
@@ -61,6 +61,9 @@ _MAX_IOV = 64  # buffers per sendmsg call (the kernel accepts up to IOV_MAX = 10
 #: (or the call's deadline, if sooner): a hung task is left to gRPC, whose calls can be
 #: cancelled, instead of holding the caller for the whole call's deadline.
 CONNECT_SECONDS = 10.0
+_TIMEOUT_SLACK_S = 0.05  # see _set_timeout
+#: A frame whose payload is at most this many bytes is read with its header in one read.
+_ONE_READ_BYTES = 64 << 10
 
 
 def enabled() -> bool:
@@ -78,6 +81,18 @@ class FrameError(wire.WireError):
 
 
 # ---------------------------------------------------------------------- frames
+def _set_timeout(sock: socket.socket, left: float) -> None:
+    """Bounds the next blocking socket operation by ``left`` seconds.
+
+    ``settimeout`` is a system call; a frame's reads and writes come microseconds apart, so
+    the timeout already set is kept while it lies within ``_TIMEOUT_SLACK_S`` above ``left``
+    (a wait may end that much after the deadline, never before it).
+    """
+    cur = sock.gettimeout()
+    if cur is None or cur < left or cur > left + _TIMEOUT_SLACK_S:
+        sock.settimeout(left)
+
+
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
     got, n = 0, len(view)
     while got < n:
@@ -85,7 +100,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("deadline passed")
-            sock.settimeout(left)
+            _set_timeout(sock, left)
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("the peer closed the connection")
@@ -117,7 +132,7 @@ def _gather(sock: socket.socket, buffers: list[Any], deadline: float | None) -> 
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("deadline passed")
-            sock.settimeout(left)
+            _set_timeout(sock, left)
         sent = sock.sendmsg(buffers[:_MAX_IOV])
         while sent:
             if sent >= len(buffers[0]):
@@ -144,7 +159,7 @@ def send_frame(sock: socket.socket, magic: bytes, header: Mapping[str, Any],
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("deadline passed")
-            sock.settimeout(left)
+            _set_timeout(sock, left)
         sock.sendall(data)
 
     for view in views:
@@ -192,17 +207,27 @@ def recv_frame(sock: socket.socket, magic: bytes, max_header: int, max_bytes: in
         raise wire.MessageTooLargeError(
             f"message declares {total} payload bytes, more than the {max_bytes} this receiver "
             f"accepts (max_request_bytes)")
-    raw = bytearray(hlen)
-    _recv_exact(sock, memoryview(raw), deadline)
-    header = _parse(raw)
-    specs = [wire._check_spec(s, total) for s in header.pop("arrays")]
-    try:
-        payload = pool.take(total) if pool is not None else np.empty(total, np.uint8)
-    except (MemoryError, ValueError):
-        raise wire.MessageTooLargeError(
-            f"message declares {total} payload bytes: cannot allocate them") from None
-    if total:
-        _recv_exact(sock, memoryview(payload), deadline)
+    if total <= _ONE_READ_BYTES and hlen <= _ONE_READ_BYTES:
+        # A small frame (a ps answer, a closure's result): header and payload in one read,
+        # into one buffer where the payload starts aligned.
+        pad = (-hlen) % ALIGNMENT
+        buf = aligned_empty(pad + hlen + total)
+        _recv_exact(sock, memoryview(buf)[pad:], deadline)
+        header = _parse(buf[pad:pad + hlen].tobytes())
+        specs = [wire._check_spec(s, total) for s in header.pop("arrays")]
+        payload = buf[pad + hlen:]
+    else:
+        raw = bytearray(hlen)
+        _recv_exact(sock, memoryview(raw), deadline)
+        header = _parse(raw)
+        specs = [wire._check_spec(s, total) for s in header.pop("arrays")]
+        try:
+            payload = pool.take(total) if pool is not None else np.empty(total, np.uint8)
+        except (MemoryError, ValueError):
+            raise wire.MessageTooLargeError(
+                f"message declares {total} payload bytes: cannot allocate them") from None
+        if total:
+            _recv_exact(sock, memoryview(payload), deadline)
     arrays = {name: payload[off:off + n].view(dt).reshape(shape)
               for name, dt, shape, off, n in specs}
     return header, arrays
