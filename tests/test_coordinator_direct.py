@@ -15,7 +15,6 @@ import ssl
 import threading
 import time
 
-import cloudpickle
 import pytest
 from coordinator_util import in_process_worker
 
@@ -28,7 +27,7 @@ from jaxdist.coordinator.errors import (
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.coordinator.worker_service import (
     ENV_DIRECT,
-    from_bytes_array,
+    answer_value,
     to_bytes_array,
 )
 from jaxdist.ps import direct
@@ -95,8 +94,7 @@ def _batch(fn, args: list[int]) -> tuple[dict, dict]:
 
 
 def _values(answers) -> list:
-    return [cloudpickle.loads(from_bytes_array(a["value"])) if m["ok"] else m["kind"]
-            for m, a in answers]
+    return [answer_value(a) if m["ok"] else m["kind"] for m, a in answers]
 
 
 @pytest.mark.parametrize("use_direct", [True, False], ids=["direct", "grpc"])

@@ -20,7 +20,12 @@ from jaxdist.coordinator import (
 )
 from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
-from jaxdist.coordinator.worker_service import WorkerService, from_bytes_array, to_bytes_array
+from jaxdist.coordinator.worker_service import (
+    WorkerService,
+    answer_value,
+    from_bytes_array,
+    to_bytes_array,
+)
 
 
 def _closure(i, fn=lambda: None):
@@ -113,7 +118,7 @@ def test_worker_service_runs_functions_and_reports_errors():
             return meta, arrays
 
         meta, arrays = run(add, 2, 3)
-        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 5
+        assert meta["ok"] and answer_value(arrays) == 5
 
         def bad():
             raise KeyError("nope")
@@ -155,9 +160,9 @@ def test_worker_service_runs_a_function_sent_once_by_its_digest():
         args = to_bytes_array(closure_pickle.dumps(((4,), {})))
         meta, arrays = svc.run_closure({"closure_id": 0, "fn_digest": digest},
                                        {"fn": to_bytes_array(payload), "args": args})
-        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 12
+        assert meta["ok"] and answer_value(arrays) == 12
         meta, arrays = svc.run_closure({"closure_id": 1, "fn_digest": digest}, {"args": args})
-        assert meta["ok"] and cloudpickle.loads(from_bytes_array(arrays["value"])) == 12
+        assert meta["ok"] and answer_value(arrays) == 12
         meta, _ = svc.run_closure({"closure_id": 2, "fn_digest": "0" * 64}, {"args": args})
         assert meta == {**meta, "ok": False, "kind": "missing_function"}
         meta, _ = svc.run_closure({"closure_id": 3, "fn_digest": "1" * 64},
@@ -220,7 +225,7 @@ def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
         answers = list(svc.run_closures(svc.batch_items(meta, arrays)))
         # In order; the error fails only its own closure, the ones after it still run.
         assert [m["ok"] for m, _ in answers] == [True, False, True, True]
-        values = [cloudpickle.loads(from_bytes_array(a["value"])) for m, a in answers
+        values = [answer_value(a) for m, a in answers
                   if m["ok"]]
         assert [v for v, _ in values] == [0, 20, 30]
         assert [t for _, t in values] == sorted(t for _, t in values)
@@ -256,6 +261,48 @@ def test_results_of_plain_data_are_pickled_without_cloudpickle():
     fn = lambda x: x + 1  # noqa: E731 - by value: only cloudpickle can send it
     assert cloudpickle.loads(dumps_value({"f": fn}))["f"](1) == 2
     assert cloudpickle.loads(dumps_value(np.array([fn], dtype=object)))[0](2) == 3
+
+
+def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
+    import ml_dtypes
+
+    from jaxdist.coordinator.worker_service import RAW_VALUE_BYTES, answer_value, value_arrays
+
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    raw = [np.asarray(np.float32(1.5)), fortran, np.arange(3)[::-1], np.float32(0.25),
+           np.int64(-3), np.bool_(True), np.complex64(1 + 2j)]
+    for value in raw:
+        arrays = value_arrays(value)
+        assert list(arrays) == ["scalar" if isinstance(value, np.generic) else "array"]
+        got = answer_value({k: v.copy() for k, v in arrays.items()})
+        assert type(got) is type(value) and got.dtype == value.dtype
+        assert np.shape(got) == np.shape(value) and np.array_equal(got, value)
+    # Everything else is pickled, and comes back as it was.
+    pickled = [3, {"a": np.float32(1)}, np.zeros(2, ">f4"), np.array(["x"]),
+               np.zeros(2, ml_dtypes.bfloat16), np.zeros(RAW_VALUE_BYTES // 8 + 1),
+               np.ma.masked_array([1.0, 2.0], mask=[0, 1])]
+    for value in pickled:
+        arrays = value_arrays(value)
+        assert list(arrays) == ["value"], type(value)
+        got = answer_value(arrays)
+        assert type(got) is type(value)
+        if isinstance(value, np.ndarray):
+            assert got.dtype == value.dtype and np.array_equal(got, value)
+    # A raw value is copied out of the receive buffer (which is reused).
+    buf = np.arange(4, dtype=np.float32)
+    got = answer_value({"array": buf})
+    buf[:] = 0
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0] and got.flags.writeable
+
+
+def test_the_answer_mac_covers_the_shape_of_each_array():
+    from jaxdist.coordinator.worker_service import arrays_mac
+
+    key = b"k" * 32
+    a = arrays_mac(key, "n/0", {"array": np.zeros((2, 3), np.float32)})
+    assert a != arrays_mac(key, "n/0", {"array": np.zeros((3, 2), np.float32)})
+    assert a != arrays_mac(key, "n/0", {"array": np.zeros(6, np.float32)})
+    assert a == arrays_mac(key, "n/0", {"array": np.zeros((2, 3), np.float32)})
 
 
 def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypatch):
@@ -352,7 +399,7 @@ def test_numbered_batches_of_a_session_run_in_their_order():
         got = {}
 
         def run(i, seq, session="s1"):
-            got[i] = [cloudpickle.loads(from_bytes_array(a["value"]))
+            got[i] = [answer_value(a)
                       for _, a in svc.run_closures(batch(i), session=session, seq=seq)]
 
         assert run(0, 0) is None and got[0][0][0] == 0

@@ -72,6 +72,7 @@ from jaxdist.coordinator.worker_service import (
     FN_DIGEST_KEY,
     SEQ_KEY,
     SESSION_KEY,
+    answer_value,
     from_bytes_array,
     to_bytes_array,
 )
@@ -307,6 +308,8 @@ class _WorkerThread:
         """
         c = self._c
         items: list[_Item] = []
+        # A batch is mostly one plain function: its fingerprint is taken once per batch.
+        last: _ShippedFunction | None = None
         for k, closure in enumerate(batch):
             closure.attempts += 1
             broken = c._broken_input((closure.args, closure.kwargs), self.index)
@@ -315,7 +318,9 @@ class _WorkerThread:
                 c._queue.mark_failed(broken)
                 continue
             try:
-                shipped = self._function(closure.fn)
+                shipped = last if last is not None and last.fn is closure.fn and (
+                    last.key is not None) else self._function(closure.fn)
+                last = shipped
                 args_payload = self._arguments(closure, wait=not items)
             except closure_pickle.NotReadyError:
                 rest = batch[k:]
@@ -362,6 +367,15 @@ class _WorkerThread:
         gone = {id(closure) for closure in closures}
         with self._current_lock:
             slot.batch = [closure for closure in slot.batch if id(closure) not in gone]
+
+    def _answered(self, slot: _Slot, closure: Closure) -> None:
+        """``_forget`` of one answered closure (answers come in order: it is first)."""
+        with self._current_lock:
+            batch = slot.batch
+            for i, other in enumerate(batch):
+                if other is closure:
+                    del batch[i]
+                    return
 
     def _process(self, batch: list[Closure], slot: _Slot) -> None:
         items = self._prepare(batch, slot)
@@ -426,7 +440,7 @@ class _WorkerThread:
                     item.with_fn = True
                     again.append(item)  # it did not run: send it again with its function
                     continue
-                self._forget(slot, [item.closure])
+                self._answered(slot, item.closure)
                 self._settle(item.closure, meta, out)
             if answered < len(items):
                 raise WorkerUnavailableError(
@@ -460,7 +474,7 @@ class _WorkerThread:
         c, st = self._c, self.state
         if meta.get("ok"):
             try:
-                value = pickle.loads(from_bytes_array(arrays["value"]))
+                value = answer_value(arrays)
             except Exception as e:  # noqa: BLE001
                 closure.remote_value._set_error(e, st.name)
                 c._queue.mark_failed(e)
@@ -861,7 +875,7 @@ class ClusterCoordinator:
         meta, arrays = self._run_direct(index, _worker_num_replicas, (self._ps_rpc_timeout,))
         if not meta.get("ok"):
             raise _remote_exception(meta, arrays)
-        return int(pickle.loads(from_bytes_array(arrays["value"])))
+        return int(answer_value(arrays))
 
     def _fetch_resource(self, resource: WorkerResource) -> Any:
         """The value of a per-worker resource, copied from its worker (TF fetches the
@@ -874,7 +888,7 @@ class ClusterCoordinator:
                 raise broken
             meta, arrays = self._run_direct(resource.worker_index, _identity_value, (resource,))
             if meta.get("ok"):
-                return pickle.loads(from_bytes_array(arrays["value"]))
+                return answer_value(arrays)
             if meta.get("kind") != "missing_resource" or time.monotonic() > deadline:
                 raise _remote_exception(meta, arrays)
             time.sleep(0.05)  # its worker thread has not built it yet

@@ -118,7 +118,8 @@ def item_nonce(nonce: str, index: int) -> str:
 
 
 def arrays_mac(key: bytes, nonce: str, arrays: dict) -> str:
-    """HMAC-SHA256 of a response's arrays (names and bytes, sorted by name) for ``nonce``.
+    """HMAC-SHA256 of a response's arrays (names, dtypes, shapes and bytes, sorted by name)
+    for ``nonce``.
 
     Example:
         >>> meta["mac"] = arrays_mac(verifier.digest, meta_in["nonce"], out_arrays)
@@ -127,7 +128,7 @@ def arrays_mac(key: bytes, nonce: str, arrays: dict) -> str:
     size = 0
     for name in sorted(arrays):
         data = np.ascontiguousarray(arrays[name])
-        parts.append(f"{name}:{data.dtype.str}:{data.nbytes}\0".encode())
+        parts.append(f"{name}:{data.dtype.str}:{data.shape}:{data.nbytes}\0".encode())
         parts.append(memoryview(data).cast("B"))
         size += data.nbytes
     if size <= _ONE_SHOT_MAC_BYTES:  # a small answer (a loss): one C call, the same MAC
@@ -205,6 +206,45 @@ def dumps_value(value: Any) -> bytes:
     return cloudpickle.dumps(value)
 
 
+#: A numeric numpy result up to this size is sent as a raw array, not pickled.
+RAW_VALUE_BYTES = 1 << 20
+
+
+def value_arrays(value: Any) -> dict[str, np.ndarray]:
+    """The answer arrays of a function's result.
+
+    The common result, a loss (a numpy array or scalar of a numeric dtype), goes as a raw
+    array (``"array"`` / ``"scalar"``): pickling it (numpy's reduce protocol) costs several
+    times what its bytes do, on the worker and again on the coordinator. Anything else is
+    pickled (``"value"``). ``answer_value`` inverts it.
+
+    Example:
+        >>> answer_value(value_arrays(np.float32(0.5)))
+        np.float32(0.5)
+    """
+    kind = "array" if type(value) is np.ndarray else (
+        "scalar" if isinstance(value, np.generic) else None)
+    if kind is not None:
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biufc" and arr.dtype.isnative and arr.nbytes <= RAW_VALUE_BYTES:
+            return {kind: arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)}
+    return {"value": to_bytes_array(dumps_value(value))}
+
+
+def answer_value(arrays: dict) -> Any:
+    """The result carried by an answer's arrays (``value_arrays``' inverse): a raw array is
+    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked).
+
+    Raises:
+        Exception: the pickle cannot be loaded here.
+    """
+    if "array" in arrays:
+        return np.array(arrays["array"])
+    if "scalar" in arrays:
+        return np.array(arrays["scalar"])[()]
+    return pickle.loads(from_bytes_array(arrays["value"]))
+
+
 def _pickle_error(e: BaseException) -> bytes:
     try:
         payload = cloudpickle.dumps(e)
@@ -278,13 +318,12 @@ class WorkerService:
                     return self._failure("user", e)
                 self.functions_run += 1
                 try:
-                    payload = dumps_value(value)
+                    out = value_arrays(value)
                 except Exception as e:  # noqa: BLE001
                     return self._failure("user", TypeError(
                         f"the result of function #{meta.get('closure_id')} cannot be sent "
                         f"back: {type(e).__name__}: {e}"))
-                return ({"ok": True, "task": self.task, "incarnation": self.incarnation},
-                        {"value": to_bytes_array(payload)})
+                return {"ok": True, "task": self.task, "incarnation": self.incarnation}, out
             finally:
                 self.busy = False
 
@@ -553,8 +592,7 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS", "SEQ_KEY",
-           "SERVICE_NAME", "SESSION_KEY",
-           "WorkerServer", "WorkerService", "arrays_mac", "check_coordinator", "direct_enabled",
-           "dumps_value",
-           "item_nonce"]
+__all__ = ["BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS",
+           "RAW_VALUE_BYTES", "SEQ_KEY", "SERVICE_NAME", "SESSION_KEY",
+           "WorkerServer", "WorkerService", "answer_value", "arrays_mac", "check_coordinator",
+           "direct_enabled", "dumps_value", "item_nonce", "value_arrays"]
