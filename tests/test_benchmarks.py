@@ -47,3 +47,19 @@ def test_quick_multi_worker_prints_the_ratio_to_hand_written_jax_distributed():
     assert rows, out.stdout
     assert float(rows[0].split("|")[4]) > 0  # examples/s over the hand-written loop's
     assert "| hand-written jax.distributed |" in out.stdout
+
+
+@pytest.mark.slow
+def test_quick_coordinator_prints_the_ratio_to_between_graph():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "bench_coordinator"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2, out.stdout  # both clusters stayed up for both rounds
+    row = [line for line in out.stdout.splitlines()
+           if line.startswith("| ClusterCoordinator.schedule")]
+    assert row, out.stdout
+    assert float(row[0].split("|")[3]) > 0  # measured, not a placeholder
+    assert "no-op closures" in out.stdout
