@@ -119,10 +119,16 @@ def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
         client.close()
 
 
-def test_jax_results_come_back_as_numpy_arrays(client):
+@pytest.mark.parametrize("use_direct", [True, False], ids=["direct", "grpc"])
+def test_jax_results_come_back_as_numpy_arrays(worker, use_direct):
     import numpy as np
 
-    scalar, tree = _run(client, jax_results, [0, 2])
+    client = _client(*worker, direct_transport=use_direct)
+    try:
+        scalar, tree = _run(client, jax_results, [0, 2])
+        assert client.direct_calls == (1 if use_direct else 0)
+    finally:
+        client.close()
     assert type(scalar) is np.ndarray and scalar.shape == () and scalar.dtype == np.float32
     assert float(scalar) == 0.0
     assert type(tree["sum"]) is np.ndarray and float(tree["sum"]) == 6.0
