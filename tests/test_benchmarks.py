@@ -21,13 +21,17 @@ def test_unknown_benchmark_is_an_error(capsys):
     assert "unknown benchmark" in capsys.readouterr().err
 
 
+def _quick(name: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.run --quick --only name``, which must succeed."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", name],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 def test_quick_strategy_step_prints_ratios():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "bench_strategy_step"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _quick("bench_strategy_step")
     assert "jaxdist / best hand-written" in out.stdout
     assert "Machine: " in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 8 | jaxdist |")]
@@ -38,11 +42,7 @@ def test_quick_strategy_step_prints_ratios():
 
 @pytest.mark.slow
 def test_quick_multi_worker_prints_the_ratio_to_hand_written_jax_distributed():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "bench_multi_worker"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _quick("bench_multi_worker")
     rows = [line for line in out.stdout.splitlines() if line.startswith("| jaxdist |")]
     assert rows, out.stdout
     assert float(rows[0].split("|")[4]) > 0  # examples/s over the hand-written loop's
@@ -51,11 +51,7 @@ def test_quick_multi_worker_prints_the_ratio_to_hand_written_jax_distributed():
 
 @pytest.mark.slow
 def test_quick_coordinator_prints_the_ratio_to_between_graph():
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "bench_coordinator"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = _quick("bench_coordinator")
     rounds = [line for line in out.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2, out.stdout  # both clusters stayed up for both rounds
     row = [line for line in out.stdout.splitlines()
