@@ -148,6 +148,8 @@ def test_launch_coordinator_trains_digits_end_to_end(tmp_path):
     for task in ("ps:0", "worker:0", "worker:1"):
         assert f"[{task}] jaxdist.server {task} stopped" in out, out[-3000:]
     assert "all training tasks finished" in out
+    # The chief's own validation runs there on purpose: no "not scheduled" warning per batch.
+    assert "without using `ClusterCoordinator.schedule`" not in out, out[-3000:]
     (run,) = (tmp_path / "logs").iterdir()  # one run directory: the chief's
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
 

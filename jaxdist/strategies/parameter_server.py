@@ -310,7 +310,9 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 )
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
-        if getattr(self._container_strategy, "_jaxdist_coordinator", None) is not None:
+        container = self._container_strategy
+        if getattr(container, "_jaxdist_coordinator", None) is not None and not getattr(
+                container, "_allow_run_without_coordinator", False):
             # This is the coordinator (workers' strategies have no coordinator): TF's warning.
             log.warning(
                 "A `ParameterServerStrategy` method is invoked without using "
@@ -491,6 +493,9 @@ class ParameterServerStrategy(Strategy):
                 "(python -m jaxdist.server) there, not ParameterServerStrategy"
             )
         self._cluster_resolver = cluster_resolver
+        # TF's flag: a deliberate run on the coordinator (Keras' inline evaluation) sets it to
+        # skip the "invoked without ClusterCoordinator.schedule" warning.
+        self._allow_run_without_coordinator = False
         devices = resolve_devices(compute_devices, default=jax.local_devices())
         super().__init__(ParameterServerStrategyExtended(
             self, info, devices, variable_partitioner, ps_strategy, max_staleness, timeout

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
@@ -505,8 +506,9 @@ class Trainer(TrainerHandle):
         for i, (xb, yb, wb, mb) in enumerate(batches):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
-            totals.append(self.strategy.run(self._eval_replica,
-                                            args=(params, self.rest, self._rngs, xb, yb, wb, mb)))
+            with _inline_on_coordinator(self.strategy):
+                totals.append(self.strategy.run(
+                    self._eval_replica, args=(params, self.rest, self._rngs, xb, yb, wb, mb)))
             if cbs is not None:
                 cbs.on_test_batch_end(i, self._eval_results(jax.device_get(totals))
                                       if batch_logs else {})
@@ -557,7 +559,9 @@ class Trainer(TrainerHandle):
         for i, (xb, mb) in enumerate(self._distribute(self._eval_chunks(d, labels=False))):
             if cbs is not None:
                 cbs.on_predict_batch_begin(i)
-            out = self.strategy.run(self._predict_replica, args=(params, self.rest, self._rngs, xb))
+            with _inline_on_coordinator(self.strategy):
+                out = self.strategy.run(self._predict_replica,
+                                        args=(params, self.rest, self._rngs, xb))
             mask = np.asarray(self.strategy.gather(mb, axis=0)) > 0
             outs.append(np.asarray(self.strategy.gather(out, axis=0))[mask])
             n += int(mask.sum())
@@ -1043,3 +1047,19 @@ def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
                 f"'sparse_categorical_crossentropy' expects integer class ids: pass integer "
                 f"labels (y.astype(int) if they are ids), or a loss for real-valued targets",
                 exit_code=2)
+
+
+@contextlib.contextmanager
+def _inline_on_coordinator(strategy: Any):
+    """The Trainer's own evaluation and prediction on the coordinator are meant to run
+    there (Keras' inline evaluation): TF's ``_allow_run_without_coordinator`` keeps
+    ``ParameterServerStrategy`` from warning once per batch that they were not scheduled."""
+    if not hasattr(strategy, "_allow_run_without_coordinator"):
+        yield
+        return
+    before = strategy._allow_run_without_coordinator
+    strategy._allow_run_without_coordinator = True
+    try:
+        yield
+    finally:
+        strategy._allow_run_without_coordinator = before
