@@ -26,3 +26,22 @@ def test_launch_coordinator_mode_end_to_end():
     assert out["step"] == 10.0
     assert 1 <= len(out["pids"]) <= 2  # functions ran in the worker processes
     assert "worker:0 listening on" in proc.stdout and "all training tasks finished" in proc.stdout
+
+
+def test_a_server_task_logs_jaxdist_from_info_and_other_libraries_from_warning(monkeypatch):
+    import logging
+
+    from jaxdist.coordinator.server import configure_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("jaxdist")
+    monkeypatch.setattr(root, "handlers", [])  # a fresh process: basicConfig configures root
+    saved = (root.level, ours.level)
+    try:
+        configure_logging()
+        assert logging.getLogger("jaxdist.server").isEnabledFor(logging.INFO)
+        jax_log = logging.getLogger("jax._src.xla_bridge")  # "Unable to initialize backend"
+        assert not jax_log.isEnabledFor(logging.INFO)
+        assert jax_log.isEnabledFor(logging.WARNING)
+    finally:
+        root.setLevel(saved[0])
+        ours.setLevel(saved[1])

@@ -33,6 +33,18 @@ from jaxdist.ps.service import ParameterService
 
 log = logging.getLogger("jaxdist.server")
 
+
+def configure_logging() -> None:
+    """A server task's log: jaxdist's own messages from INFO up, other libraries' from
+    WARNING up (JAX's INFO lines, such as "Unable to initialize backend 'tpu'" on a machine
+    without one, would read as errors in every task's output).
+
+    Example:
+        >>> configure_logging()
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("jaxdist").setLevel(logging.INFO)
+
 #: Default of ``--checkpoint_root`` (``jaxdist.launch --coordinator`` sets its working directory).
 CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
 
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                         help="(ps) calls in flight per client connection (default: "
                         "$JAXDIST_PS_MAX_CALLS_PER_CLIENT, else 8)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     try:
         from jaxdist.ps.limits import ServerLimits
 
@@ -208,4 +220,4 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
     return 0
 
 
-__all__ = ["Server", "main"]
+__all__ = ["Server", "configure_logging", "main"]
