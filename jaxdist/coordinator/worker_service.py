@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import pickle
 import threading
 import time
@@ -65,7 +64,7 @@ from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.coordinator import closure_pickle
 from jaxdist.coordinator.errors import MissingResourceError
 from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
-from jaxdist.ps import wire
+from jaxdist.ps import direct, wire
 from jaxdist.ps.direct_server import CallFailed, DirectServer
 from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server
 from jaxdist.ps.limits import ServerLimits
@@ -109,7 +108,7 @@ def direct_enabled() -> bool:
         >>> direct_enabled()
         True
     """
-    return os.environ.get(ENV_DIRECT, "1").strip().lower() not in ("0", "false", "no")
+    return direct.enabled(ENV_DIRECT)
 
 
 def item_nonce(nonce: str, index: int) -> str:

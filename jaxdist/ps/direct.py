@@ -66,14 +66,25 @@ _TIMEOUT_SLACK_S = 0.05  # see _set_timeout
 _ONE_READ_BYTES = 64 << 10
 
 
-def enabled() -> bool:
-    """False when ``JAXDIST_PS_DIRECT`` is ``0``/``false``/``no``.
+def enabled(env: str = ENV_DIRECT) -> bool:
+    """False when the environment variable ``env`` (default ``JAXDIST_PS_DIRECT``) is
+    ``0``/``false``/``no``.
 
     Example:
         >>> enabled()
         True
     """
-    return os.environ.get(ENV_DIRECT, "1").strip().lower() not in ("0", "false", "no")
+    return os.environ.get(env, "1").strip().lower() not in ("0", "false", "no")
+
+
+def readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read now (or is broken). On a connection where the
+    peer sends nothing until it is answered, that means the peer closed it."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(ready)
 
 
 class FrameError(wire.WireError):
@@ -273,13 +284,7 @@ class _Conn:
 
     def stale(self) -> bool:
         """True when the server closed it (readable with nothing asked) or it idled long."""
-        if time.monotonic() - self.last_used > _IDLE_REUSE_S:
-            return True
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return True
-        return bool(readable)
+        return time.monotonic() - self.last_used > _IDLE_REUSE_S or readable(self.sock)
 
     def close(self) -> None:
         try:
@@ -527,4 +532,5 @@ class _StreamCall:
             pass
 
 
-__all__ = ["ENV_DIRECT", "DirectPool", "FrameError", "enabled", "recv_frame", "send_frame"]
+__all__ = ["ENV_DIRECT", "DirectPool", "FrameError", "enabled", "readable", "recv_frame",
+           "send_frame"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -258,11 +257,7 @@ class DirectServer:
 def _peer_open(sock: Any) -> bool:
     """False once the client closed the connection (it sends nothing while it waits for an
     answer, so a readable socket means it closed, or broke the protocol)."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
+    return not direct.readable(sock)
 
 
 __all__ = ["CallFailed", "DirectServer", "HANDSHAKE_SECONDS", "IDLE_SECONDS"]
