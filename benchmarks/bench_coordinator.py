@@ -108,21 +108,31 @@ def _cluster(n_workers: int, chief: bool):
 
 
 def _read_line(proc, timeout: float) -> dict:
-    """The next ``BENCH`` line a between-graph worker prints (other output is skipped)."""
+    """The next ``BENCH`` line a between-graph worker prints (other output is skipped).
+
+    Reads the pipe's descriptor itself: a buffered ``readline`` could take two lines at once,
+    and ``select`` would then wait for the second, already read, until the timeout."""
     import select
 
     deadline = time.monotonic() + timeout
+    fd, buf = proc.stdout.fileno(), proc.bench_buf
     while True:
+        line, sep, rest = buf.partition(b"\n")
+        if sep:
+            buf = rest
+            if line.startswith(_LINE.encode() + b" "):
+                proc.bench_buf = buf
+                return json.loads(line[len(_LINE) + 1:])
+            continue
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             raise TimeoutError(f"between-graph worker (pid {proc.pid}) printed nothing within "
                                f"{timeout:g} s")
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
             raise RuntimeError(f"between-graph worker (pid {proc.pid}) exited with "
                                f"{proc.wait()}")
-        if line.startswith(_LINE + " "):
-            return json.loads(line[len(_LINE) + 1:])
+        buf += chunk
 
 
 class BetweenGraph:
@@ -142,9 +152,11 @@ class BetweenGraph:
             cmd = [sys.executable, "-m", "benchmarks.bench_coordinator",
                    "--between-graph-worker", str(warmup)]
             for i in range(2):
-                self.procs.append(subprocess.Popen(
-                    cmd, env=self.cluster.env_for(f"worker:{i}"), cwd=REPO, text=True,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log))
+                proc = subprocess.Popen(
+                    cmd, env=self.cluster.env_for(f"worker:{i}"), cwd=REPO,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+                proc.bench_buf = b""
+                self.procs.append(proc)
             for proc in self.procs:
                 _read_line(proc, 300)
         except BaseException:
@@ -155,7 +167,7 @@ class BetweenGraph:
         """Total steps/s of both workers running ``steps // 2`` steps each, started together
         (the wall from the first start to the last end)."""
         for proc in self.procs:
-            proc.stdin.write(f"{steps // 2}\n")
+            proc.stdin.write(f"{steps // 2}\n".encode())
             proc.stdin.flush()
         outs = [_read_line(proc, 600) for proc in self.procs]
         # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes of one machine.
