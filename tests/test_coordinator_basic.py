@@ -287,8 +287,23 @@ def _gates(coordinator, seconds: float) -> list[RemoteValue]:
     return rvs
 
 
+def _spy_messages(coordinator) -> list[int]:
+    """Records how many answers each RunClosures answer message carries."""
+    counts: list[int] = []
+    real = coordinator._client._split
+
+    def spy(*args):
+        answers = real(*args)
+        counts.append(len(answers))
+        return answers
+
+    coordinator._client._split = spy
+    return counts
+
+
 def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator):
     batches = _spy_batches(coordinator)
+    messages = _spy_messages(coordinator)
 
     def square(i):
         time.sleep(0.002)
@@ -308,6 +323,9 @@ def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator)
     assert all(b == sorted(b) for b in batches), batches  # each in queue order
     assert sorted(i for b in batches for i in b) == sorted(set(i for b in batches for i in b))
     assert max(len(b) for b in batches) <= cc.MAX_BATCH
+    # A batch's answers share messages (a worker holds a finished closure's answer while the
+    # next one ends soon): fewer messages than answers, every answer delivered once.
+    assert sum(messages) == 42 and len(messages) < 42 and max(messages) > 1, messages
     # Each closure's RemoteValue names the worker that ran it (a batch runs on one worker).
     pids = {rv.worker: rv.fetch()[1] for rv in rvs}
     assert all(rv.fetch()[1] == pids[rv.worker] for rv in rvs)

@@ -27,6 +27,7 @@ from jaxdist.coordinator.errors import (
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.coordinator.worker_service import (
     ENV_DIRECT,
+    GROUP_KEY,
     answer_value,
     to_bytes_array,
 )
@@ -115,6 +116,49 @@ def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
         # The connection is reused: one connection served both calls.
         if use_direct:
             assert client.direct_calls == 2 and len(client._direct._idle[0]) == 1
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("use_direct", [True, False], ids=["direct", "grpc"])
+def test_a_batch_asked_to_group_its_answers_sends_fewer_messages(worker, use_direct):
+    server, token = worker
+    client = _client(server, token, direct_transport=use_direct)
+    messages = []
+    split = client._split
+
+    def counting(task, method, index, meta, arrays):
+        messages.append(index)
+        return split(task, method, index, meta, arrays)
+
+    client._split = counting
+    try:
+        meta, arrays = _batch(times_ten, [1, 2, 3, 4])
+        meta[GROUP_KEY] = 4
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
+            10, 20, 30, 40]
+        assert messages == [0]  # one message, one MAC, four answers
+        # Without the key: one message per closure, as before.
+        messages.clear()
+        meta, arrays = _batch(times_ten, [1, 2])
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
+            10, 20]
+        assert messages == [0, 1]
+        # An error goes out at once with the answers before it; the rest follow.
+        messages.clear()
+        meta, arrays = _batch(fails, [1, 2])
+        meta[GROUP_KEY] = 2
+        assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
+            "user", "user"]
+        assert messages == [0, 1]
+        for bad in (0, 65, "2", True):
+            meta, arrays = _batch(times_ten, [1])
+            meta[GROUP_KEY] = bad
+            with pytest.raises(CoordinatorError, match="INVALID_ARGUMENT.*group"):
+                list(client.call_stream(0, "RunClosures", meta, arrays, timeout=5.0))
+        # A message that does not split into the batch's answers is refused.
+        with pytest.raises(WorkerUnavailableError, match="not a well-formed group"):
+            client._split(0, "RunClosures", 0, {"answers": [{}]}, {"7.array": None})
     finally:
         client.close()
 

@@ -305,6 +305,88 @@ def test_the_answer_mac_covers_the_shape_of_each_array():
     assert a == arrays_mac(key, "n/0", {"array": np.zeros((2, 3), np.float32)})
 
 
+class _Clock:
+    """A fake ``time.monotonic`` that closures advance."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self):
+        return self.now
+
+
+def _timed_answers(clock, spec):
+    """Answers of closures that take ``seconds`` each: ``(seconds, ok, nbytes)`` per one."""
+    for i, (seconds, ok, nbytes) in enumerate(spec):
+        clock.now += seconds
+        yield ({"ok": ok, "i": i}, {"array": np.full(nbytes // 4, i, np.float32)})
+
+
+def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypatch):
+    from jaxdist.coordinator import worker_service as ws
+
+    clock = _Clock()
+    monkeypatch.setattr(ws, "time", clock)
+
+    def frames(spec, group=8, hold=0.05, count=None):
+        out = list(ws.group_answers(_timed_answers(clock, spec), count or len(spec), group,
+                                    hold))
+        for meta, arrays in out:  # each message splits back into its answers, in order
+            split = ws.split_answers(meta, arrays, 64)
+            assert [m for m, _ in split] == meta[ws.ANSWERS_KEY]
+        return [[m["i"] for m in meta[ws.ANSWERS_KEY]] for meta, _ in out]
+
+    fast = (0.005, True, 4)
+    # Five 5 ms closures: one message; at most ``group`` answers to a message.
+    assert frames([fast] * 5) == [[0, 1, 2, 3, 4]]
+    assert frames([fast] * 5, group=2) == [[0, 1], [2, 3], [4]]
+    # An error goes out at once, with the answers held before it.
+    assert frames([fast, fast, (0.005, False, 0), fast, fast]) == [[0, 1, 2], [3, 4]]
+    # So does a large result.
+    assert frames([fast, (0.005, True, ws.GROUP_MAX_BYTES + 4), fast]) == [[0, 1], [2]]
+    # Held only while the next closure, if it takes as long as the last, ends in time:
+    # 20 ms closures and a 50 ms hold: three to a message (the first answer waits 40 ms,
+    # a fourth would make it 60); 60 ms closures: each alone.
+    assert frames([(0.02, True, 4)] * 5) == [[0, 1, 2], [3, 4]]
+    assert frames([(0.06, True, 4)] * 3) == [[0], [1], [2]]
+    assert frames([fast] * 4, hold=0.0) == [[0], [1], [2], [3]]
+    # The caller went away mid-batch (the batch stops): what ran is still answered.
+    assert frames([fast] * 3, count=8) == [[0, 1, 2]]
+    # Closing the messages closes the batch (its turn on the worker ends).
+    closed = []
+
+    def batch():
+        try:
+            yield from _timed_answers(clock, [fast] * 4)
+        finally:
+            closed.append(True)
+
+    grouped = ws.group_answers(batch(), 4, 2, 0.05)
+    next(grouped)
+    grouped.close()
+    assert closed == [True]
+    # The arrays of answer j travel as "<j>.<name>".
+    meta, arrays = next(ws.group_answers(_timed_answers(clock, [fast] * 2), 2, 8, 0.05))
+    assert sorted(arrays) == ["0.array", "1.array"] and arrays["1.array"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("meta, arrays", [
+    ({}, {}),
+    ({"answers": "x"}, {}),
+    ({"answers": []}, {}),
+    ({"answers": [{"ok": True}] * 3}, {}),  # more than the batch holds (2)
+    ({"answers": [{"ok": True}, 5]}, {}),
+    ({"answers": [{"ok": True}]}, {"1.array": np.zeros(1)}),
+    ({"answers": [{"ok": True}]}, {"array": np.zeros(1)}),
+    ({"answers": [{"ok": True}]}, {"x.array": np.zeros(1)}),
+])
+def test_a_malformed_group_of_answers_is_refused(meta, arrays):
+    from jaxdist.coordinator.worker_service import split_answers
+
+    with pytest.raises(ValueError, match="answers"):
+        split_answers(meta, arrays, 2)
+
+
 def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypatch):
     import threading
     import types

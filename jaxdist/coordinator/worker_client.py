@@ -36,12 +36,15 @@ from jaxdist.coordinator.errors import (
     WorkerUnavailableError,
 )
 from jaxdist.coordinator.worker_service import (
+    ANSWERS_KEY,
     MAC_KEY,
+    MAX_BATCH_CLOSURES,
     NONCE_KEY,
     SERVICE_NAME,
     arrays_mac,
     direct_enabled,
     item_nonce,
+    split_answers,
 )
 from jaxdist.ps import wire
 from jaxdist.ps.direct import DirectPool
@@ -191,7 +194,7 @@ class WorkerClient:
         try:
             for index, (out_meta, out_arrays) in enumerate(frames):
                 self._check_mac(task, method, item_nonce(nonce, index), out_meta, out_arrays)
-                yield out_meta, out_arrays
+                yield from self._split(task, method, index, out_meta, out_arrays)
         finally:
             frames.close()  # a refused answer, or the caller stopped reading: drop the call
 
@@ -237,7 +240,7 @@ class WorkerClient:
                 out_meta, out_arrays = wire.decode(chunks)
                 self._check_mac(task, method, item_nonce(nonce, index), out_meta, out_arrays)
                 index += 1
-                yield out_meta, out_arrays
+                yield from self._split(task, method, index - 1, out_meta, out_arrays)
         except grpc.RpcError as e:
             raise self._translate(task, method, timeout, e) from None
         except wire.WireError as e:
@@ -248,6 +251,20 @@ class WorkerClient:
         finally:
             if not ended:
                 responses.cancel()  # the caller stopped reading, or the answer was refused
+
+    def _split(self, task: int, method: str, index: int, out_meta: dict,
+               out_arrays: dict) -> list[Message]:
+        """The answers one message carries: itself, or those it groups (``group_answers``)."""
+        if ANSWERS_KEY not in out_meta:
+            return [(out_meta, out_arrays)]
+        try:
+            return split_answers(out_meta, out_arrays, MAX_BATCH_CLOSURES)
+        except ValueError as e:
+            name = self.task_name(task)
+            raise WorkerUnavailableError(
+                f"{name} at {self.addresses[task]}: answer {index} to {method} is not a "
+                f"well-formed group of answers: {e}", task=name,
+                address=self.addresses[task]) from None
 
     def _check_mac(self, task: int, method: str, nonce: str, out_meta: dict,
                    out_arrays: dict) -> None:

@@ -11,8 +11,11 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
 * ``RunClosures`` (meta ``closures``: a list of ``{"closure_id", "fn_digest"}``, arrays
   ``args.<i>`` and optionally ``fn.<i>`` for closure ``i``): several closures in one call, run
   in order; the answer streams one ``RunClosure`` answer per closure as soon as it ends (each
-  with its own MAC over ``"<nonce>/<i>"``), so a worker lost mid-batch loses only the closure it
-  was running and those not started. A closure whose call was cancelled is not started.
+  message with its own MAC over ``"<nonce>/<i>"``, ``i`` counting messages). With meta
+  ``group: n`` a message may carry up to ``n`` answers (``{"answers": [...]}``, see
+  ``group_answers``): a finished closure's answer waits, at most ``GROUP_HOLD_SECONDS``, for
+  the ones after it. A worker lost mid-batch loses the closure it was running, the answers it
+  held, and the closures not started. A closure whose call was cancelled is not started.
   Batches run one at a time, whole; meta ``session`` and ``seq`` number a coordinator's calls,
   which then run in that order.
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
@@ -29,8 +32,8 @@ asked for (``jaxdist.cluster.tls``).
 
 ``RunClosures`` is also served on a second port (``WorkerServer.direct``, named in the ``Ping``
 answer as ``direct_port``): the frames of ``jaxdist.ps.direct`` over one mutual-TLS socket per
-caller, the coordinator token presented once per connection, the same MAC'd answers, one frame
-per closure. It spares gRPC Python's fixed per-message cost (about half the CPU of a small
+caller, the coordinator token presented once per connection, the same MAC'd answer messages,
+one frame each. It spares gRPC Python's fixed per-message cost (about half the CPU of a small
 closure). ``JAXDIST_COORDINATOR_DIRECT=0`` turns it off.
 
 Example:
@@ -95,6 +98,15 @@ BATCH_KEY = "closures"
 MAX_BATCH_CLOSURES = 64
 #: RunClosures meta: the coordinator's session (a random id) and the call's number in it.
 SESSION_KEY, SEQ_KEY = "session", "seq"
+#: RunClosures meta: answer up to this many closures per message (``group_answers``);
+#: absent: one message per closure.
+GROUP_KEY = "group"
+#: A grouped message's meta: the answers it carries, in order.
+ANSWERS_KEY = "answers"
+#: How long a finished closure's answer may wait for the next ones to share its message.
+GROUP_HOLD_SECONDS = 0.05
+#: A message of grouped answers goes out once its arrays pass this size.
+GROUP_MAX_BYTES = 64 << 10
 #: How long a call waits for the call numbered just below it that has not arrived.
 ORDER_GRACE_SECONDS = 0.25
 #: ``0`` / ``false`` / ``no``: no direct transport for ``RunClosures`` (server and client).
@@ -242,6 +254,69 @@ def answer_value(arrays: dict) -> Any:
     if "scalar" in arrays:
         return np.array(arrays["scalar"])[()]
     return pickle.loads(from_bytes_array(arrays["value"]))
+
+
+def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
+                  hold_seconds: float | None = None) -> Iterator[tuple[dict, dict]]:
+    """The answers of a ``RunClosures`` batch of ``count`` closures, several to a message.
+
+    An answer is held back while closures of the batch are still to run, at most ``group``
+    answers to a message, and only while the next closure should end (if it takes as long as
+    the last one) within ``hold_seconds`` (``GROUP_HOLD_SECONDS``) of the first held answer;
+    an error, a refusal or a large result goes out at once with those held before it. A
+    message is ``{ANSWERS_KEY: [meta, ...]}`` with the arrays of answer ``j`` named
+    ``"<j>.<name>"``; ``split_answers`` inverts it.
+
+    Example:
+        >>> frames = list(group_answers(iter(answers), len(answers), 8))
+    """
+    hold = GROUP_HOLD_SECONDS if hold_seconds is None else hold_seconds
+    held: list[tuple[dict, dict]] = []
+    size, since = 0, 0.0
+    last = time.monotonic()
+    try:
+        for done, (meta, arrays) in enumerate(answers, 1):
+            now = time.monotonic()
+            took, last = now - last, now
+            if not held:
+                since = now
+            held.append((meta, arrays))
+            size += sum(a.nbytes for a in arrays.values())
+            if (len(held) >= group or done >= count or not meta.get("ok")
+                    or size > GROUP_MAX_BYTES or now + took - since > hold):
+                yield _grouped(held)
+                held, size = [], 0
+                last = time.monotonic()  # the send is not the next closure's time
+        if held:  # the caller went away mid-batch: what ran is still answered
+            yield _grouped(held)
+    finally:
+        answers.close()
+
+
+def _grouped(held: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    arrays = {f"{j}.{name}": arr for j, (_, a) in enumerate(held) for name, arr in a.items()}
+    return {ANSWERS_KEY: [meta for meta, _ in held]}, arrays
+
+
+def split_answers(meta: dict, arrays: dict, most: int) -> list[tuple[dict, dict]]:
+    """The answers a grouped ``RunClosures`` message carries (``group_answers``' inverse).
+
+    Raises:
+        ValueError: not a list of 1 to ``most`` answer dicts, or an array that belongs to
+            none of them.
+    """
+    metas = meta.get(ANSWERS_KEY)
+    if not isinstance(metas, list) or not 1 <= len(metas) <= most or not all(
+            isinstance(m, dict) for m in metas):
+        raise ValueError(f"expected {ANSWERS_KEY!r}: a list of 1 to {most} answers, got "
+                         f"{str(metas)[:100]}")
+    out: list[tuple[dict, dict]] = [(m, {}) for m in metas]
+    for key, arr in arrays.items():
+        index, dot, name = key.partition(".")
+        if not (dot and index.isdigit() and int(index) < len(out)):
+            raise ValueError(f"array {key[:80]!r} belongs to none of the {len(out)} answers")
+        out[int(index)][1][name] = arr
+    return out
 
 
 def _pickle_error(e: BaseException) -> bytes:
@@ -549,8 +624,15 @@ class WorkerServer(GrpcTaskServer):
         if not isinstance(nonce, str):
             raise ValueError(f"RunClosures needs a {NONCE_KEY!r} string")
         items = self.service.batch_items(meta, arrays)
-        return self._macd(self.service.run_closures(
-            items, active, meta.get(SESSION_KEY), meta.get(SEQ_KEY)), nonce)
+        group = meta.get(GROUP_KEY, 1)
+        if type(group) is not int or not 1 <= group <= MAX_BATCH_CLOSURES:
+            raise ValueError(f"RunClosures {GROUP_KEY!r} must be an int from 1 to "
+                             f"{MAX_BATCH_CLOSURES}, got {str(group)[:40]}")
+        answers = self.service.run_closures(items, active, meta.get(SESSION_KEY),
+                                            meta.get(SEQ_KEY))
+        if GROUP_KEY not in meta:
+            return self._macd(answers, nonce)
+        return self._macd(group_answers(answers, len(items), group), nonce)
 
     def _macd(self, answers: Iterator[tuple[dict, dict]], nonce: str
               ) -> Iterator[tuple[dict, dict]]:
@@ -591,7 +673,9 @@ class WorkerServer(GrpcTaskServer):
         set_current(None)
 
 
-__all__ = ["BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "MAX_BATCH_CLOSURES", "METHODS",
+__all__ = ["ANSWERS_KEY", "BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "GROUP_HOLD_SECONDS",
+           "GROUP_KEY", "GROUP_MAX_BYTES", "MAX_BATCH_CLOSURES", "METHODS",
            "RAW_VALUE_BYTES", "SEQ_KEY", "SERVICE_NAME", "SESSION_KEY",
            "WorkerServer", "WorkerService", "answer_value", "arrays_mac", "check_coordinator",
-           "direct_enabled", "dumps_value", "item_nonce", "value_arrays"]
+           "direct_enabled", "dumps_value", "group_answers", "item_nonce", "split_answers",
+           "value_arrays"]
