@@ -387,10 +387,9 @@ def test_a_malformed_group_of_answers_is_refused(meta, arrays):
         split_answers(meta, arrays, 2)
 
 
-def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypatch):
+def test_arguments_of_per_worker_resources_go_as_ids_and_are_never_pickled(monkeypatch):
     import threading
     import types
-    import weakref
 
     from jaxdist.coordinator import cluster_coordinator as cc
     from jaxdist.coordinator.closure_queue import Closure
@@ -398,7 +397,7 @@ def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypat
 
     w = object.__new__(cc._WorkerThread)
     w._c = types.SimpleNamespace(_ps_rpc_timeout=1.0, _join_timeout=1.0)
-    w.index, w._fn_lock, w._args_cache = 1, threading.Lock(), {}
+    w.index, w._fn_lock = 1, threading.Lock()
     real, pickled = closure_pickle.dumps, []
     monkeypatch.setattr(closure_pickle, "dumps",
                         lambda obj, *a, **k: pickled.append(obj) or real(obj, *a, **k))
@@ -407,27 +406,51 @@ def test_arguments_of_per_worker_resources_are_pickled_once_per_object(monkeypat
         return Closure(len(pickled), abs, args, kwargs, RemoteValue())
 
     def parts(rid):
-        return PerWorkerValues([closure_pickle.WorkerResource(rid, i) for i in range(2)])
+        return PerWorkerValues([closure_pickle.WorkerResource(rid + i, i) for i in range(2)])
 
-    it = parts(3)
-    first = w._arguments(closure(it), True)
-    assert w._arguments(closure(it), True) is first and len(pickled) == 1
-    assert first == real(((it,), {}), 1, 1.0, 1.0)
-    other = parts(4)
-    assert w._arguments(closure(other), True) != first and len(pickled) == 2
-    # A cached entry whose object died is not used for a new object at the same address.
-    dead = PerWorkerValues([])
-    stale = (weakref.ref(dead),)
-    del dead
-    w._args_cache[(id(it),)] = (stale, b"stale")
-    assert w._arguments(closure(it), True) == first and len(pickled) == 3
-    # Anything else is pickled every time.
-    for args, kwargs in (((it, 5), {}), ((), {}), ((it,), {"x": it}),
-                         ((PerWorkerValues([1, 2]),), {})):
+    # Worker 1's part of each argument, by id: nothing pickled.
+    assert w._arguments(closure(parts(3)), True) == (4,)
+    assert w._arguments(closure(parts(3), closure_pickle.WorkerResource(9, 1)), True) == (4, 9)
+    assert pickled == []
+    # Anything else is pickled every time (a part missing for this worker: pickling raises).
+    for args, kwargs in (((parts(3), 5), {}), ((), {}), ((parts(3),), {"x": parts(3)}),
+                         ((PerWorkerValues([1, 2]),), {}),
+                         ((closure_pickle.WorkerResource(0, 1),) * 17, {})):
         n = len(pickled)
-        w._arguments(closure(*args, **kwargs), True)
-        w._arguments(closure(*args, **kwargs), True)
-        assert len(pickled) == n + 2
+        assert type(w._arguments(closure(*args, **kwargs), True)) is bytes
+        assert len(pickled) == n + 1
+    with pytest.raises(ValueError, match="PerWorkerValues has 1 parts, but worker 1"):
+        w._arguments(closure(PerWorkerValues([closure_pickle.WorkerResource(0, 0)])), True)
+
+
+def test_a_closure_whose_arguments_are_resources_looks_them_up_on_the_worker():
+    import hashlib
+
+    runtime = _runtime()
+    svc = WorkerService(runtime)
+    try:
+        runtime.resources[3] = iter([10, 20])
+        runtime.resources[5] = 7
+
+        def step(it, k):
+            return next(it) + k
+
+        raw = closure_pickle.dumps(step)
+        digest = hashlib.sha256(raw).hexdigest()
+        meta = {"closures": [{"closure_id": i, "fn_digest": digest, "resources": [3, 5]}
+                             for i in range(2)]}
+        answers = list(svc.run_closures(svc.batch_items(meta, {"fn.0": to_bytes_array(raw)})))
+        assert [answer_value(a) for _, a in answers] == [17, 27]
+        # A resource this worker does not hold: missing_resource (the coordinator rebuilds).
+        meta = {"closures": [{"closure_id": 2, "fn_digest": digest, "resources": [4, 5]}]}
+        (answer, _), = svc.run_closures(svc.batch_items(meta, {}))
+        assert answer["kind"] == "missing_resource"
+        for bad in ([], "3", [3.0], [True], [1] * 17, None):
+            meta = {"closures": [{"closure_id": 0, "fn_digest": digest, "resources": bad}]}
+            with pytest.raises(ValueError, match="'resources' must be a list"):
+                svc.batch_items(meta, {})
+    finally:
+        set_current(None)
 
 
 def test_a_second_batch_waits_for_the_whole_first_one():

@@ -72,6 +72,8 @@ from jaxdist.coordinator.worker_service import (
     BATCH_KEY,
     FN_DIGEST_KEY,
     GROUP_KEY,
+    MAX_RESOURCE_ARGS,
+    RESOURCES_KEY,
     SEQ_KEY,
     SESSION_KEY,
     answer_value,
@@ -131,8 +133,6 @@ class _WorkerThread:
         self._fn_cache: OrderedDict[int, _ShippedFunction] = OrderedDict()
         self._shipped: set[str] = set()
         self._shipped_for: Any = None
-        # Pickled arguments made of per-worker resources only, by the objects' ids.
-        self._args_cache: dict[tuple, tuple[tuple, bytes]] = {}
         self._slots = [_Slot(i) for i in range(PIPELINE_DEPTH)]
         # Batches start their calls in the order they were taken (the worker runs them in
         # the order they come): ticket n calls after ticket n - 1 did, or gave up.
@@ -347,30 +347,16 @@ class _WorkerThread:
             items.append(_Item(closure, shipped, args_payload))
         return items
 
-    def _arguments(self, closure: Closure, wait: bool) -> bytes:
-        """The closure's arguments pickled for this worker.
-
-        Arguments that are only per-worker resources (``schedule(step, args=(iterator,))``)
-        pickle to references that depend on nothing but the objects' identity: that pickle
-        is kept and reused while the very same objects are passed (checked through weak
-        references, so a new object at a recycled address is pickled afresh).
-        """
+    def _arguments(self, closure: Closure, wait: bool) -> bytes | tuple[int, ...]:
+        """The closure's arguments for this worker: pickled, or the ids of its per-worker
+        resources when that is all they are (``schedule(step, args=(iterator,))``, the
+        common case: the worker looks them up, nothing is pickled on either side)."""
         c = self._c
-        refs = _resource_refs(closure.args, closure.kwargs)
-        key = None if refs is None else tuple(id(r()) for r in refs)
-        if key is not None:
-            with self._fn_lock:
-                hit = self._args_cache.get(key)
-            if hit is not None and all(a() is b() for a, b in zip(hit[0], refs)):
-                return hit[1]
-        payload = closure_pickle.dumps((closure.args, closure.kwargs), self.index,
-                                       c._ps_rpc_timeout, c._join_timeout, wait=wait)
-        if key is not None:
-            with self._fn_lock:
-                self._args_cache[key] = (refs, payload)
-                while len(self._args_cache) > _MAX_CACHED_ARGUMENTS:
-                    self._args_cache.pop(next(iter(self._args_cache)))
-        return payload
+        ids = _resource_ids(closure.args, closure.kwargs, self.index)
+        if ids is not None:
+            return ids
+        return closure_pickle.dumps((closure.args, closure.kwargs), self.index,
+                                    c._ps_rpc_timeout, c._join_timeout, wait=wait)
 
     def _forget(self, slot: _Slot, closures: list[Closure]) -> None:
         """``closures`` are no longer in flight on ``slot`` (cancel() leaves them alone)."""
@@ -412,7 +398,10 @@ class _WorkerThread:
         for i, item in enumerate(items):
             digest = item.shipped.digest
             closures.append({"closure_id": item.closure.closure_id, FN_DIGEST_KEY: digest})
-            arrays[f"args.{i}"] = to_bytes_array(item.args_payload)
+            if type(item.args_payload) is tuple:
+                closures[-1][RESOURCES_KEY] = list(item.args_payload)
+            else:
+                arrays[f"args.{i}"] = to_bytes_array(item.args_payload)
             if item.with_fn or (digest not in self._shipped and digest not in with_fn):
                 # Counted as held from now on: the other sender's next call waits on the
                 # worker behind this one (or gets missing_function and sends it again).
@@ -518,31 +507,31 @@ class _Item:
 
     __slots__ = ("args_payload", "closure", "shipped", "with_fn")
 
-    def __init__(self, closure: Closure, shipped: _ShippedFunction, args_payload: bytes):
+    def __init__(self, closure: Closure, shipped: _ShippedFunction,
+                 args_payload: bytes | tuple[int, ...]):
         self.closure, self.shipped, self.args_payload = closure, shipped, args_payload
         self.with_fn = False
 
 
 _MAX_CACHED_FUNCTIONS = 32
-_MAX_CACHED_ARGUMENTS = 16
 
 
-def _resource_refs(args: tuple, kwargs: dict) -> tuple | None:
-    """Weak references to ``args`` when every one is a per-worker resource (a
-    ``PerWorkerValues`` of resources, e.g. an iterator, or one resource) and there are no
-    keyword arguments; ``None`` otherwise (the arguments are pickled every time)."""
-    if kwargs or not args:
+def _resource_ids(args: tuple, kwargs: dict, worker_index: int) -> tuple[int, ...] | None:
+    """The ids of worker ``worker_index``'s resources when every argument is a per-worker
+    resource (a ``PerWorkerValues`` of resources, e.g. an iterator, or one resource) and
+    there are no keyword arguments; ``None`` otherwise (the arguments are pickled)."""
+    if kwargs or not args or len(args) > MAX_RESOURCE_ARGS:
         return None
+    ids = []
     for a in args:
-        if isinstance(a, PerWorkerValues):
-            if not all(type(v) is WorkerResource for v in a.values):
-                return None
-        elif type(a) is not WorkerResource:
+        if isinstance(a, PerWorkerValues):  # as the pickler sees them
+            if not 0 <= worker_index < len(a.values):
+                return None  # pickling raises the error that says so
+            a = a.values[worker_index]
+        if not isinstance(a, WorkerResource):
             return None
-    try:
-        return tuple(weakref.ref(a) for a in args)
-    except TypeError:  # not weakly referenceable
-        return None
+        ids.append(a.resource_id)
+    return tuple(ids)
 
 
 class _ShippedFunction:

@@ -9,7 +9,9 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
   "kind": "user" | "missing_resource" | "missing_function", ...}`` plus ``error`` (the pickled
   exception).
 * ``RunClosures`` (meta ``closures``: a list of ``{"closure_id", "fn_digest"}``, arrays
-  ``args.<i>`` and optionally ``fn.<i>`` for closure ``i``): several closures in one call, run
+  ``args.<i>`` and optionally ``fn.<i>`` for closure ``i``; instead of ``args.<i>``, a closure
+  whose arguments are all per-worker resources names them, ``"resources": [id, ...]``, and
+  the worker looks them up): several closures in one call, run
   in order; the answer streams one ``RunClosure`` answer per closure as soon as it ends (each
   message with its own MAC over ``"<nonce>/<i>"``, ``i`` counting messages). With meta
   ``group: n`` a message may carry up to ``n`` answers (``{"answers": [...]}``, see
@@ -66,7 +68,7 @@ from jaxdist.cluster.credentials import (
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.coordinator import closure_pickle
 from jaxdist.coordinator.errors import MissingResourceError
-from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
+from jaxdist.coordinator.worker_runtime import WorkerRuntime, lookup_resource, set_current
 from jaxdist.ps import direct, wire
 from jaxdist.ps.direct_server import CallFailed, DirectServer
 from jaxdist.ps.grpc_util import GrpcTaskServer, bind_server
@@ -96,6 +98,11 @@ MAC_KEY = "mac"
 BATCH_KEY = "closures"
 #: The most closures one ``RunClosures`` call may carry.
 MAX_BATCH_CLOSURES = 64
+#: RunClosures closure meta: its arguments are these per-worker resources (ids), in order,
+#: instead of pickled ``args.<i>``.
+RESOURCES_KEY = "resources"
+#: The most per-worker resources a closure's arguments may name that way.
+MAX_RESOURCE_ARGS = 16
 #: RunClosures meta: the coordinator's session (a random id) and the call's number in it.
 SESSION_KEY, SEQ_KEY = "session", "seq"
 #: RunClosures meta: answer up to this many closures per message (``group_answers``);
@@ -379,7 +386,10 @@ class WorkerService:
                     if fn is None:
                         return {"ok": False, "kind": "missing_function", "task": self.task,
                                 "incarnation": self.incarnation}, {}
-                    args, kwargs = closure_pickle.loads(from_bytes_array(arrays["args"]))
+                    if RESOURCES_KEY in meta:  # the arguments are per-worker resources
+                        args, kwargs = tuple(map(lookup_resource, meta[RESOURCES_KEY])), {}
+                    else:
+                        args, kwargs = closure_pickle.loads(from_bytes_array(arrays["args"]))
                 except MissingResourceError as e:
                     return self._failure("missing_resource", e)
                 except Exception as e:  # noqa: BLE001 - sent back to the coordinator
@@ -413,14 +423,28 @@ class WorkerService:
                              f"{MAX_BATCH_CLOSURES} closures, got {str(items)[:100]}")
         out = []
         for i, item in enumerate(items):
-            if not isinstance(item, dict) or f"args.{i}" not in arrays:
-                raise ValueError(f"RunClosures closure {i}: expected a dict with array "
-                                 f"'args.{i}', got {str(item)[:100]}")
-            sub = {"args": arrays[f"args.{i}"]}
+            if not isinstance(item, dict):
+                raise ValueError(f"RunClosures closure {i}: expected a dict, got "
+                                 f"{str(item)[:100]}")
+            sub_meta = {"closure_id": item.get("closure_id"),
+                        FN_DIGEST_KEY: item.get(FN_DIGEST_KEY)}
+            if RESOURCES_KEY in item:
+                ids = item[RESOURCES_KEY]
+                if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_RESOURCE_ARGS or any(
+                        type(r) is not int for r in ids):
+                    raise ValueError(f"RunClosures closure {i}: {RESOURCES_KEY!r} must be a "
+                                     f"list of 1 to {MAX_RESOURCE_ARGS} resource ids, got "
+                                     f"{str(ids)[:100]}")
+                sub_meta[RESOURCES_KEY] = ids
+                sub = {}
+            elif f"args.{i}" in arrays:
+                sub = {"args": arrays[f"args.{i}"]}
+            else:
+                raise ValueError(f"RunClosures closure {i}: expected array 'args.{i}' or "
+                                 f"{RESOURCES_KEY!r}, got {str(item)[:100]}")
             if f"fn.{i}" in arrays:
                 sub["fn"] = arrays[f"fn.{i}"]
-            out.append(({"closure_id": item.get("closure_id"),
-                         FN_DIGEST_KEY: item.get(FN_DIGEST_KEY)}, sub))
+            out.append((sub_meta, sub))
         return out
 
     def run_closures(self, items: list[tuple[dict, dict]],
@@ -674,8 +698,8 @@ class WorkerServer(GrpcTaskServer):
 
 
 __all__ = ["ANSWERS_KEY", "BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "GROUP_HOLD_SECONDS",
-           "GROUP_KEY", "GROUP_MAX_BYTES", "MAX_BATCH_CLOSURES", "METHODS",
-           "RAW_VALUE_BYTES", "SEQ_KEY", "SERVICE_NAME", "SESSION_KEY",
+           "GROUP_KEY", "GROUP_MAX_BYTES", "MAX_BATCH_CLOSURES", "MAX_RESOURCE_ARGS", "METHODS",
+           "RAW_VALUE_BYTES", "RESOURCES_KEY", "SEQ_KEY", "SERVICE_NAME", "SESSION_KEY",
            "WorkerServer", "WorkerService", "answer_value", "arrays_mac", "check_coordinator",
            "direct_enabled", "dumps_value", "group_answers", "item_nonce", "split_answers",
            "value_arrays"]
