@@ -121,7 +121,14 @@ def test_run_closures_answers_the_same_on_both_transports(worker, use_direct):
 
 
 @pytest.mark.parametrize("use_direct", [True, False], ids=["direct", "grpc"])
-def test_a_batch_asked_to_group_its_answers_sends_fewer_messages(worker, use_direct):
+def test_a_batch_asked_to_group_its_answers_sends_fewer_messages(worker, use_direct,
+                                                                monkeypatch):
+    import numpy as np
+
+    from jaxdist.coordinator import worker_service
+
+    # Timing aside (the hold rule has its unit test): every answer may wait for the next.
+    monkeypatch.setattr(worker_service, "GROUP_HOLD_SECONDS", 60.0)
     server, token = worker
     client = _client(server, token, direct_transport=use_direct)
     messages = []
@@ -138,6 +145,14 @@ def test_a_batch_asked_to_group_its_answers_sends_fewer_messages(worker, use_dir
         assert _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0)) == [
             10, 20, 30, 40]
         assert messages == [0]  # one message, one MAC, four answers
+        # Losses (0-d float32 arrays) travel stacked and come back as they were.
+        messages.clear()
+        meta, arrays = _batch(jax_results, [0, 0, 0])
+        meta[GROUP_KEY] = 3
+        losses = _values(client.call_stream(0, "RunClosures", meta, arrays, timeout=30.0))
+        assert messages == [0] and len(losses) == 3
+        assert all(type(x) is np.ndarray and x.shape == () and x.dtype == np.float32
+                   for x in losses)
         # Without the key: one message per closure, as before.
         messages.clear()
         meta, arrays = _batch(times_ten, [1, 2])

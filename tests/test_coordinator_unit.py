@@ -237,13 +237,14 @@ def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
         answers = list(svc.run_closures(svc.batch_items(
             meta, {"args.0": arrays["args.0"], "args.1": arrays["args.2"]})))
         assert [m.get("kind") for m, _ in answers] == ["missing_function", None]
-        # A cancelled call starts nothing more.
-        state = iter([True, True, False])  # its turn, the loop, then run_closure
-        answers = list(svc.run_closures(svc.batch_items(
-            {"closures": [{"closure_id": 6, "fn_digest": digest}] * 2},
-            {"args.0": arrays["args.0"], "args.1": arrays["args.2"]}),
-            active=lambda: next(state, False)))
-        assert len(answers) == 1 and answers[0][0]["kind"] == "cancelled"
+        # A cancelled call starts nothing more (and answers nothing: nobody is listening).
+        for checks, ran in (([True, False], 0), ([True, True, False], 1)):
+            state, before = iter(checks), svc.functions_run  # its turn, then each closure's
+            answers = list(svc.run_closures(svc.batch_items(
+                {"closures": [{"closure_id": 6, "fn_digest": digest}] * 2},
+                {"args.0": arrays["args.0"], "args.1": arrays["args.2"]}),
+                active=lambda state=state: next(state, False)))
+            assert len(answers) == ran and svc.functions_run == before + ran
         for bad in ({"closures": []}, {"closures": "x"}, {"closures": [{"closure_id": 0}]},
                     {}, {"closures": [{}] * 65}):
             with pytest.raises(ValueError, match="RunClosures"):
@@ -365,9 +366,15 @@ def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypa
     next(grouped)
     grouped.close()
     assert closed == [True]
-    # The arrays of answer j travel as "<j>.<name>".
-    meta, arrays = next(ws.group_answers(_timed_answers(clock, [fast] * 2), 2, 8, 0.05))
-    assert sorted(arrays) == ["0.array", "1.array"] and arrays["1.array"].tolist() == [1.0]
+    # Answers of one array each, alike (a loss per closure): one stacked array "*.<name>".
+    meta, arrays = next(ws.group_answers(_timed_answers(clock, [fast] * 3), 3, 8, 0.05))
+    assert list(arrays) == ["*.array"] and arrays["*.array"].tolist() == [[0.0], [1.0], [2.0]]
+    assert [a["array"].tolist() for _, a in ws.split_answers(meta, arrays, 3)] == [
+        [0.0], [1.0], [2.0]]
+    # Otherwise the arrays of answer j travel as "<j>.<name>".
+    meta, arrays = next(ws.group_answers(_timed_answers(clock, [fast, (0.005, True, 8)]), 2,
+                                         8, 0.05))
+    assert sorted(arrays) == ["0.array", "1.array"] and arrays["1.array"].tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("meta, arrays", [
@@ -379,6 +386,8 @@ def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypa
     ({"answers": [{"ok": True}]}, {"1.array": np.zeros(1)}),
     ({"answers": [{"ok": True}]}, {"array": np.zeros(1)}),
     ({"answers": [{"ok": True}]}, {"x.array": np.zeros(1)}),
+    ({"answers": [{"ok": True}] * 2}, {"*.array": np.zeros(3)}),
+    ({"answers": [{"ok": True}]}, {"*.array": np.zeros(())}),
 ])
 def test_a_malformed_group_of_answers_is_refused(meta, arrays):
     from jaxdist.coordinator.worker_service import split_answers

@@ -192,6 +192,8 @@ def _host_value(value: Any) -> Any:
         return value
     if isinstance(value, jax.Array):  # the common result, a loss: what device_get returns
         return np.asarray(value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value
     return jax.device_get(value)
 
 
@@ -272,7 +274,8 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
     the last one) within ``hold_seconds`` (``GROUP_HOLD_SECONDS``) of the first held answer;
     an error, a refusal or a large result goes out at once with those held before it. A
     message is ``{ANSWERS_KEY: [meta, ...]}`` with the arrays of answer ``j`` named
-    ``"<j>.<name>"``; ``split_answers`` inverts it.
+    ``"<j>.<name>"``, or, when every answer is one array of the same name, dtype and shape
+    (a loss), one array ``"*.<name>"`` that stacks them; ``split_answers`` inverts it.
 
     Example:
         >>> frames = list(group_answers(iter(answers), len(answers), 8))
@@ -301,8 +304,17 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
 
 
 def _grouped(held: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    metas = [meta for meta, _ in held]
+    first = held[0][1]
+    if len(held) > 1 and len(first) == 1:
+        # The common case, a loss per closure: one array of every answer's value stacked
+        # ("*.<name>"), not one array each (each costs a spec, a MAC entry and a check).
+        (name, arr), = first.items()
+        if all(len(a) == 1 and name in a and a[name].dtype == arr.dtype
+               and a[name].shape == arr.shape for _, a in held):
+            return {ANSWERS_KEY: metas}, {f"*.{name}": np.stack([a[name] for _, a in held])}
     arrays = {f"{j}.{name}": arr for j, (_, a) in enumerate(held) for name, arr in a.items()}
-    return {ANSWERS_KEY: [meta for meta, _ in held]}, arrays
+    return {ANSWERS_KEY: metas}, arrays
 
 
 def split_answers(meta: dict, arrays: dict, most: int) -> list[tuple[dict, dict]]:
@@ -320,6 +332,13 @@ def split_answers(meta: dict, arrays: dict, most: int) -> list[tuple[dict, dict]
     out: list[tuple[dict, dict]] = [(m, {}) for m in metas]
     for key, arr in arrays.items():
         index, dot, name = key.partition(".")
+        if dot and index == "*":  # one value per answer, stacked
+            if arr.ndim < 1 or arr.shape[0] != len(out):
+                raise ValueError(f"array {key[:80]!r} of shape {arr.shape} does not stack "
+                                 f"one value for each of the {len(out)} answers")
+            for j, (_, answer) in enumerate(out):
+                answer[name] = arr[j]
+            continue
         if not (dot and index.isdigit() and int(index) < len(out)):
             raise ValueError(f"array {key[:80]!r} belongs to none of the {len(out)} answers")
         out[int(index)][1][name] = arr
@@ -344,6 +363,7 @@ class WorkerService:
 
     def __init__(self, runtime: WorkerRuntime):
         self.runtime = runtime
+        self._task = runtime.name
         self.incarnation = runtime.incarnation or uuid.uuid4().hex
         runtime.incarnation = self.incarnation
         self._run_lock = threading.Lock()
@@ -358,7 +378,7 @@ class WorkerService:
 
     @property
     def task(self) -> str:
-        return self.runtime.name
+        return self._task
 
     def ping(self, meta: dict, arrays: dict) -> tuple[dict, dict]:
         return {"task": self.task, "incarnation": self.incarnation, "busy": self.busy,
@@ -464,9 +484,10 @@ class WorkerService:
             return
         try:
             for meta, arrays in items:
-                if active is not None and not active():
-                    return
-                yield self.run_closure(meta, arrays, active)
+                answer = self.run_closure(meta, arrays, active)
+                if answer[0].get("kind") == "cancelled":
+                    return  # the caller went away: nothing more starts
+                yield answer
         finally:
             with self._order:
                 self._batch_running = False
