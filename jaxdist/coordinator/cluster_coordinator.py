@@ -100,7 +100,7 @@ PIPELINE_DEPTH = 2
 MAX_BATCH = 16
 
 #: Whether the worker may answer several closures of a batch in one message: a finished
-#: closure's answer waits (``worker_service.GROUP_HOLD_SECONDS``: 50 ms) for the ones after it,
+#: closure's answer waits (``worker_service.GROUP_HOLD_SECONDS``: 0.1 s) for the ones after it,
 #: which spares a message, a MAC and a wake-up of this process per closure. The price: a
 #: worker lost mid-batch also loses the answers it held, and those closures run again
 #: (at-least-once, as for the closure it was running).

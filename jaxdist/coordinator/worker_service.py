@@ -111,7 +111,7 @@ GROUP_KEY = "group"
 #: A grouped message's meta: the answers it carries, in order.
 ANSWERS_KEY = "answers"
 #: How long a finished closure's answer may wait for the next ones to share its message.
-GROUP_HOLD_SECONDS = 0.05
+GROUP_HOLD_SECONDS = 0.1
 #: A message of grouped answers goes out once its arrays pass this size.
 GROUP_MAX_BYTES = 64 << 10
 #: How long a call waits for the call numbered just below it that has not arrived.
