@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                     cos.append(coordinator.steps_per_s(steps))
                     bgs.append(between.steps_per_s(steps))
                 print(f"round {r + 1}: between-graph {bgs[-1]:.1f} steps/s, coordinator "
-                      f"{cos[-1]:.1f} steps/s, ratio {cos[-1] / bgs[-1]:.2f}", flush=True)
+                      f"{cos[-1]:.1f} steps/s, ratio {cos[-1] / bgs[-1]:.3f}", flush=True)
         finally:
             coordinator.close()
     finally:
@@ -340,9 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n| {'mode (median of rounds)':<32} | {'steps/s':>8} | {'ratio':>6} |")
     print(f"|{'-' * 34}|{'-' * 10}|{'-' * 8}|")
     for name, sps, ratio in rows:
-        print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.2f} |")
+        print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.3f} |")
     print(f"(ratio: the median of the per-round ratios; target >= 0.95; per-round ratios "
-          f"{min(c / b for c, b in zip(cos, bgs)):.2f}-{max(c / b for c, b in zip(cos, bgs)):.2f})")
+          f"{min(c / b for c, b in zip(cos, bgs)):.3f}-{max(c / b for c, b in zip(cos, bgs)):.3f})")
     n = 600 if args.quick else 3000
     direct, grpc_only = noop_closures_per_s(n, True), noop_closures_per_s(n, False)
     print(f"\nno-op closures, 2 workers, {n} scheduled: {direct:.0f}/s over the workers' direct "
