@@ -351,6 +351,20 @@ def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypa
     assert frames([(0.02, True, 4)] * 5) == [[0, 1, 2], [3, 4]]
     assert frames([(0.06, True, 4)] * 3) == [[0], [1], [2]]
     assert frames([fast] * 4, hold=0.0) == [[0], [1], [2], [3]]
+    # A batch that waited behind another: the wait is not its first closure's duration.
+    def queued(wait, spec, starts):
+        clock.now += wait
+        for i, (seconds, ok, nbytes) in enumerate(spec):
+            starts.append(clock.now)
+            clock.now += seconds
+            yield ({"ok": ok, "i": i}, {"array": np.full(nbytes // 4, i, np.float32)})
+
+    starts: list[float] = []
+    out = list(ws.group_answers(queued(0.5, [fast] * 4, starts), 4, 8, 0.05,
+                                started=lambda: starts[-1]))
+    assert [[m["i"] for m in meta[ws.ANSWERS_KEY]] for meta, _ in out] == [[0, 1, 2, 3]]
+    out = list(ws.group_answers(queued(0.5, [fast] * 4, []), 4, 8, 0.05))  # no start times
+    assert [[m["i"] for m in meta[ws.ANSWERS_KEY]] for meta, _ in out] == [[0], [1, 2, 3]]
     # The caller went away mid-batch (the batch stops): what ran is still answered.
     assert frames([fast] * 3, count=8) == [[0, 1, 2]]
     # Closing the messages closes the batch (its turn on the worker ends).

@@ -266,7 +266,8 @@ def answer_value(arrays: dict) -> Any:
 
 
 def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
-                  hold_seconds: float | None = None) -> Iterator[tuple[dict, dict]]:
+                  hold_seconds: float | None = None,
+                  started: Callable[[], float] | None = None) -> Iterator[tuple[dict, dict]]:
     """The answers of a ``RunClosures`` batch of ``count`` closures, several to a message.
 
     An answer is held back while closures of the batch are still to run, at most ``group``
@@ -276,6 +277,10 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
     message is ``{ANSWERS_KEY: [meta, ...]}`` with the arrays of answer ``j`` named
     ``"<j>.<name>"``, or, when every answer is one array of the same name, dtype and shape
     (a loss), one array ``"*.<name>"`` that stacks them; ``split_answers`` inverts it.
+
+    ``started()`` gives the ``time.monotonic()`` at which the closure just answered started
+    (``WorkerService.closure_started``), so that a wait before it (the batch queued behind
+    another) does not count as its duration; without it, the time since the previous answer.
 
     Example:
         >>> frames = list(group_answers(iter(answers), len(answers), 8))
@@ -287,7 +292,7 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
     try:
         for done, (meta, arrays) in enumerate(answers, 1):
             now = time.monotonic()
-            took, last = now - last, now
+            took, last = now - (last if started is None else started()), now
             if not held:
                 since = now
             held.append((meta, arrays))
@@ -373,6 +378,7 @@ class WorkerService:
         self._last_seq: dict[str, int] = {}
         self._waiting: dict[str, set[int]] = {}
         self.busy = False
+        self.closure_started = 0.0  # time.monotonic() when the last closure started
         self.stopped = threading.Event()
         self.functions_run = 0
 
@@ -400,6 +406,7 @@ class WorkerService:
                 return {"ok": False, "kind": "cancelled", "task": self.task,
                         "incarnation": self.incarnation}, {}
             self.busy = True
+            self.closure_started = time.monotonic()
             try:
                 try:
                     fn = self._function(meta, arrays)
@@ -677,7 +684,8 @@ class WorkerServer(GrpcTaskServer):
                                             meta.get(SEQ_KEY))
         if GROUP_KEY not in meta:
             return self._macd(answers, nonce)
-        return self._macd(group_answers(answers, len(items), group), nonce)
+        return self._macd(group_answers(answers, len(items), group,
+                                        started=lambda: self.service.closure_started), nonce)
 
     def _macd(self, answers: Iterator[tuple[dict, dict]], nonce: str
               ) -> Iterator[tuple[dict, dict]]:
