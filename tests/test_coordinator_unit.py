@@ -316,9 +316,13 @@ class _Clock:
         return self.now
 
 
-def _timed_answers(clock, spec):
-    """Answers of closures that take ``seconds`` each: ``(seconds, ok, nbytes)`` per one."""
+def _timed_answers(clock, spec, wait=0.0, starts=None):
+    """Answers of closures that take ``seconds`` each: ``(seconds, ok, nbytes)`` per one,
+    after ``wait`` (the batch queued behind another); each start time goes to ``starts``."""
+    clock.now += wait
     for i, (seconds, ok, nbytes) in enumerate(spec):
+        if starts is not None:
+            starts.append(clock.now)
         clock.now += seconds
         yield ({"ok": ok, "i": i}, {"array": np.full(nbytes // 4, i, np.float32)})
 
@@ -352,18 +356,11 @@ def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypa
     assert frames([(0.06, True, 4)] * 3) == [[0], [1], [2]]
     assert frames([fast] * 4, hold=0.0) == [[0], [1], [2], [3]]
     # A batch that waited behind another: the wait is not its first closure's duration.
-    def queued(wait, spec, starts):
-        clock.now += wait
-        for i, (seconds, ok, nbytes) in enumerate(spec):
-            starts.append(clock.now)
-            clock.now += seconds
-            yield ({"ok": ok, "i": i}, {"array": np.full(nbytes // 4, i, np.float32)})
-
     starts: list[float] = []
-    out = list(ws.group_answers(queued(0.5, [fast] * 4, starts), 4, 8, 0.05,
+    out = list(ws.group_answers(_timed_answers(clock, [fast] * 4, 0.5, starts), 4, 8, 0.05,
                                 started=lambda: starts[-1]))
     assert [[m["i"] for m in meta[ws.ANSWERS_KEY]] for meta, _ in out] == [[0, 1, 2, 3]]
-    out = list(ws.group_answers(queued(0.5, [fast] * 4, []), 4, 8, 0.05))  # no start times
+    out = list(ws.group_answers(_timed_answers(clock, [fast] * 4, 0.5), 4, 8, 0.05))  # no starts
     assert [[m["i"] for m in meta[ws.ANSWERS_KEY]] for meta, _ in out] == [[0], [1, 2, 3]]
     # The caller went away mid-batch (the batch stops): what ran is still answered.
     assert frames([fast] * 3, count=8) == [[0, 1, 2]]
