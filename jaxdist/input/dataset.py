@@ -3,6 +3,11 @@
 It covers what distributed training needs without TensorFlow: ``from_tensor_slices``,
 ``shuffle`` (seeded, reshuffled per epoch), ``repeat``, ``batch``, ``map``, ``take``, ``skip``.
 Iterating twice gives the same elements in the same order for the same seed.
+
+As in TF, ``from_tensor_slices`` takes the arrays' values when it is called: later writes to
+the caller's arrays do not reach the dataset. Its elements (and the batches ``batch`` cuts
+from it) are read-only views of that snapshot, so a batch costs no copy; write to a copy
+(``x = x.copy()``, or build a new array: ``x = x / 255``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,29 @@ from typing import Any
 
 import jax
 import numpy as np
+
+
+def _snapshot(x: Any) -> np.ndarray:
+    """``x`` as a read-only array nobody can write to: the array itself when it and every
+    array under it are read-only already (e.g. ``np.asarray`` of a ``jax.Array``), else a
+    read-only copy."""
+    arr = np.asarray(x)
+    base: Any = arr
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            arr = np.array(arr, copy=True)
+            arr.flags.writeable = False
+            return arr
+        base = base.base
+    return arr
+
+
+def _frozen(view: Any) -> Any:
+    """A read-only view (a snapshot unpickled on another task is writeable again); a row of
+    a 1-D array is a numpy scalar, immutable already."""
+    if isinstance(view, np.ndarray):
+        view.flags.writeable = False
+    return view
 
 
 def _num_rows(struct: Any) -> int:
@@ -57,13 +85,21 @@ class Dataset:
 
     @classmethod
     def from_tensor_slices(cls, tensors: Any) -> Dataset:
-        """One element per row of ``tensors`` (an array, tuple or dict of arrays)."""
-        tensors = jax.tree.map(np.asarray, tensors)
+        """One element per row of ``tensors`` (an array, tuple or dict of arrays).
+
+        The values are taken now (a read-only copy of every writeable array, as TF copies
+        them into the dataset); each element is a read-only view of that copy.
+
+        Example:
+            >>> ds = jaxdist.Dataset.from_tensor_slices((x, y)).batch(64)
+            >>> xb, yb = next(iter(ds))     # read-only views: xb = xb / 255, not xb /= 255
+        """
         n = _num_rows(tensors)
+        tensors = jax.tree.map(_snapshot, tensors)
 
         def it(epoch: int) -> Iterator[Any]:
             for i in range(n):
-                yield jax.tree.map(lambda a, i=i: a[i], tensors)
+                yield jax.tree.map(lambda a, i=i: _frozen(a[i]), tensors)
 
         ds = cls(it, n)
         ds._tensors = tensors
@@ -146,14 +182,15 @@ class Dataset:
         parent = self
         tensors = self._tensors
         if tensors is not None:
-            # Straight from from_tensor_slices: a batch is a copy of consecutive rows (the same
-            # values as stacking the rows one by one, without a Python loop per row).
+            # Straight from from_tensor_slices: a batch is a read-only view of consecutive rows
+            # of the snapshot (the same values as stacking the rows one by one, without a
+            # Python loop per row, and without a copy).
             n = self._cardinality
 
             def sliced(epoch):
                 stop = n - n % batch_size if drop_remainder else n
                 for s in range(0, stop, batch_size):
-                    yield jax.tree.map(lambda a, s=s: a[s:s + batch_size].copy(), tensors)
+                    yield jax.tree.map(lambda a, s=s: _frozen(a[s:s + batch_size]), tensors)
 
             card = n // batch_size + (0 if drop_remainder or not n % batch_size else 1)
             return Dataset(sliced, card)
