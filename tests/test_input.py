@@ -113,10 +113,11 @@ def test_masked_loss_with_padding_matches_unpadded(strategy):
     np.testing.assert_allclose(strategy.run(fn, args=(xd, md)), np.mean(x**2), rtol=1e-6)
 
 
+@pytest.mark.parametrize("thread", [False, True])
 @pytest.mark.parametrize("buffer", [0, 1, 3])
-def test_prefetch_buffer_sizes(strategy, buffer):
+def test_prefetch_buffer_sizes(strategy, buffer, thread):
     batches = [np.full((4, 1), i) for i in range(7)]
-    opts = InputOptions(experimental_per_replica_buffer_size=buffer)
+    opts = InputOptions(experimental_per_replica_buffer_size=buffer, prefetch_thread=thread)
     out = [
         int(_rows(strategy, b)[0][0, 0])
         for b in strategy.experimental_distribute_dataset(batches, opts)
@@ -124,15 +125,49 @@ def test_prefetch_buffer_sizes(strategy, buffer):
     assert out == list(range(7))
 
 
-def test_errors_from_the_source_reach_the_consumer(strategy):
+@pytest.mark.parametrize("thread", [False, True])
+def test_errors_from_the_source_reach_the_consumer(strategy, thread):
     def bad():
         yield np.zeros((4, 1))
         raise RuntimeError("source broke at batch 2")
 
-    it = iter(strategy.experimental_distribute_dataset(bad()))
+    opts = InputOptions(prefetch_thread=thread)
+    it = iter(strategy.experimental_distribute_dataset(bad(), opts))
     next(it)
     with pytest.raises(RuntimeError, match="source broke"):
         next(it)
+    with pytest.raises(StopIteration):  # a failed source is finished
+        next(it)
+
+
+@pytest.mark.parametrize("buffer", [1, 2])
+def test_default_prefetch_reads_ahead_in_the_callers_thread(strategy, buffer):
+    """The default keeps ``buffer`` batches on the devices ahead of the one returned, read
+    in the thread that calls ``next`` (no background thread)."""
+    import threading
+
+    read: list[tuple[int, str]] = []
+
+    def source():
+        for i in range(5):
+            read.append((i, threading.current_thread().name))
+            yield np.full((4, 1), float(i))
+
+    opts = InputOptions(experimental_per_replica_buffer_size=buffer)
+    it = iter(strategy.experimental_distribute_dataset(source(), opts))
+    assert read == []  # nothing is read before the first next()
+    first = next(it)
+    assert float(_rows(strategy, first)[0][0, 0]) == 0.0
+    assert [i for i, _ in read] == list(range(buffer + 1))
+    assert {name for _, name in read} == {threading.current_thread().name}
+    assert not any(t.name == "jaxdist-prefetch" for t in threading.enumerate())
+    rest = [float(_rows(strategy, b)[0][0, 0]) for b in it]
+    assert rest == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_prefetch_thread_option_is_checked():
+    with pytest.raises(TypeError, match="prefetch_thread must be a bool, got 'yes'"):
+        InputOptions(prefetch_thread="yes")
 
 
 def test_fetch_to_device_false_keeps_host_batches(strategy):

@@ -8,6 +8,7 @@ array with ``jax.make_array_from_process_local_data``.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -121,7 +122,9 @@ class _Sharder:
             sizes = split_sizes(b, self.declared_rows, k)
         if len(set(sizes)) == 1 and sum(sizes) == b:
             mask = np.ones(b, np.float32) if self.options.partial_batch == "pad" else None
-            out = jax.tree.map(lambda x: self._place(x.reshape(k, b // k, *x.shape[1:])), element)
+            flat, tree = jax.tree.flatten(element)
+            out = tree.unflatten(self._place_all([x.reshape(k, b // k, *x.shape[1:])
+                                                  for x in flat]))
             return out if mask is None else (out, self._place(mask.reshape(k, b // k)))
         policy = self.options.partial_batch
         if policy == "error":
@@ -159,8 +162,10 @@ class _Sharder:
             for xs in zip(*(jax.tree.leaves(e) for e in elements))
         )
         if full_shapes:
-            stacked = jax.tree.map(lambda *xs: np.stack(xs), *elements)
-            return jax.tree.map(self._place, stacked)
+            flat, tree = jax.tree.flatten(elements[0])
+            rest = [jax.tree.leaves(e) for e in elements[1:]]
+            return tree.unflatten(self._place_all(
+                [np.stack(xs) for xs in zip(flat, *rest)]))
         policy = self.options.partial_batch
         what = (
             f"last group of {len(elements)} per-replica elements for {k} replicas"
@@ -203,6 +208,14 @@ class _Sharder:
             return self._place(out, lengths)
 
         return jax.tree.map(pad_stack, *parts)
+
+    def _place_all(self, locals_: list[np.ndarray]) -> list[Any]:
+        """``_place`` of several full batches: one ``device_put`` for all of them (a
+        transfer call per array costs more than the arrays of a small batch)."""
+        if (self.num_replicas == 1 or self.multi_process
+                or not self.options.experimental_fetch_to_device or len(locals_) < 2):
+            return [self._place(x) for x in locals_]
+        return [PerReplica(a) for a in jax.device_put(locals_, self.sharding)]
 
     def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> Any:
         if self.num_replicas == 1 and not self.multi_process:
@@ -272,8 +285,53 @@ def _first_element(dataset: Any) -> Any:
         raise ValueError("element_spec of an empty dataset is unknown") from None
 
 
+class _AheadPrefetcher:
+    """Keeps ``buffer`` elements produced ahead of the one returned, in the caller's thread
+    (as flax's ``prefetch_to_device``): their device copies run while the steps before them
+    compute. An error of the source (or ``produce``) is raised at the element it stopped.
+    """
+
+    def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], buffer: int):
+        self._source = source
+        self._produce = produce
+        self._buffer = buffer
+        self._queue: collections.deque = collections.deque()
+        self._ended = False  # the source ended or failed: that outcome is queued last
+
+    def _fill(self) -> None:
+        while not self._ended and len(self._queue) <= self._buffer:
+            try:
+                out = None
+                while out is None:  # produce() returns None for a dropped batch
+                    out = self._produce(next(self._source))
+                self._queue.append(("ok", out))
+            except StopIteration:
+                self._ended = True
+                self._queue.append(("end", None))
+            except Exception as e:  # noqa: BLE001 - raised at its place in the sequence
+                self._ended = True
+                self._queue.append(("err", e))
+
+    def get(self) -> Any:
+        self._fill()
+        kind, value = self._queue[0]
+        if kind == "end":
+            raise StopIteration
+        self._queue.popleft()
+        if kind == "err":
+            self._queue.append(("end", None))  # a failed source is finished
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._queue.clear()
+        self._ended = True
+        self._queue.append(("end", None))
+
+
 class _Prefetcher:
-    """Runs ``produce`` in a background thread, ``buffer`` elements ahead."""
+    """Runs ``produce`` in a background thread, ``buffer`` elements ahead
+    (``InputOptions(prefetch_thread=True)``)."""
 
     def __init__(self, source: Iterator[Any], produce: Callable[[Any], Any], buffer: int):
         self._source = source
@@ -347,7 +405,12 @@ class DistributedIterator:
         buffer = options.experimental_per_replica_buffer_size
         self._produce = produce
         self._source = source
-        self._prefetcher = _Prefetcher(source, produce, buffer) if buffer > 0 else None
+        if buffer == 0:
+            self._prefetcher: _Prefetcher | _AheadPrefetcher | None = None
+        elif options.prefetch_thread:
+            self._prefetcher = _Prefetcher(source, produce, buffer)
+        else:
+            self._prefetcher = _AheadPrefetcher(source, produce, buffer)
 
     def __iter__(self) -> DistributedIterator:
         return self

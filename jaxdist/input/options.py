@@ -30,9 +30,16 @@ class InputOptions:
     """Options for distributed datasets (``tf.distribute.InputOptions``).
 
     Args:
-        experimental_fetch_to_device: copy each batch to the replicas' devices in the background
+        experimental_fetch_to_device: copy each batch to the replicas' devices ahead of use
             (default True); False leaves batches in host memory until ``run`` needs them.
-        experimental_per_replica_buffer_size: how many batches are prefetched ahead.
+        experimental_per_replica_buffer_size: how many batches are prefetched ahead (0: each
+            batch is read and copied when ``next`` asks for it).
+        prefetch_thread: read and copy the batches ahead in a background thread. Default
+            False: in the caller's thread, at each ``next`` (as flax's ``prefetch_to_device``):
+            the copies are asynchronous and run while the steps already dispatched compute, and
+            no second Python thread competes with the step for the GIL and the cores (1-4%
+            slower on 2 CPU cores with 2 devices). Worth it when the source's ``next`` waits
+            without holding the GIL (files, ``tf.data``) for longer than a step.
         experimental_replication_mode: accepted for compatibility (per-worker only).
         experimental_place_dataset_on_device: accepted for compatibility.
         partial_batch: what to do with a batch that does not split evenly across the replicas
@@ -55,11 +62,16 @@ class InputOptions:
     experimental_replication_mode: str = "PER_WORKER"
     experimental_place_dataset_on_device: bool = False
     partial_batch: str = "split"
+    prefetch_thread: bool = False
 
     def __post_init__(self):
         if self.partial_batch not in _PARTIAL:
             raise ValueError(
                 f"InputOptions.partial_batch={self.partial_batch!r}: expected one of {_PARTIAL}"
+            )
+        if not isinstance(self.prefetch_thread, bool):
+            raise TypeError(
+                f"InputOptions.prefetch_thread must be a bool, got {self.prefetch_thread!r}"
             )
         if self.experimental_per_replica_buffer_size < 0:
             raise ValueError(
