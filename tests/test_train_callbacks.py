@@ -351,3 +351,17 @@ def test_test_and_predict_batch_hooks_get_keras_logs(data, strategy, monkeypatch
     t.fit((x, y), steps=2, validation_data=(xv[:GBS], yv[:GBS]), callbacks=[cb], verbose=0)
     assert [e[0] for e in events] == ["on_test_begin", "on_test_batch_begin",
                                       "on_test_batch_end", "on_test_end"]
+
+
+def test_fit_prepares_input_blocks_on_a_background_thread(data):
+    """Trainer.fit keeps its block prefetch thread (InputOptions(prefetch_thread=True)) while
+    plain distributed datasets now read ahead in the caller's thread."""
+    import threading
+
+    seen = []
+    probe = C.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
+        any(t.name == "jaxdist-prefetch" for t in threading.enumerate())))
+    big, _ = data_lib.make_synthetic(num_examples=160 * GBS, num_features=12, num_classes=4,
+                                     validation_split=0.0)
+    _trainer().fit((big.x, big.y), epochs=1, callbacks=[probe], verbose=0)
+    assert len(seen) == 160 and any(seen)  # 5 blocks of 32 steps: the thread outlives block 1

@@ -867,7 +867,9 @@ class Trainer(TrainerHandle):
             last_log_time = time.perf_counter()  # evaluation time is not training time
             return values
 
-        opts = InputOptions(experimental_per_replica_buffer_size=2)
+        # Blocks of up to 32 steps: a thread prepares them (a gather of the epoch's rows) while
+        # this one dispatches and waits; its hand-off costs once per block, not per step.
+        opts = InputOptions(experimental_per_replica_buffer_size=2, prefetch_thread=True)
         block_sizes = self._block_sizes(train, spe)
         while self.step < total and not self.stop_training:
             order = (None if isinstance(train, inputs_lib.StreamSource)
