@@ -5,7 +5,8 @@ at 1, ``MirroredStrategy`` above; forced CPU devices without an accelerator). Ea
 its batches from host memory every step, from the same 8 host batches in the same order:
 
 * ``jaxdist``: ``strategy.experimental_distribute_dataset`` over a ``jaxdist.Dataset``
-  (``from_tensor_slices(...).batch(256).repeat()``), its background prefetch to the devices,
+  (``from_tensor_slices(...).batch(256).repeat()``), its prefetch to the devices one batch
+  ahead of use (in the loop's thread, the default),
   ``strategy.run(step, ..., options=RunOptions(donate_argnums=(0, 1)))``; the loop never waits
   (the strategy bounds the steps in flight).
 * ``hand-written jit``: ``jax.jit(step, donate_argnums=(0, 1))`` over a mesh with
