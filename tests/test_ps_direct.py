@@ -429,3 +429,126 @@ def test_one_deadline_covers_discovery_and_the_call():
         client.call(0, "Pull", {"keys": ["w"]})
     assert time.monotonic() - t0 < 1.8  # the direct port's discovery ate part of the 1 s
     client.close()
+
+
+# ---------------------------------------------------------------- SO_RCVLOWAT on large reads
+def _tcp_pair(tls: bool):
+    """A connected TCP pair on loopback (``SO_RCVLOWAT`` is only set on TCP), mutual TLS if
+    asked."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    try:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    finally:
+        srv.close()
+    if not tls:
+        return a, b
+    from jaxdist.testing.tls import process_pki
+
+    ids = process_pki().identities
+    wrapped = {}
+    t = threading.Thread(target=lambda: wrapped.update(
+        b=direct.server_context(ids["task"]).wrap_socket(b, server_side=True)), daemon=True)
+    t.start()
+    a = direct.client_context(ids["client"]).wrap_socket(a, server_hostname="127.0.0.1")
+    t.join(10)
+    return a, wrapped["b"]
+
+
+def _lowat(sock) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+def _frame_bytes(arrays) -> bytes:
+    parts = []
+
+    class _Capture:
+        def settimeout(self, t):
+            pass
+
+        def gettimeout(self):
+            return None
+
+        def sendall(self, data):
+            parts.append(bytes(data))
+
+    direct.send_frame(_Capture(), direct.RESPONSE, {"code": "OK"}, arrays)
+    return b"".join(parts)
+
+
+needs_lowat = pytest.mark.skipif(direct._SO_RCVLOWAT is None, reason="no SO_RCVLOWAT here")
+
+
+@needs_lowat
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_large_frame_that_trickles_in_arrives_whole_and_on_time(tls):
+    """The low-water mark never waits for bytes that will not come: a 1.2 MB frame sent in
+    10 KiB pieces, 1 ms apart, is read whole (its tail too) long before the deadline, and the
+    socket's mark is back to 1 byte afterwards."""
+    a, b = _tcp_pair(tls)
+    try:
+        arrays = {"w": np.random.default_rng(0).normal(size=300_003).astype(np.float32)}
+        data = _frame_bytes(arrays)
+        assert len(data) > direct._LOWAT_MIN_READ
+
+        def trickle():
+            for i in range(0, len(data), 10 << 10):
+                a.sendall(data[i:i + (10 << 10)])
+                time.sleep(0.001)
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        t0 = time.monotonic()
+        sender.start()
+        header, got = direct.recv_frame(b, direct.RESPONSE, 1 << 20, 1 << 30, t0 + 30)
+        took = time.monotonic() - t0
+        sender.join(10)
+        assert header == {"code": "OK"} and got["w"].tobytes() == arrays["w"].tobytes()
+        assert took < 10, took
+        assert _lowat(b) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_lowat
+def test_a_large_read_waits_for_its_low_water_mark(monkeypatch):
+    """While a large payload is read the socket's mark is _LOWAT_BYTES; small reads set none."""
+    a, b = _tcp_pair(False)
+    marks = []
+    real = direct._set_lowat
+    monkeypatch.setattr(direct, "_set_lowat", lambda s, n: marks.append(n) or real(s, n))
+    try:
+        arrays = {"w": np.ones(300_000, np.float32)}
+        data = _frame_bytes(arrays)
+        sender = threading.Thread(target=a.sendall, args=(data,), daemon=True)
+        sender.start()
+        direct.recv_frame(b, direct.RESPONSE, 1 << 20, 1 << 30, time.monotonic() + 30)
+        sender.join(10)
+        assert marks[0] == direct._LOWAT_BYTES and marks[-1] == 1
+        assert all(m == 1 or direct._LOWAT_FLOOR <= m <= direct._LOWAT_BYTES for m in marks)
+        assert len(marks) <= 6  # a few system calls per frame, not one per read
+        marks.clear()
+        a.sendall(_frame_bytes({"v": np.ones(1000, np.float32)}))
+        direct.recv_frame(b, direct.RESPONSE, 1 << 20, 1 << 30, time.monotonic() + 30)
+        assert marks == []
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_lowat
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_large_frame_stalled_midway_times_out_and_clears_the_mark(tls):
+    a, b = _tcp_pair(tls)
+    try:
+        data = _frame_bytes({"w": np.ones(300_000, np.float32)})
+        a.sendall(data[:700_000])  # then nothing
+        t0 = time.monotonic()
+        with pytest.raises((TimeoutError, socket.timeout)):
+            direct.recv_frame(b, direct.RESPONSE, 1 << 20, 1 << 30, t0 + 0.5)
+        took = time.monotonic() - t0
+        assert 0.45 <= took < 0.5 + direct._TIMEOUT_SLACK_S + 1.0, took
+        assert _lowat(b) == 1
+    finally:
+        a.close()
+        b.close()

@@ -104,18 +104,64 @@ def _set_timeout(sock: socket.socket, left: float) -> None:
         sock.settimeout(left)
 
 
+#: A read of at least this many bytes over TCP waits for ``_LOWAT_BYTES`` to arrive before
+#: it wakes (``_recv_exact``).
+_LOWAT_MIN_READ = 512 << 10
+_LOWAT_BYTES = 256 << 10
+#: What may already be off the socket but not yet read (TLS: a partial record in OpenSSL's
+#: buffer and a decrypted one), so a low-water mark never waits for bytes that will not come.
+_LOWAT_SLACK = 40 << 10
+#: Below this, the mark goes back to 1 byte.
+_LOWAT_FLOOR = 32 << 10
+_SO_RCVLOWAT = getattr(socket, "SO_RCVLOWAT", None)
+
+
+def _set_lowat(sock: socket.socket, nbytes: int) -> bool:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_RCVLOWAT, nbytes)
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _start_lowat(sock: socket.socket, nbytes: int) -> int:
+    """The low-water mark set for a read of ``nbytes`` (0: none). TCP only: there ``poll``
+    honours it (an AF_UNIX socket, in tests, would report data it then refuses to wait for)."""
+    if (_SO_RCVLOWAT is None or nbytes < _LOWAT_MIN_READ
+            or getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6)):
+        return 0
+    return _LOWAT_BYTES if _set_lowat(sock, _LOWAT_BYTES) else 0
+
+
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """Reads exactly ``len(view)`` bytes by ``deadline``.
+
+    A large read (a parameter pull, a gradient push) sets the socket's ``SO_RCVLOWAT`` so
+    that a wait for data ends once ``_LOWAT_BYTES`` have arrived, not at every TCP segment:
+    otherwise the reader wakes (and, on a busy machine, preempts the sender) a dozen times
+    for one 1 MiB frame. The mark stays ``_LOWAT_SLACK`` below the bytes still to come (it is
+    halved as the frame's end nears), and is set back to 1 at the end, whatever happens.
+    """
     got, n = 0, len(view)
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed")
-            _set_timeout(sock, left)
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
+    lowat = _start_lowat(sock, n)
+    try:
+        while got < n:
+            if lowat > 1 and lowat > n - got - _LOWAT_SLACK:
+                half = (n - got - _LOWAT_SLACK) // 2
+                lowat = half if half >= _LOWAT_FLOOR else 1
+                _set_lowat(sock, lowat)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("deadline passed")
+                _set_timeout(sock, left)
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("the peer closed the connection")
+            got += k
+    finally:
+        if lowat > 1:
+            _set_lowat(sock, 1)
 
 
 def _specs(arrays: Mapping[str, Any]) -> tuple[list, list[Any], int]:
