@@ -182,20 +182,29 @@ class _TCPPeer:
 OPS = (("ref_get", "ps_pull", "ref_put", "ps_push"), ("grpc_pull", "grpc_push"))
 
 
-def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float]]:
-    """Median seconds of reference get/put, ps pull/push (direct transport, the default) and
-    ps pull/push over gRPC only, per size.
+#: A timed sample of a size repeats its transfer this many bytes' worth (at least once): one
+#: 1 MiB transfer takes ~0.3 ms, where one preemption on a busy machine moves the sample 2x.
+SAMPLE_BYTES = 4 * (1 << 20)
+
+
+def _transfer_times(sizes: list[int], repeats: int
+                    ) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]:
+    """Median seconds of one reference get/put, ps pull/push (direct transport, the default)
+    and ps pull/push over gRPC only, per size; and every round's seconds (for same-round
+    ratios).
 
     The reference and ps transfers of a size alternate within every round (after one
     warm-up each), so both see the same load on a busy machine; then the gRPC-only
-    transfers alternate in rounds of their own (``OPS``).
+    transfers alternate in rounds of their own (``OPS``). Each sample times
+    ``SAMPLE_BYTES // size`` transfers back to back (at least one).
     """
     from jaxdist.ps import PSClient
 
     cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
     proc = _start_ps(cluster, 0)
     tcp = _TCPPeer()
-    out = {}
+    out: dict[int, dict[str, float]] = {}
+    rounds: dict[int, dict[str, list[float]]] = {}
     try:
         client = PSClient(cluster["ps"], TOKEN, timeout=120)
         grpc_client = PSClient(cluster["ps"], TOKEN, timeout=120, direct_transport=False)
@@ -214,15 +223,18 @@ def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float
                     0, "Push", {"versions": {key: 0}}, {key: x}),
             }
             times: dict[str, list[float]] = {name: [] for name in ops}
+            k = max(1, SAMPLE_BYTES // n)
             for group in OPS:
                 for name in group:
                     ops[name]()  # warm-up
                 for _ in range(repeats):
                     for name in group:
                         t0 = time.perf_counter()
-                        ops[name]()
-                        times[name].append(time.perf_counter() - t0)
+                        for _ in range(k):
+                            ops[name]()
+                        times[name].append((time.perf_counter() - t0) / k)
             out[n] = {name: statistics.median(t) for name, t in times.items()}
+            rounds[n] = times
         if client.direct_calls == 0:
             raise RuntimeError("the ps client never used the direct transport")
         client.close()
@@ -230,7 +242,7 @@ def _transfer_times(sizes: list[int], repeats: int) -> dict[int, dict[str, float
     finally:
         tcp.close()
         _stop(proc)
-    return out
+    return out, rounds
 
 
 def _memcpy_time(n: int, repeats: int) -> float:
@@ -373,19 +385,26 @@ def _async_steps_per_s(num_ps: int, steps: int, hidden: int, local: bool = False
 
 
 def _print_transfers(sizes: list[int], repeats: int, transport: str) -> None:
-    times = _transfer_times(sizes, repeats)
+    times, rounds = _transfer_times(sizes, repeats)
     ref = "TCP" if transport == "plaintext" else "TLS"
     tls_note = " with the same mutual-TLS certificates" if ref == "TLS" else ""
     print(f"\n{'size':>7} {'memcpy':>7} {ref + ' get':>8} {ref + ' put':>8} {'ps pull':>8} "
-          f"{'ps push':>8} {'grpc pull':>9} {'grpc push':>9} {'pull/ref':>8} {'push/ref':>8}")
+          f"{'ps push':>8} {'grpc pull':>9} {'grpc push':>9} {'pull/ref':>8} {'push/ref':>8} "
+          f"{'same-round':>10}")
     for n in sizes:
         mem = n / _memcpy_time(n, repeats) / 1e9
         rg, rp, pp, pu, gp, gu = (n / times[n][op] / 1e9 for op in
                                   ("ref_get", "ref_put", "ps_pull", "ps_push", "grpc_pull",
                                    "grpc_push"))
+        r = rounds[n]
+        same = [statistics.median(a / b for a, b in zip(r[ref_op], r[op]))
+                for ref_op, op in (("ref_get", "ps_pull"), ("ref_put", "ps_push"))]
         print(f"{n // MiB:>4}MiB {mem:>7.2f} {rg:>8.2f} {rp:>8.2f} {pp:>8.2f} {pu:>8.2f} "
-              f"{gp:>9.2f} {gu:>9.2f} {pp / rg:>8.2f} {pu / rp:>8.2f}")
-    print(f"(GB/s, median of {repeats} interleaved rounds; ps = the default direct transport, "
+              f"{gp:>9.2f} {gu:>9.2f} {pp / rg:>8.2f} {pu / rp:>8.2f} "
+              f"{same[0]:>4.2f}/{same[1]:.2f}")
+    print(f"(GB/s, median of {repeats} interleaved rounds, each sample {SAMPLE_BYTES // MiB} MiB "
+          f"of transfers back to back; same-round: the median over rounds of the pull/ref and "
+          f"push/ref ratios within a round; ps = the default direct transport, "
           f"grpc = the same calls over gRPC only, in rounds of their own; the reference "
           f"({ref}, in the ps's rounds) is a hand-written "
           f"socket transfer of the same bytes between two processes{tls_note}; push = "
