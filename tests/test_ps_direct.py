@@ -318,24 +318,28 @@ def test_frames_round_trip_with_aligned_arrays(size):
         b.close()
 
 
+def _frame_bytes(arrays) -> bytes:
+    """The bytes of a RESPONSE frame carrying ``arrays`` (sent into a list, not a socket)."""
+    parts = []
+
+    class _Capture:
+        def settimeout(self, t):
+            pass
+
+        def gettimeout(self):
+            return None
+
+        def sendall(self, data):
+            parts.append(bytes(data))
+
+    direct.send_frame(_Capture(), direct.RESPONSE, {"code": "OK"}, arrays)
+    return b"".join(parts)
+
+
 def test_a_small_frame_stalled_midway_times_out_at_its_deadline():
     a, b = socket.socketpair()
     try:
-        frame = []
-
-        class _Capture:
-            def settimeout(self, t):
-                pass
-
-            def gettimeout(self):
-                return None
-
-            def sendall(self, data):
-                frame.append(bytes(data))
-
-        direct.send_frame(_Capture(), direct.RESPONSE, {"code": "OK"},
-                          {"v": np.arange(100, dtype=np.float32)})
-        data = b"".join(frame)
+        data = _frame_bytes({"v": np.arange(100, dtype=np.float32)})
         a.sendall(data[:len(data) // 2])  # the prefix and part of the rest; then nothing
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -457,23 +461,6 @@ def _tcp_pair(tls: bool):
 
 def _lowat(sock) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
-
-
-def _frame_bytes(arrays) -> bytes:
-    parts = []
-
-    class _Capture:
-        def settimeout(self, t):
-            pass
-
-        def gettimeout(self):
-            return None
-
-        def sendall(self, data):
-            parts.append(bytes(data))
-
-    direct.send_frame(_Capture(), direct.RESPONSE, {"code": "OK"}, arrays)
-    return b"".join(parts)
 
 
 needs_lowat = pytest.mark.skipif(direct._SO_RCVLOWAT is None, reason="no SO_RCVLOWAT here")
