@@ -228,3 +228,14 @@ def test_tf_data_dataset_if_tensorflow_installed(strategy):
     ds = tf.data.Dataset.from_tensor_slices(np.arange(16, dtype=np.float32)).batch(8)
     out = list(strategy.experimental_distribute_dataset(ds))
     assert len(out) == 2 and out[0].shape == (2,)
+
+
+def test_per_replica_elements_of_different_structures_are_an_error(strategy):
+    """distribute_datasets_from_function: the replicas' elements must have one structure
+    (stacking leaves of {'a', 'b'} with {'a', 'c'} would silently mix them)."""
+    good = {"a": np.zeros((2, 1)), "b": np.ones((2, 1))}
+    odd = {"a": np.zeros((2, 1)), "c": np.ones((2, 1))}
+    n = strategy.num_replicas_in_sync
+    dist = strategy.distribute_datasets_from_function(lambda ctx: [good] * (n - 1) + [odd])
+    with pytest.raises(ValueError, match="pytree structure"):
+        next(iter(dist))

@@ -163,6 +163,9 @@ class _Sharder:
         )
         if full_shapes:
             flat, tree = jax.tree.flatten(elements[0])
+            if any(jax.tree.structure(e) != tree for e in elements[1:]):
+                # jax.tree.map raises, naming both structures.
+                jax.tree.map(lambda *xs: None, *elements)
             rest = [jax.tree.leaves(e) for e in elements[1:]]
             return tree.unflatten(self._place_all(
                 [np.stack(xs) for xs in zip(flat, *rest)]))
