@@ -239,8 +239,11 @@ def _children() -> list[int]:
 
     pids = []
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids += [int(p) for p in f.read().split()]
+        try:
+            with open(path) as f:
+                pids += [int(p) for p in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread ended after the listing (it had no child to report)
     cluster_pids = set()
     for proc in _live_cluster_pids():
         cluster_pids.add(proc)
