@@ -162,13 +162,9 @@ class _Sharder:
             for xs in zip(*(jax.tree.leaves(e) for e in elements))
         )
         if full_shapes:
-            flat, tree = jax.tree.flatten(elements[0])
-            if any(jax.tree.structure(e) != tree for e in elements[1:]):
-                # jax.tree.map raises, naming both structures.
-                jax.tree.map(lambda *xs: None, *elements)
-            rest = [jax.tree.leaves(e) for e in elements[1:]]
-            return tree.unflatten(self._place_all(
-                [np.stack(xs) for xs in zip(flat, *rest)]))
+            # jax.tree.map checks the elements share one structure (and names both if not).
+            flat, tree = jax.tree.flatten(jax.tree.map(lambda *xs: np.stack(xs), *elements))
+            return tree.unflatten(self._place_all(flat))
         policy = self.options.partial_batch
         what = (
             f"last group of {len(elements)} per-replica elements for {k} replicas"
