@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.strategies import context as ctx_lib
+from jaxdist.strategies import nnx_state
 from jaxdist.strategies.cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -272,6 +273,27 @@ class StrategyExtended:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__name__}: {args!r}")
         kwargs = dict(kwargs or {})
+        if nnx_state._nnx() is not None:
+            split = nnx_state.split_args(fn, args, kwargs, is_per_replica)
+            if split is not None:
+                return self._run_nnx(*split)
+        return self._run_flat(fn, args, kwargs)
+
+    def _run_nnx(self, step: Callable, step_args: tuple, nodes: tuple) -> Any:
+        """``run`` of a step whose arguments hold flax NNX objects (``nnx_state``)."""
+        options = self._call_options
+        donate = getattr(options, "donate", ())
+        # Donation names the user's positions; the NNX objects' state is what such a step
+        # replaces, so a donating call donates that state (argument 0 of the split step).
+        options.donate = (0,) if donate else ()
+        try:
+            out, new_state = self._run_flat(step, step_args, {})
+        finally:
+            options.donate = donate
+        nnx_state.update(nodes, new_state)
+        return out
+
+    def _run_flat(self, fn: Callable, args, kwargs) -> Any:
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
         n = self._num_replicas
         kinds: list[str] = []
@@ -387,7 +409,8 @@ class StrategyExtended:
             if key is not None and key in self._run_cache:
                 self._run_cache.move_to_end(key)
                 return self._run_cache[key]
-        compiled = _CompiledRun(self, fn, treedef, kinds, statics, partial, donate)
+        cls = _GlobalRun if getattr(fn, "_jaxdist_global_view", False) else _CompiledRun
+        compiled = cls(self, fn, treedef, kinds, statics, partial, donate)
         self._note_new_function(fn)
         if key is not None:
             with self._cache_lock:
@@ -745,6 +768,50 @@ class _CompiledRun:
         flat = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*dyn)
         flat = [PerReplica(x) if v else x for x, v in zip(flat, varying)]
         return tree.unflatten(flat)
+
+
+class _GlobalViewContext(ReplicaContext):
+    """The replica context of a global-view step (an ``nnx.jit`` step): one replica that sees
+    the whole global batch, so reductions across replicas are the identity."""
+
+    def __init__(self, strategy: Strategy):
+        super().__init__(strategy, None)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(strategy={self._strategy!r}, global_view=True)"
+
+
+class _GlobalRun(_CompiledRun):
+    """A step compiled over the global batch (``nnx_state``'s global view).
+
+    ``PerReplica`` inputs become the global batch (rows in replica order, padding dropped on a
+    partial batch); the step is one jitted program whose batch stays split over the replica
+    mesh (XLA partitions it). The NNX state it returns is kept replicated, as state is.
+    """
+
+    def raw(self, *dyn):
+        ext = self.extended
+        lengths = None if self.partial is None else tuple(self.partial[0])
+        dyn = [
+            nnx_state.globalize(x.stacked if isinstance(x, PerReplica) else x, lengths)[None]
+            if k == "pr" else x
+            for x, k in zip(dyn, [k for k in self.kinds if k not in ("static", "empty")])
+        ]
+        args, kwargs = self._args(dyn)
+        rctx = _GlobalViewContext(ext._container_strategy)
+        with ctx_lib.enter_replica(ext._container_strategy, rctx):
+            self.traces += 1
+            out, new_state = self.fn(*args, **kwargs)
+        if ext._num_replicas > 1:
+            replicated = ext._replicated
+            new_state = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, replicated), new_state
+            )
+        return out, new_state
 
 
 def _as_output(x: Any) -> Any:
