@@ -57,7 +57,7 @@ from jaxdist.strategies import (
 from jaxdist.strategies.context import experimental_set_strategy, get_cross_replica_context
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.replica_reduce import DoubleReductionError
-from jaxdist.strategies.strategy import register_scope_hook
+from jaxdist.strategies.strategy import register_run_state_hook, register_scope_hook
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
 from jaxdist.values import PerReplicaSpec
 
@@ -76,6 +76,19 @@ def _keras_scope_hook(strategy):
 
 
 register_scope_hook(_keras_scope_hook)
+
+
+def _keras_run_state_hook(fn, args, kwargs):
+    # strategy.run carries the Keras variables its function reaches (TF's custom loop with a
+    # Keras model); nothing happens, and keras is never imported, until keras is imported.
+    if "keras" not in sys.modules:
+        return None
+    from jaxdist.keras.custom_loop import run_state_hook
+
+    return run_state_hook(fn, args, kwargs)
+
+
+register_run_state_hook(_keras_run_state_hook)
 
 
 def __getattr__(name: str):

@@ -163,6 +163,20 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     return _attach(model, strategy, **kwargs)
 
 
+def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
+    """The gradient line of TF's custom loop: ``fn()``'s value and its gradient w.r.t. Keras
+    ``variables`` (see ``jaxdist.keras.custom_loop.value_and_grad``).
+
+    Example:
+        >>> loss, grads = jaxdist.keras.value_and_grad(
+        ...     lambda: loss_object(y, model(x, training=True)), model.trainable_variables)
+    """
+    require_keras()
+    from jaxdist.keras.custom_loop import value_and_grad as _value_and_grad
+
+    return _value_and_grad(fn, variables, has_aux=has_aux)
+
+
 def __getattr__(name: str) -> Any:
     # Classes that subclass Keras's are imported on first use (keras stays optional).
     if name in ("BackupAndRestore", "ModelCheckpoint", "TensorBoard"):
@@ -183,4 +197,5 @@ __all__ = [
     "require_keras",
     "scope",
     "strategy_scope_hook",
+    "value_and_grad",
 ]

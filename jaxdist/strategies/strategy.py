@@ -277,6 +277,13 @@ class StrategyExtended:
             split = nnx_state.split_args(fn, args, kwargs, is_per_replica)
             if split is not None:
                 return self._run_nnx(*split)
+        for hook in _RUN_STATE_HOOKS:
+            carried = hook(fn, args, kwargs)
+            if carried is not None:
+                step, step_args, write_back = carried
+                out, new_state = self._run_flat(step, step_args, {})
+                write_back(new_state)
+                return out
         return self._run_flat(fn, args, kwargs)
 
     def _run_nnx(self, step: Callable, step_args: tuple, nodes: tuple) -> Any:
@@ -1133,6 +1140,23 @@ def register_scope_hook(hook: Callable[[Any], Any]) -> None:
     """
     if hook not in _SCOPE_HOOKS:
         _SCOPE_HOOKS.append(hook)
+
+
+#: ``hook(fn, args, kwargs) -> None | (step, step_args, write_back)``: state a replica function
+#: reaches that is not among its arguments (Keras variables its closure names). ``run`` then
+#: runs ``step(*step_args)``, which returns ``(outputs, new_state)``, and calls
+#: ``write_back(new_state)``. ``jaxdist/__init__.py`` registers Keras's.
+_RUN_STATE_HOOKS: list[Callable[[Callable, tuple, dict], Any]] = []
+
+
+def register_run_state_hook(hook: Callable[[Callable, tuple, dict], Any]) -> None:
+    """Makes every ``strategy.run`` ask ``hook`` for state its function reaches.
+
+    Example:
+        >>> register_run_state_hook(lambda fn, args, kwargs: None)  # carries nothing
+    """
+    if hook not in _RUN_STATE_HOOKS:
+        _RUN_STATE_HOOKS.append(hook)
 
 
 class _Entered:
