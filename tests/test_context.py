@@ -228,3 +228,20 @@ def test_default_strategy_merge_call_inside_control_flow_is_allowed():
     # TF's default replica context runs merge_fn directly, with no graph check.
     out = jax.jit(lambda x: jax.lax.fori_loop(0, 2, lambda i, c: _merge(c) + 1.0, x))(1.0)
     assert float(out) == 3.0
+
+
+def test_error_while_tracing_a_replica_function_leaves_the_devices_usable(devices):
+    s = jaxdist.MirroredStrategy(devices[:4])
+    v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(1.0))
+
+    def broken(x):
+        jaxdist.get_replica_context().all_reduce("SUM", x)  # a collective traced first
+        raise ValueError("bad step")
+
+    for attempt in (broken, jax.jit(broken)):
+        with pytest.raises(ValueError, match="bad step"):
+            s.run(attempt, args=(v,))
+        assert jaxdist.get_replica_context() is not None  # the context stack is unwound
+        assert not jaxdist.in_cross_replica_context()
+    total = s.run(lambda x: jaxdist.get_replica_context().all_reduce("SUM", x), args=(v,))
+    assert float(jax.block_until_ready(total)) == 4.0
