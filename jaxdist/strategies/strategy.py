@@ -29,6 +29,7 @@ from jaxdist.strategies.cross_device_ops import (
     NcclAllReduce,
     all_gather_invariant,
     destination_sharding,
+    outside_context_mesh,
     varying_axes,
 )
 from jaxdist.strategies.inflight import StepThrottle
@@ -472,6 +473,8 @@ class StrategyExtended:
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         op = ReduceOp.from_value(reduce_op)
         target = destination_sharding(destinations)
+        if target is None and getattr(self._cross_device_ops, "_outside_device", None):
+            target = self._replicated  # ReductionToOneDevice accumulated outside the replicas
         out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
         return self._place_result(out, target)
 
@@ -527,6 +530,13 @@ class StrategyExtended:
         return jax.tree.map(put, tree, is_leaf=is_per_replica)
 
     def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
+        # Eagerly, outside scope()'s mesh: the value or the reduction may be on devices that are
+        # not the strategy's (a host value, ReductionToOneDevice's device); inside a trace
+        # nothing changes.
+        with outside_context_mesh():
+            return self._reduce_leaf_here(op, v, axis)
+
+    def _reduce_leaf_here(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         n = self._num_replicas
         if isinstance(v, PerReplica) and v.lengths is not None:
             return _reduce_partial(op, v, axis)
