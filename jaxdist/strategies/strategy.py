@@ -33,6 +33,12 @@ from jaxdist.strategies.cross_device_ops import (
     varying_axes,
 )
 from jaxdist.strategies.inflight import StepThrottle
+from jaxdist.strategies.partial_rows import (
+    gather_rows,
+    per_row_lengths,
+    reduce_rows,
+    wrap_outputs,
+)
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
 from jaxdist.strategies.run_options import RunOptions
@@ -539,7 +545,7 @@ class StrategyExtended:
     def _reduce_leaf_here(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         n = self._num_replicas
         if isinstance(v, PerReplica) and v.lengths is not None:
-            return _reduce_partial(op, v, axis)
+            return reduce_rows(op, v, axis)
         if isinstance(v, PerReplica):
             stacked = self._prepare_leaf(v, "pr")
             if axis is not None and not -v.stacked.ndim + 1 <= axis < v.stacked.ndim - 1:
@@ -642,31 +648,6 @@ class StrategyExtended:
         return self.parameter_devices
 
 
-def _reduce_partial(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
-    """Reduces a partial-batch ``PerReplica`` (replicas with different row counts) as TF does:
-    along ``axis=0`` over the real rows only; across replicas only if the shapes agree."""
-    parts = [np.asarray(jax.device_get(p)) for p in v.values]
-    if axis is None:
-        if len({p.shape for p in parts}) != 1:
-            raise ValueError(
-                f"Cannot reduce per-replica values of different shapes "
-                f"{[p.shape for p in parts]} (a partial batch) with axis=None; pass axis=0 to "
-                f"reduce over the rows"
-            )
-        total = np.sum(parts, axis=0)
-        return jnp.asarray(total / len(parts) if op is ReduceOp.MEAN else total)
-    if axis % parts[0].ndim != 0:
-        raise ValueError(
-            f"A partial batch (per-replica rows {list(v.lengths or ())}) can only be reduced "
-            f"along axis 0, got axis={axis}"
-        )
-    rows = np.concatenate(parts, axis=0)
-    total = np.sum(rows, axis=0)
-    if op is ReduceOp.MEAN:
-        return jnp.asarray(total / rows.shape[0] if rows.shape[0] else np.full_like(total, np.nan))
-    return jnp.asarray(total)
-
-
 _UPDATE_CACHE: dict = {}
 
 
@@ -744,8 +725,15 @@ class _CompiledRun:
             record["varying"] = [bool(set(axes) & varying_axes(x)) for x in flat]
             return [x[None] for x in flat]
 
-        jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes)), *dyn)
+        probe_shapes = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes))
+        out_avals = jax.eval_shape(probe_shapes, *dyn)
         varying, tree = record["varying"], record["tree"]
+        # A partial-batch step: which outputs are per row (partial_rows: a second abstract
+        # trace with one more row tells the row axis from a size that only equals it).
+        rows = per_row_lengths(
+            self.partial, [a.shape for a in out_avals], dyn, dyn_kinds,
+            None if self.partial is None else lambda xs: jax.eval_shape(probe_shapes, *xs),
+        )
 
         def body(*xs):
             flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs, axes))]
@@ -753,8 +741,7 @@ class _CompiledRun:
 
         out_specs = tuple(P(axes) if v else P() for v in varying)
         flat = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*dyn)
-        flat = [PerReplica(x) if v else x for x, v in zip(flat, varying)]
-        return tree.unflatten(flat)
+        return tree.unflatten(wrap_outputs(flat, varying, rows))
 
 
 def _as_output(x: Any) -> Any:
@@ -905,13 +892,7 @@ class Strategy:
 
         def one(v):
             if isinstance(v, PerReplica) and v.lengths is not None:
-                parts = [np.asarray(jax.device_get(p)) for p in v.values]
-                if axis % max(parts[0].ndim, 1) != 0:
-                    raise ValueError(
-                        f"A partial batch (per-replica rows {list(v.lengths)}) can only be "
-                        f"gathered along axis 0, got axis={axis}"
-                    )
-                return jax.device_put(np.concatenate(parts, axis=0), ext._replicated)
+                return gather_rows(v, axis, ext._replicated)  # the real rows, in order
             if isinstance(v, PerReplica):
                 stacked = ext._prepare_leaf(v, "pr")
             elif ext._is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):
