@@ -224,10 +224,20 @@ def test_merge_call_outside_control_flow_still_works(devices):
     assert float(two_steps(v)) == 6.0
 
 
-def test_default_strategy_merge_call_inside_control_flow_is_allowed():
-    # TF's default replica context runs merge_fn directly, with no graph check.
-    out = jax.jit(lambda x: jax.lax.fori_loop(0, 2, lambda i, c: _merge(c) + 1.0, x))(1.0)
-    assert float(out) == 3.0
+def test_merge_call_inside_control_flow_is_allowed_where_tf_allows_it(devices):
+    # Only TF's mirrored replica threads check the graph; TF's default strategy, OneDevice and
+    # TPU replica contexts run merge_fn in place (a merge_call in a loop body is traced there).
+    def loop(x):
+        return jax.lax.fori_loop(0, 2, lambda i, c: _merge(c) + 1.0, x)
+
+    assert float(jax.jit(loop)(1.0)) == 3.0  # default strategy
+    one = jaxdist.OneDeviceStrategy(devices[1])
+    assert float(one.run(loop, args=(jnp.float32(1.0),))) == 3.0
+    tpu = jaxdist.TPUStrategy(devices=devices[:2])
+    # a replicated carry: each merge sums it over the 2 replicas, (1 * 2 + 1) * 2 + 1 = 7
+    assert float(tpu.run(loop, args=(jnp.float32(1.0),))) == 7.0
+    with pytest.raises(RuntimeError, match="defining a new graph"):
+        jaxdist.MirroredStrategy(devices[:1]).run(loop, args=(jnp.float32(1.0),))
 
 
 def test_error_while_tracing_a_replica_function_leaves_the_devices_usable(devices):

@@ -164,9 +164,13 @@ class ReplicaContext:
         Raises:
             RuntimeError: called inside a ``jax.lax`` control-flow body (``while_loop``,
                 ``fori_loop``, ``scan``, ``map``, ``cond``, ``switch``) traced inside the
-                replica function, as TF raises for a ``merge_call`` inside a ``tf.while_loop``
-                or ``tf.cond`` body. The error comes while the step is traced, before anything
-                is dispatched; ``all_reduce`` inside such a body is fine.
+                replica function, as TF's mirrored replica threads raise for a ``merge_call``
+                inside a ``tf.while_loop`` or ``tf.cond`` body (``MirroredStrategy``,
+                ``MultiWorkerMirroredStrategy``, ``CentralStorageStrategy``,
+                ``ParameterServerStrategy``; TF's ``OneDeviceStrategy``, ``TPUStrategy`` and
+                default strategy have no such check, and neither do jaxdist's). The error
+                comes while the step is traced, before anything is dispatched;
+                ``all_reduce`` inside such a body is fine.
 
         Example:
             >>> def merge_fn(strategy, x):
@@ -175,7 +179,7 @@ class ReplicaContext:
         """
         from jaxdist.strategies import context as ctx_lib
 
-        if not self._strategy._is_default_strategy:
+        if getattr(self._strategy, "_merge_call_checks_control_flow", True):
             inside = trace_util.control_flow_between(self._home_trace)
             if inside is not None:
                 raise RuntimeError(
