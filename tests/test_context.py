@@ -166,3 +166,92 @@ def test_update_non_slot_runs_once_cross_replica_and_places_result():
     out = s.extended.update_non_slot(None, fn, args=(jnp.int32(4),))
     assert calls == [True]
     assert int(out) == 5 and out.sharding.device_set == set(jax.devices()[:2])
+
+
+def _sum_merge(strategy, x):
+    return strategy.reduce("SUM", x, axis=None)
+
+
+def _merge(x):
+    return jaxdist.get_replica_context().merge_call(_sum_merge, args=(x,))
+
+
+_CONTROL_FLOW = {
+    "while_loop": lambda x: jax.lax.while_loop(lambda c: c < 2.0, _merge, x),
+    "fori_loop": lambda x: jax.lax.fori_loop(0, 2, lambda i, c: _merge(c), x),
+    "scan": lambda x: jax.lax.scan(lambda c, _: (_merge(c), None), x, None, length=2)[0],
+    "map": lambda x: jax.lax.map(_merge, jnp.stack([x, x])),
+    "cond": lambda x: jax.lax.cond(x > 0, _merge, lambda y: y, x),
+    "switch": lambda x: jax.lax.switch(1, [lambda y: y, _merge], x),
+}
+
+
+@pytest.mark.parametrize("flow", sorted(_CONTROL_FLOW))
+def test_merge_call_inside_control_flow_raises_at_trace_time_and_devices_stay_usable(
+        devices, flow):
+    # TF raises for a merge_call inside tf.while_loop / tf.cond; jaxdist raises while the step
+    # is traced, so nothing is dispatched (the while_loop here would never end: the sum of 0
+    # over the replicas is 0) and the next step with a collective completes.
+    s = jaxdist.MirroredStrategy(devices[:2])
+    v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(0.0))
+    with pytest.raises(RuntimeError, match="`merge_call` called while defining a new graph"):
+        s.run(_CONTROL_FLOW[flow], args=(v,))
+    with pytest.raises(RuntimeError, match="inside a jax.lax control-flow body"):
+        s.run(jax.jit(_CONTROL_FLOW[flow]), args=(v,))  # the same under a nested jax.jit
+    total = s.run(lambda x: jaxdist.get_replica_context().all_reduce("SUM", x + 1.0), args=(v,))
+    assert float(jax.block_until_ready(total)) == 2.0
+
+
+def test_merge_call_outside_control_flow_still_works(devices):
+    # Not control flow: a nested jax.jit, jax.grad, jax.checkpoint around the merge_call; and a
+    # replica function that is itself traced inside a user's lax.scan (strategy.run in a loop).
+    s = jaxdist.MirroredStrategy(devices[:2])
+    v = s.experimental_distribute_values_from_function(
+        lambda c: jnp.float32(c.replica_id_in_sync_group + 1))
+    assert float(s.run(jax.jit(_merge), args=(v,))) == 3.0
+    assert float(s.run(jax.checkpoint(_merge), args=(v,))) == 3.0
+    # (only that it traces: the gradient through a merge function's reduce is not asserted)
+    grads = s.run(jax.grad(lambda x: _merge(x) * 2.0), args=(v,))
+    assert len(s.experimental_local_results(grads)) == 2
+
+    @jax.jit
+    def two_steps(x):
+        def body(c, _):
+            return c + s.run(_merge, args=(x,)), None
+
+        return jax.lax.scan(body, jnp.float32(0.0), None, length=2)[0]
+
+    assert float(two_steps(v)) == 6.0
+
+
+def test_merge_call_inside_control_flow_is_allowed_where_tf_allows_it(devices):
+    # Only TF's mirrored replica threads check the graph; TF's default strategy, OneDevice and
+    # TPU replica contexts run merge_fn in place (a merge_call in a loop body is traced there).
+    def loop(x):
+        return jax.lax.fori_loop(0, 2, lambda i, c: _merge(c) + 1.0, x)
+
+    assert float(jax.jit(loop)(1.0)) == 3.0  # default strategy
+    one = jaxdist.OneDeviceStrategy(devices[1])
+    assert float(one.run(loop, args=(jnp.float32(1.0),))) == 3.0
+    tpu = jaxdist.TPUStrategy(devices=devices[:2])
+    # a replicated carry: each merge sums it over the 2 replicas, (1 * 2 + 1) * 2 + 1 = 7
+    assert float(tpu.run(loop, args=(jnp.float32(1.0),))) == 7.0
+    with pytest.raises(RuntimeError, match="defining a new graph"):
+        jaxdist.MirroredStrategy(devices[:1]).run(loop, args=(jnp.float32(1.0),))
+
+
+def test_error_while_tracing_a_replica_function_leaves_the_devices_usable(devices):
+    s = jaxdist.MirroredStrategy(devices[:4])
+    v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(1.0))
+
+    def broken(x):
+        jaxdist.get_replica_context().all_reduce("SUM", x)  # a collective traced first
+        raise ValueError("bad step")
+
+    for attempt in (broken, jax.jit(broken)):
+        with pytest.raises(ValueError, match="bad step"):
+            s.run(attempt, args=(v,))
+        assert jaxdist.get_replica_context() is not None  # the context stack is unwound
+        assert not jaxdist.in_cross_replica_context()
+    total = s.run(lambda x: jaxdist.get_replica_context().all_reduce("SUM", x), args=(v,))
+    assert float(jax.block_until_ready(total)) == 4.0

@@ -239,3 +239,103 @@ def test_per_replica_elements_of_different_structures_are_an_error(strategy):
     dist = strategy.distribute_datasets_from_function(lambda ctx: [good] * (n - 1) + [odd])
     with pytest.raises(ValueError, match="pytree structure"):
         next(iter(dist))
+
+
+def _linear(params, x):
+    # a non-zero bias: a padding row (zeros) gives a non-zero prediction, so a padding row
+    # that leaks into the results changes them
+    return x @ params["w"] + params["b"]
+
+
+@pytest.mark.parametrize("num_replicas", [4, 8])
+def test_per_row_outputs_of_a_partial_step_line_up_with_the_inputs(num_replicas):
+    # 41 rows, global batch 16: the last batch has 9 rows (4, 4, 1, 0 on 4 replicas; 2, 2, 2, 2,
+    # 1, 0, 0, 0 on 8), each replica's rows padded to one shape inside run. Gathered per-row
+    # outputs must be the 41 real rows, in order, as a one-device computation gives them.
+    if len(jax.devices()) < num_replicas:
+        pytest.skip(f"needs {num_replicas} devices, {len(jax.devices())} available")
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:num_replicas])
+    rng = np.random.RandomState(0)
+    x = rng.randn(41, 3).astype(np.float32)
+    y = np.arange(41, dtype=np.int32)
+    params = {"w": rng.randn(3, 2).astype(np.float32), "b": np.float32([1.5, -2.0])}
+    want = np.asarray(jax.jit(_linear)(params, x))  # one device
+    with strategy.scope():
+        state = jax.tree.map(jax.numpy.asarray, params)
+
+    def step(params, xb, yb):
+        preds = _linear(params, xb)
+        loss = jaxdist.compute_average_loss(jax.numpy.sum(preds, axis=1), global_batch_size=16)
+        return {"preds": preds, "labels": yb, "loss": loss,
+                "first_col": preds.T,               # leading axis 2: not per row
+                "total": jaxdist.get_replica_context().all_reduce("SUM", loss)}
+
+    ds = Dataset.from_tensor_slices((x, y)).batch(16)
+    preds, labels, local_preds, sums = [], [], [], []
+    for xb, yb in strategy.experimental_distribute_dataset(ds):
+        out = strategy.run(step, args=(state, xb, yb))
+        preds.append(np.asarray(strategy.gather(out["preds"], axis=0)))
+        labels.append(np.asarray(strategy.gather(out["labels"], axis=0)))
+        local_preds.append(np.concatenate(
+            [np.asarray(p) for p in strategy.experimental_local_results(out["preds"])]))
+        sums.append(np.asarray(strategy.reduce("SUM", out["preds"], axis=0)))
+        # scalars and other shapes come back as on a full step
+        assert out["loss"].lengths is None and out["first_col"].lengths is None
+        assert out["first_col"].shape[1] == xb.shape[0]
+        assert not isinstance(out["total"], PerReplica)
+    assert out["preds"].lengths == xb.lengths  # the last, partial step
+    assert sum(out["preds"].lengths) == 9
+    preds, labels = np.concatenate(preds), np.concatenate(labels)
+    assert preds.shape == (41, 2) and labels.shape == (41,)
+    np.testing.assert_array_equal(labels, y)  # in order
+    np.testing.assert_allclose(preds, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(local_preds), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.sum(sums, axis=0), want.sum(0), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="different shapes"):  # TF's rule for ragged replicas
+        strategy.reduce("SUM", out["preds"], axis=None)
+
+    # Inside a user's jax.jit (TF: inside tf.function) the same rows come back.
+    @jax.jit
+    def jitted(state, xb, yb):
+        out = strategy.run(step, args=(state, xb, yb))
+        return (strategy.gather(out["preds"], axis=0),
+                strategy.reduce("SUM", out["preds"], axis=0))
+
+    rows, total = jitted(state, xb, yb)
+    np.testing.assert_allclose(rows, want[32:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(total, want[32:].sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_partial_step_outputs_of_the_row_count_size_but_not_per_row_are_not_cut(strategy):
+    # 6 rows on 4 replicas: 2, 2, 1, 1 rows, padded to 2; the weights also have 2 entries, so a
+    # per-replica gradient has the padded row count as its leading axis without being per row.
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    (xb,) = list(strategy.experimental_distribute_dataset([x]))
+    assert xb.lengths == (2, 2, 1, 1)
+    with strategy.scope():
+        w = jax.numpy.ones(2)
+
+    def step(w, xb):
+        ctx = jaxdist.get_replica_context()
+
+        def loss(w):
+            return jaxdist.compute_average_loss(xb @ w, global_batch_size=6)
+
+        grads = jax.grad(loss)(ctx.local(w))   # per-replica gradient, shape (2,)
+        return {"preds": xb @ w, "grads": grads}
+
+    out = strategy.run(step, args=(w, xb))
+    assert out["preds"].lengths == (2, 2, 1, 1)
+    assert out["grads"].lengths is None
+    total = strategy.reduce("SUM", out["grads"], axis=None)  # TF's reduce of per-replica grads
+    np.testing.assert_allclose(total, x.sum(0) / 6, rtol=1e-6)
+    np.testing.assert_allclose(strategy.gather(out["preds"], axis=0), x @ np.ones(2))
+
+    # A replica function whose shapes are fixed in its code cannot be traced with another row
+    # count: the leading-axis test alone decides (its per-row output is still cut right).
+    def fixed(xb):
+        return xb.reshape(2, 2) + 1.0
+
+    rows = strategy.run(fixed, args=(xb,))
+    assert rows.lengths == (2, 2, 1, 1)
+    np.testing.assert_allclose(strategy.gather(rows, axis=0), x + 1.0)

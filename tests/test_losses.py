@@ -26,6 +26,29 @@ def test_compute_average_loss_errors():
     assert float(jaxdist.compute_average_loss(jnp.ones(3), global_batch_size=0)) == 0.0
 
 
+def test_global_batch_size_values_tf_refuses(devices):
+    # TF's current nn_impl_distribute: assert_non_negative (0 is allowed and gives 0, TF's own
+    # testComputeAverageLossGlobalBatchSize_BatchSizeZero); negative values are refused.
+    for bad in (-1, np.int64(-3), jnp.int32(-2), np.array(-5)):
+        with pytest.raises(ValueError, match="global_batch_size must be non-negative"):
+            jaxdist.compute_average_loss(jnp.ones(3), global_batch_size=bad)
+    s = jaxdist.MirroredStrategy(devices[:2])
+    with pytest.raises(ValueError, match="global_batch_size must be non-negative"):
+        s.run(lambda: jaxdist.compute_average_loss(jnp.ones(3), global_batch_size=-4))
+    # A traced batch size (an argument of run or jit) cannot raise before the step runs: a
+    # negative one gives NaN, never a plausible negative loss; 0 gives 0 as TF.
+    def step(gbs):
+        return jaxdist.compute_average_loss(jnp.ones(3), global_batch_size=gbs)
+
+    for gbs, want in ((-4, None), (0, 0.0), (6, 0.5)):
+        for out in (s.experimental_local_results(s.run(step, args=(gbs,)))[0],
+                    jax.jit(step)(jnp.int32(gbs))):
+            if want is None:
+                assert np.isnan(float(out)), gbs
+            else:
+                assert float(out) == want, gbs
+
+
 def test_compute_average_loss_in_replicas_uses_global_batch():
     s = jaxdist.MirroredStrategy(jax.devices()[:4])
     x = np.arange(8, dtype=np.float32)

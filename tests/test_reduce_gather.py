@@ -131,6 +131,49 @@ def test_extended_reduce_to_and_batch_reduce_to(strategy):
     assert b.devices() == {jax.devices()[1]}
 
 
+def _cpu_outside(devices):
+    """A CPU device that is not one of ``devices`` (the host CPU when they are accelerators)."""
+    outside = [d for d in jax.devices("cpu") if d not in devices]
+    if not outside:
+        pytest.skip("needs a CPU device outside the strategy's devices")
+    return outside[-1]
+
+
+@pytest.mark.parametrize("cdo", ["default", "one_device_outside"])
+def test_reduce_to_a_cpu_device_outside_the_mesh_in_the_cross_replica_context(cdo):
+    # TF: the result of reduce_to lands on the destination, whichever device it is. Inside
+    # scope() (the replica mesh is JAX's context mesh) this used to fail with "incompatible
+    # devices" wherever the reduction computed on a device outside the mesh.
+    devs = jax.devices()[:2]
+    dest = _cpu_outside(devs)
+    ops = None if cdo == "default" else jaxdist.ReductionToOneDevice(reduce_to_device=dest)
+    s = jaxdist.MirroredStrategy(devs, cross_device_ops=ops)
+    v = s.experimental_distribute_values_from_function(
+        lambda c: np.arange(3, dtype=np.float32) + c.replica_id_in_sync_group)
+    host = jax.device_put(np.arange(3, dtype=np.float32), dest)  # a non-distributed value
+    with s.scope():
+        m = jnp.ones(3)
+        for op, want in (("SUM", [1.0, 3.0, 5.0]), ("MEAN", [0.5, 1.5, 2.5])):
+            for d in (dest, f"/cpu:{dest.id}", [dest]):
+                out = s.extended.reduce_to(op, v, destinations=d)
+                assert out.devices() == {dest}, (op, d)
+                np.testing.assert_allclose(out, want)
+            out = s.extended.reduce_to(op, {"v": v, "m": m}, destinations=dest)
+            assert {x.devices().pop() for x in jax.tree.leaves(out)} == {dest}
+            np.testing.assert_allclose(out["m"], np.ones(3) * (2 if op == "SUM" else 1))
+            (a,) = s.extended.batch_reduce_to(op, [(v, dest)])
+            np.testing.assert_allclose(a, want)
+            np.testing.assert_allclose(s.reduce(op, v, axis=0), sum(want) / (
+                1 if op == "SUM" else 3))
+        assert float(s.reduce("MEAN", host, axis=0)) == 1.0
+        out = s.extended.reduce_to("SUM", v, destinations=None)  # replicated on the replicas
+        assert out.devices() == set(devs) and out.sharding.is_fully_replicated
+        # TF's CrossDeviceOps API in the cross-replica context
+        cross = s.extended._cross_device_ops.reduce("SUM", v, destinations=dest)
+        np.testing.assert_allclose(cross, [1.0, 3.0, 5.0])
+        assert cross.devices() == {dest}
+
+
 def test_extended_update_and_call_for_each_replica(strategy):
     with strategy.scope():
         w = jnp.ones(3)

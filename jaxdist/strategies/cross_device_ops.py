@@ -17,8 +17,9 @@ All methods here run inside a replica context (inside ``shard_map``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +39,26 @@ def varying_axes(x: Any) -> frozenset:
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
+
+
+@contextlib.contextmanager
+def outside_context_mesh() -> Iterator[None]:
+    """Leaves the context mesh (``strategy.scope()`` sets the replica mesh) for eager work.
+
+    Under a context mesh JAX refuses computations on arrays placed elsewhere ("incompatible
+    devices"), such as a reduction accumulated on a device outside the strategy's devices.
+    Inside a trace there is no context to leave, and nothing changes.
+
+    Example:
+        >>> with strategy.scope(), outside_context_mesh():
+        ...     y = jax.device_put(x, jax.devices("cpu")[0]) * 2   # on a device not in the mesh
+    """
+    try:
+        ctx = jax.set_mesh(None)
+    except ValueError:  # inside a trace: no mesh context to leave
+        ctx = contextlib.nullcontext()
+    with ctx:
+        yield
 
 
 def all_gather_invariant(x: Any, axes: tuple[str, ...], axis: int = 0) -> Any:
@@ -222,10 +243,12 @@ class CrossDeviceOps:
         if destinations is None:
             raise ValueError("destinations can not be None")
         target = destination_sharding(destinations)
-        out = jax.tree.map(
-            lambda v: self._reduce_value(op, v, target), per_replica_value, is_leaf=_is_per_replica
-        )
-        return jax.tree.map(lambda x: jax.device_put(x, target), out)
+        with outside_context_mesh():
+            out = jax.tree.map(
+                lambda v: self._reduce_value(op, v, target), per_replica_value,
+                is_leaf=_is_per_replica,
+            )
+            return jax.tree.map(lambda x: jax.device_put(x, target), out)
 
     def batch_reduce(
         self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[Any], options=None
@@ -493,15 +516,16 @@ class ReductionToOneDevice(CrossDeviceOps):
         """
         from jaxdist.values import local_components
 
-        parts = [jax.device_put(p, device) for p in local_components(stacked)]
-        count = 1
-        if axis is not None:
-            count = parts[0].shape[axis]
-            parts = [jnp.sum(p, axis=axis) for p in parts]
-        acc = self.accumulation_fn(parts)
-        if op is ReduceOp.MEAN:
-            acc = (acc / (count * len(parts))).astype(acc.dtype)
-        return acc
+        with outside_context_mesh():  # ``device`` may be outside the scope's mesh
+            parts = [jax.device_put(p, device) for p in local_components(stacked)]
+            count = 1
+            if axis is not None:
+                count = parts[0].shape[axis]
+                parts = [jnp.sum(p, axis=axis) for p in parts]
+            acc = self.accumulation_fn(parts)
+            if op is ReduceOp.MEAN:
+                acc = (acc / (count * len(parts))).astype(acc.dtype)
+            return acc
 
     def _reduce_stacked(self, op, stacked, devs, target):
         device = self._device

@@ -58,6 +58,10 @@ class DefaultStrategy(Strategy):
         2
     """
 
+    #: TF's replica context of this strategy runs a merge function in place: a merge_call
+    #: inside control flow is allowed (only TF's mirrored replica threads refuse it).
+    _merge_call_checks_control_flow = False
+
     _is_default_strategy = True
 
     def __init__(self):

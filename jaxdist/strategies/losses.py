@@ -1,9 +1,12 @@
 """Loss scaling for synchronous training (``tf.nn.compute_average_loss`` and friends).
 
-The checks and messages are TF's (``tensorflow/python/ops/nn_impl_distribute.py``): both
-functions raise ``RuntimeError`` in the cross-replica context (inside ``strategy.scope()`` but
-outside ``strategy.run``), ``global_batch_size`` must be a scalar int, and a zero batch size or an
-empty batch gives a loss of 0 (TF's ``div_no_nan``).
+The checks and messages are TF's current ones (``tensorflow/python/ops/nn_impl_distribute.py``;
+TF 2.x's older ``nn_impl`` refused 0 as "must be positive"): both functions raise
+``RuntimeError`` in the cross-replica context (inside ``strategy.scope()`` but outside
+``strategy.run``), ``global_batch_size`` must be a scalar int and not negative
+(``assert_non_negative``), and a zero batch size or an empty batch gives a loss of 0 (TF's
+``div_no_nan``). TF checks a batch size that is a tensor when the graph runs; a traced one here
+cannot raise, so a negative traced batch size gives a NaN loss instead of a wrong number.
 """
 
 from __future__ import annotations
@@ -89,8 +92,10 @@ def compute_average_loss(
     Args:
         per_example_loss: losses, leading axis = this replica's examples (rank >= 1).
         sample_weight: optional weights broadcastable to ``per_example_loss``.
-        global_batch_size: the global batch size, a scalar int; default: this replica's batch
-            size times ``num_replicas_in_sync``. 0 gives a loss of 0.
+        global_batch_size: the global batch size, a scalar int >= 0; default: this replica's
+            batch size times ``num_replicas_in_sync``. 0 gives a loss of 0 (as TF). A traced
+            value (an argument of ``strategy.run`` or ``jax.jit``) cannot be checked before the
+            step runs: a negative one gives a NaN loss.
 
     Raises:
         RuntimeError: called in the cross-replica context (inside ``scope()``, outside ``run``).
@@ -125,7 +130,12 @@ def compute_average_loss(
         global_batch_size = per_example_loss.shape[0] * _num_replicas()
     else:
         global_batch_size = _check_global_batch_size(global_batch_size)
-    return _div_no_nan(jnp.sum(per_example_loss), global_batch_size)
+    loss = _div_no_nan(jnp.sum(per_example_loss), global_batch_size)
+    if isinstance(global_batch_size, jax.core.Tracer):
+        # TF's assert_non_negative fails the step; a traced value cannot raise here, so a
+        # negative batch size makes the loss NaN (loud) rather than a negative number.
+        loss = jnp.where(global_batch_size < 0, jnp.full_like(loss, jnp.nan), loss)
+    return loss
 
 
 def scale_regularization_loss(regularization_loss: Any) -> Any:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.strategies import replica_reduce
+from jaxdist.strategies import replica_reduce, trace_util
 from jaxdist.strategies.cross_device_ops import all_gather_invariant, varying_axes
 from jaxdist.strategies.reduce_util import ReduceOp
 
@@ -30,6 +30,9 @@ class ReplicaContext:
         self._strategy = strategy
         self._axes = axes
         self._partial: tuple[tuple[int, ...], int] | None = None
+        # The trace the replica function starts in (the context is made right before it is
+        # called): merge_call looks for control flow between it and its own trace.
+        self._home_trace = trace_util.current_trace()
 
     def _set_partial_batch(self, lengths: tuple[int, ...], padded_rows: int) -> None:
         self._partial = (tuple(lengths), int(padded_rows))
@@ -158,6 +161,17 @@ class ReplicaContext:
         function is traced once (not once per replica) and ``args`` are this replica's values;
         ``strategy.reduce`` / ``extended.reduce_to`` on them reduce across the replicas.
 
+        Raises:
+            RuntimeError: called inside a ``jax.lax`` control-flow body (``while_loop``,
+                ``fori_loop``, ``scan``, ``map``, ``cond``, ``switch``) traced inside the
+                replica function, as TF's mirrored replica threads raise for a ``merge_call``
+                inside a ``tf.while_loop`` or ``tf.cond`` body (``MirroredStrategy``,
+                ``MultiWorkerMirroredStrategy``, ``CentralStorageStrategy``,
+                ``ParameterServerStrategy``; TF's ``OneDeviceStrategy``, ``TPUStrategy`` and
+                default strategy have no such check, and neither do jaxdist's). The error
+                comes while the step is traced, before anything is dispatched;
+                ``all_reduce`` inside such a body is fine.
+
         Example:
             >>> def merge_fn(strategy, x):
             ...     return strategy.reduce("SUM", x, axis=None)
@@ -165,6 +179,19 @@ class ReplicaContext:
         """
         from jaxdist.strategies import context as ctx_lib
 
+        if getattr(self._strategy, "_merge_call_checks_control_flow", True):
+            inside = trace_util.control_flow_between(self._home_trace)
+            if inside is not None:
+                raise RuntimeError(
+                    f"`merge_call` called while defining a new graph or a tf.function: "
+                    f"merge_call({getattr(merge_fn, '__qualname__', merge_fn)!r}) is inside "
+                    f"a jax.lax control-flow body (traced for {inside!r}) within the replica "
+                    f"function of {self._strategy!r}. A merge function cannot run inside "
+                    f"while_loop, fori_loop, scan, map, cond or switch (TF raises the same for "
+                    f"tf.while_loop / tf.cond). Move the merge_call out of the control flow, "
+                    f"or reduce inside the body with "
+                    f"jaxdist.get_replica_context().all_reduce(...)."
+                )
         with ctx_lib.enter_merge(self._strategy, self):
             return merge_fn(self._strategy, *args, **(kwargs or {}))
 

@@ -30,9 +30,16 @@ from jaxdist.strategies.cross_device_ops import (
     NcclAllReduce,
     all_gather_invariant,
     destination_sharding,
+    outside_context_mesh,
     varying_axes,
 )
 from jaxdist.strategies.inflight import StepThrottle
+from jaxdist.strategies.partial_rows import (
+    gather_rows,
+    per_row_lengths,
+    reduce_rows,
+    wrap_outputs,
+)
 from jaxdist.strategies.reduce_util import ReduceOp
 from jaxdist.strategies.replica_context import ReplicaContext
 from jaxdist.strategies.run_options import RunOptions
@@ -502,6 +509,8 @@ class StrategyExtended:
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         op = ReduceOp.from_value(reduce_op)
         target = destination_sharding(destinations)
+        if target is None and getattr(self._cross_device_ops, "_outside_device", None):
+            target = self._replicated  # ReductionToOneDevice accumulated outside the replicas
         out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
         return self._place_result(out, target)
 
@@ -557,9 +566,16 @@ class StrategyExtended:
         return jax.tree.map(put, tree, is_leaf=is_per_replica)
 
     def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
+        # Eagerly, outside scope()'s mesh: the value or the reduction may be on devices that are
+        # not the strategy's (a host value, ReductionToOneDevice's device); inside a trace
+        # nothing changes.
+        with outside_context_mesh():
+            return self._reduce_leaf_here(op, v, axis)
+
+    def _reduce_leaf_here(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         n = self._num_replicas
         if isinstance(v, PerReplica) and v.lengths is not None:
-            return _reduce_partial(op, v, axis)
+            return reduce_rows(op, v, axis)
         if isinstance(v, PerReplica):
             stacked = self._prepare_leaf(v, "pr")
             if axis is not None and not -v.stacked.ndim + 1 <= axis < v.stacked.ndim - 1:
@@ -662,31 +678,6 @@ class StrategyExtended:
         return self.parameter_devices
 
 
-def _reduce_partial(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
-    """Reduces a partial-batch ``PerReplica`` (replicas with different row counts) as TF does:
-    along ``axis=0`` over the real rows only; across replicas only if the shapes agree."""
-    parts = [np.asarray(jax.device_get(p)) for p in v.values]
-    if axis is None:
-        if len({p.shape for p in parts}) != 1:
-            raise ValueError(
-                f"Cannot reduce per-replica values of different shapes "
-                f"{[p.shape for p in parts]} (a partial batch) with axis=None; pass axis=0 to "
-                f"reduce over the rows"
-            )
-        total = np.sum(parts, axis=0)
-        return jnp.asarray(total / len(parts) if op is ReduceOp.MEAN else total)
-    if axis % parts[0].ndim != 0:
-        raise ValueError(
-            f"A partial batch (per-replica rows {list(v.lengths or ())}) can only be reduced "
-            f"along axis 0, got axis={axis}"
-        )
-    rows = np.concatenate(parts, axis=0)
-    total = np.sum(rows, axis=0)
-    if op is ReduceOp.MEAN:
-        return jnp.asarray(total / rows.shape[0] if rows.shape[0] else np.full_like(total, np.nan))
-    return jnp.asarray(total)
-
-
 _UPDATE_CACHE: dict = {}
 
 
@@ -764,8 +755,15 @@ class _CompiledRun:
             record["varying"] = [bool(set(axes) & varying_axes(x)) for x in flat]
             return [x[None] for x in flat]
 
-        jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes)), *dyn)
+        probe_shapes = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes))
+        out_avals = jax.eval_shape(probe_shapes, *dyn)
         varying, tree = record["varying"], record["tree"]
+        # A partial-batch step: which outputs are per row (partial_rows: a second abstract
+        # trace with one more row tells the row axis from a size that only equals it).
+        rows = per_row_lengths(
+            self.partial, [a.shape for a in out_avals], dyn, dyn_kinds,
+            None if self.partial is None else lambda xs: jax.eval_shape(probe_shapes, *xs),
+        )
 
         def body(*xs):
             flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs, axes))]
@@ -773,8 +771,7 @@ class _CompiledRun:
 
         out_specs = tuple(P(axes) if v else P() for v in varying)
         flat = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*dyn)
-        flat = [PerReplica(x) if v else x for x, v in zip(flat, varying)]
-        return tree.unflatten(flat)
+        return tree.unflatten(wrap_outputs(flat, varying, rows))
 
 
 class _GlobalViewContext(ReplicaContext):
@@ -969,13 +966,7 @@ class Strategy:
 
         def one(v):
             if isinstance(v, PerReplica) and v.lengths is not None:
-                parts = [np.asarray(jax.device_get(p)) for p in v.values]
-                if axis % max(parts[0].ndim, 1) != 0:
-                    raise ValueError(
-                        f"A partial batch (per-replica rows {list(v.lengths)}) can only be "
-                        f"gathered along axis 0, got axis={axis}"
-                    )
-                return jax.device_put(np.concatenate(parts, axis=0), ext._replicated)
+                return gather_rows(v, axis, ext._replicated)  # the real rows, in order
             if isinstance(v, PerReplica):
                 stacked = ext._prepare_leaf(v, "pr")
             elif ext._is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):

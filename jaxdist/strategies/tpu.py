@@ -32,6 +32,10 @@ class TPUStrategy(Strategy):
         >>> strategy = jaxdist.TPUStrategy(resolver)
     """
 
+    #: TF's replica context of this strategy runs a merge function in place: a merge_call
+    #: inside control flow is allowed (only TF's mirrored replica threads refuse it).
+    _merge_call_checks_control_flow = False
+
     def __init__(
         self,
         tpu_cluster_resolver: TPUClusterResolver | None = None,
