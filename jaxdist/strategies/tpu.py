@@ -575,18 +575,22 @@ class TPUStrategy(Strategy):
         return self._extended.compile_only_error(what)  # type: ignore[attr-defined]
 
     def experimental_distribute_values_from_function(self, value_fn: Callable) -> Any:
-        """As ``Strategy``'s; on a compile-only strategy the values stay on the host (arrays
-        stacked with numpy, ``jax.ShapeDtypeStruct`` values stacked as shapes), ready for
-        ``experimental_compile``.
+        """As ``Strategy``'s, and for ``experimental_compile``: ``jax.ShapeDtypeStruct``
+        values become a ``PerReplica`` of shapes; on a compile-only strategy array values stay
+        on the host (stacked with numpy).
 
         Example:
             >>> batch = strategy.experimental_distribute_values_from_function(
             ...     lambda ctx: jax.ShapeDtypeStruct((32, 784), jnp.float32))
         """
-        if not self.compile_only:
-            return super().experimental_distribute_values_from_function(value_fn)
         n = self.num_replicas_in_sync
         values = [value_fn(ValueContext(i, n)) for i in range(n)]
+        is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+        shapes_only = all(is_shape(x) for v in values
+                          for x in jax.tree.leaves(v, is_leaf=is_shape))
+        if not self.compile_only and not shapes_only:
+            return super().experimental_distribute_values_from_function(lambda ctx: values[
+                ctx.replica_id_in_sync_group])
 
         def stack(*parts: Any) -> PerReplica:
             shapes = {tuple(np.shape(p)) for p in parts}
@@ -597,8 +601,7 @@ class TPUStrategy(Strategy):
                 return PerReplica(jax.ShapeDtypeStruct((n, *parts[0].shape), parts[0].dtype))
             return PerReplica(np.stack([np.asarray(p) for p in parts]))
 
-        return jax.tree.map(stack, *values,
-                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        return jax.tree.map(stack, *values, is_leaf=is_shape)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None):
         if self.compile_only:
