@@ -470,8 +470,9 @@ class TPUStrategy(Strategy):
 
     Args:
         tpu_cluster_resolver: a ``TPUClusterResolver`` (default: the local TPU).
-        experimental_device_assignment: a ``jaxdist.tpu.DeviceAssignment``: the replicas run
-            on its devices, in its replica order.
+        experimental_device_assignment: a ``jaxdist.tpu.DeviceAssignment``: one replica on
+            each of its devices (the replica mesh orders TPU devices as ``jax.make_mesh``
+            does, along the chips' interconnect).
         experimental_spmd_xla_partitioning: accepted for compatibility (model parallelism is
             not supported).
         devices: run on these devices instead of the resolver's TPU cores (e.g. CPU devices for
