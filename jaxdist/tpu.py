@@ -1,5 +1,35 @@
-"""TF's ``tf.tpu.experimental`` entry points."""
+"""TF's ``tf.tpu.experimental`` entry points, also reachable as ``jaxdist.tpu.experimental``.
 
-from jaxdist.strategies.tpu import initialize_tpu_system, shutdown_tpu_system
+``Topology`` and ``DeviceAssignment`` describe a TPU slice; a named topology (``"v5e:2x2"``)
+gives libtpu's compile-only devices, so ``TPUStrategy(topology=...)`` compiles steps for a TPU
+on a machine without one and reports their per-chip memory and FLOPs (``CompileReport``).
 
-__all__ = ["initialize_tpu_system", "shutdown_tpu_system"]
+Example:
+    >>> topology = jaxdist.tpu.experimental.Topology("v5e:2x2")
+    >>> strategy = jaxdist.TPUStrategy(topology=topology)
+"""
+
+import sys
+
+from jaxdist.strategies.compile_report import CompileOnlyError, CompileReport
+from jaxdist.strategies.tpu import (
+    DeviceAssignment,
+    Topology,
+    initialize_tpu_system,
+    libtpu_available,
+    shutdown_tpu_system,
+)
+
+#: ``jaxdist.tpu.experimental.X`` is ``jaxdist.tpu.X`` (TF's ``tf.tpu.experimental`` names).
+experimental = sys.modules[__name__]
+sys.modules.setdefault(__name__ + ".experimental", experimental)
+
+__all__ = [
+    "CompileOnlyError",
+    "CompileReport",
+    "DeviceAssignment",
+    "Topology",
+    "initialize_tpu_system",
+    "libtpu_available",
+    "shutdown_tpu_system",
+]

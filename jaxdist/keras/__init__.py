@@ -148,6 +148,27 @@ def scope(strategy: Any) -> Iterator[Any]:
         yield strategy
 
 
+def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
+                     sample_weight: Any = None, strategy: Any = None) -> Any:
+    """Compiles one ``model.fit`` step for the strategy's devices without running it.
+
+    See ``jaxdist.keras.compile_only.compile_fit_step``; with a compile-only
+    ``TPUStrategy(topology="v5e:2x2")`` it reports the step's per-chip memory and FLOPs on a
+    machine without a TPU.
+
+    Example:
+        >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():
+        ...     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> print(jaxdist.keras.compile_fit_step(model, x, y, batch_size=128))
+    """
+    require_keras()
+    from jaxdist.keras.compile_only import compile_fit_step as _compile
+
+    return _compile(model, x, y, batch_size=batch_size, sample_weight=sample_weight,
+                    strategy=strategy)
+
+
 def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     """Trains a compiled Keras model on parameter servers (``ParameterServerStrategy``).
 
@@ -192,6 +213,7 @@ __all__ = [
     "ModelCheckpoint",
     "TensorBoard",
     "attach",
+    "compile_fit_step",
     "distribution_for",
     "distribution_scope",
     "require_keras",

@@ -37,6 +37,12 @@ def _unsupported_reason(strategy: Any) -> str | None:
             "a Keras model trains on parameter servers through "
             "jaxdist.keras.attach(model, strategy) after model.compile, not a scope"
         )
+    if getattr(strategy, "compile_only", False):
+        return (
+            "a compile-only TPUStrategy (a TPU topology without a TPU) keeps Keras variables "
+            "on the host and cannot fit; jaxdist.keras.compile_fit_step(model, x, y) compiles "
+            "the fit step for it"
+        )
     return None
 
 

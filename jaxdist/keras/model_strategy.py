@@ -146,6 +146,9 @@ def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
             for s in (strategy_of(self), _current_strategy()):
                 if s is not None and _is_ps(s):
                     raise unattached_error(self, s)
+        for s in (strategy_of(self), _current_strategy()):
+            if s is not None and getattr(s, "compile_only", False):
+                raise s.extended.compile_only_error(f"Keras {maker}")
         result = original(self, force)
         if strategy is not None:
             setattr(self, attr, _bounded(getattr(self, attr, None)))

@@ -37,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
                         "time); it must not hold an earlier run")
     p.add_argument("--print-config", action="store_true",
                    help="print the validated config (defaults filled in) and exit")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile one training dispatch for the strategy's devices without "
+                        "running it, print its per-device memory and FLOPs, and exit")
+    p.add_argument("--topology", metavar="NAME", default=None,
+                   help="with --compile-only and strategy 'tpu': compile for this TPU "
+                        "topology (e.g. v5e:2x2, v4:2x2x1, v5p:2x2x1) without a TPU "
+                        "(needs libtpu: pip install 'jaxdist[tpu]'); sets strategy.topology")
     return p
 
 
@@ -55,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.run_name is not None:
         overrides.append(f"logging.run_name={args.run_name}")
+    if args.topology is not None:
+        overrides.append(f"strategy.topology={args.topology}")
     try:
         cfg = load_config(args.config, overrides, notes=notes)
     except ConfigError as e:
@@ -65,6 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(dump(cfg), end="")
         return EXIT_OK
+    if cfg["strategy"].get("topology") and not args.compile_only:
+        print(f"{_PROG}: config error: strategy.topology={cfg['strategy']['topology']!r} "
+              f"compiles for a TPU without one and cannot train: add --compile-only",
+              file=err)
+        return EXIT_CONFIG
+    if args.compile_only:
+        return _compile_only(cfg)
 
     from jaxdist.train.strategy_registry import config_for
 
@@ -110,6 +126,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line, then a non-zero exit
         print(f"{_PROG}: training failed: {type(e).__name__}: {_one_line(e)}", file=err)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _compile_only(cfg: dict) -> int:
+    """``--compile-only``: compiles the job's training step and prints the report."""
+    from jaxdist.cluster.tpu_cluster_resolver import TPUNotFoundError
+    from jaxdist.train.config import ConfigError
+    from jaxdist.train.data import DataError
+    from jaxdist.train.job import compile_job
+
+    err = sys.stderr
+    try:
+        report = compile_job(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"{_PROG}: config error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
+    except ImportError as e:
+        print(f"{_PROG}: {_one_line(e)}", file=err)
+        return EXIT_FAILED
+    except DataError as e:
+        print(f"{_PROG}: data error: {_one_line(e)}", file=err)
+        return getattr(e, "exit_code", EXIT_FAILED)
+    except TPUNotFoundError as e:
+        print(f"{_PROG}: no TPU: {_one_line(e)} (use --topology to compile for one)", file=err)
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 - one line, then a non-zero exit
+        print(f"{_PROG}: compilation failed: {type(e).__name__}: {_one_line(e)}", file=err)
+        return EXIT_FAILED
+    print(report)
     return EXIT_OK
 
 

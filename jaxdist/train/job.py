@@ -40,6 +40,42 @@ def build_strategy(cfg: Mapping[str, Any]) -> Any:
     return strategy
 
 
+def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
+    """Builds the job's strategy, data, model and ``Trainer`` as ``run_job`` does, then compiles
+    one training dispatch without running it (nothing is written: no run directory, no
+    checkpoint).
+
+    With ``strategy.topology`` set (``TPUStrategy(topology=...)``), this compiles the step for
+    that TPU on a machine without one.
+
+    Returns:
+        A ``jaxdist.tpu.CompileReport`` (per-device memory and FLOPs).
+
+    Example:
+        >>> from jaxdist.train.config import load_config
+        >>> cfg = load_config("configs/tpu.yaml", ["strategy.topology=v5e:2x2"])
+        >>> print(compile_job(cfg))
+    """
+    from jaxdist.train import data as data_lib
+    from jaxdist.train import models
+    from jaxdist.train.trainer import Trainer
+
+    if strategy is None:
+        strategy = build_strategy(cfg)
+    else:
+        check_replicas(cfg, strategy.num_replicas_in_sync)
+    train, val = data_lib.from_config(cfg["data"])
+    num_classes = cfg["model"]["num_classes"]
+    if num_classes is None:
+        num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
+    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
+    kwargs = dict(trainer_kwargs(cfg), checkpoint_dir=None, log_dir=None, tensorboard=False)
+    with strategy.scope():
+        model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
+        trainer = Trainer(model, optimizer, strategy=strategy, **kwargs)
+    return trainer.experimental_compile(train.x, train.y)
+
+
 def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     """Trains as ``cfg`` says and returns the ``History``.
 

@@ -276,7 +276,7 @@ def _central_storage(section: Mapping[str, Any]) -> Any:
 
 def _tpu(section: Mapping[str, Any]) -> Any:
     resolver = TPUClusterResolver(tpu=section["tpu"])
-    return TPUStrategy(resolver, devices=_devices(section))
+    return TPUStrategy(resolver, devices=_devices(section), topology=section.get("topology"))
 
 
 def _multi_worker(section: Mapping[str, Any]) -> Any:
@@ -315,6 +315,9 @@ register_strategy(TPUStrategy, "tpu", _tpu, {
     "tpu": Field(str, "local", "TPUClusterResolver's tpu argument ('local' or a name)"),
     "devices": Field(list, None, "run on these devices instead of TPU cores (testing)",
                      optional=True, item=str),
+    "topology": Field(str, None, "compile for this TPU topology (e.g. 'v5e:2x2') without a "
+                      "TPU: needs libtpu (pip install 'jaxdist[tpu]') and --compile-only",
+                      optional=True),
 }, help="TPUStrategy over the cores of the local TPU")
 register_strategy(MultiWorkerMirroredStrategy, "multi_worker", _multi_worker, {
     "communication": Field(str, "auto", "collective implementation: auto, ring (gloo on CPU, "

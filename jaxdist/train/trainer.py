@@ -571,6 +571,54 @@ class Trainer(TrainerHandle):
             return np.zeros((0,), np.float32)
         return np.concatenate(outs)[:n]
 
+    def experimental_compile(self, x: Any, y: Any) -> Any:
+        """Compiles one training dispatch (``steps_per_execution`` steps of
+        ``global_batch_size`` rows) for the strategy's devices, without running it.
+
+        With a compile-only ``TPUStrategy(topology="v5e:2x2")`` this is the step ``fit`` would
+        run on that TPU, compiled by the TPU compiler on this machine.
+
+        Args:
+            x: example features: an array, a dict of arrays or ``jax.ShapeDtypeStruct``s; only
+                the shape of one row (``x.shape[1:]``) and the dtype are read.
+            y: example labels, read the same way.
+
+        Returns:
+            A ``jaxdist.tpu.CompileReport`` (per-device memory and FLOPs).
+
+        Raises:
+            NotImplementedError: the strategy does not run the step in this process (a
+                parameter-server strategy).
+
+        Example:
+            >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")
+            >>> with strategy.scope():
+            ...     trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=128,
+            ...                               strategy=strategy)
+            >>> print(trainer.experimental_compile(x_train, y_train))
+        """
+        from jaxdist.strategies.compile_report import compile_run
+        from jaxdist.train.hooks import SyncHook
+
+        if not isinstance(self._hook, SyncHook):
+            raise NotImplementedError(
+                f"experimental_compile compiles the step of a synchronous strategy; "
+                f"{type(self.strategy).__name__} runs its steps elsewhere")
+        n, k = self._mesh_replicas, self.steps_per_execution
+        per = self.global_batch_size // n
+
+        def block(a: Any) -> distribute.PerReplica:
+            # one input block of one chunk: (replicas, 1, k x rows per replica, *row shape)
+            shape = (n, 1, k * per, *tuple(np.shape(a))[1:])
+            return distribute.PerReplica(jax.ShapeDtypeStruct(shape, np.dtype(a.dtype)))
+
+        xs = jax.tree.map(block, x, is_leaf=lambda v: isinstance(v, jax.ShapeDtypeStruct))
+        w = jax.ShapeDtypeStruct((self.global_batch_size,), np.float32)
+        args = (self.params, self.rest, self._rngs, self.opt_state, xs, block(y), block(w),
+                np.int32(0), np.int32(0))
+        return compile_run(self.strategy, self._train_replica, args,
+                           what=f"Trainer step ({k} step(s) of {self.global_batch_size} rows)")
+
     # ------------------------------------------------------------------ internals
     def _check_shapes(self, d: data_lib.ArrayData, what: str) -> None:
         b = self.global_batch_size
