@@ -419,6 +419,9 @@ class DirectPool:
             raw.close()
             self.forget(task)
             raise Unavailable() from None
+        if reply.get("code") == "RESOURCE_EXHAUSTED":  # no slot for this peer: use gRPC
+            raw.close()
+            raise Unavailable()
         if reply.get("code") != "OK":
             raw.close()
             raise self._error(task, "Connect", 0.0, reply.get("code"), reply.get("details"))
