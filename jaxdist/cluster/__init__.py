@@ -25,6 +25,7 @@ from jaxdist.cluster.errors import (
     ClusterMergeError,
     ClusterTimeoutError,
     PeerLostError,
+    ProcessFrozenError,
     TFConfigError,
 )
 from jaxdist.cluster.handshake import ClusterAuthenticationError
@@ -65,6 +66,7 @@ __all__ = [
     "ClusterSpec",
     "ClusterTimeoutError",
     "PeerLostError",
+    "ProcessFrozenError",
     "ProcessGroup",
     "SimpleClusterResolver",
     "SlurmClusterResolver",

@@ -40,7 +40,7 @@ from typing import Any
 from jaxdist.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist.cluster.handshake import join_handshake, serve_handshake
 from jaxdist.cluster.process_group import ProcessGroup, process_group
-from jaxdist.cluster.runtime import join_abandoned, start_runtime
+from jaxdist.cluster.runtime import FreezeGuard, join_abandoned, start_runtime
 from jaxdist.cluster.waiting import call_with_timeout
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ _state: dict[str, Any] = {
     "uncaught": False,
     "atexit": False,
     "joining": None,  # the group whose registration timed out (JAX still waits on it)
+    "freeze_guard": None,  # FreezeGuard of the joined group
 }
 
 
@@ -259,6 +260,9 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
                 timeout_seconds=timeout,
             ) from e
         _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
+        _state["freeze_guard"] = FreezeGuard(
+            group.name, group.process_id, group.num_processes, hb,
+            dist.global_state.client).start()
         _install_exit_hooks()
         return group
 
@@ -513,6 +517,8 @@ def shutdown(timeout_seconds: float | None = None) -> None:
     group = _state["group"]
     if group is None or not group.multi_process:
         return
+    if _state["freeze_guard"] is not None:
+        _state["freeze_guard"].stop()
     dist = _jax_distributed()
     state = dist.global_state
     client = state.client

@@ -80,11 +80,23 @@ class PeerLostError(ClusterError):
         self.tasks = tuple(tasks)
 
 
+class ProcessFrozenError(PeerLostError):
+    """This process was stopped (SIGSTOP, a debugger, a paused host) past the heartbeat
+    timeout, so the coordination service declared it lost.
+
+    It is reported, not raised: when the process continues, a guard thread writes
+    ``jaxdist.cluster.errors.ProcessFrozenError: <task>: ...`` to stderr and ends the process
+    with status 1 (XLA would otherwise abort it with a C++ stack trace on its next heartbeat).
+    ``tasks`` names this task.
+    """
+
+
 __all__ = [
     "ClusterConfigError",
     "ClusterError",
     "ClusterMergeError",
     "ClusterTimeoutError",
     "PeerLostError",
+    "ProcessFrozenError",
     "TFConfigError",
 ]

@@ -32,6 +32,7 @@ import hmac
 import logging
 import os
 import secrets
+import selectors
 import socket
 import ssl
 import struct
@@ -126,6 +127,13 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                     tls_material: Any = "auto") -> None:
     """Process 0: waits until every other process of ``group`` has proven the token.
 
+    Every connection is served at once, by one event loop over non-blocking sockets, and must
+    finish its TLS handshake and its proof within ``HANDSHAKE_SECONDS`` of being accepted
+    (else it is closed): a connection that never sends, or sends slowly, holds nothing but
+    its own socket, and a real process is answered as soon as its bytes arrive. At most
+    ``MAX_PENDING`` connections wait at once; past that the oldest is closed (a real
+    process reconnects).
+
     Args:
         group: the ``ProcessGroup`` (``tasks``, ``num_processes``, ``coordination_address``).
         token: the cluster token.
@@ -148,14 +156,27 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host or "", port))
-    listener.listen(64)
+    listener.listen(128)
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
+    pending: dict[int, _Joiner] = {}  # by file descriptor
     joined: dict[int, socket.socket] = {}
     expected = set(range(1, group.num_processes))
     deadline = time.monotonic() + timeout
+
+    def drop(j: _Joiner) -> None:
+        pending.pop(j.fd, None)
+        try:
+            sel.unregister(j.sock)
+        except (KeyError, ValueError):
+            pass
+        j.sock.close()
+
     try:
         while set(joined) != expected:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = tuple(group.task_name(i) for i in sorted(expected - set(joined)))
                 raise ClusterTimeoutError(
                     f"{group.name} could not join the cluster within {timeout:g} s: the "
@@ -163,17 +184,35 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                     f"handshake with {group.name} at {group.coordination_address} (none did, "
                     f"or with another token)",
                     tasks=missing, timeout_seconds=timeout)
-            listener.settimeout(min(left, 1.0))
-            try:
-                conn, peer = listener.accept()
-            except TimeoutError:
-                continue
-            pid, conn = _answer(conn, peer, ctx, key, gdig, group)
-            if pid is not None:
-                old = joined.pop(pid, None)
+            for j in [j for j in pending.values() if j.deadline <= now]:
+                log.info("%s: closed the handshake with %s: it did not finish within %g s",
+                         group.name, j.who, HANDSHAKE_SECONDS)
+                drop(j)
+            wake = min([deadline, now + 1.0, *(j.deadline for j in pending.values())])
+            for sk, _ in sel.select(max(0.0, wake - now)):
+                if sk.data is None:
+                    _accept(listener, ctx, sel, pending, drop)
+                    continue
+                j = sk.data
+                try:
+                    done = j.advance(key, gdig, group)
+                except (OSError, ConnectionError, ssl.SSLError) as e:
+                    log.warning("%s: handshake with %s failed: %s", group.name, j.who, e)
+                    drop(j)
+                    continue
+                if done is None:
+                    sel.modify(j.sock, j.events, j)
+                    continue
+                pending.pop(j.fd, None)
+                sel.unregister(j.sock)
+                if done is False:
+                    j.sock.close()
+                    continue
+                j.sock.settimeout(None)
+                old = joined.pop(j.pid, None)
                 if old is not None:
                     old.close()
-                joined[pid] = conn
+                joined[j.pid] = j.sock
         listener.close()  # before GO: the service binds this port next
         for conn in joined.values():
             try:
@@ -184,46 +223,143 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                 pass
     finally:
         listener.close()
+        for j in list(pending.values()):
+            j.sock.close()
         for conn in joined.values():
             conn.close()
+        sel.close()
 
 
-def _answer(conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None, key: bytes,
-            gdig: bytes, group: Any) -> tuple[int | None, socket.socket]:
-    """One joiner's challenge-response: its process id (None: refused or broken) and the
-    connection (TLS-wrapped when ``ctx``)."""
-    conn.settimeout(_IO_SECONDS)
-    who = f"{peer[0]}:{peer[1]}"
-    try:
-        if ctx is not None:
-            conn = ctx.wrap_socket(conn, server_side=True)
-        hello = _recv_exact(conn, len(MAGIC) + 4 + _NONCE)
-        if not hello.startswith(MAGIC):
-            raise ConnectionError("not a jaxdist handshake")
-        pid = struct.unpack(">I", hello[len(MAGIC):len(MAGIC) + 4])[0]
-        theirs = hello[-_NONCE:]
-        if not 0 < pid < group.num_processes:
-            conn.sendall(b"NO")
-            log.warning("%s refused %s: process id %d is not in the group", group.name, who,
-                        pid)
+HANDSHAKE_SECONDS = 10.0  # a connection's whole handshake (TLS and proof) must fit in this
+MAX_PENDING = 256  # connections waiting at once in the handshake (past it: the oldest closes)
+
+
+def _accept(listener: socket.socket, ctx: ssl.SSLContext | None, sel: Any,
+            pending: dict[int, _Joiner], drop: Any) -> None:
+    """Accepts every connection waiting on ``listener`` into the event loop."""
+    while True:
+        try:
+            conn, peer = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # out of file descriptors, say: the oldest waiter gives way
+            log.warning("handshake listener: accept failed: %s", e)
+            if pending:
+                drop(min(pending.values(), key=lambda j: j.deadline))
+            return
+        conn.setblocking(False)
+        if len(pending) >= MAX_PENDING:
+            drop(min(pending.values(), key=lambda j: j.deadline))
+        try:
+            if ctx is not None:
+                conn = ctx.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ssl.SSLError):
             conn.close()
-            return None, conn
-        mine = secrets.token_bytes(_NONCE)
-        conn.sendall(mine + _mac(key, b"chief", gdig, pid, theirs, mine))
-        answer = _recv_exact(conn, _MAC)
-        if not hmac.compare_digest(answer, _mac(key, b"joiner", gdig, pid, mine, theirs)):
-            conn.sendall(b"NO")
-            log.warning("%s refused a process at %s claiming to be %s: wrong cluster token or "
-                        "another cluster spec", group.name, who, group.task_name(pid))
-            conn.close()
-            return None, conn
-        conn.sendall(b"OK")
-        conn.settimeout(None)
-        return pid, conn
-    except (OSError, ConnectionError, ssl.SSLError) as e:
-        log.warning("%s: handshake with %s failed: %s", group.name, who, e)
-        conn.close()
-        return None, conn
+            continue
+        j = _Joiner(conn, f"{peer[0]}:{peer[1]}", ctx is not None)
+        pending[j.fd] = j
+        sel.register(conn, j.events, j)
+
+
+class _Joiner:
+    """One connection's place in process 0's side of the handshake (a small state machine).
+
+    ``advance`` runs as far as the bytes at hand allow and says how it ended: ``None`` (wait
+    for ``events`` on the socket), ``True`` (the process proved the token: ``pid``) or
+    ``False`` (refused; already told ``NO``).
+    """
+
+    __slots__ = ("sock", "fd", "who", "deadline", "stage", "inbuf", "out", "pid", "theirs",
+                 "mine", "events", "after_send")
+
+    def __init__(self, sock: socket.socket, who: str, tls: bool):
+        self.sock, self.fd, self.who = sock, sock.fileno(), who
+        self.deadline = time.monotonic() + HANDSHAKE_SECONDS
+        self.stage = "tls" if tls else "hello"
+        self.inbuf, self.out = b"", b""
+        self.pid, self.theirs, self.mine = 0, b"", b""
+        self.events = selectors.EVENT_READ
+        self.after_send: bool | None = None
+
+    def _want(self, n: int) -> bool:
+        """Reads until ``n`` bytes are buffered; False: wait for more."""
+        while len(self.inbuf) < n:
+            try:
+                part = self.sock.recv(n - len(self.inbuf))
+            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                self.events = selectors.EVENT_READ
+                return False
+            except ssl.SSLWantWriteError:
+                self.events = selectors.EVENT_WRITE
+                return False
+            if not part:
+                raise ConnectionError("the peer closed the connection")
+            self.inbuf += part
+        return True
+
+    def _flush(self) -> bool:
+        """Sends what is queued; False: wait until the socket is writable."""
+        while self.out:
+            try:
+                n = self.sock.send(self.out)
+            except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+                self.events = selectors.EVENT_WRITE
+                return False
+            except ssl.SSLWantReadError:
+                self.events = selectors.EVENT_READ
+                return False
+            self.out = self.out[n:]
+        return True
+
+    def _take(self, n: int) -> bytes:
+        data, self.inbuf = self.inbuf[:n], self.inbuf[n:]
+        return data
+
+    def advance(self, key: bytes, gdig: bytes, group: Any) -> bool | None:
+        while True:
+            if not self._flush():
+                return None
+            if self.after_send is not None:
+                return self.after_send
+            if self.stage == "tls":
+                try:
+                    self.sock.do_handshake()  # type: ignore[attr-defined]
+                except ssl.SSLWantReadError:
+                    self.events = selectors.EVENT_READ
+                    return None
+                except ssl.SSLWantWriteError:
+                    self.events = selectors.EVENT_WRITE
+                    return None
+                self.stage = "hello"
+            elif self.stage == "hello":
+                if not self._want(len(MAGIC) + 4 + _NONCE):
+                    return None
+                hello = self._take(len(MAGIC) + 4 + _NONCE)
+                if not hello.startswith(MAGIC):
+                    raise ConnectionError("not a jaxdist handshake")
+                self.pid = struct.unpack(">I", hello[len(MAGIC):len(MAGIC) + 4])[0]
+                self.theirs = hello[-_NONCE:]
+                if not 0 < self.pid < group.num_processes:
+                    log.warning("%s refused %s: process id %d is not in the group",
+                                group.name, self.who, self.pid)
+                    self.out, self.after_send = b"NO", False
+                    continue
+                self.mine = secrets.token_bytes(_NONCE)
+                self.out = self.mine + _mac(key, b"chief", gdig, self.pid, self.theirs,
+                                            self.mine)
+                self.stage = "answer"
+            elif self.stage == "answer":
+                if not self._want(_MAC):
+                    return None
+                answer = self._take(_MAC)
+                if not hmac.compare_digest(answer, _mac(key, b"joiner", gdig, self.pid,
+                                                        self.mine, self.theirs)):
+                    log.warning("%s refused a process at %s claiming to be %s: wrong cluster "
+                                "token or another cluster spec", group.name, self.who,
+                                group.task_name(self.pid))
+                    self.out, self.after_send = b"NO", False
+                    continue
+                self.out, self.after_send = b"OK", True
 
 
 def join_handshake(group: Any, token: str, timeout: float, tls_material: Any = "auto") -> None:

@@ -21,7 +21,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from jaxdist.cluster.service_process import start_service_process
 from jaxdist.cluster.waiting import call_with_timeout
@@ -106,6 +110,111 @@ def start_runtime(coordination_address: str, num_processes: int, process_id: int
     state.partition_index = int(partition) if partition is not None else None
 
 
+class FreezeGuard:
+    """Ends this process with one typed line when it resumes after being frozen too long.
+
+    A process stopped (SIGSTOP, a debugger, a paused VM) for longer than the heartbeat timeout
+    is declared lost by the coordination service; when it continues, XLA's heartbeat thread
+    learns it on its next heartbeat (about a second later) and aborts the process with a C++
+    ``Check failure stack trace`` (SIGABRT): jaxlib 0.10 offers no callback that could turn it
+    into an exception (see the module docstring). This guard's daemon thread wakes every
+    ``tick`` seconds; a wake-up that comes ``heartbeat_timeout`` seconds or more after the
+    previous one while the process used little CPU time meanwhile (a thread holding the GIL
+    that long would have used it) means the whole process was stopped. Stopped for less than
+    twice the timeout, it asks the service (for at most 0.25 s) whether this task still
+    counts alive, and carries on if so; otherwise it writes one line,
+    ``jaxdist.cluster.errors.ProcessFrozenError: ...``, to stderr and ends the process with
+    status 1 before the heartbeat thread aborts it. A wait whose deadline passed while the
+    process was stopped returns as soon as it continues, so the guard wakes first.
+
+    Example:
+        >>> guard = FreezeGuard("worker:1", 1, 2, heartbeat_timeout=10, client=client)
+        >>> guard.start()
+        >>> guard.stop()      # at an orderly shutdown
+    """
+
+    def __init__(self, name: str, process_id: int, num_processes: int,
+                 heartbeat_timeout: float, client: Any, tick: float = 0.25,
+                 exit: Callable[[str, int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.process_time):
+        self.name, self.process_id, self.num_processes = name, process_id, num_processes
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.client, self.tick = client, tick
+        self._exit = exit or _exit_with_line
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._last, self._last_cpu = clock(), cpu_clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxdist-freeze-guard",
+                                        daemon=True)
+
+    def start(self) -> FreezeGuard:
+        """Starts the guard's daemon thread; returns the guard."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The guard does nothing more (an orderly shutdown)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            if self.check():
+                return
+
+    def check(self) -> bool:
+        """One wake-up: measures the time since the previous one; returns True if it ended
+        the process (``exit`` was called)."""
+        now, cpu = self._clock(), self._cpu_clock()
+        gap, used = now - self._last, cpu - self._last_cpu
+        self._last, self._last_cpu = now, cpu
+        if gap < self.heartbeat_timeout or self._stop.is_set():
+            return False
+        # A thread holding the GIL that long would have burnt CPU time: the process was
+        # stopped only if it used little.
+        if used > 0.5 * gap:
+            return False
+        # Stopped for twice the timeout: certainly declared lost. Just past it: the service
+        # may not have noticed yet (it does not answer a lost task's question at all).
+        if gap < 2 * self.heartbeat_timeout and self._alive():
+            log.warning("%s was stopped for %.1f s; the coordination service still counts it "
+                        "alive", self.name, gap)
+            return False
+        self._exit(
+            f"jaxdist.cluster.errors.ProcessFrozenError: {self.name}: this process was "
+            f"stopped for {gap:.1f} s (SIGSTOP, a debugger or a paused host), longer than "
+            f"the {self.heartbeat_timeout:g} s heartbeat timeout: the coordination service "
+            f"declared {self.name} lost and the training cluster is broken; exiting. "
+            f"Restart the job (it resumes from the last checkpoint)", 1)
+        return True
+
+    def _alive(self) -> bool | None:
+        """Whether the service still counts this task alive (None: no answer in 0.25 s)."""
+        out: dict[str, Any] = {}
+
+        def probe() -> None:
+            out["live"] = self.client.get_live_nodes(list(range(self.num_processes)))
+
+        finished, error = call_with_timeout(probe, 0.25, "jaxdist-freeze-probe")
+        if not finished or error is not None:
+            return None
+        return self.process_id in set(out["live"])
+
+
+def _exit_with_line(line: str, status: int) -> None:
+    """Flushes Python's streams, writes ``line`` to stderr and ends the process at once."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+    os._exit(status)
+
+
 def join_abandoned() -> bool:
     """A registration timed out and is still pending: this process must not exit normally.
 
@@ -115,4 +224,4 @@ def join_abandoned() -> bool:
     return _abandoned.is_set()
 
 
-__all__ = ["JoinTimeout", "join_abandoned", "start_runtime"]
+__all__ = ["FreezeGuard", "JoinTimeout", "join_abandoned", "start_runtime"]

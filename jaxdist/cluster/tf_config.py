@@ -28,6 +28,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 from typing import Any
 
 from jaxdist.cluster.cluster_spec import ClusterSpec
@@ -44,6 +45,7 @@ _JOB_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?"
 _HOST_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 _PORT_RE = re.compile(r"[1-9][0-9]{0,4}")
+_IPV4ISH_RE = re.compile(r"[0-9a-fx.]+")  # what inet_aton may read as an IPv4 address
 _INDEX_RE = re.compile(r"0|[1-9][0-9]{0,9}")
 _RPC_LAYER_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,63}")
 _PRINTABLE_RE = re.compile(r"[^\x00-\x20\x7f]{1,1024}")
@@ -132,6 +134,36 @@ def check_address(address: Any, key: str = "address") -> str:
     return address
 
 
+def canonical_address(address: str) -> str:
+    """The one spelling of a checked ``"host:port"`` that two names of the same socket share.
+
+    Host names are compared without case and without a trailing dot; ``localhost`` is
+    ``127.0.0.1`` (jaxdist binds it there); an IPv4 literal is read as the C resolver reads it
+    (``127.1`` and ``0x7f.0.0.1`` are ``127.0.0.1``); an IPv6 literal is compressed
+    (``[0:0:0:0:0:0:0:1]`` is ``[::1]``), and an IPv4-mapped one is its IPv4 address. No name
+    is looked up in DNS.
+
+    Example:
+        >>> canonical_address("[0:0:0:0:0:0:0:1]:2222"), canonical_address("LocalHost.:2222")
+        ('[::1]:2222', '127.0.0.1:2222')
+    """
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        ip = ipaddress.IPv6Address(host[1:-1])
+        if ip.ipv4_mapped is not None:
+            return f"{ip.ipv4_mapped}:{port}"
+        return f"[{ip.compressed}]:{port}"
+    host = host.lower().rstrip(".") or host
+    if host == "localhost":
+        return f"127.0.0.1:{port}"
+    if _IPV4ISH_RE.fullmatch(host):
+        try:
+            return f"{socket.inet_ntoa(socket.inet_aton(host))}:{port}"
+        except OSError:
+            pass
+    return f"{host}:{port}"
+
+
 def _check_job_name(job: str) -> None:
     if not _JOB_RE.fullmatch(job):
         raise _fail(_key("cluster", job), "is not a valid job name: expected letters, digits, "
@@ -179,7 +211,7 @@ def _check_cluster(cluster: Any) -> dict[str, Any]:
         for idx, addr in items:
             akey = f"{jkey}[{idx}]"
             check_address(addr, akey)
-            norm = addr.lower()
+            norm = canonical_address(addr)
             if norm in seen:
                 raise _fail(akey, f"is {quote(addr)}, the same address as {seen[norm]}: every "
                                   f"task needs its own host:port")

@@ -183,15 +183,21 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
                         help="(ps) cancel a call still running after this long (default: "
                         "$JAXDIST_PS_MAX_CALL_SECONDS, else 300)")
     parser.add_argument("--max_calls_per_client", type=int, default=None,
-                        help="(ps) calls in flight per client connection (default: "
-                        "$JAXDIST_PS_MAX_CALLS_PER_CLIENT, else 8)")
+                        help="(ps) calls in flight per client: its TLS certificate, or in "
+                        "plaintext its connection (default: $JAXDIST_PS_MAX_CALLS_PER_CLIENT, "
+                        "else 8)")
+    parser.add_argument("--max_idle_seconds", type=float, default=None,
+                        help="(ps) cancel a call whose request or response stream makes no "
+                        "progress for this long (default: $JAXDIST_PS_MAX_IDLE_SECONDS, else "
+                        "30)")
     args = parser.parse_args(argv)
     configure_logging()
     try:
         from jaxdist.ps.limits import ServerLimits
 
         limits = ServerLimits.from_env(args.max_request_bytes, args.max_call_seconds,
-                                       args.max_calls_per_client)
+                                       args.max_calls_per_client,
+                                       max_idle_seconds=args.max_idle_seconds)
         server = Server(None, task_index=args.task_index, start=False,
                         checkpoint_dir=args.checkpoint_dir, strategy_factory=strategy_factory,
                         limits=limits, checkpoint_root=args.checkpoint_root)

@@ -614,7 +614,9 @@ class WorkerServer(GrpcTaskServer):
             runtime.name, self.address.rsplit(":", 1)[0], b"", self.tls,
             ServerLimits.from_env(), self._refuse_direct, self.service.incarnation,
             authenticate=self._direct_credential, stream=self._direct_stream,
-            stream_methods=frozenset({"RunClosures"})) if use_direct else None
+            stream_methods=frozenset({"RunClosures"}),
+            # Only the coordinator's credential authenticates here: one peer, every slot.
+            max_connections_per_peer=64) if use_direct else None
         self._init_lifecycle()
 
     def start(self):

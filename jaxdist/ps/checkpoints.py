@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -29,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxdist.ps import wire
-from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist.ps.errors import PSError, PSInvalidArgumentError, PSNotFoundError
 from jaxdist.ps.variables import leaf_names
 
 CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
@@ -158,6 +159,8 @@ def checkpoint_directory(task: str, requested: str | None, what: str, *, confine
     if requested is not None and not isinstance(requested, str):
         raise PSInvalidArgumentError(
             f"{task}: {what} directory {requested!r}: expected a string path", task=task)
+    if requested:
+        _check_path_shape(task, requested, what)
     if not confined:
         return requested or default
     if not root:
@@ -181,6 +184,79 @@ def checkpoint_directory(task: str, requested: str | None, what: str, *, confine
             f"{task} refuses {what}: {task_dir!r} is a link out of the checkpoint "
             f"root {real_root!r}", task=task)
     return path
+
+
+MAX_PATH_CHARS = 1024  # a requested checkpoint directory: at most this many characters
+MAX_PATH_PARTS = 64  # ... and this many path components
+
+
+def _check_path_shape(task: str, requested: str, what: str) -> None:
+    """Refuses a directory no checkpoint needs: too long, too deep, or with a NUL byte."""
+    parts = [p for p in requested.split("/") if p]
+    reason = None
+    if len(requested) > MAX_PATH_CHARS:
+        reason = f"it has {len(requested)} characters, more than {MAX_PATH_CHARS}"
+    elif len(parts) > MAX_PATH_PARTS:
+        reason = f"it has {len(parts)} path components, more than {MAX_PATH_PARTS}"
+    elif "\0" in requested:
+        reason = "it contains a NUL byte"
+    if reason:
+        raise PSInvalidArgumentError(
+            f"{task} refuses {what} to {requested[:80]!r}{'...' if len(requested) > 80 else ''}"
+            f": {reason}; expected a directory path of at most {MAX_PATH_CHARS} characters and "
+            f"{MAX_PATH_PARTS} components", task=task)
+
+
+def _open_below(task: str, task_dir: str, names: tuple[str, ...]) -> int:
+    """Opens ``task_dir/names[0]/.../names[-1]`` (a regular file) without following a link.
+
+    Each component below ``task_dir`` is opened relative to its parent with ``O_NOFOLLOW``, so
+    a symbolic link planted in a task's checkpoint directory (``ckpt-<step>`` or
+    ``state.jdw`` pointing out of the checkpoint root) is refused, not followed, and no
+    check-then-open race lets one be swapped in. A FIFO or device is refused too (it could
+    block the reader forever). Returns an open file descriptor.
+
+    Raises:
+        PSNotFoundError: a component does not exist.
+        PSInvalidArgumentError: a component is a link, or the file is not a regular file.
+    """
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(task_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        for i, name in enumerate(names):
+            last = i == len(names) - 1
+            flags = os.O_RDONLY | nofollow | (os.O_NONBLOCK if last else
+                                              getattr(os, "O_DIRECTORY", 0))
+            try:
+                new = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                raise PSNotFoundError(f"{task}: checkpoint file "
+                                      f"{os.path.join(task_dir, *names)} does not exist",
+                                      task=task) from None
+            except OSError:
+                new = None
+            if new is None or not (stat.S_ISREG if last else stat.S_ISDIR)(
+                    os.fstat(new).st_mode):
+                if new is not None:
+                    os.close(new)
+                link = os.path.join(task_dir, *names[:i + 1])
+                raise PSInvalidArgumentError(
+                    f"{task} refuses to read {link!r}: it is a symbolic link or not a "
+                    f"{'regular file' if last else 'directory'}; a task's checkpoint "
+                    f"directory holds only the directories and files the ps writes",
+                    task=task)
+            os.close(fd)
+            fd = new
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_below(task: str, task_dir: str, *names: str) -> bytes:
+    """The bytes of ``task_dir/names...`` read through ``_open_below`` (no link followed)."""
+    with os.fdopen(_open_below(task, task_dir, names), "rb") as f:
+        return f.read()
 
 
 def check_keep(task: str, keep: int | None) -> None:
@@ -228,8 +304,7 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    _remove(final)
     os.replace(tmp, final)
     _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
     if keep is not None:
@@ -254,24 +329,24 @@ def read_task_checkpoint(directory: str | None, task: str, step: int | None = No
         step = latest_step(directory, task) if directory else None
     if step is None:
         raise PSNotFoundError(f"{task}: no checkpoint under {directory!r}", task=task)
-    path = os.path.join(_task_dir(directory, task), f"ckpt-{int(step)}", "state.jdw")
-    if not os.path.exists(path):
-        raise PSNotFoundError(f"{task}: checkpoint {path} does not exist", task=task)
-    with open(path, "rb") as f:
-        meta, arrays = wire.decode([f.read()])
+    task_dir = _task_dir(directory, task)
+    if not os.path.isdir(task_dir):
+        raise PSNotFoundError(f"{task}: checkpoint directory {task_dir} does not exist",
+                              task=task)
+    meta, arrays = wire.decode([_read_below(task, task_dir, f"ckpt-{int(step)}", "state.jdw")])
     return int(step), meta, arrays
 
 
 def latest_step(directory: str, task: str) -> int | None:
-    """The step to restore: the chief's pointer (every ps saved it) else this task's latest."""
-    for path in (
-        os.path.join(directory, CHECKPOINT_POINTER),
-        os.path.join(directory, task.replace(":", "-"), "latest"),
-    ):
+    """The step to restore: the chief's pointer (every ps saved it) else this task's latest.
+
+    Neither file is read through a symbolic link, a FIFO or a device.
+    """
+    for parent, name in ((directory, CHECKPOINT_POINTER),
+                         (_task_dir(directory, task), "latest")):
         try:
-            with open(path) as f:
-                step = int(json.load(f)["step"])
-        except (OSError, ValueError, KeyError):
+            step = int(json.loads(_read_below(task, parent, name))["step"])
+        except (OSError, ValueError, KeyError, TypeError, PSError):
             continue
         ckpt = os.path.join(directory, task.replace(":", "-"), f"ckpt-{step}")
         if os.path.isdir(ckpt):
@@ -314,9 +389,17 @@ def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> 
     deleted = []
     for name in doomed:
         path = os.path.join(task_dir, name)
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
         deleted.append(path)
     return deleted
+
+
+def _remove(path: str) -> None:
+    """Deletes ``path``: a link itself (never what it points to), or a directory tree."""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.exists(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _atomic_write(path: str, text: str) -> None:

@@ -292,9 +292,9 @@ def recv_frame(sock: socket.socket, magic: bytes, max_header: int, max_bytes: in
 
 def _parse(raw: bytes | bytearray) -> dict:
     try:
-        header = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as e:
-        raise FrameError(f"bad frame header: {type(e).__name__}: {str(e)[:200]}") from None
+        header = wire.loads_header(raw)
+    except wire.WireError as e:
+        raise FrameError(f"bad frame header: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
         raise FrameError("bad frame header: expected a JSON object with an 'arrays' list")
     return header
@@ -419,6 +419,9 @@ class DirectPool:
             raw.close()
             self.forget(task)
             raise Unavailable() from None
+        if reply.get("code") == "RESOURCE_EXHAUSTED":  # no slot for this peer: use gRPC
+            raw.close()
+            raise Unavailable()
         if reply.get("code") != "OK":
             raw.close()
             raise self._error(task, "Connect", 0.0, reply.get("code"), reply.get("details"))

@@ -1,13 +1,19 @@
 """The server side of the ps direct transport (``jaxdist.ps.direct``): the second port.
 
-One thread accepts connections; each connection gets its own thread (at most
-``max_connections``; more are closed at once, and their clients use gRPC). A connection must
-finish its TLS handshake and present the cluster token within ``HANDSHAKE_SECONDS``; then it
-serves calls one at a time, each bounded by ``ServerLimits.max_call_seconds`` from the first
-byte of its request to the last byte of its response. A connection idle for
-``IDLE_SECONDS`` is closed. Malformed frames, a payload over ``max_request_bytes`` (checked
-before allocation) or a wrong token get an error frame with the gRPC path's status and
-message, then the connection is closed.
+One thread accepts connections; each connection gets its own thread. A connection must
+finish its TLS handshake and present the credential within ``HANDSHAKE_SECONDS``; at most
+``MAX_HANDSHAKES`` connections may be in that phase at once (past it the oldest is closed), and
+none of them takes one of the ``max_connections`` serving slots: a connection takes a slot
+only once it has authenticated, so connections that never authenticate cannot keep a client
+off the port. An authenticated peer (its TLS certificate; in plaintext, each connection) holds
+at most ``max_connections_per_peer`` slots. When every slot is taken, a connection idle for
+longer than ``EVICT_IDLE_SECONDS`` (longer than a client reuses a pooled connection, so no
+client is about to send on it) is closed to make room; if none is, the newcomer is refused
+with ``RESOURCE_EXHAUSTED`` and its client uses gRPC. A connection idle for ``IDLE_SECONDS``
+is closed. Each call is bounded by ``ServerLimits.max_call_seconds`` from the first byte of
+its request to the last byte of its response. Malformed frames, a payload over
+``max_request_bytes`` (checked before allocation) or a wrong token get an error frame with the
+gRPC path's status and message, then the connection is closed.
 
 A server can also stream: a method in ``stream_methods`` answers with any number of
 ``{"code": "OK", "meta", "more": true}`` frames and then one ``{"code": "OK", "end": true}``
@@ -26,6 +32,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -35,13 +42,15 @@ from typing import Any
 
 from jaxdist.cluster.tls import TLSConfig, check_plaintext_allowed
 from jaxdist.ps import direct, wire
-from jaxdist.ps.limits import ServerLimits
+from jaxdist.ps.limits import ServerLimits, certificate_identity
 from jaxdist.ps.protocol import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_SECONDS = 10.0
-IDLE_SECONDS = 600.0
+MAX_HANDSHAKES = 128  # connections authenticating at once (past it: the oldest is closed)
+IDLE_SECONDS = 90.0  # an authenticated connection idle this long is closed
+EVICT_IDLE_SECONDS = direct._IDLE_REUSE_S + 15.0  # ... and this long, closed to make room
 
 
 class CallFailed(Exception):
@@ -63,7 +72,9 @@ class DirectServer:
         limits: the server's limits (request bytes, call seconds).
         run: ``run(method, meta, arrays) -> (meta, arrays)``; raises ``CallFailed``.
         incarnation: the service's incarnation (sent in the hello).
-        max_connections: connections served at once.
+        max_connections: authenticated connections served at once.
+        max_connections_per_peer: of those, how many one peer (TLS certificate) may hold
+            (default: ``limits.max_calls_per_client``).
         authenticate: ``authenticate(presented) -> CallFailed | None`` checks the credential a
             connection presents (default: it must be ``token``, the cluster token).
         stream: ``stream(method, meta, arrays, active) -> iterator of (meta, arrays)`` serves
@@ -74,6 +85,7 @@ class DirectServer:
     def __init__(self, task: str, host: str, token: bytes, tls: TLSConfig | None,
                  limits: ServerLimits, run: Callable[[str, dict, dict], tuple[dict, dict]],
                  incarnation: str, max_connections: int = 64, *,
+                 max_connections_per_peer: int | None = None,
                  authenticate: Callable[[Any], CallFailed | None] | None = None,
                  stream: Callable[[str, dict, dict, Callable[[], bool]],
                                   Iterator[tuple[dict, dict]]] | None = None,
@@ -92,9 +104,15 @@ class DirectServer:
         self._sock.listen(64)
         self._sock.settimeout(0.5)
         self.port = self._sock.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+        self.max_connections_per_peer = (limits.max_calls_per_client
+                                         if max_connections_per_peer is None
+                                         else max_connections_per_peer)
         self._stopped = threading.Event()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, int] = {}  # raw socket -> its file descriptor
+        self._handshaking: dict[socket.socket, float] = {}  # raw socket -> accepted at
+        self._served: dict[socket.socket, list] = {}  # raw socket -> [peer, idle since|None]
+        self.refused = 0  # authenticated connections refused for want of a slot
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"jaxdist-direct-{task}")
@@ -111,12 +129,8 @@ class DirectServer:
         except OSError:
             pass
         with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for fd in self._conns.values():
+                _shutdown(fd)
 
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
@@ -126,11 +140,13 @@ class DirectServer:
                 continue
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                raw.close()  # too many connections: that client uses gRPC
-                continue
             with self._lock:
-                self._conns.add(raw)
+                if len(self._handshaking) >= MAX_HANDSHAKES:
+                    oldest = min(self._handshaking, key=self._handshaking.__getitem__)
+                    del self._handshaking[oldest]
+                    _shutdown(self._conns[oldest])  # its thread ends at once
+                self._handshaking[raw] = time.monotonic()
+                self._conns[raw] = raw.fileno()
             threading.Thread(target=self._serve, args=(raw,), daemon=True,
                              name=f"jaxdist-direct-conn-{self.task}").start()
 
@@ -149,23 +165,69 @@ class DirectServer:
             auth, _ = direct.recv_frame(sock, direct.AUTH, direct.MAX_HANDSHAKE_BYTES, 0,
                                         deadline, None)
             failure = self._authenticate(auth.get("token"))
+            if failure is None:
+                failure = self._admit(raw, self._peer(sock, raw))
             if failure is not None:
                 self._reply_error(sock, failure, deadline)
                 return
             direct.send_frame(sock, direct.RESPONSE, {"code": "OK"}, None, deadline)
             while not self._stopped.is_set():
-                if not self._serve_call(sock):
+                if not self._serve_call(sock, self._served[raw]):
                     return
-        except (OSError, ssl.SSLError, wire.WireError, ValueError):
-            return  # the client left, stalled past a deadline, or sent garbage
+        except (OSError, ssl.SSLError, wire.WireError, ValueError, KeyError):
+            return  # the client left, stalled past a deadline, sent garbage, or was evicted
         finally:
             with self._lock:
-                self._conns.discard(raw)
+                self._conns.pop(raw, None)
+                self._handshaking.pop(raw, None)
+                self._served.pop(raw, None)
             try:
                 sock.close()
             except OSError:
                 pass
-            self._slots.release()
+
+    @staticmethod
+    def _peer(sock: Any, raw: socket.socket) -> str:
+        """The peer a connection counts against: its certificate, else the connection."""
+        getpeercert = getattr(sock, "getpeercert", None)
+        cert = getpeercert(binary_form=True) if getpeercert is not None else None
+        if cert:
+            return certificate_identity(cert)
+        try:
+            host, port = raw.getpeername()[:2]
+            return f"conn {host}:{port}"
+        except OSError:
+            return "conn ?"
+
+    def _admit(self, raw: socket.socket, peer: str) -> CallFailed | None:
+        """Gives an authenticated connection a slot, or says why not."""
+        now = time.monotonic()
+        with self._lock:
+            if raw not in self._handshaking:  # closed as the oldest of too many handshakes
+                return CallFailed("UNAVAILABLE", f"{self.task}: handshake overtaken")
+            del self._handshaking[raw]
+            mine = sum(1 for p, _ in self._served.values() if p == peer)
+            if mine >= self.max_connections_per_peer:
+                self.refused += 1
+                return CallFailed(
+                    "RESOURCE_EXHAUSTED",
+                    f"{self.task} refused a direct connection: peer {peer} already holds "
+                    f"{mine} (max_connections_per_peer={self.max_connections_per_peer}); "
+                    f"its calls use gRPC")
+            if len(self._served) >= self.max_connections:
+                idle = [(since, r) for r, (_, since) in self._served.items()
+                        if since is not None and now - since > EVICT_IDLE_SECONDS]
+                if not idle:
+                    self.refused += 1
+                    return CallFailed(
+                        "RESOURCE_EXHAUSTED",
+                        f"{self.task} refused a direct connection: all "
+                        f"{self.max_connections} slots are busy; its calls use gRPC")
+                victim = min(idle, key=lambda x: x[0])[1]
+                self._served.pop(victim)[0] = None  # its thread serves nothing more
+                _shutdown(self._conns[victim])
+            self._served[raw] = [peer, now]
+        return None
 
     def _check_token(self, presented: Any) -> CallFailed | None:
         if not isinstance(presented, str) or not presented:
@@ -186,10 +248,12 @@ class DirectServer:
         except OSError:
             pass
 
-    def _serve_call(self, sock: Any) -> bool:
-        """Serves one call; False when the connection must close."""
+    def _serve_call(self, sock: Any, slot: list) -> bool:
+        """Serves one call; False when the connection must close. ``slot[1]`` says since when
+        the connection is idle (``None`` while a call runs)."""
         # The call's own deadline (max_call_seconds) starts when its prefix has arrived.
         started: list[float] = []
+        slot[1] = time.monotonic()
         try:
             header, arrays = direct.recv_frame(
                 sock, direct.REQUEST, direct.MAX_HEADER_BYTES, self.limits.max_request_bytes,
@@ -204,6 +268,10 @@ class DirectServer:
             self._reply_error(sock, CallFailed("INVALID_ARGUMENT", f"{self.task}: {e}"),
                               time.monotonic() + HANDSHAKE_SECONDS)
             return False
+        with self._lock:
+            if slot[0] is None:  # evicted while the request arrived: it is not served
+                return False
+            slot[1] = None
         call_deadline = started[0] + self.limits.max_call_seconds
         method, meta = header.get("method"), header.get("meta")
         if not isinstance(method, str) or method in direct.GRPC_ONLY or not isinstance(
@@ -254,10 +322,27 @@ class DirectServer:
         return True
 
 
+def _shutdown(fd: int) -> None:
+    """Ends a connection another thread serves (its blocked read returns at once), by its
+    file descriptor: the socket object may be wrapped in TLS by now. Called under the
+    server's lock, while that thread has not closed the descriptor yet."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
 def _peer_open(sock: Any) -> bool:
     """False once the client closed the connection (it sends nothing while it waits for an
     answer, so a readable socket means it closed, or broke the protocol)."""
     return not direct.readable(sock)
 
 
-__all__ = ["CallFailed", "DirectServer", "HANDSHAKE_SECONDS", "IDLE_SECONDS"]
+__all__ = ["CallFailed", "DirectServer", "EVICT_IDLE_SECONDS", "HANDSHAKE_SECONDS",
+           "IDLE_SECONDS", "MAX_HANDSHAKES"]

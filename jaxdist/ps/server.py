@@ -123,10 +123,12 @@ class ParameterServer(GrpcTaskServer):
 
         def handler(request_iterator, context):
             check_token(context, self._token, task, method)
-            with self._guard.call(context, method):
+            with self._guard.call(context, method) as progress:
                 try:
-                    meta, arrays = wire.decode(request_iterator, RECEIVE_POOL,
+                    meta, arrays = wire.decode(progress.watch_requests(request_iterator),
+                                               RECEIVE_POOL,
                                                max_bytes=self.limits.max_request_bytes)
+                    progress.streaming(False)
                     chunk = response_chunk_bytes(meta)
                     out_meta, out_arrays = protocol.handle(self.service, method, meta, arrays)
                     del arrays
@@ -139,7 +141,7 @@ class ParameterServer(GrpcTaskServer):
                 out_meta = self._annotate(method, out_meta)
                 if method == "Stop":
                     threading.Thread(target=self.stop, args=(0.5,), daemon=True).start()
-                yield from wire.encode(out_meta, out_arrays, chunk)
+                yield from progress.watch_responses(wire.encode(out_meta, out_arrays, chunk))
 
         return handler
 

@@ -241,11 +241,47 @@ def _as_bytes(chunk: Any) -> bytes:
     return chunk
 
 
+MAX_WIRE_INT = 2**63 - 1  # every JSON integer on the wire fits a signed 64-bit integer
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text) if len(text) <= 21 else None
+    if value is None or not -MAX_WIRE_INT - 1 <= value <= MAX_WIRE_INT:
+        shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+        raise WireError(f"the integer {shown} does not fit a signed 64-bit integer: every "
+                        f"integer in a message must lie in [-2**63, 2**63 - 1]")
+    return value
+
+
+def loads_header(raw: bytes | bytearray) -> Any:
+    """Parses a message's JSON header with every integer bounded.
+
+    Integers must fit a signed 64-bit integer, so no field of any request can carry a number
+    the server would keep, compare or format at unbounded cost (``10**4000`` as a version,
+    say). Floats (``NaN`` included) are left to the field that reads them, which checks its
+    range.
+
+    Raises:
+        WireError: the text is not JSON, nests too deeply, or carries such an integer; the
+            message names it.
+
+    Example:
+        >>> loads_header(b'{"versions": {"w": 3}}')
+        {'versions': {'w': 3}}
+    """
+    try:
+        return json.loads(bytes(raw), parse_int=_bounded_int)
+    except WireError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
 def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as e:
-        raise WireError(f"bad message header: {type(e).__name__}: {str(e)[:200]}") from None
+        header = loads_header(raw)
+    except WireError as e:
+        raise WireError(f"bad message header: {e}") from None
     if (not isinstance(header, dict) or not isinstance(header.get("meta"), dict)
             or not isinstance(header.get("arrays"), list)):
         raise WireError("bad message header: expected a JSON object with a 'meta' object and "
@@ -294,10 +330,12 @@ def message_nbytes(arrays: Mapping[str, Any]) -> int:
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MessageTooLargeError",
+    "MAX_WIRE_INT",
     "WireError",
     "decode",
     "dtype_from_name",
     "dtype_name",
     "encode",
+    "loads_header",
     "message_nbytes",
 ]
