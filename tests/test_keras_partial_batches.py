@@ -220,3 +220,40 @@ def test_keras_io_digits_example_runs_unchanged(four):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert model.predict(x[-5:], verbose=0).shape == (5, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_partial_batches_across_processes(tmp_path):
+    # 2 processes x 2 CPU devices (jaxdist.launch on 127.0.0.1); the last global batch has 4
+    # rows from process 0 and 2 from process 1: each pads its own rows, all steps run masked.
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import keras_partial_mw_worker as w
+
+    x, y = w.data()
+    ref = w.model()
+    want = ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    want_eval = ref.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+    for k in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
+         "--", sys.executable, os.path.join(here, "keras_partial_mw_worker.py"),
+         str(tmp_path / "out")],
+        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"out.{i}.json").read_text())
+        assert (got["processes"], got["replicas"]) == (2, 4)
+        for k in want:
+            np.testing.assert_allclose(got["history"][k], want[k], rtol=1e-5, atol=1e-6)
+        for k in want_eval:
+            np.testing.assert_allclose(got["eval"][k], want_eval[k], rtol=1e-5, atol=1e-6)
+        for a, b in zip(got["weights"], ref.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
