@@ -16,7 +16,7 @@ import keras
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.keras import central_storage
+from jaxdist.keras import central_storage, partial_batches
 from jaxdist.strategies.central_storage import CentralStorageStrategy
 from jaxdist.strategies.strategy import Strategy
 
@@ -71,8 +71,12 @@ class StrategyDistribution(keras.distribution.DataParallel):
         ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     """
 
+    #: Marks the distributions whose models pad and mask partial batches (partial_batches).
+    _jaxdist_strategy_distribution = True
+
     def __init__(self, strategy: Strategy):
         _check_supported(strategy)
+        partial_batches.install()
         ext = strategy.extended
         mesh = ext.mesh
         names = [f"{d.platform}:{d.id}" for d in mesh.devices.flat]
@@ -114,10 +118,12 @@ class StrategyDistribution(keras.distribution.DataParallel):
         me = jax.process_index()
         n = sum(d.process_index == me for d in self._strategy.extended.worker_devices)
         if data_shape and data_shape[0] is not None and data_shape[0] % n:
+            # fit / evaluate / predict pad such batches (partial_batches); train_on_batch and
+            # test_on_batch hand Keras's own data path the batch as it is.
             raise ValueError(
                 f"a batch of {data_shape[0]} rows cannot be split over {n} replicas of "
-                f"{self._strategy!r}: use a global batch_size divisible by {n} (and a dataset "
-                f"size divisible by it, or drop the remainder)"
+                f"{self._strategy!r}: use a batch divisible by {n}, or fit / evaluate / "
+                f"predict, which pad and mask a partial batch"
             )
         return _Layout(self._data_sharding)
 

@@ -164,10 +164,19 @@ def _reenter(name: str, original: Any) -> Any:
             check_multi_process_callbacks(
                 kwargs.get("callbacks", args[5] if len(args) > 5 else None))
         strategy = strategy_of(self)
+
+        def run() -> Any:
+            # Under a jaxdist distribution fit / evaluate / predict read their data through a
+            # padding adapter, so a partial batch is padded and masked (partial_batches).
+            from jaxdist.keras import partial_batches
+
+            a, k = partial_batches.adapt_call(name, original, self, args, kwargs)
+            return original(self, *a, **k)
+
         if strategy is None or _is_ps(strategy) or _current_strategy() is not None:
-            return original(self, *args, **kwargs)
+            return run()
         with strategy.scope():  # as TF: the model's strategy distributes it outside the scope
-            return original(self, *args, **kwargs)
+            return run()
 
     return call
 
@@ -192,6 +201,9 @@ def install() -> None:
         return result
 
     JAXTrainer.compile = compile
+    from jaxdist.keras import partial_batches
+
+    partial_batches.install()
     for maker, attr in _STEP_ATTRS.items():
         setattr(JAXTrainer, maker, _bounded_maker(maker, attr, getattr(JAXTrainer, maker)))
     for name in _ENTRY_POINTS:
