@@ -1,6 +1,8 @@
 """How a test states the devices it needs (see tests/conftest.py): skip, with the reason,
 when they are absent; never assume CPU or a device count silently."""
 
+import re
+
 import jax
 import pytest
 
@@ -51,3 +53,24 @@ def device_string(index: int) -> str:
     require_devices(index + 1)
     platform = _PLATFORM_ALIASES.get(jax.default_backend(), jax.default_backend())
     return f"/{platform}:{index}"
+
+
+_TF_DEVICE = re.compile(r"^/cpu:(\d+)$")
+
+
+def tf_test_device(spec):
+    """A device as TF's ported tests (tests/tf_compat) name it: ``"/cpu:0"`` is TF's CPU and
+    ``"/cpu:k"`` (k > 0) TF's GPU k-1, i.e. the default backend's device k; the test is skipped
+    when that device does not exist (as TF skips a combination whose GPUs are absent). Any other
+    spec (a ``jax.Device``, ``"/device:CPU:0"``) is returned as it is."""
+    m = _TF_DEVICE.match(spec) if isinstance(spec, str) else None
+    if m is None:
+        return spec
+    index = int(m.group(1))
+    require_devices(index + 1)
+    return jax.devices()[index]
+
+
+def tf_test_devices(specs) -> list:
+    """:func:`tf_test_device` of each spec."""
+    return [tf_test_device(s) for s in specs]

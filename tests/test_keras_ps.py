@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import jax
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -182,7 +183,7 @@ def test_callbacks_needing_local_state_are_rejected(callback, match):
 def test_attach_errors():
     m = _model(keras.optimizers.SGD(0.1))
     with pytest.raises(TypeError, match="needs a ParameterServerStrategy"):
-        jk.attach(m, jaxdist.OneDeviceStrategy("/cpu:0"))
+        jk.attach(m, jaxdist.OneDeviceStrategy(jax.devices()[0]))
     raw = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="after model.compile"):
         jk.attach(raw, jaxdist.ParameterServerStrategy())
