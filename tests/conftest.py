@@ -1,32 +1,59 @@
-"""Test configuration: force 8 CPU host devices before JAX initialises its backend."""
+"""Test configuration: the devices the suite runs on, and how a test states what it needs.
+
+By default the suite runs on 8 forced CPU host devices. The environment can change both
+before JAX initialises its backend:
+
+* ``JAX_NUM_CPU_DEVICES=1 python -m pytest`` runs it on one CPU device;
+* ``JAX_PLATFORMS=cuda,cpu python -m pytest`` runs it on the GPUs (the host CPU stays
+  available for what lives there, e.g. CentralStorage's parameter device).
+
+A test states what it needs and is skipped, with the reason, when that is absent; everything
+else runs on whatever devices exist:
+
+* ``@pytest.mark.devices(4)``: at least 4 devices on the default backend;
+* ``@pytest.mark.platform("cpu")``: the default backend is CPU (a test of host-only behaviour);
+* the ``devices`` fixture gives the default backend's devices (all of them; take a prefix only
+  with a ``devices(n)`` marker), and ``devutil.first_devices(n)`` / ``devutil.cpu_devices(n)``
+  do the same inside a test body or a parametrised case.
+"""
 
 import os
 
-os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Older spelling, honoured by every jaxlib; harmless when JAX_NUM_CPU_DEVICES is read.
+# Older spelling, honoured by every jaxlib; JAX_NUM_CPU_DEVICES wins where both are read.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count="
+                               + os.environ["JAX_NUM_CPU_DEVICES"]).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from devutil import require_devices, require_platform  # noqa: E402, F401
 
-NUM_DEVICES = 8
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "devices(n): the test needs at least n devices on the default backend "
+        "(skipped with the reason otherwise)")
+    config.addinivalue_line(
+        "markers", "platform(name): the test needs the default backend to be `name` "
+        "('cpu', 'gpu', 'tpu'; skipped with the reason otherwise)")
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("platform"):
+        require_platform(*mark.args)
+    need = max((mark.args[0] for mark in item.iter_markers("devices")), default=0)
+    if need:
+        require_devices(need)
 
 
 @pytest.fixture(scope="session")
 def devices():
-    """The 8 forced CPU devices (the test is skipped, with the reason, if they are missing)."""
-    require_devices(NUM_DEVICES)
-    return jax.devices()[:NUM_DEVICES]
-
-
-def require_devices(n: int):
-    """Skips the calling test when fewer than ``n`` devices exist."""
-    have = len(jax.devices())
-    if have < n:
-        pytest.skip(f"needs {n} devices, {have} available")
+    """All devices of the default backend (a test that needs ``n`` says so with
+    ``@pytest.mark.devices(n)``)."""
+    return jax.devices()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import first_devices
 
 import jaxdist
 from jaxdist.strategies.replica_reduce import DoubleReductionError
@@ -15,7 +16,7 @@ from jaxdist.strategies.replica_reduce import DoubleReductionError
 
 @pytest.fixture(scope="module")
 def two():
-    return jaxdist.MirroredStrategy(jax.devices()[:2])
+    return jaxdist.MirroredStrategy(first_devices(2))  # TF's TwoDeviceDistributionTestBase
 
 
 def _per_replica(strategy, values):

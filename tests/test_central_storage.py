@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
+from devutil import cpu_devices, device_string
 
 import jaxdist
 
@@ -22,8 +24,9 @@ def _step_fn(tx):
     return step
 
 
+@pytest.mark.devices(7)
 def test_state_created_in_scope_lives_once_on_parameter_device():
-    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device="/cpu:6")
+    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device=device_string(6))
     assert s.extended.parameter_devices == (jax.devices()[6],)
     assert s.num_replicas_in_sync == 4
     with s.scope():
@@ -33,19 +36,22 @@ def test_state_created_in_scope_lives_once_on_parameter_device():
 
 
 def test_default_parameter_device_is_host_cpu():
+    host = cpu_devices(1)[0]
     s = jaxdist.CentralStorageStrategy()
-    assert s.extended.parameter_devices == (jax.local_devices(backend="cpu")[0],)
-    single = jaxdist.CentralStorageStrategy(["/cpu:5"])
-    assert single.extended.parameter_devices == (jax.devices()[5],)
+    assert s.extended.parameter_devices == (host,)
+    last = len(jax.devices()) - 1
+    single = jaxdist.CentralStorageStrategy([device_string(last)])
+    assert single.extended.parameter_devices == (jax.devices()[last],)
 
 
+@pytest.mark.devices(8)
 def test_exactly_one_copy_between_steps_and_same_result():
     rng = np.random.RandomState(0)
     x = rng.randn(16, 3).astype(np.float32)
     y = rng.randn(16, 1).astype(np.float32)
     tx = optax.sgd(0.1)
     step = _step_fn(tx)
-    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device="/cpu:7")
+    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device=device_string(7))
     with s.scope():
         params = {"w": jnp.full((3, 1), 0.5), "b": jnp.zeros((1,))}
         opt_state = tx.init(params)
@@ -71,11 +77,12 @@ def test_exactly_one_copy_between_steps_and_same_result():
         np.testing.assert_allclose(params[k], ref_p[k], atol=1e-6)
 
 
+@pytest.mark.devices(6)
 def test_gradients_reduced_onto_parameter_device_and_update_applied_there():
     rng = np.random.RandomState(1)
     x = rng.randn(16, 3).astype(np.float32)
     y = rng.randn(16, 1).astype(np.float32)
-    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device="/cpu:5")
+    s = jaxdist.CentralStorageStrategy(jax.devices()[:4], parameter_device=device_string(5))
     with s.scope():
         params = {"w": jnp.ones((3, 1)), "b": jnp.zeros((1,))}
 

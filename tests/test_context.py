@@ -58,11 +58,12 @@ def test_replica_context_inside_run():
         return rctx.replica_id_in_sync_group
 
     out = s.run(fn)
-    assert seen["rctx"] is not None and seen["rctx"].num_replicas_in_sync == 4
+    n = len(jax.devices()[:4])
+    assert seen["rctx"] is not None and seen["rctx"].num_replicas_in_sync == n
     assert seen["cross"] is False
     assert seen["strategy"] is s
     ids = [int(v) for v in s.experimental_local_results(out)]
-    assert ids == [0, 1, 2, 3]
+    assert ids == list(range(n))
 
 
 def test_same_strategy_scope_reentrant():
@@ -73,7 +74,7 @@ def test_same_strategy_scope_reentrant():
 
 def test_mixing_strategies_is_an_error():
     a = jaxdist.MirroredStrategy()
-    b = jaxdist.OneDeviceStrategy("/cpu:0")
+    b = jaxdist.OneDeviceStrategy(jax.devices()[0])
     with a.scope():
         with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
             with b.scope():
@@ -116,7 +117,7 @@ def test_experimental_set_strategy_is_thread_local_and_replaceable():
     import threading
 
     a = jaxdist.MirroredStrategy(jax.devices()[:2])
-    b = jaxdist.OneDeviceStrategy("/cpu:0")
+    b = jaxdist.OneDeviceStrategy(jax.devices()[0])
     seen = []
     jaxdist.experimental_set_strategy(a)
     try:
@@ -151,8 +152,10 @@ def test_merge_call_in_compiled_step_reduces_and_reruns_in_replica_context():
                 args=(v,))
     total, mean, again = out
     assert seen["replica_ctx"] is None and seen["cross"] is s
-    assert float(total) == 10.0 and float(mean) == 2.5
-    assert [float(a) for a in s.experimental_local_results(again)] == [10.0, 20.0, 30.0, 40.0]
+    n = s.num_replicas_in_sync  # 4, or fewer where fewer devices exist
+    assert float(total) == n * (n + 1) / 2 and float(mean) == (n + 1) / 2
+    assert [float(a) for a in s.experimental_local_results(again)] == [
+        10.0 * (i + 1) for i in range(n)]
 
 
 def test_update_non_slot_runs_once_cross_replica_and_places_result():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import device_string
 
 import jaxdist
 
@@ -14,7 +15,8 @@ OPS = {
     "hierarchical": lambda: jaxdist.HierarchicalCopyAllReduce(),
     "hierarchical_packs2": lambda: jaxdist.HierarchicalCopyAllReduce(num_packs=2),
     "one_device": lambda: jaxdist.ReductionToOneDevice(),
-    "one_device_cpu3": lambda: jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:3"),
+    "one_device_last": lambda: jaxdist.ReductionToOneDevice(
+        reduce_to_device=device_string(len(jax.devices()) - 1)),
 }
 
 
@@ -36,7 +38,7 @@ def test_all_reduce_same_numbers(name, op):
     s = jaxdist.MirroredStrategy(cross_device_ops=OPS[name]())
     v = _values(s)
     out = s.run(lambda t: jaxdist.get_replica_context().all_reduce(op, t), args=(v,))
-    n = 8
+    n = s.num_replicas_in_sync  # every device
     sums = {
         "a": np.full((3, 2), n * (n + 1) / 2),
         "b": np.arange(5) * (n * (n - 1) / 2),
@@ -62,6 +64,7 @@ def _hlo(s):
     return compiled.jitted.lower(*stacked).as_text()
 
 
+@pytest.mark.devices(8)
 def test_patterns_differ():
     nccl = _hlo(jaxdist.MirroredStrategy(cross_device_ops=jaxdist.NcclAllReduce(num_packs=1)))
     hier = _hlo(jaxdist.MirroredStrategy(cross_device_ops=jaxdist.HierarchicalCopyAllReduce()))
@@ -74,6 +77,7 @@ def test_patterns_differ():
     assert one.count("collective_permute") == 3 * 7
 
 
+@pytest.mark.devices(8)
 def test_hierarchical_mesh_is_two_level():
     s = jaxdist.MirroredStrategy(cross_device_ops=jaxdist.HierarchicalCopyAllReduce())
     assert s.extended.mesh.shape == {"replica_outer": 2, "replica_inner": 4}
@@ -82,6 +86,7 @@ def test_hierarchical_mesh_is_two_level():
     assert small.extended.mesh.shape == {"replica_outer": 1, "replica_inner": 2}
 
 
+@pytest.mark.devices(4)
 def test_reduction_to_one_device_accumulation_fn():
     calls = []
 
@@ -100,18 +105,19 @@ def test_reduction_to_one_device_accumulation_fn():
     assert calls and all(c == 4 for c in calls)
 
 
+@pytest.mark.devices(7)
 def test_reduce_to_device_outside_the_strategy_devices():
     # As in TF, the accumulating device may be outside the compute devices (the host CPU while
     # the replicas run elsewhere): cross-replica reductions really gather there.
     s = jaxdist.MirroredStrategy(
-        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:5")
+        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device=device_string(5))
     )
     v = s.experimental_distribute_values_from_function(
         lambda c: np.float32(c.replica_id_in_sync_group + 1)
     )
     assert float(s.reduce("SUM", v, axis=None)) == 3.0
     assert float(s.reduce("MEAN", v, axis=None)) == 1.5
-    out = s.extended.reduce_to("SUM", v, "/cpu:6")
+    out = s.extended.reduce_to("SUM", v, device_string(6))
     assert float(out) == 3.0 and out.sharding.device_set == {jax.devices()[6]}
     inside = s.run(lambda x: jaxdist.get_replica_context().all_reduce("MEAN", x), args=(v,))
     assert float(inside) == 1.5
@@ -126,6 +132,7 @@ def test_invalid_arguments():
         jaxdist.MirroredStrategy(cross_device_ops="nccl")
 
 
+@pytest.mark.devices(8)
 def test_reduce_to_every_tf_destination():
     devs = jax.devices()[:2]
     s = jaxdist.MirroredStrategy(devs)
@@ -133,9 +140,9 @@ def test_reduce_to_every_tf_destination():
         lambda c: np.float32(c.replica_id_in_sync_group + 1)
     )
     cases = {
-        "string": ("/cpu:5", {jax.devices()[5]}),
+        "string": (device_string(5), {jax.devices()[5]}),
         "device": (jax.devices()[6], {jax.devices()[6]}),
-        "list": (["/cpu:3", "/cpu:4"], {jax.devices()[3], jax.devices()[4]}),
+        "list": ([device_string(3), device_string(4)], {jax.devices()[3], jax.devices()[4]}),
         "mirrored": (s.place(jnp.zeros(())), set(devs)),
         "per_replica": (v, set(devs)),
         "none": (None, set(devs)),
@@ -145,7 +152,8 @@ def test_reduce_to_every_tf_destination():
         assert float(out) == 3.0, name
         assert out.sharding.device_set == want, name
         assert out.sharding.is_fully_replicated, name
-    a, b = s.extended.batch_reduce_to("MEAN", [(v, "/cpu:7"), (v, ["/cpu:0", "/cpu:1"])])
+    a, b = s.extended.batch_reduce_to(
+        "MEAN", [(v, device_string(7)), (v, [device_string(0), device_string(1)])])
     assert float(a) == float(b) == 1.5
     with pytest.raises(ValueError, match="can not be empty"):
         s.extended.reduce_to("SUM", v, [])
@@ -155,19 +163,22 @@ def test_reduce_to_every_tf_destination():
         s.extended.batch_reduce_to("SUM", [v])
 
 
+@pytest.mark.devices(4)
 def test_broadcast_to():
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
-    assert s.extended.broadcast_to(1.5, ["/cpu:0"]) == 1.5  # Python numbers as they are (TF)
-    out = s.extended.broadcast_to(jnp.arange(3.0), ["/cpu:2", "/cpu:3"])
+    # Python numbers as they are (TF)
+    assert s.extended.broadcast_to(1.5, [device_string(0)]) == 1.5
+    out = s.extended.broadcast_to(jnp.arange(3.0), [device_string(2), device_string(3)])
     assert out.sharding.device_set == {jax.devices()[2], jax.devices()[3]}
     np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
     out = s.extended.broadcast_to(jnp.ones(2), None)
     assert out.sharding.device_set == set(jax.devices()[:2])
 
 
+@pytest.mark.devices(8)
 def test_reduce_to_outside_device_with_axis():
     s = jaxdist.MirroredStrategy(
-        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:7")
+        jax.devices()[:2], jaxdist.ReductionToOneDevice(reduce_to_device=device_string(7))
     )
     v = s.experimental_distribute_values_from_function(
         lambda c: np.arange(3, dtype=np.float32) + c.replica_id_in_sync_group

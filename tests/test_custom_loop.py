@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import cpu_devices, device_string
 from flax import nnx
 from reference_loops import optax_step
 
@@ -82,7 +83,7 @@ def _distributed(strategy, tf_style=True):
 
 
 STRATEGIES = {
-    "one_device": lambda: jaxdist.OneDeviceStrategy("/cpu:0"),
+    "one_device": lambda: jaxdist.OneDeviceStrategy(device_string(0)),
     "mirrored_nccl": lambda: jaxdist.MirroredStrategy(),
     "mirrored_nccl_packs": lambda: jaxdist.MirroredStrategy(
         cross_device_ops=jaxdist.NcclAllReduce(num_packs=2)
@@ -93,9 +94,9 @@ STRATEGIES = {
     "mirrored_one_device": lambda: jaxdist.MirroredStrategy(
         cross_device_ops=jaxdist.ReductionToOneDevice()
     ),
-    "mirrored_4": lambda: jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]),
+    "mirrored_4": lambda: jaxdist.MirroredStrategy([device_string(i) for i in range(4)]),
     "central_storage": lambda: jaxdist.CentralStorageStrategy(),
-    "tpu_on_cpu": lambda: jaxdist.TPUStrategy(devices=jax.devices("cpu")),
+    "tpu_on_cpu": lambda: jaxdist.TPUStrategy(devices=cpu_devices()),
 }
 
 

@@ -12,7 +12,8 @@ import jaxdist
 from jaxdist.strategies.inflight import StepThrottle
 
 
-def test_500_steps_without_waiting_on_8_devices(devices):
+@pytest.mark.devices(8)
+def test_500_steps_without_waiting_on_8_devices():
     s = jaxdist.MirroredStrategy()
     assert s.num_replicas_in_sync == 8
     tx = optax.sgd(0.01)

@@ -1,8 +1,8 @@
 """Distributed input: splitting in order, structures, partial batches, prefetch, contexts."""
 
-import jax
 import numpy as np
 import pytest
+from devutil import first_devices
 
 import jaxdist
 from jaxdist import Dataset, InputContext, InputOptions, PerReplica
@@ -10,7 +10,7 @@ from jaxdist import Dataset, InputContext, InputOptions, PerReplica
 
 @pytest.fixture
 def strategy():
-    return jaxdist.MirroredStrategy(jax.devices()[:4])
+    return jaxdist.MirroredStrategy(first_devices(4))  # the tests' numbers are for 4 replicas
 
 
 def _rows(strategy, v):

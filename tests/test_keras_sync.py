@@ -61,7 +61,7 @@ def _assert_same(hist, weights, reference):
     [
         lambda d: jaxdist.MirroredStrategy(d[:4]),
         lambda d: jaxdist.MirroredStrategy(d[:2]),
-        lambda d: jaxdist.OneDeviceStrategy(d[1]),
+        lambda d: jaxdist.OneDeviceStrategy(d[-1]),
         lambda d: jaxdist.TPUStrategy(devices=d[:4]),
         lambda d: jaxdist.MirroredStrategy(
             d[:4], cross_device_ops=jaxdist.HierarchicalCopyAllReduce()
@@ -82,6 +82,7 @@ def test_fit_matches_one_device(devices, reference, make):
     assert hist["loss"][1] < hist["loss"][0]
 
 
+@pytest.mark.devices(4)
 def test_batches_are_split_over_replicas(devices):
     strategy = jaxdist.MirroredStrategy(devices[:4])
     with jk.scope(strategy):
@@ -203,7 +204,8 @@ def test_scope_hook_skips_other_backends(devices, monkeypatch):
 
 @pytest.mark.parametrize("spe", [1, 2], ids=["spe1", "spe2"])
 def test_central_storage_matches_one_device(devices, reference, spe):
-    strategy = jaxdist.CentralStorageStrategy(devices[1:5], devices[0])
+    compute = devices[1:5] or devices[:1]  # apart from the parameter device where possible
+    strategy = jaxdist.CentralStorageStrategy(compute, devices[0])
     moved = []
 
     class Where(keras.callbacks.Callback):
@@ -227,7 +229,8 @@ def test_central_storage_matches_one_device(devices, reference, spe):
 
 
 def test_central_storage_step_runs_on_the_compute_devices(devices):
-    strategy = jaxdist.CentralStorageStrategy(devices[1:3], devices[0])
+    compute = devices[1:3] or devices[:1]  # apart from the parameter device where possible
+    strategy = jaxdist.CentralStorageStrategy(compute, devices[0])
     seen = {}
     with strategy.scope():
         model = _model()
@@ -244,7 +247,7 @@ def test_central_storage_step_runs_on_the_compute_devices(devices):
         batch = (jax.device_put(X[:8], layout), jax.device_put(Y[:8], layout))
         seen["batch"] = batch[0].sharding.device_set
         _, new_state = step(state, iter([batch]))
-    assert seen["batch"] == set(devices[1:3])
+    assert seen["batch"] == set(compute)
     assert {a.sharding.device_set == {devices[0]} for a in jax.tree.leaves(new_state)} == {True}
     # A model outside any central-storage scope keeps Keras's own step.
     plain = _model()

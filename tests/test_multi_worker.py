@@ -54,6 +54,7 @@ def test_nccl_on_cpu_is_an_error(monkeypatch):
         jaxdist.MultiWorkerMirroredStrategy(communication_options=opts)
 
 
+@pytest.mark.devices(2)  # one replica has nothing to reduce
 def test_bytes_per_pack_packs_into_buckets(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     xs = [jnp.ones((10,)), jnp.ones((30,)), jnp.ones((5,)), jnp.ones((3,), jnp.int32)]

@@ -97,7 +97,7 @@ def test_layout_splits_rank0_and_colocated_leaves_whole():
 
 def test_partitioner_in_strategy_local_and_colocation():
     strategy = jaxdist.ParameterServerStrategy(
-        variable_partitioner=FixedShardsPartitioner(3), compute_devices=["/cpu:0"])
+        variable_partitioner=FixedShardsPartitioner(3), compute_devices=jax.devices()[:1])
     with strategy.scope():
         a = strategy.create_variables({"w": np.ones((7, 2), np.float32)}, name="a")
         with strategy.extended.colocate_vars_with(a):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import device_string, first_devices
 
 import jaxdist
 from jaxdist import PerReplica, ReduceOp
@@ -11,7 +12,7 @@ from jaxdist import PerReplica, ReduceOp
 
 @pytest.fixture
 def strategy():
-    return jaxdist.MirroredStrategy(jax.devices()[:4])
+    return jaxdist.MirroredStrategy(first_devices(4))  # the tests' numbers are for 4 replicas
 
 
 def _values(strategy):
@@ -76,7 +77,7 @@ def test_reduce_non_distributed_value_follows_tf(strategy):
     assert strategy.reduce("MEAN", 5.0) == 5.0
     with pytest.raises(ValueError, match="non-distributed value"):
         strategy.reduce("SUM", np.float32(5.0))
-    one = jaxdist.OneDeviceStrategy("/cpu:0")
+    one = jaxdist.OneDeviceStrategy(device_string(0))
     assert float(one.reduce("SUM", np.float32(5.0))) == 5.0
 
 
@@ -123,10 +124,10 @@ def test_local_results(strategy):
 def test_extended_reduce_to_and_batch_reduce_to(strategy):
     v = _values(strategy)
     ref = _stack(strategy, v)
-    out = strategy.extended.reduce_to("SUM", v, destinations="/cpu:0")
+    out = strategy.extended.reduce_to("SUM", v, destinations=device_string(0))
     assert out.devices() == {jax.devices()[0]}
     np.testing.assert_allclose(out, ref.sum(0))
-    a, b = strategy.extended.batch_reduce_to("MEAN", [(v, None), (v, "/cpu:1")])
+    a, b = strategy.extended.batch_reduce_to("MEAN", [(v, None), (v, device_string(1))])
     np.testing.assert_allclose(a, ref.mean(0))
     assert b.devices() == {jax.devices()[1]}
 

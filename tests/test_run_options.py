@@ -33,7 +33,7 @@ def test_donated_state_is_consumed_and_results_match(devices, n):
 
 
 def test_bad_donate_argnums_name_the_value():
-    s = jaxdist.OneDeviceStrategy("/cpu:0")
+    s = jaxdist.OneDeviceStrategy(jax.devices()[0])
     with pytest.raises(ValueError, match=r"names positions \[3\].*1 positional"):
         s.run(lambda a: a, args=(jnp.ones(2),), options=jaxdist.RunOptions(donate_argnums=3))
     with pytest.raises(ValueError, match="must be >= 0"):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from jaxdist.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
@@ -35,7 +36,7 @@ def test_idle_timeout_is_a_typed_error_naming_the_directory(tmp_path):
     import jaxdist
     from jaxdist.train.models import MLP
 
-    strategy = jaxdist.OneDeviceStrategy("/cpu:0")
+    strategy = jaxdist.OneDeviceStrategy(jax.devices()[0])
     with strategy.scope():
         trainer = jaxdist.Trainer(MLP(4, [8], 3, rngs=nnx.Rngs(0)), optax.sgd(0.1),
                                   global_batch_size=4, progress_bar="never")

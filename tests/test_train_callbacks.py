@@ -29,7 +29,7 @@ def data():
 
 
 def _trainer(strategy=None, optimizer=None, **kw):
-    strategy = strategy or jaxdist.OneDeviceStrategy("/cpu:0")
+    strategy = strategy or jaxdist.OneDeviceStrategy(jax.devices()[0])
     kw.setdefault("progress_bar", "never")
     kw.setdefault("log_every_steps", 1000)
     with strategy.scope():
@@ -304,7 +304,7 @@ def C_top_k():
 
 def _strategy(name):
     if name == "one_device":
-        return jaxdist.OneDeviceStrategy("/cpu:0")
+        return jaxdist.OneDeviceStrategy(jax.devices()[0])
     if name == "mirrored":
         return jaxdist.MirroredStrategy(jax.devices()[:2])
     return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)

@@ -2,6 +2,7 @@
 
 import pathlib
 
+import jax
 import pytest
 
 from jaxdist.train import strategy_registry
@@ -111,7 +112,8 @@ def test_registry_is_keyed_by_class_and_every_default_is_in_the_schema():
     from jaxdist.train.parameter_server import ParameterServerHook
     from jaxdist.train.trainer import Trainer
 
-    assert type(strategy_registry.hook_for(jaxdist.OneDeviceStrategy("/cpu:0"))) is hooks.SyncHook
+    one_device = jaxdist.OneDeviceStrategy(jax.devices()[0])
+    assert type(strategy_registry.hook_for(one_device)) is hooks.SyncHook
     assert isinstance(strategy_registry.hook_for(jaxdist.ParameterServerStrategy()),
                       ParameterServerHook)
     assert {s.name for s in strategy_registry._REGISTRY[jaxdist.ParameterServerStrategy]

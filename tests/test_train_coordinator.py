@@ -286,6 +286,7 @@ def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
         hook.begin_fit(None, source(stream, what="train_data"))
 
 
+@pytest.mark.devices(2)
 def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has():
     """With a coordinator, ``num_replicas_in_sync`` is the workers' count (here 1) while the
     chief evaluates and predicts on its own devices (here 2): the numbers equal a one-device

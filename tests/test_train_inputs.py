@@ -43,7 +43,7 @@ def data():
 
 @pytest.fixture(scope="module")
 def strategy():
-    return jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    return jaxdist.MirroredStrategy(jax.devices()[:2])
 
 
 def _trainer(strategy, model=None, lr=0.1, **kw):

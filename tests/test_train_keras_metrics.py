@@ -51,8 +51,8 @@ def _exact_auc(scores, labels):
 def test_eight_replicas_with_a_partial_last_batch_equal_one_device():
     x, y = _data(101, 4)  # 6 full global batches of 16 and a partial one of 5
     metrics = ["accuracy", M.SparseTopKCategoricalAccuracy(k=2)]
-    one = _trainer(jaxdist.OneDeviceStrategy("/cpu:0"), 4, metrics)
-    eight = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:8]), 4, metrics)
+    one = _trainer(jaxdist.OneDeviceStrategy(jax.devices()[0]), 4, metrics)
+    eight = _trainer(jaxdist.MirroredStrategy(jax.devices()[:8]), 4, metrics)
     a, b = one.evaluate((x, y)), eight.evaluate((x, y))
     assert set(a) == {"loss", "accuracy", "sparse_top_k_categorical_accuracy"}
     for k in a:
@@ -66,8 +66,8 @@ def test_eight_replicas_with_a_partial_last_batch_equal_one_device():
 
 def test_auc_streams_as_keras_and_reduces_across_replicas():
     x, y = _data(101, 2, seed=3)
-    one = _trainer(jaxdist.OneDeviceStrategy("/cpu:0"), 2, ["auc"])
-    eight = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:8]), 2, ["auc"])
+    one = _trainer(jaxdist.OneDeviceStrategy(jax.devices()[0]), 2, ["auc"])
+    eight = _trainer(jaxdist.MirroredStrategy(jax.devices()[:8]), 2, ["auc"])
     a, b = one.evaluate((x, y)), eight.evaluate((x, y))
     assert b["auc"] == pytest.approx(a["auc"], rel=1e-6)
     scores = np.asarray(jax.nn.softmax(one.predict(x), -1))[:, 1]
@@ -80,8 +80,8 @@ def test_train_metrics_and_learning_rate_match_across_strategies():
     x, y = _data(128, 4)
     metrics = ["accuracy", {"name": "sparse_top_k_categorical_accuracy", "k": 2}]
     hs = []
-    for strategy in (jaxdist.OneDeviceStrategy("/cpu:0"),
-                     jaxdist.MirroredStrategy(jax.devices("cpu")[:4])):
+    for strategy in (jaxdist.OneDeviceStrategy(jax.devices()[0]),
+                     jaxdist.MirroredStrategy(jax.devices()[:4])):
         t = _trainer(strategy, 4, metrics)
         hs.append(t.fit((x, y), epochs=2, validation_data=(x[:40], y[:40]), verbose=0))
     a, b = (h.history for h in hs)

@@ -60,7 +60,8 @@ def _rest(t):
 
 
 def _mirrored(n=2):
-    return jaxdist.MirroredStrategy(jax.devices("cpu")[:n])
+    """n replicas, or as many as exist (a test whose numbers need n says so with a marker)."""
+    return jaxdist.MirroredStrategy(jax.devices()[:n])
 
 
 def test_dropout_is_deterministic_given_the_seed_and_off_in_evaluate(data):
@@ -96,8 +97,9 @@ def test_dropout_masks_differ_across_replicas_and_steps(data):
     np.testing.assert_array_equal(out[0, 1], np.asarray(again))
 
 
+@pytest.mark.devices(4)
 def test_sync_batch_norm_equals_one_device_on_the_global_batch(data):
-    one, h1 = _fit(jaxdist.OneDeviceStrategy("/cpu:0"), data, bn=True)
+    one, h1 = _fit(jaxdist.OneDeviceStrategy(jax.devices()[0]), data, bn=True)
     sync, h2 = _fit(_mirrored(4), data, bn=True, batch_norm="sync")
     for u, v in zip(_params(one) + _rest(one), _params(sync) + _rest(sync)):
         np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)
@@ -108,9 +110,10 @@ def test_sync_batch_norm_equals_one_device_on_the_global_batch(data):
                    for u, v in zip(_params(one), _params(per)))
 
 
+@pytest.mark.devices(2)
 def test_per_replica_batch_norm_normalizes_each_replicas_rows(data):
     x, y = data
-    one, _ = _fit(jaxdist.OneDeviceStrategy("/cpu:0"), data, steps=1, bn=True,
+    one, _ = _fit(jaxdist.OneDeviceStrategy(jax.devices()[0]), data, steps=1, bn=True,
                   batch_norm="per_replica")
     per, _ = _fit(_mirrored(2), data, steps=1, bn=True, batch_norm="per_replica")
     # Expected: the average of two one-device steps' gradients on each half of the batch.
@@ -153,10 +156,10 @@ def test_batch_norm_statistics_are_checkpointed_and_used_in_evaluate(data, tmp_p
 
 
 def test_checkpoint_of_another_model_is_one_clear_error(data, tmp_path):
-    _fit(jaxdist.OneDeviceStrategy("/cpu:0"), data, steps=1, width=16,
+    _fit(jaxdist.OneDeviceStrategy(jax.devices()[0]), data, steps=1, width=16,
          checkpoint_dir=str(tmp_path))
     with pytest.raises(CheckpointMismatchError) as e:
-        _fit(jaxdist.OneDeviceStrategy("/cpu:0"), data, steps=2, width=8,
+        _fit(jaxdist.OneDeviceStrategy(jax.devices()[0]), data, steps=2, width=8,
              checkpoint_dir=str(tmp_path))
     msg = str(e.value)
     assert len(msg.splitlines()) == 1
@@ -220,6 +223,7 @@ def test_parameter_servers_train_dropout_and_reject_batch_norm(data, monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.devices(4)  # the one-process reference
 def test_multi_worker_dropout_and_sync_batch_norm_equal_one_mirrored_process(data, tmp_path):
     """2 processes x 2 devices give the same steps as one process with 4 devices: the same
     dropout keys per global replica and step, batch statistics over the global batch."""

@@ -8,6 +8,7 @@ import pathlib
 import re
 import time
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -34,7 +35,7 @@ def data():
 
 
 def _trainer(**kw):
-    strategy = kw.pop("strategy", None) or jaxdist.OneDeviceStrategy("/cpu:0")
+    strategy = kw.pop("strategy", None) or jaxdist.OneDeviceStrategy(jax.devices()[0])
     kw.setdefault("log_every_steps", 2)
     with strategy.scope():
         return Trainer(MLP(5, [4], 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), global_batch_size=GBS,
@@ -81,7 +82,8 @@ def test_two_trainers_write_two_runs_that_tensorboard_overlays(data, tmp_path, c
     assert "learning_rate" not in tags["train"]  # optax.sgd(0.1) has no injected rate
     out = capsys.readouterr().out
     line = [ln for ln in out.splitlines() if ln.startswith("jaxdist: ")][0]
-    assert line == (f"jaxdist: OneDeviceStrategy with 1 replica(s) on 1 cpu device(s), "
+    kind = jax.devices()[0].platform
+    assert line == (f"jaxdist: OneDeviceStrategy with 1 replica(s) on 1 {kind} device(s), "
                     f"1 process(es); writing to {first.run_dir}")
     # a later fit of the same trainer continues its run (the steps go on)
     first.fit(data, epochs=3, verbose=0)
@@ -90,14 +92,13 @@ def test_two_trainers_write_two_runs_that_tensorboard_overlays(data, tmp_path, c
 
 
 def test_startup_line_names_replicas_devices_and_processes(data, capsys):
-    import jax
-
-    t = _trainer(strategy=jaxdist.MirroredStrategy(jax.devices("cpu")[:4]),
-                 progress_bar="never")
+    devs = jax.devices()[:4]  # 4, or as many as exist
+    n, kind = len(devs), devs[0].platform
+    t = _trainer(strategy=jaxdist.MirroredStrategy(devs), progress_bar="never")
     t.fit(data, epochs=1, verbose=1)
     out = capsys.readouterr().out
-    assert ("jaxdist: MirroredStrategy with 4 replica(s) on 4 cpu device(s), 1 process(es); "
-            "writing to nowhere (no log_dir)") in out
+    assert (f"jaxdist: MirroredStrategy with {n} replica(s) on {n} {kind} device(s), "
+            "1 process(es); writing to nowhere (no log_dir)") in out
 
 
 @pytest.mark.parametrize("verbose", [0, 1, 2])

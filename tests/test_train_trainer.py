@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import cpu_devices, device_string
 from flax import nnx
 from reference_loops import optax_step
 
@@ -38,22 +39,22 @@ def _leaves(trainer):
 @pytest.fixture(scope="module")
 def reference(dataset):
     train, _ = dataset
-    t = _trainer(jaxdist.OneDeviceStrategy("/cpu:0"))
+    t = _trainer(jaxdist.OneDeviceStrategy(jax.devices()[0]))
     h = t.fit((train.x, train.y), steps=8)
     return _leaves(t), h
 
 
 def _strategies():
-    cpu = jax.devices("cpu")
+    devs = jax.devices()  # 4 replicas, or as many as exist
     return {
-        "mirrored": lambda: jaxdist.MirroredStrategy(cpu[:4]),
+        "mirrored": lambda: jaxdist.MirroredStrategy(devs[:4]),
         "mirrored_hierarchical": lambda: jaxdist.MirroredStrategy(
-            cpu[:4], jaxdist.HierarchicalCopyAllReduce()),
+            devs[:4], jaxdist.HierarchicalCopyAllReduce()),
         "mirrored_to_one_device": lambda: jaxdist.MirroredStrategy(
-            cpu[:4], jaxdist.ReductionToOneDevice()),
-        "central_storage": lambda: jaxdist.CentralStorageStrategy(cpu[:4], cpu[0]),
-        "tpu_on_cpu": lambda: jaxdist.TPUStrategy(devices=cpu[:8]),
-        "one_device": lambda: jaxdist.OneDeviceStrategy("/cpu:1"),
+            devs[:4], jaxdist.ReductionToOneDevice()),
+        "central_storage": lambda: jaxdist.CentralStorageStrategy(devs[:4], devs[0]),
+        "tpu_on_cpu": lambda: jaxdist.TPUStrategy(devices=cpu_devices()[:8]),
+        "one_device": lambda: jaxdist.OneDeviceStrategy(devs[-1]),
     }
 
 
@@ -70,12 +71,12 @@ def test_matches_single_device(name, dataset, reference):
                                                         rel=1e-5)
     if name == "central_storage":  # exactly one copy of the state, on the parameter device
         for x in jax.tree.leaves((t.params, t.opt_state)):
-            assert x.sharding.device_set == {jax.devices("cpu")[0]}
+            assert x.sharding.device_set == {jax.devices()[0]}
 
 
 def test_steps_per_execution_equals_single_steps(dataset):
     train, _ = dataset
-    strategy = jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     single = _trainer(strategy, log_every_steps=1)
     h1 = single.fit((train.x, train.y), steps=8)
     folded = _trainer(strategy, steps_per_execution=3, log_every_steps=1)
@@ -95,18 +96,18 @@ def test_same_seed_same_loss(dataset):
     train, val = dataset
     out = []
     for _ in range(2):
-        t = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:2]), seed=3)
+        t = _trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), seed=3)
         h = t.fit((train.x, train.y), epochs=2, validation_data=(val.x, val.y))
         out.append((h.history["loss"], h.history["val_loss"]))
     assert out[0] == out[1]
-    t = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:2]), seed=4)
+    t = _trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), seed=4)
     h = t.fit((train.x, train.y), epochs=2)
     assert h.history["loss"] != out[0][0]  # the seed changes the data order
 
 
 def test_resume_from_checkpoint_equals_uninterrupted(dataset, tmp_path):
     train, _ = dataset
-    strategy = jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     straight = _trainer(strategy)
     straight.fit((train.x, train.y), steps=13)
     first = _trainer(strategy, checkpoint_dir=str(tmp_path), checkpoint_every_steps=4)
@@ -123,7 +124,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(dataset, tmp_path):
 
 def test_evaluate_and_predict_cover_every_example(dataset):
     train, val = dataset  # 65 validation examples: 3 batches of 32, the last one padded
-    t = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:4]))
+    t = _trainer(jaxdist.MirroredStrategy(jax.devices()[:4]))
     t.fit((train.x, train.y), steps=6)
     ev = t.evaluate((val.x, val.y))
     logits = t.predict(val.x)
@@ -138,7 +139,7 @@ def test_nan_loss_halts_and_keeps_last_good_checkpoint(dataset, tmp_path):
     train, _ = dataset
     x = train.x.copy()
     x[5 * GBS:] = np.nan   # batches 0-4 are fine, step 6 sees NaN
-    t = _trainer(jaxdist.MirroredStrategy(jax.devices("cpu")[:2]), shuffle=False,
+    t = _trainer(jaxdist.MirroredStrategy(jax.devices()[:2]), shuffle=False,
                  checkpoint_dir=str(tmp_path), checkpoint_every_steps=2)
     with pytest.raises(NaNLossError, match="at step 6") as info:
         t.fit((x, train.y), steps=8)
@@ -151,7 +152,7 @@ def test_nan_loss_halts_and_keeps_last_good_checkpoint(dataset, tmp_path):
 
 def test_bad_data_shape_is_one_clear_error(dataset):
     train, _ = dataset
-    t = _trainer(jaxdist.OneDeviceStrategy("/cpu:0"))
+    t = _trainer(jaxdist.OneDeviceStrategy(jax.devices()[0]))
     with pytest.raises(data_lib.DataError, match=r"shape \(7,\)"):
         t.fit((train.x[:, :7], train.y), steps=1)
     with pytest.raises(data_lib.DataError, match="rows"):
@@ -160,17 +161,18 @@ def test_bad_data_shape_is_one_clear_error(dataset):
         t.fit((train.x, train.y + 10), steps=1)
 
 
+@pytest.mark.devices(4)
 def test_batch_must_divide_across_replicas():
     with pytest.raises(ValueError, match="multiple of 4"):
         _trainer_bad = Trainer(MLP(3, [], 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
                                global_batch_size=30,
-                               strategy=jaxdist.MirroredStrategy(jax.devices("cpu")[:4]))
+                               strategy=jaxdist.MirroredStrategy(jax.devices()[:4]))
         del _trainer_bad
 
 
 def test_cnn_trains_under_scope_strategy():
     train, val = data_lib.load_digits()
-    strategy = jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     with strategy.scope():
         model = CNN((8, 8, 1), [8], 10, rngs=nnx.Rngs(0))
         t = Trainer(model, optax.adam(1e-2), global_batch_size=64, progress_bar="never",
@@ -187,7 +189,8 @@ def test_same_seed_and_config_same_final_loss_through_run_job():
     overrides = ["data.name=synthetic", "data.num_examples=600", "data.num_features=8",
                  "model.hidden_sizes=[16]", "train.steps=12", "logging.dir=null",
                  "logging.progress_bar=never", "train.global_batch_size=32", "seed=5"]
-    cfg = load_config(raw={"strategy": {"name": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}},
+    devices = [device_string(i) for i in range(min(2, len(jax.devices())))]
+    cfg = load_config(raw={"strategy": {"name": "mirrored", "devices": devices}},
                       overrides=overrides)
     ends = [run_job(cfg).records[-1] for _ in range(2)]
     assert ends[0]["final_loss"] == ends[1]["final_loss"]
@@ -202,7 +205,7 @@ def test_input_blocks_train_on_each_batch_once_in_order(dataset, k):
     train, _ = dataset
     spe = len(train) // GBS                 # 6 steps an epoch: blocks of 8 at k=1 (padded)
     steps = 2 * spe + 2
-    strategy = jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     t = _trainer(strategy, steps_per_execution=k, shuffle=False)
     assert t._block_sizes(train, spe) == ({1: 8} if k == 1 else {4: 1, 1: 4})
     history = t.fit((train.x, train.y), steps=steps)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import tf_test_device, tf_test_devices
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxdist
@@ -36,10 +37,10 @@ def _add_n(values):
 
 def _get_devices(devices):
     if isinstance(devices, (tuple, list)):
-        return tuple(resolve_device(d) for d in devices)
+        return tuple(resolve_device(tf_test_device(d)) for d in devices)
     if isinstance(devices, jax.Array):
         return tuple(sorted(devices.sharding.device_set, key=lambda d: d.id))
-    return (resolve_device(devices),)
+    return (resolve_device(tf_test_device(devices)),)
 
 
 @functools.cache
@@ -206,7 +207,7 @@ def test_multi_worker_reduction_and_broadcast():
 
 
 def _test_reduction_local(num_gpus, use_strategy_object):
-    devices = [f"/cpu:{i + 1}" for i in range(num_gpus)]  # TF: /device:GPU:i
+    devices = tf_test_devices([f"/cpu:{i + 1}" for i in range(num_gpus)])  # TF: /device:GPU:i
     num_workers = 1
     collective_all_reduce = (
         jaxdist.MirroredStrategy(devices, cross_device_ops=jaxdist.NcclAllReduce())

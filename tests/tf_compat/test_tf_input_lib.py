@@ -19,18 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import first_devices, tf_test_device, tf_test_devices
 
 import jaxdist
 from jaxdist import Dataset, InputContext
 
-_CPUS = jax.devices("cpu")
-
 STRATEGIES = {
-    "one_device_strategy": lambda: jaxdist.OneDeviceStrategy("/cpu:0"),
-    "mirrored_strategy_with_one_cpu": lambda: jaxdist.MirroredStrategy(["/cpu:0"]),
-    "mirrored_strategy_with_gpu_and_cpu": lambda: jaxdist.MirroredStrategy(_CPUS[:2]),
+    "one_device_strategy": lambda: jaxdist.OneDeviceStrategy(tf_test_device("/cpu:0")),
+    "mirrored_strategy_with_one_cpu": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:0"])),
+    "mirrored_strategy_with_gpu_and_cpu": lambda: jaxdist.MirroredStrategy(first_devices(2)),
     "central_storage_strategy_with_gpu_and_cpu": lambda: jaxdist.CentralStorageStrategy(
-        _CPUS[:2]
+        first_devices(2)
     ),
 }
 _cache: dict = {}

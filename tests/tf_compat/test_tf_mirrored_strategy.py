@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import tf_test_devices
 
 import jaxdist
 from jaxdist import ReduceOp
@@ -34,7 +35,8 @@ _CACHE: dict = {}
 
 def _strategy(name):
     if name not in _CACHE:
-        _CACHE[name] = jaxdist.MirroredStrategy({**_DISTRIBUTIONS, **_ONE_DEVICE}[name])
+        _CACHE[name] = jaxdist.MirroredStrategy(
+            tf_test_devices({**_DISTRIBUTIONS, **_ONE_DEVICE}[name]))
     return _CACHE[name]
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import first_devices
 
 import jaxdist
 from jaxdist import compute_average_loss, scale_regularization_loss
@@ -18,7 +19,7 @@ from jaxdist import compute_average_loss, scale_regularization_loss
 
 @pytest.fixture(scope="module")
 def distribution():
-    return jaxdist.MirroredStrategy(jax.devices("cpu")[:2])
+    return jaxdist.MirroredStrategy(first_devices(2))
 
 
 def test_ComputeAverageLossGlobalBatchSize():
@@ -233,7 +234,7 @@ def test_no_context_falls_back_to_single_replica():
 
 
 def test_replica_ctx_priority_over_strategy():
-    four = jaxdist.MirroredStrategy(jax.devices("cpu")[:4])
+    four = jaxdist.MirroredStrategy(first_devices(4))
     result = four.run(lambda: compute_average_loss(jnp.array([1.0, 1.0])))
     # sum=2, replicas=4, batch=2, global=8 -> 2/8=0.25
     np.testing.assert_allclose(result, 0.25)

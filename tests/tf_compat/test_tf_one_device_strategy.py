@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import tf_test_device
 
 import jaxdist
 from jaxdist import ReduceOp
@@ -23,7 +24,7 @@ _CACHE: dict = {}
 
 def _strategy(name):
     if name not in _CACHE:
-        _CACHE[name] = jaxdist.OneDeviceStrategy(_DEVICES[name])
+        _CACHE[name] = jaxdist.OneDeviceStrategy(tf_test_device(_DEVICES[name]))
     return _CACHE[name]
 
 

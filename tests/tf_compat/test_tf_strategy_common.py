@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from devutil import tf_test_device, tf_test_devices
 
 import jaxdist
 from jaxdist import ReduceOp
@@ -21,12 +22,13 @@ from jaxdist.strategies import get_default_strategy
 
 _STRATEGIES = {
     "Default": lambda: get_default_strategy(),
-    "OneDeviceCPU": lambda: jaxdist.OneDeviceStrategy("/cpu:0"),
-    "Mirrored1CPU": lambda: jaxdist.MirroredStrategy(["/cpu:0"]),
-    "MirroredCPUAndGPU": lambda: jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"]),
-    "Mirrored2GPUs": lambda: jaxdist.MirroredStrategy(["/cpu:1", "/cpu:2"]),
-    "CentralStorage2GPUs": lambda: jaxdist.CentralStorageStrategy(["/cpu:1", "/cpu:2"]),
-    "TPU": lambda: jaxdist.TPUStrategy(devices=["/cpu:3", "/cpu:4"]),
+    "OneDeviceCPU": lambda: jaxdist.OneDeviceStrategy(tf_test_device("/cpu:0")),
+    "Mirrored1CPU": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:0"])),
+    "MirroredCPUAndGPU": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:0", "/cpu:1"])),
+    "Mirrored2GPUs": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:1", "/cpu:2"])),
+    "CentralStorage2GPUs": lambda: jaxdist.CentralStorageStrategy(
+        tf_test_devices(["/cpu:1", "/cpu:2"])),
+    "TPU": lambda: jaxdist.TPUStrategy(devices=tf_test_devices(["/cpu:3", "/cpu:4"])),
 }
 _CACHE: dict = {}
 

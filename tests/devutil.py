@@ -1,0 +1,76 @@
+"""How a test states the devices it needs (see tests/conftest.py): skip, with the reason,
+when they are absent; never assume CPU or a device count silently."""
+
+import re
+
+import jax
+import pytest
+
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def require_devices(n: int) -> None:
+    """Skips the calling test when the default backend has fewer than ``n`` devices."""
+    have = len(jax.devices())
+    if have < n:
+        on_cpu = jax.default_backend() == "cpu"
+        hint = f" (JAX_NUM_CPU_DEVICES={max(n, 8)} gives more)" if on_cpu else ""
+        pytest.skip(f"needs {n} devices, {have} available{hint}")
+
+
+def require_platform(name: str) -> None:
+    """Skips the calling test unless the default backend is ``name`` ('cpu', 'gpu', 'tpu')."""
+    want = _PLATFORM_ALIASES.get(name, name)
+    have = _PLATFORM_ALIASES.get(jax.default_backend(), jax.default_backend())
+    if have != want:
+        pytest.skip(f"needs the {want} platform, the default backend is {have}")
+
+
+def first_devices(n: int) -> list:
+    """The first ``n`` devices of the default backend (the test is skipped if fewer exist)."""
+    require_devices(n)
+    return jax.devices()[:n]
+
+
+def cpu_devices(n: int | None = None) -> list:
+    """The first ``n`` host CPU devices, all of them if ``n`` is None (the test is skipped if
+    the CPU backend is not initialised, e.g. under JAX_PLATFORMS=cuda, or has fewer devices)."""
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError as e:
+        pytest.skip(f"needs the host CPU backend ({e}); run with JAX_PLATFORMS=<platform>,cpu")
+    if n is None:
+        return cpus
+    if len(cpus) < n:
+        pytest.skip(f"needs {n} CPU devices, {len(cpus)} available "
+                    f"(JAX_NUM_CPU_DEVICES={max(n, 8)} gives more)")
+    return cpus[:n]
+
+
+def device_string(index: int) -> str:
+    """The TF device string (``"/cpu:3"``, ``"/gpu:3"``) of the default backend's device
+    ``index`` (the test is skipped if it does not exist)."""
+    require_devices(index + 1)
+    platform = _PLATFORM_ALIASES.get(jax.default_backend(), jax.default_backend())
+    return f"/{platform}:{index}"
+
+
+_TF_DEVICE = re.compile(r"^/cpu:(\d+)$")
+
+
+def tf_test_device(spec):
+    """A device as TF's ported tests (tests/tf_compat) name it: ``"/cpu:0"`` is TF's CPU and
+    ``"/cpu:k"`` (k > 0) TF's GPU k-1, i.e. the default backend's device k; the test is skipped
+    when that device does not exist (as TF skips a combination whose GPUs are absent). Any other
+    spec (a ``jax.Device``, ``"/device:CPU:0"``) is returned as it is."""
+    m = _TF_DEVICE.match(spec) if isinstance(spec, str) else None
+    if m is None:
+        return spec
+    index = int(m.group(1))
+    require_devices(index + 1)
+    return jax.devices()[index]
+
+
+def tf_test_devices(specs) -> list:
+    """:func:`tf_test_device` of each spec."""
+    return [tf_test_device(s) for s in specs]
