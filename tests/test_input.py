@@ -1,5 +1,6 @@
 """Distributed input: splitting in order, structures, partial batches, prefetch, contexts."""
 
+import jax
 import numpy as np
 import pytest
 from devutil import first_devices
