@@ -144,7 +144,7 @@ def _leading_rows(batch: Any) -> int:
 def _pad_rows(x: Any, rows: int) -> Any:
     """``x`` with copies of its last row appended up to ``rows`` rows."""
     a = np.asarray(x)
-    if a.shape[0] == rows:
+    if a.ndim == 0 or a.shape[0] == rows:
         return x
     extra = np.repeat(a[-1:], rows - a.shape[0], axis=0)
     return np.concatenate([a, extra], axis=0)
