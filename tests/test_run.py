@@ -211,3 +211,38 @@ def test_new_function_objects_each_step_warn_once(strategy):
             strategy.run(lambda x: x + 1, args=(jnp.float32(i),))
     msgs = [str(w.message) for w in caught if "different function objects" in str(w.message)]
     assert len(msgs) == 1 and "Define the step function once" in msgs[0]
+
+
+def test_steady_state_run_skips_the_checks_and_falls_back_when_a_leaf_changes(monkeypatch):
+    """A repeated call with the same structure, placement and statics is one cached compiled
+    call (no flatten with per-leaf callbacks, no re-validation); anything different takes the
+    full path, which places and checks it."""
+    if jax.local_device_count() < 2:
+        pytest.skip(f"needs 2 local devices, {jax.local_device_count()} available")
+    strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])
+    ext = strategy.extended
+    with strategy.scope():
+        w = jnp.ones((3,))
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: jnp.full((2, 3), float(ctx.replica_id_in_sync_group + 1)))
+
+    def step(w, x, scale, mode):
+        out = jaxdist.get_replica_context().all_reduce("SUM", (x * w).sum()) * scale
+        return out if mode == "plain" else -out
+
+    full = []
+    original = type(ext)._run_flat
+    monkeypatch.setattr(type(ext), "_run_flat",
+                        lambda self, *a, **k: full.append(1) or original(self, *a, **k))
+    assert float(strategy.run(step, args=(w, x, 2.0, "plain"))) == 36.0
+    assert float(strategy.run(step, args=(w, x, 3.0, "plain"))) == 54.0  # a new number: fast
+    assert len(full) == 1
+    # A numpy array where a placed array was: the full path places it; same result.
+    assert float(strategy.run(step, args=(np.ones(3, np.float32), x, 2.0, "plain"))) == 36.0
+    # Another static value: the full path compiles the other branch.
+    assert float(strategy.run(step, args=(w, x, 2.0, "negated"))) == -36.0
+    # An int where a float was: the full path (a new signature).
+    assert float(strategy.run(step, args=(w, x, 2, "plain"))) == 36.0
+    assert len(full) == 4
+    assert float(strategy.run(step, args=(w, x, 5, "plain"))) == 90.0  # the latest signature
+    assert len(full) == 4

@@ -133,6 +133,7 @@ class StrategyExtended:
         self._call_options = threading.local()  # RunOptions.donate_argnums of the current run
         self._donate_masks: dict[Any, tuple[int, ...]] = {}
         self._new_fn_counts: dict[Any, int] = {}
+        self._fast: dict[Any, _FastEntry] = {}  # (fn, args treedef, donation) -> checked call
 
     # ------------------------------------------------------------------ placement
     @property
@@ -275,6 +276,20 @@ class StrategyExtended:
         return bool(self._replicated.is_fully_addressable)
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+        if not kwargs and type(args) is tuple:
+            # The steady state: the same function with arguments of the same structure,
+            # shapes and placement as a call already checked costs one flatten, a check per
+            # leaf and the compiled call (``_FastEntry``).
+            leaves, treedef = jax.tree.flatten(args)
+            donate = getattr(self._call_options, "donate", ())
+            try:
+                entry = self._fast.get((fn, treedef, donate))
+            except TypeError:  # an unhashable function
+                entry = None
+            if entry is not None:
+                dyn = entry.match(leaves)
+                if dyn is not None:
+                    return self._dispatch(entry.compiled, dyn)
         if not callable(fn):
             raise TypeError(f"strategy.run expects a callable, got {fn!r}")
         if not isinstance(args, (tuple, list)):
@@ -291,7 +306,7 @@ class StrategyExtended:
                 out, new_state = self._run_flat(step, step_args, {})
                 write_back(new_state)
                 return out
-        return self._run_flat(fn, args, kwargs)
+        return self._run_flat(fn, args, kwargs, remember=True)
 
     def _run_nnx(self, step: Callable, step_args: tuple, nodes: tuple) -> Any:
         """``run`` of a step whose arguments hold flax NNX objects (``nnx_state``)."""
@@ -307,7 +322,7 @@ class StrategyExtended:
         nnx_state.update(nodes, new_state)
         return out
 
-    def _run_flat(self, fn: Callable, args, kwargs) -> Any:
+    def _run_flat(self, fn: Callable, args, kwargs, remember: bool = False) -> Any:
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
         n = self._num_replicas
         kinds: list[str] = []
@@ -357,6 +372,28 @@ class StrategyExtended:
         dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
         if tracing:
             return compiled.raw(*dyn)
+        if remember and not kwargs and "empty" not in kinds and type(args) is tuple:
+            self._remember(fn, args, compiled, kinds, statics, dyn)
+        return self._dispatch(compiled, dyn)
+
+    def _remember(self, fn, args: tuple, compiled, kinds, statics, dyn) -> None:
+        """Records a checked call's signature for ``_run``'s fast path (``_FastEntry``)."""
+        leaves, treedef = jax.tree.flatten(args)
+        if len(leaves) != len(kinds):  # e.g. a PerReplica holding no array
+            return
+        entry = _FastEntry.build(compiled, kinds, statics, leaves, dyn, self._num_replicas)
+        if entry is None:
+            return
+        donate = getattr(self._call_options, "donate", ())
+        try:
+            self._fast[(fn, treedef, donate)] = entry
+        except TypeError:
+            return
+        while len(self._fast) > _RUN_CACHE_SIZE:
+            self._fast.pop(next(iter(self._fast)))
+
+    def _dispatch(self, compiled, dyn: list[Any]) -> Any:
+        """Calls a compiled step, bounding the steps in flight."""
         self._throttle.before_dispatch()
         out = compiled.jitted(*dyn)
         leaves = jax.tree.leaves(out)
@@ -676,6 +713,60 @@ class StrategyExtended:
 
     def non_slot_devices(self, var_list: Any) -> tuple[Any, ...]:
         return self.parameter_devices
+
+
+class _FastEntry:
+    """A call signature ``run`` has checked once: what each flat argument leaf must be.
+
+    ``match(leaves)`` returns the compiled step's arguments when every leaf is what it was the
+    first time (an array placed as then, a Python number of the same type, an equal static
+    value), else ``None`` (the full path then checks, places and compiles as usual).
+    """
+
+    __slots__ = ("compiled", "checks", "statics", "positions")
+
+    def __init__(self, compiled, checks, statics, positions):
+        self.compiled = compiled
+        self.checks = checks  # per dynamic leaf: (position, type, sharding or None, replicas)
+        self.statics = statics  # (position, value) of static leaves
+        self.positions = positions
+
+    @classmethod
+    def build(cls, compiled, kinds, statics, leaves, dyn, num_replicas):
+        checks, static_pos = [], []
+        it_static, it_dyn = iter(statics), iter(dyn)
+        for i, (kind, leaf) in enumerate(zip(kinds, leaves)):
+            if kind == "static":
+                static_pos.append((i, next(it_static)))
+                continue
+            placed = next(it_dyn)
+            if isinstance(placed, jax.Array):
+                if placed is not leaf or isinstance(placed, jax.core.Tracer):
+                    return None  # this leaf was placed by the call: keep the full path
+                replicas = num_replicas if kind == "pr" else None
+                checks.append((i, type(leaf), leaf.sharding, replicas))
+            elif isinstance(leaf, (*_SCALAR_TYPES, np.generic)):
+                checks.append((i, type(leaf), None, None))
+            else:
+                return None
+        return cls(compiled, tuple(checks), tuple(static_pos), len(leaves))
+
+    def match(self, leaves: list[Any]) -> list[Any] | None:
+        if len(leaves) != self.positions:
+            return None
+        for i, value in self.statics:
+            if leaves[i] != value:
+                return None
+        dyn = []
+        for i, typ, sharding, replicas in self.checks:
+            x = leaves[i]
+            if type(x) is not typ:
+                return None
+            if sharding is not None:
+                if x.sharding != sharding or (replicas is not None and x.shape[0] != replicas):
+                    return None
+            dyn.append(x)
+        return dyn
 
 
 _UPDATE_CACHE: dict = {}
