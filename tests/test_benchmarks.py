@@ -59,3 +59,11 @@ def test_quick_coordinator_prints_the_ratio_to_between_graph():
     assert row, out.stdout
     assert float(row[0].split("|")[3]) > 0  # measured, not a placeholder
     assert "no-op closures" in out.stdout
+
+
+@pytest.mark.slow
+def test_quick_dispatch_prints_measured_ratios():
+    out = _quick("bench_dispatch")
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1 | batches")]
+    assert len(rows) == 2, out.stdout
+    assert all(float(r.split("|")[5]) > 0 for r in rows)  # measured, not placeholders
