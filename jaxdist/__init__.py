@@ -63,6 +63,10 @@ from jaxdist.values import PerReplicaSpec
 
 __version__ = "0.1.0"
 
+from jaxdist.compat import jax_internals as _jax_internals  # noqa: E402
+
+_jax_internals.warn_if_unsupported()
+
 
 def _keras_scope_hook(strategy):
     # strategy.scope() distributes Keras models once keras is imported (this never imports

@@ -42,6 +42,7 @@ from jaxdist.cluster.handshake import join_handshake, serve_handshake
 from jaxdist.cluster.process_group import ProcessGroup, process_group
 from jaxdist.cluster.runtime import FreezeGuard, join_abandoned, start_runtime
 from jaxdist.cluster.waiting import call_with_timeout
+from jaxdist.compat import jax_internals
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,7 @@ def lost_tasks() -> tuple[str, ...] | None:
 
 
 def _jax_distributed():
-    from jax._src import distributed
-
-    return distributed
+    return jax_internals.distributed_module()
 
 
 def _configure_jax(collectives: str | None, gloo_host: str | None = None) -> None:
@@ -101,8 +100,9 @@ def _bind_gloo(host: str) -> None:
     resolves to, whatever the cluster spec says; the CPU backend factory is replaced by one
     that passes ``hostname=host`` (JAX 0.10's ``make_gloo_tcp_collectives`` parameter).
     """
-    from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax
+    distributed = jax_internals.distributed_module()
+    xla_bridge = jax_internals.xla_bridge()
+    _jax = jax_internals.jax_extension()
 
     def make_cpu_client():
         collectives = _jax.make_gloo_tcp_collectives(
@@ -204,7 +204,7 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
         if not group.multi_process:
             return group  # one process, or a ps / evaluator task: no jax.distributed
         dist = _jax_distributed()
-        from jax._src import xla_bridge
+        xla_bridge = jax_internals.xla_bridge()
 
         if dist.is_initialized():
             raise ClusterConfigError(

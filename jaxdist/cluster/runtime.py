@@ -73,10 +73,10 @@ def start_runtime(coordination_address: str, num_processes: int, process_id: int
             service did not start.
         Exception: whatever JAX raises when the client cannot connect.
     """
-    from jax._src import distributed
-    from jax._src.lib import _jax
+    from jaxdist.compat import jax_internals
 
-    state = distributed.global_state
+    _jax = jax_internals.jax_extension()
+    state = jax_internals.distributed_module().global_state
     if state.client is not None or state.service is not None:
         raise RuntimeError("JAX's distributed runtime is already initialized in this process")
     state.coordination_address = coordination_address

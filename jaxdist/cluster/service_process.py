@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--register-timeout", type=int, default=None)
     p.add_argument("--recoverable", action="store_true")
     args = p.parse_args(argv)
-    from jax._src.lib import _jax
+    from jaxdist.compat import jax_internals
+
+    _jax = jax_internals.jax_extension()
 
     service = _jax.get_distributed_runtime_service(
         args.bind, args.num_processes, heartbeat_timeout=args.heartbeat_timeout,

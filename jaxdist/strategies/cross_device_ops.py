@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdist.compat import jax_internals
 from jaxdist.strategies.reduce_util import ReduceOp
 
 REPLICA_AXIS = "replica"
@@ -65,9 +66,8 @@ def all_gather_invariant(x: Any, axes: tuple[str, ...], axis: int = 0) -> Any:
     """Concatenates every replica's ``x`` along ``axis``; typed as identical on all replicas."""
     if not _varies(x, axes):
         x = lax.pcast(x, axes, to="varying")
-    try:
-        from jax._src.lax.parallel import all_gather_invariant as _agi
-    except ImportError:  # pragma: no cover - older/newer JAX without the private helper
+    _agi = jax_internals.all_gather_invariant()
+    if _agi is None:  # pragma: no cover - a JAX without the helper
         n = lax.axis_size(axes)
         idx = lax.axis_index(axes)
         parts = jnp.zeros((n, *x.shape), x.dtype).at[idx].set(x)

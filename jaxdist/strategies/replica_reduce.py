@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist.compat import jax_internals
 from jaxdist.strategies.cross_device_ops import CrossDeviceOps, varying_axes
 from jaxdist.strategies.reduce_util import ReduceOp
 
@@ -43,17 +44,8 @@ class DoubleReductionError(ValueError):
     """
 
 
-def _tracer_type(name: str) -> tuple[type, ...]:
-    try:
-        from jax._src.interpreters import ad
-    except ImportError:  # pragma: no cover - JAX moved its internals
-        return ()
-    t = getattr(ad, name, None)
-    return (t,) if t is not None else ()
-
-
-_JVP_TRACERS = _tracer_type("JVPTracer")  # forward mode (jax.jvp, jacfwd)
-_LIN_TRACERS = _tracer_type("LinearizeTracer")  # reverse mode (jax.grad, vjp)
+# forward mode (jax.jvp, jacfwd); reverse mode (jax.grad, vjp)
+_JVP_TRACERS, _LIN_TRACERS = jax_internals.autodiff_tracer_types()
 _AD_TRACERS = _JVP_TRACERS + _LIN_TRACERS
 
 
@@ -65,18 +57,7 @@ def _forward_mode(leaves: list[Any]) -> bool:
     return bool(_JVP_TRACERS) and any(isinstance(x, _JVP_TRACERS) for x in leaves)
 
 
-def _reduction_primitives() -> tuple[Any, ...]:
-    try:
-        from jax._src.lax import parallel
-    except ImportError:  # pragma: no cover
-        return ()
-    return tuple(
-        p for p in (getattr(parallel, "psum_invariant_p", None), getattr(parallel, "psum_p", None))
-        if p is not None
-    )
-
-
-_REDUCTIONS = _reduction_primitives()
+_REDUCTIONS = jax_internals.reduction_primitives()
 
 
 def _primal(x: Any) -> Any:

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.compat import jax_internals
 from jaxdist.strategies import context as ctx_lib
 from jaxdist.strategies import nnx_state
 from jaxdist.strategies.cross_device_ops import (
@@ -1164,11 +1165,7 @@ class Strategy:
 
 
 def _trace_state_clean() -> bool:
-    try:
-        from jax._src import core
-    except ImportError:  # pragma: no cover
-        return True
-    return core.trace_state_clean()
+    return jax_internals.trace_state_clean()
 
 
 def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:

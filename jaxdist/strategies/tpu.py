@@ -55,12 +55,10 @@ def libtpu_available() -> bool:
 
 
 def _tpu_chips_attached() -> bool:
-    try:
-        from jax._src import hardware_utils
+    from jaxdist.compat import jax_internals
 
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except Exception:  # noqa: BLE001 - an unknown jax: assume a TPU VM (change nothing)
-        return True
+    chips = jax_internals.num_tpu_chips()
+    return True if chips is None else chips > 0  # an unknown jax: assume a TPU VM
 
 
 @contextlib.contextmanager

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxdist.compat import jax_internals
+
 #: ``DebugInfo.traced_for`` of the bodies of ``jax.lax`` control flow (``lax.map`` is a scan).
 _CONTROL_FLOW = ("while_body", "while_cond", "fori_loop", "scan", "cond", "switch",
                  "custom_root", "custom_linear_solve")
@@ -26,12 +28,7 @@ def current_trace() -> Any:
         >>> current_trace() is not None
         True
     """
-    try:
-        from jax._src import core
-    except ImportError:  # pragma: no cover - a JAX without the private module
-        return None
-    ctx = getattr(core, "trace_ctx", None)
-    return getattr(ctx, "trace", None)
+    return jax_internals.current_trace()
 
 
 def control_flow_between(home: Any, trace: Any = None) -> str | None:

@@ -1,0 +1,91 @@
+"""Every private JAX API jaxdist uses sits in jaxdist/compat/jax_internals.py and still works.
+
+A JAX that moves one of them fails here, naming the adapter, instead of somewhere deep in a
+strategy. No other module of jaxdist may import ``jax._src``.
+"""
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxdist.compat import jax_internals
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
+
+
+def test_no_other_module_imports_jax_private_modules():
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if path.parent.name == "compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if "_src" in n]
+    assert not offenders, offenders
+
+
+def test_installed_jax_is_supported():
+    assert jax_internals.check_version() is None, jax_internals.check_version()
+    assert "found jax 0.9.0" in jax_internals.check_version("0.9.0")
+    assert jax_internals.check_version("0.10.2") is None
+    assert jax_internals.check_version("0.11.0") is not None  # not yet tested here
+
+
+def test_tracing_adapters():
+    assert jax_internals.trace_state_clean()
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append((jax_internals.trace_state_clean(), jax_internals.current_trace()))
+        return x
+
+    f(1.0)
+    clean, trace = seen[0]
+    assert not clean and trace is not None
+
+
+def test_autodiff_and_reduction_adapters():
+    fwd, rev = jax_internals.autodiff_tracer_types()
+    assert fwd and rev
+    kinds = []
+
+    def f(x):
+        kinds.append(type(x))
+        return x * 2.0
+
+    jax.grad(f)(1.0)
+    jax.jvp(f, (1.0,), (1.0,))
+    assert any(issubclass(k, rev) for k in kinds) and any(issubclass(k, fwd) for k in kinds)
+    assert jax_internals.reduction_primitives()
+    assert jax_internals.all_gather_invariant() is not None
+
+
+def test_distributed_adapters():
+    dist = jax_internals.distributed_module()
+    assert hasattr(dist, "global_state") and callable(dist.is_initialized)
+    assert callable(jax_internals.xla_bridge().backends_are_initialized)
+    ext = jax_internals.jax_extension()
+    for name in ("get_distributed_runtime_service", "get_distributed_runtime_client"):
+        assert hasattr(ext, name), name
+
+
+def test_all_gather_invariant_in_a_replica_step():
+    n = min(2, jax.local_device_count())
+    if n < 2:
+        pytest.skip(f"needs 2 local devices, {jax.local_device_count()} available")
+    from jaxdist.strategies.cross_device_ops import all_gather_invariant
+
+    mesh = jax.make_mesh((n,), ("r",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.local_devices()[:n])
+    out = jax.shard_map(lambda x: all_gather_invariant(x, ("r",)), mesh=mesh,
+                        in_specs=jax.sharding.PartitionSpec("r"),
+                        out_specs=jax.sharding.PartitionSpec())(jnp.arange(4.0))
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
