@@ -1,5 +1,6 @@
 """Every benchmark is discovered by benchmarks.run and has a quick mode it accepts."""
 
+import os
 import subprocess
 import sys
 
@@ -22,9 +23,12 @@ def test_unknown_benchmark_is_an_error(capsys):
 
 
 def _quick(name: str) -> subprocess.CompletedProcess:
-    """``python -m benchmarks.run --quick --only name``, which must succeed."""
+    """``python -m benchmarks.run --quick --only name``, which must succeed: on the CPU devices
+    the benchmark forces itself, whatever devices this test process was given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", name],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

@@ -126,7 +126,7 @@ def test_batchnorm_statistics_stay_on_the_worker():
     assert len(training.variables.pull()) == len(m.trainable_variables) == 6
     for a, b in zip(m.non_trainable_variables, ref.non_trainable_variables):
         np.testing.assert_allclose(np.asarray(a.value), np.asarray(b.value), rtol=1e-5,
-                                   atol=1e-8)  # batch statistics summed over 8 devices
+                                   atol=1e-8)  # batch statistics summed over the devices
 
 
 def test_model_checkpoint_pulls_the_ps_weights(tmp_path):

@@ -93,13 +93,20 @@ def test_missing_config_file_exits_2():
 
 
 def _final_params(ckpt_dir, step):
+    """The checkpoint's arrays, read onto this process's first device: the subprocesses wrote
+    them from their own 2 devices, which this process need not have."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
     from jaxdist.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(ckpt_dir)
     assert ckpt.latest_step() == step
-    state, meta = ckpt.restore(step)
-    import jax
-
+    stored = ocp.StandardCheckpointHandler().metadata(pathlib.Path(ckpt_dir) / str(step) / "state")
+    stored = getattr(stored, "tree", stored)
+    like = jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), stored)
+    state, meta = ckpt.restore(step, like=like)
     return [np.asarray(x) for x in jax.tree.leaves(state)], meta
 
 

@@ -2,8 +2,9 @@
 
 TF's inputs and expected values are kept; only the API spelling changes:
 
-* devices: the tests run on 8 forced CPU devices, so TF's ``"/gpu:0"``, ``"/gpu:1"`` are spelled
-  ``"/cpu:1"``, ``"/cpu:2"`` (devices other than ``"/cpu:0"``, as GPUs are in TF: the
+* devices: TF's ``"/gpu:0"``, ``"/gpu:1"`` are spelled ``"/cpu:1"``, ``"/cpu:2"`` (the default
+  backend's devices 1 and 2 through ``tf_test_device``, skipped where absent; devices other
+  than ``"/cpu:0"``, as GPUs are in TF: the
   ``"/device:CPU:0"`` destinations and ``ReductionToOneDevice(reduce_to_device="/device:CPU:0")``
   stay outside the compute devices, as in TF);
 * ``_make_per_replica(values, devices)`` builds a ``jaxdist.PerReplica`` (one value per device);

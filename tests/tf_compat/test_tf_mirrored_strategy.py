@@ -4,7 +4,8 @@ Only the cases expressible without ``tf.Variable`` objects and graph mode are po
 helpers they use from tensorflow/python/distribute/strategy_test_lib.py); TF's inputs and
 expected values are kept and only the API spelling changes:
 
-* devices: 8 forced CPU devices; TF's "GPU" is a CPU device other than ``/cpu:0``
+* devices: the default backend's (8 forced CPU devices by default; ``tf_test_devices``
+  skips a combination whose devices are absent); TF's "GPU" is a device other than ``/cpu:0``
   (``mirrored_strategy_with_gpu_and_cpu`` = ``["/cpu:0", "/cpu:1"]``,
   ``mirrored_strategy_with_two_gpus`` = ``["/cpu:1", "/cpu:2"]``, ``with_one_gpu`` =
   ``["/cpu:1"]``);

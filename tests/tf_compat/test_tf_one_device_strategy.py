@@ -3,7 +3,8 @@
 With the helpers it uses from tensorflow/python/distribute/strategy_test_lib.py. TF's inputs and
 expected values are kept; only the API spelling changes: ``one_device_strategy`` is
 ``OneDeviceStrategy("/cpu:0")`` and ``one_device_strategy_gpu`` is ``OneDeviceStrategy("/cpu:1")``
-(8 forced CPU devices); ``make_input_fn_iterator(from_tensors(inputs))`` + ``experimental_run``
+(the default backend's devices 0 and 1; the second is skipped where absent);
+``make_input_fn_iterator(from_tensors(inputs))`` + ``experimental_run``
 is ``experimental_distribute_values_from_function`` + ``run``; ``unwrap`` is
 ``experimental_local_results``; a variable is an array, its per-replica gradient
 ``jax.grad(f)(ctx.local(state))``.

@@ -1,8 +1,9 @@
 """Port of TensorFlow's tensorflow/python/distribute/strategy_common_test.py onto jaxdist.
 
 TF's inputs and expected values are kept; only the API spelling changes. TF's
-``strategy_combinations.all_strategies`` are spelled on the 8 forced CPU devices (a TF GPU is a
-CPU device other than ``/cpu:0``): the default strategy, ``OneDeviceStrategy("/cpu:0")``,
+``strategy_combinations.all_strategies`` are spelled on the suite's devices (a TF GPU is a device
+other than ``/cpu:0``; a combination whose devices are absent is skipped): the default
+strategy, ``OneDeviceStrategy("/cpu:0")``,
 ``MirroredStrategy`` with one CPU, with "GPU and CPU" and with "two GPUs",
 ``CentralStorageStrategy`` on "two GPUs" and ``TPUStrategy`` on two devices. ``tf.function`` is
 ``jax.jit``. The ``multi_worker_mirrored_2x1`` combinations need two processes and are skipped
