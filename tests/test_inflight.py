@@ -120,3 +120,27 @@ def test_watched_steps_skip_outputs_donated_to_a_later_step():
         steps.after_dispatch(p)
     steps.wait_all()
     assert float(p[0]) == 20
+
+
+
+def test_wait_skips_an_output_whose_wait_says_it_was_donated():
+    """JAX 0.11 can refuse to wait on a buffer donated to a later step before is_deleted()
+    says so ("BlockHostUntilReady() called on deleted or donated buffer"): the throttle skips
+    it (the later step consumes it); any other failure still raises."""
+    from jaxdist.strategies import inflight
+
+    class Donated:
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            raise RuntimeError("INVALID_ARGUMENT: BlockHostUntilReady() called on deleted or "
+                               "donated buffer")
+
+    class Lost(Donated):
+        def block_until_ready(self):
+            raise RuntimeError("the device was lost")
+
+    inflight._wait_each([Donated(), Donated()])
+    with pytest.raises(RuntimeError, match="device was lost"):
+        inflight._wait_each([Donated(), Lost()])
