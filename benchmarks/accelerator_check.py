@@ -82,8 +82,10 @@ def run_strategy(p):
 p_jit = run_jit(p_jit); p_run = run_strategy(p_run)
 best = {"jit": 1e9, "run": 1e9}
 for _ in range(3):
-    t = time.perf_counter(); p_jit = run_jit(p_jit); best["jit"] = min(best["jit"], time.perf_counter() - t)
-    t = time.perf_counter(); p_run = run_strategy(p_run); best["run"] = min(best["run"], time.perf_counter() - t)
+    t = time.perf_counter(); p_jit = run_jit(p_jit)
+    best["jit"] = min(best["jit"], time.perf_counter() - t)
+    t = time.perf_counter(); p_run = run_strategy(p_run)
+    best["run"] = min(best["run"], time.perf_counter() - t)
 print(json.dumps({"kind": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
                   "shape": f"{layers}x{width}, batch {batch}, {jnp.dtype(dtype).name}",
                   "jit_tflops": flops * steps / best["jit"] / 1e12,
@@ -102,7 +104,8 @@ def fit(strategy):
     with ctx:
         m = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
                               keras.layers.Dense(10)])
-        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     m.fit(x, y, batch_size=100, epochs=2, verbose=0, shuffle=False)
     return [np.asarray(w) for w in m.weights]
 a, b = fit(jaxdist.MirroredStrategy()), fit(None)
