@@ -398,7 +398,7 @@ class StrategyExtended:
         self._throttle.before_dispatch()
         out = compiled.jitted(*dyn)
         leaves = jax.tree.leaves(out)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if leaves and isinstance(leaves[0], jax.core.Tracer):
             return out  # under a user's jax.jit with no traced argument: nothing to throttle
         posted = self._post_run(out)
         # The throttle waits on the step's array outputs (the flat list: no second flatten).
