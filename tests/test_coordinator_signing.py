@@ -249,3 +249,74 @@ def test_the_replay_guard_accepts_each_counter_once_within_its_window():
     assert "forgotten" in g.admit("a", 10, 21)  # and cannot come back
     assert "forgotten" in g.admit("z", 9, 1)  # nor an older session
     assert g.admit("b", 12, 2) is None  # the kept ones go on
+
+
+# ------------------------------------------------------------ nor through its own answers
+CALLS: list[str] = []
+
+
+def _record(what: str) -> str:
+    CALLS.append(what)
+    return what
+
+
+class _Evil:
+    """What a compromised worker returns: a pickle that calls a function when loaded."""
+
+    def __reduce__(self):
+        return _record, ("code ran on the chief",)
+
+
+def evil(_: int) -> _Evil:
+    return _Evil()
+
+
+def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
+    from jaxdist.coordinator.answer_pickle import TRUST_ENV, UntrustedPickleError
+
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    CALLS.clear()
+    chief = _chief(workers)
+    (meta, arrays), = chief.call_stream(0, "RunClosures", *_batch(evil, 0), timeout=10)
+    assert meta["ok"] and "value" in arrays  # the worker's own, correctly MAC'd answer
+    with pytest.raises(UntrustedPickleError, match=r"test_coordinator_signing\._record"):
+        answer_value(arrays)
+    assert CALLS == []
+    monkeypatch.setenv(TRUST_ENV, "1")  # trusting every worker: the same bytes run code
+    assert answer_value(arrays) == "code ran on the chief" and CALLS == [
+        "code ran on the chief"]
+    chief.close()
+
+
+def test_an_exception_from_a_worker_is_built_only_from_data(monkeypatch):
+    import pickle
+
+    from jaxdist.coordinator.answer_pickle import TRUST_ENV
+    from jaxdist.coordinator.cluster_coordinator import _remote_exception
+    from jaxdist.coordinator.errors import RemoteError
+
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    CALLS.clear()
+    meta = {"task": "worker:1", "type": "ValueError", "message": "m", "traceback": "tb"}
+    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(_Evil()))})
+    assert isinstance(error, RemoteError) and CALLS == []
+    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(KeyError("k")))})
+    assert type(error) is KeyError and error.args == ("k",)
+
+
+def test_plain_results_come_back_unchanged():
+    import collections
+    import pickle
+
+    import ml_dtypes
+
+    from jaxdist.coordinator.answer_pickle import loads
+
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float16(1.5), np.int64(-3),
+              np.zeros(2, ml_dtypes.bfloat16), np.array([1, "a", None], object),
+              np.array(["ab"]), np.dtype([("a", "<f4")]), np.datetime64("2020-01-02"),
+              collections.OrderedDict(a=1), {"x": [1, (2.5, 3j)], "s": {1}, "b": b"\0"},
+              frozenset({1}), bytearray(b"x"), slice(1, 2), range(3), None, True, "s"]
+    for value in values:
+        got = loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        assert type(got) is type(value) and repr(got) == repr(value)

@@ -67,7 +67,7 @@ import numpy as np
 
 from jaxdist.cluster.credentials import WorkerCredential, worker_credential
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator import answer_pickle, closure_pickle
 from jaxdist.coordinator.errors import MissingResourceError
 from jaxdist.coordinator.signing import (
     AUTH_KEY,
@@ -235,16 +235,18 @@ def value_arrays(value: Any) -> dict[str, np.ndarray]:
 
 def answer_value(arrays: dict) -> Any:
     """The result carried by an answer's arrays (``value_arrays``' inverse): a raw array is
-    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked).
+    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked)
+    as data only (``jaxdist.coordinator.answer_pickle``: a worker cannot run code here).
 
     Raises:
+        UntrustedPickleError: the pickle refers to something that is not data.
         Exception: the pickle cannot be loaded here.
     """
     if "array" in arrays:
         return np.array(arrays["array"])
     if "scalar" in arrays:
         return np.array(arrays["scalar"])[()]
-    return pickle.loads(from_bytes_array(arrays["value"]))
+    return answer_pickle.loads(from_bytes_array(arrays["value"]))
 
 
 def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
