@@ -320,3 +320,8 @@ def test_plain_results_come_back_unchanged():
     for value in values:
         got = loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         assert type(got) is type(value) and repr(got) == repr(value)
+    masked = np.ma.masked_array([1.0, 2.0], mask=[0, 1])
+    got = loads(pickle.dumps(masked))
+    assert type(got) is np.ma.MaskedArray and got.mask.tolist() == [False, True]
+    rec = np.rec.fromrecords([(1, 2.0)], names="a,b")
+    assert loads(pickle.dumps(rec)).b.tolist() == [2.0]

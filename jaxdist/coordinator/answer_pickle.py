@@ -7,7 +7,8 @@ and exceptions with a restricted unpickler that builds only:
 
 * numbers, strings, bytes, ``None`` and the builtin containers (tuple, list, dict, set,
   frozenset, bytearray, complex, slice, range, ``collections.OrderedDict``);
-* numpy arrays, scalars and dtypes (``ml_dtypes`` dtypes such as bfloat16 included);
+* numpy arrays (masked and record arrays included), scalars and dtypes (``ml_dtypes``
+  dtypes such as bfloat16 included);
 * builtin exception types and jaxdist's own errors.
 
 Anything else (a user class, a function, ``os.system``) is refused with
@@ -44,6 +45,9 @@ _ALLOWED = frozenset({
     ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
     ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
+    ("numpy.ma.core", "_mareconstruct"), ("numpy.ma.core", "MaskedArray"),
+    ("numpy.ma", "MaskedArray"), ("numpy", "recarray"), ("numpy.rec", "recarray"),
+    ("numpy", "record"),
 })
 
 
