@@ -7,8 +7,9 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
   (0700, deleted at exit) and gives each task its own (``JAXDIST_TLS_CA/CERT/KEY``): every
   gRPC service of the cluster speaks mutual TLS. ``--insecure`` uses plaintext on loopback
   instead (``JAXDIST_INSECURE=1``);
-* gives the chief a fresh coordinator token (the right to run code on the workers) and the
-  workers only its SHA-256 (``jaxdist.cluster.credentials``);
+* gives the chief a fresh coordinator token (the right to run code on the workers: the chief
+  signs its requests with a key derived from it) and each worker only the chief's public key
+  and its own answer key (``jaxdist.cluster.credentials``);
 
 * exits 0 when every chief/worker task exits 0 (ps tasks, which serve forever, are then
   stopped; an evaluator gets ``--evaluator-grace`` seconds to finish);

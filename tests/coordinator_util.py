@@ -36,7 +36,8 @@ def start_cluster(workers: int = 2, ps: int = 1, ps_args: tuple[str, ...] = ()) 
     c = LocalCluster(workers=workers, ps=ps, chief=True, devices_per_process=1,
                      env={"JAX_NUM_CPU_DEVICES": "1"})
     # This process is the chief: its TLS identity and the coordinator token.
-    for key in ("JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN_SHA256"):
+    for key in ("JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN_SHA256",
+                "JAXDIST_COORDINATOR_PUBLIC_KEY", "JAXDIST_COORDINATOR_ANSWER_KEY"):
         os.environ.pop(key, None)
     os.environ.update(c.security_env("chief:0"))
     names = [n for n in c.task_names if not n.startswith("chief")]
@@ -81,18 +82,22 @@ def by_value(module_name: str) -> None:
     cloudpickle.register_pickle_by_value(sys.modules[module_name])
 
 
-def in_process_worker(tls="task", **kwargs):
-    """A ``WorkerServer`` in this process on 127.0.0.1 (test PKI identity ``tls``, or
-    ``"insecure"``) with a fresh coordinator token: ``(server, token)``, started."""
-    from jaxdist.cluster.credentials import new_coordinator_token, token_digest
+def in_process_worker(tls="task", index: int = 0, token: str | None = None,
+                      address: str = "127.0.0.1:0", **kwargs):
+    """A ``WorkerServer`` for ``worker:<index>`` in this process on ``address`` (test PKI
+    identity ``tls``, or ``"insecure"``) holding what the launcher gives that worker for
+    ``token`` (default: a fresh coordinator token): ``(server, token)``, started."""
+    from jaxdist.cluster.credentials import CoordinatorKeys, new_coordinator_token
     from jaxdist.cluster.task_info import TaskInfo
     from jaxdist.coordinator.worker_runtime import WorkerRuntime
     from jaxdist.coordinator.worker_service import WorkerServer
     from jaxdist.testing.tls import process_pki
 
-    token = new_coordinator_token()
-    info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
+    token = token or new_coordinator_token()
+    info = TaskInfo({"worker": [f"127.0.0.1:{i + 1}" for i in range(index + 1)]}, "worker",
+                    index, "t0k")
     identity = tls if tls == "insecure" else process_pki().identities[tls]
-    server = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", token_digest(token),
+    server = WorkerServer(WorkerRuntime(info), address,
+                          CoordinatorKeys(token).worker_credential(f"worker:{index}"),
                           tls=identity, **kwargs).start()
     return server, token

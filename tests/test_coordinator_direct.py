@@ -1,5 +1,5 @@
 """The workers' direct transport for ``RunClosures`` (``jaxdist.ps.direct`` frames on a second
-port): the same answers and MACs as gRPC, the coordinator token checked on connect,
+port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
 cancellation seen by the worker, malformed requests refused, and the switch to turn it off.
 
 The worker runs in this process (a ``WorkerServer`` on 127.0.0.1 with the test PKI), so the
@@ -18,12 +18,14 @@ import time
 import pytest
 from coordinator_util import in_process_worker
 
+from jaxdist.cluster.credentials import CoordinatorKeys
 from jaxdist.coordinator import closure_pickle
 from jaxdist.coordinator.errors import (
     CoordinatorError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
+from jaxdist.coordinator.signing import CONNECT_METHOD, RequestSigner, body_digest
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.coordinator.worker_service import (
     ENV_DIRECT,
@@ -207,10 +209,26 @@ def _raw_direct(server) -> ssl.SSLSocket:
     return direct.client_context(tls).wrap_socket(sock, server_hostname="127.0.0.1")
 
 
-@pytest.mark.parametrize("presented", ["s3cr3t-guess", "", None, "t0k"],
-                         ids=["wrong", "empty", "missing", "cluster-token"])
-def test_the_direct_port_wants_the_coordinator_token(worker, presented):
+def _connect_credential(server, token: str, task: str = "worker:0") -> dict:
+    signer = RequestSigner(CoordinatorKeys(token), [task])
+    return signer.sign_digest(0, server.service.incarnation, CONNECT_METHOD, body_digest({}, {}))
+
+
+@pytest.mark.parametrize("presented", ["s3cr3t-guess", "", None, "t0k", "the-token",
+                                       "other-key", "other-task", "run-closures"],
+                         ids=["wrong", "empty", "missing", "cluster-token", "coordinator-token",
+                              "other-key", "other-task", "not-connect"])
+def test_the_direct_port_wants_the_chiefs_signed_credential(worker, presented):
     server, token = worker
+    if presented == "the-token":  # the raw token is not a credential (and is never sent)
+        presented = token
+    elif presented == "other-key":
+        presented = _connect_credential(server, "another chief's token")
+    elif presented == "other-task":  # what the chief gave worker:1, presented to worker:0
+        presented = _connect_credential(server, token, "worker:1")
+    elif presented == "run-closures":
+        presented = RequestSigner(CoordinatorKeys(token), ["worker:0"]).sign_digest(
+            0, server.service.incarnation, "RunClosures", body_digest({}, {}))
     sock = _raw_direct(server)
     try:
         direct.recv_frame(sock, direct.HELLO, direct.MAX_HANDSHAKE_BYTES, 0,
@@ -219,19 +237,38 @@ def test_the_direct_port_wants_the_coordinator_token(worker, presented):
         reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
                                      time.monotonic() + 5, None)
         assert reply["code"] == "UNAUTHENTICATED" and reply.get("close")
-        assert "coordinator token" in reply["details"]
-        if presented:
+        assert "coordinator credential" in reply["details"] or \
+            "coordinator signature" in reply["details"], reply
+        if isinstance(presented, str) and presented:
             assert presented not in reply["details"]  # never echoed
         assert sock.recv(1) == b""  # and the connection is closed
     finally:
         sock.close()
 
 
-def _authenticated(server, token) -> ssl.SSLSocket:
+def test_a_connection_credential_is_used_once(worker):
+    server, token = worker
+    credential = _connect_credential(server, token)
+    _authenticated(server, credential).close()
+    sock = _raw_direct(server)
+    try:  # the same credential again (captured and replayed): refused
+        direct.recv_frame(sock, direct.HELLO, direct.MAX_HANDSHAKE_BYTES, 0,
+                          time.monotonic() + 5, None)
+        direct.send_frame(sock, direct.AUTH, {"token": credential})
+        reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
+                                     time.monotonic() + 5, None)
+        assert reply["code"] == "UNAUTHENTICATED" and "already used" in reply["details"]
+    finally:
+        sock.close()
+
+
+def _authenticated(server, credential) -> ssl.SSLSocket:
+    if isinstance(credential, str):  # the coordinator token: sign a fresh credential
+        credential = _connect_credential(server, credential)
     sock = _raw_direct(server)
     direct.recv_frame(sock, direct.HELLO, direct.MAX_HANDSHAKE_BYTES, 0, time.monotonic() + 5,
                       None)
-    direct.send_frame(sock, direct.AUTH, {"token": token})
+    direct.send_frame(sock, direct.AUTH, {"token": credential})
     reply, _ = direct.recv_frame(sock, direct.RESPONSE, direct.MAX_HANDSHAKE_BYTES, 0,
                                  time.monotonic() + 5, None)
     assert reply["code"] == "OK", reply
@@ -278,7 +315,7 @@ def test_a_client_with_the_wrong_token_is_refused_on_both_ports(worker):
     bad = _client(server, "not the coordinator token")
     try:
         meta, arrays = _batch(times_ten, [1])
-        with pytest.raises(WorkerAuthenticationError, match="wrong coordinator token"):
+        with pytest.raises(WorkerAuthenticationError, match="signature does not match"):
             list(bad.call_stream(0, "RunClosures", meta, arrays, timeout=5.0))
     finally:
         bad.close()

@@ -297,13 +297,15 @@ def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
 
 
 def test_the_answer_mac_covers_the_shape_of_each_array():
-    from jaxdist.coordinator.worker_service import arrays_mac
+    from jaxdist.coordinator.signing import answer_mac
 
-    key = b"k" * 32
-    a = arrays_mac(key, "n/0", {"array": np.zeros((2, 3), np.float32)})
-    assert a != arrays_mac(key, "n/0", {"array": np.zeros((3, 2), np.float32)})
-    assert a != arrays_mac(key, "n/0", {"array": np.zeros(6, np.float32)})
-    assert a == arrays_mac(key, "n/0", {"array": np.zeros((2, 3), np.float32)})
+    def mac(arrays):
+        return answer_mac(b"k" * 32, "worker:0", "RunClosures", "n/0", {"ok": True}, arrays)
+
+    a = mac({"array": np.zeros((2, 3), np.float32)})
+    assert a != mac({"array": np.zeros((3, 2), np.float32)})
+    assert a != mac({"array": np.zeros(6, np.float32)})
+    assert a == mac({"array": np.zeros((2, 3), np.float32)})
 
 
 class _Clock:

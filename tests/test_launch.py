@@ -116,7 +116,8 @@ SECURITY_PROBE = textwrap.dedent("""
               os.path.dirname(key))
     print("creds", name, os.environ.get("JAXDIST_INSECURE"),
           "JAXDIST_COORDINATOR_TOKEN" in os.environ,
-          "JAXDIST_COORDINATOR_TOKEN_SHA256" in os.environ)
+          "JAXDIST_COORDINATOR_PUBLIC_KEY" in os.environ,
+          "JAXDIST_COORDINATOR_ANSWER_KEY" in os.environ)
 """)
 
 
@@ -130,8 +131,9 @@ def test_launch_gives_each_task_its_own_certificate_in_a_private_dir_removed_at_
         ("chief:0", "OU=chief,CN=chief:0", "0o700", "0o600"),
         ("worker:0", "OU=worker,CN=worker:0", "0o700", "0o600")]
     assert not os.path.exists(tls[0][4])  # the keys are gone with the launcher
-    assert "[chief:0] creds chief:0 None True False" in r.stdout  # the coordinator token
-    assert "[worker:0] creds worker:0 None False True" in r.stdout  # only its digest
+    assert "[chief:0] creds chief:0 None True False False" in r.stdout  # the token
+    # A worker: the chief's public key and its own answer key, never the token.
+    assert "[worker:0] creds worker:0 None False True True" in r.stdout
 
 
 @pytest.mark.timeout(90)

@@ -13,15 +13,18 @@ import pytest
 from coordinator_util import in_process_worker
 
 from jaxdist.cluster.credentials import (
-    COORDINATOR_METADATA_KEY,
-    coordinator_verifier,
+    CoordinatorKeys,
+    WorkerCredential,
     new_coordinator_token,
     token_digest,
+    worker_credential,
 )
+from jaxdist.cluster.errors import ClusterConfigError
 from jaxdist.cluster.pki import apply_task_security, local_pki
 from jaxdist.cluster.task_info import TaskInfo
 from jaxdist.cluster.tls import TLSConfigError, resolve_tls
 from jaxdist.coordinator.errors import WorkerAuthenticationError
+from jaxdist.coordinator.signing import AUTH_METADATA_KEY
 from jaxdist.coordinator.worker_client import WorkerClient
 from jaxdist.coordinator.worker_runtime import WorkerRuntime
 from jaxdist.coordinator.worker_service import SERVICE_NAME as WORKER_SERVICE
@@ -173,19 +176,23 @@ def _run_closure_raw(address, metadata):
 
 
 def test_the_ps_token_cannot_run_code_on_a_worker(worker_server):
-    server, _ = worker_server
+    server, token = worker_server
     with pytest.raises(grpc.RpcError) as err:
         _run_closure_raw(server.address, ((TOKEN_METADATA_KEY, "t0k"),))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "needs the coordinator token" in err.value.details()
+    assert "needs a request signed by the chief" in err.value.details()
     assert server.service.functions_run == 0
-    with pytest.raises(grpc.RpcError) as err:
-        _run_closure_raw(server.address, ((COORDINATOR_METADATA_KEY, "t0k"),))
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Neither does a garbled signature, nor the coordinator token itself (it is never sent,
+    # and a worker does not accept it in place of a signature).
+    for auth in ("t0k", token, '{"s": "x", "t": 1, "n": 1, "i": "", "sig": "00"}'):
+        with pytest.raises(grpc.RpcError) as err:
+            _run_closure_raw(server.address, ((AUTH_METADATA_KEY, auth),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "no well-formed coordinator signature" in err.value.details()
     assert server.service.functions_run == 0
 
 
-def test_the_coordinator_token_runs_code_and_results_are_authenticated(worker_server):
+def test_the_chiefs_signature_runs_code_and_results_are_authenticated(worker_server):
     import cloudpickle
 
     server, token = worker_server
@@ -197,21 +204,21 @@ def test_the_coordinator_token_runs_code_and_results_are_authenticated(worker_se
     assert "mac" not in meta
     client.close()
     bad = WorkerClient([server.address], "wrong", tls=process_pki().identities["client"])
-    with pytest.raises(WorkerAuthenticationError, match="wrong coordinator token"):
+    with pytest.raises(WorkerAuthenticationError, match="signature does not match"):
         bad.call(0, "Ping", timeout=5.0)
     bad.close()
 
 
-def test_the_coordinator_refuses_an_answer_without_the_workers_mac(monkeypatch):
-    # A peer that answers without knowing the coordinator credential (e.g. something else
-    # bound to the worker's address): its bytes are never unpickled.
+def test_the_coordinator_refuses_an_answer_without_the_workers_mac():
+    # A peer that accepts the chief's requests (it has the public key) but answers with
+    # another answer key (say worker:1's, taking over worker:0's dead port): its bytes are
+    # never unpickled.
     token = new_coordinator_token()
+    keys = CoordinatorKeys(token)
     info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    impostor = WorkerServer(WorkerRuntime(info), "127.0.0.1:0", "someone else's token",
-                            tls=process_pki().identities["task"])
-    monkeypatch.setattr(impostor, "_verifier", coordinator_verifier(token_digest("x")))
-    impostor._verifier.accepts = lambda presented: True  # accepts anything
-    impostor.start()
+    impostor = WorkerServer(WorkerRuntime(info), "127.0.0.1:0",
+                            WorkerCredential(keys.public_key, keys.answer_key("worker:1").hex()),
+                            tls=process_pki().identities["task"]).start()
     try:
         client = WorkerClient([impostor.address], token, tls=process_pki().identities["client"])
         with pytest.raises(WorkerAuthenticationError, match="refusing to unpickle"):
@@ -222,20 +229,40 @@ def test_the_coordinator_refuses_an_answer_without_the_workers_mac(monkeypatch):
 
 
 def test_a_worker_refuses_to_start_without_the_coordinator_credential(bare_env, monkeypatch):
-    monkeypatch.delenv("JAXDIST_COORDINATOR_TOKEN", raising=False)
-    monkeypatch.delenv("JAXDIST_COORDINATOR_TOKEN_SHA256", raising=False)
+    for key in ("JAXDIST_COORDINATOR_TOKEN", "JAXDIST_COORDINATOR_TOKEN_SHA256",
+                "JAXDIST_COORDINATOR_PUBLIC_KEY", "JAXDIST_COORDINATOR_ANSWER_KEY"):
+        monkeypatch.delenv(key, raising=False)
     info = TaskInfo({"worker": ["127.0.0.1:0"]}, "worker", 0, "t0k")
-    with pytest.raises(ValueError, match="worker:0: needs the coordinator credential"):
+    with pytest.raises(ValueError, match="worker:0: needs the coordinator's public key"):
         WorkerServer(WorkerRuntime(info), "127.0.0.1:0", tls="insecure")
     with pytest.raises(ValueError, match="needs the coordinator token"):
         WorkerClient(["127.0.0.1:1"], tls="insecure")
 
 
-def test_workers_get_only_the_digest_of_the_coordinator_token():
-    env = apply_task_security({}, "worker", 0, None, "c0ffee")
-    assert "c0ffee" not in env.values() and env["JAXDIST_COORDINATOR_TOKEN_SHA256"] == \
-        token_digest("c0ffee")
+def test_workers_get_the_public_key_and_their_own_answer_key_only():
+    keys = CoordinatorKeys("c0ffee")
+    env0 = apply_task_security({}, "worker", 0, None, "c0ffee")
+    env1 = apply_task_security({}, "worker", 1, None, "c0ffee")
+    for env in (env0, env1):
+        assert not any("c0ffee" in v or token_digest("c0ffee") in v for v in env.values())
+        assert env["JAXDIST_COORDINATOR_PUBLIC_KEY"] == keys.public_key
+    assert env0["JAXDIST_COORDINATOR_ANSWER_KEY"] == keys.answer_key("worker:0").hex() != \
+        env1["JAXDIST_COORDINATOR_ANSWER_KEY"]
     assert apply_task_security({}, "chief", 0, None, "c0ffee")["JAXDIST_COORDINATOR_TOKEN"] == \
         "c0ffee"
-    assert coordinator_verifier(environ={"JAXDIST_COORDINATOR_TOKEN_SHA256":
-                                         token_digest("c0ffee")}).accepts("c0ffee")
+    for job in ("ps", "evaluator"):
+        assert not any(k.startswith("JAXDIST_COORDINATOR")
+                       for k in apply_task_security({}, job, 0, None, "c0ffee"))
+    cred = worker_credential("worker:0", environ=env0)
+    assert cred.verify(keys.sign(b"m"), b"m") and cred.answer_key == keys.answer_key("worker:0")
+
+
+def test_a_worker_configured_with_the_token_digest_only_is_told_what_to_set():
+    with pytest.raises(ClusterConfigError, match="coordinator_public_key"):
+        worker_credential("worker:0", environ={"JAXDIST_COORDINATOR_TOKEN_SHA256":
+                                               token_digest("c0ffee")})
+    with pytest.raises(ClusterConfigError, match="'coordinator_answer_key'.* is missing"):
+        worker_credential("worker:0", environ={"JAXDIST_COORDINATOR_PUBLIC_KEY": "00" * 32})
+    with pytest.raises(ClusterConfigError, match="public key is not 64 hex digits"):
+        worker_credential("worker:0", environ={"JAXDIST_COORDINATOR_PUBLIC_KEY": "zz",
+                                               "JAXDIST_COORDINATOR_ANSWER_KEY": "00" * 32})

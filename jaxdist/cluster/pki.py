@@ -144,7 +144,8 @@ def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
 
 _SECURITY_ENV = ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY",
                  "JAXDIST_TLS_SERVER_NAME", "JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN",
-                 "JAXDIST_COORDINATOR_TOKEN_SHA256")
+                 "JAXDIST_COORDINATOR_TOKEN_SHA256", "JAXDIST_COORDINATOR_PUBLIC_KEY",
+                 "JAXDIST_COORDINATOR_ANSWER_KEY")
 
 
 def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI | None,
@@ -153,16 +154,13 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
 
     Inherited ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE`` / coordinator variables are dropped
     first. ``pki=None`` means plaintext on loopback (``JAXDIST_INSECURE=1``). The chief gets
-    the coordinator token, workers only its SHA-256 (enough to check it), other tasks nothing.
+    the coordinator token; each worker gets the chief's public key (enough to check a signed
+    request, not to sign one) and its own answer key; other tasks nothing.
 
     Example:
         >>> apply_task_security(env, "worker", 0, pki, coordinator_token)
     """
-    from jaxdist.cluster.credentials import (
-        COORDINATOR_DIGEST_ENV,
-        COORDINATOR_TOKEN_ENV,
-        token_digest,
-    )
+    from jaxdist.cluster.credentials import COORDINATOR_TOKEN_ENV, CoordinatorKeys
     from jaxdist.cluster.tls import INSECURE_ENV
 
     for key in _SECURITY_ENV:
@@ -174,7 +172,7 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
     if coordinator_token and job == "chief":
         env[COORDINATOR_TOKEN_ENV] = coordinator_token
     elif coordinator_token and job == "worker":
-        env[COORDINATOR_DIGEST_ENV] = token_digest(coordinator_token)
+        env.update(CoordinatorKeys(coordinator_token).worker_env(f"worker:{index}"))
     return env
 
 __all__ = ["LOOPBACK_NAMES", "LocalPKI", "apply_task_security", "local_pki"]

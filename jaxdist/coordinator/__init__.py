@@ -11,6 +11,7 @@ Example:
     >>> rv.fetch()
 """
 
+from jaxdist.coordinator.answer_pickle import UntrustedPickleError
 from jaxdist.coordinator.cluster_coordinator import (
     ClusterCoordinator,
     PerWorkerDataset,
@@ -44,6 +45,7 @@ __all__ = [
     "RemoteError",
     "RemoteValue",
     "RemoteValueStatus",
+    "UntrustedPickleError",
     "WorkerAuthenticationError",
     "WorkerUnavailableError",
     "get_current_worker_index",

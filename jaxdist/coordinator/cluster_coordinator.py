@@ -42,7 +42,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import pickle
 import threading
 import time
 import types
@@ -54,7 +53,7 @@ from typing import Any
 
 import jax
 
-from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator import answer_pickle, closure_pickle
 from jaxdist.coordinator.closure_pickle import WorkerResource
 from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist.coordinator.errors import (
@@ -593,7 +592,8 @@ def _remote_exception(meta: dict, arrays: dict) -> BaseException:
     error: BaseException | None = None
     if "error" in arrays:
         try:
-            error = pickle.loads(from_bytes_array(arrays["error"]))
+            # Data and exception types only: a worker cannot run code here.
+            error = answer_pickle.loads(from_bytes_array(arrays["error"]))
         except Exception:  # noqa: BLE001 - fall back to RemoteError
             error = None
     if not isinstance(error, BaseException):

@@ -6,7 +6,7 @@ cluster token on every request, and runs until told to stop (a ``Stop`` RPC, ``s
 SIGTERM or SIGINT). With ``checkpoint_dir`` it restores the latest checkpoint at start.
 
 A worker task (TF2 ``ClusterCoordinator`` mode) serves the worker service: it runs the
-functions the coordinator sends (cloudpickle, accepted only with the coordinator token) against
+functions the coordinator sends (cloudpickle, accepted only when signed by the chief) against
 the ps tasks, with its own ``ParameterServerStrategy`` over its local devices.
 
 Example:
@@ -76,8 +76,10 @@ class Server:
         tls: the mutual-TLS identity (``jaxdist.cluster.tls.TLSConfig``), ``"insecure"``
             for plaintext on loopback, or ``None`` to read TF_CONFIG ``"tls"`` /
             ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
-        coordinator: (worker) the coordinator token or its SHA-256 (``None``: TF_CONFIG
-            ``"coordinator_token_sha256"`` / ``JAXDIST_COORDINATOR_TOKEN_SHA256``).
+        coordinator: (worker) a ``jaxdist.cluster.credentials.WorkerCredential`` (the chief's
+            public key and this worker's answer key) or the coordinator token (``None``:
+            TF_CONFIG ``"coordinator_public_key"`` and ``"coordinator_answer_key"`` /
+            ``JAXDIST_COORDINATOR_PUBLIC_KEY`` and ``JAXDIST_COORDINATOR_ANSWER_KEY``).
         checkpoint_root: (ps) the only directory ``Save`` / ``Restore`` requests may use
             (and its subdirectories); default ``checkpoint_dir``.
         limits: (ps) request size, call duration and calls per client
@@ -96,7 +98,7 @@ class Server:
                  task_index: int | None = None, protocol: str = "grpc", start: bool = True,
                  *, token: str | None = None, checkpoint_dir: str | None = None,
                  strategy_factory: Any = None, tls: Any = None,
-                 coordinator: str | None = None, limits: Any = None,
+                 coordinator: Any = None, limits: Any = None,
                  checkpoint_root: str | None = None):
         if protocol != "grpc":
             raise ValueError(f"protocol {protocol!r} is not supported: expected 'grpc'")
@@ -129,7 +131,7 @@ class Server:
             self.start()
 
     def _init_worker(self, info: Any, index: int, token: str | None, strategy_factory: Any,
-                     start: bool, tls: Any, coordinator: str | None) -> None:
+                     start: bool, tls: Any, coordinator: Any) -> None:
         from dataclasses import replace
 
         address = _address(info, "worker", index)

@@ -5,10 +5,14 @@ Every call has a deadline and a task name; failures become typed errors naming t
 (...)")``. An in-flight call can be cancelled from another thread (the health watcher does so
 when a worker stops answering heartbeats).
 
-Every call carries the coordinator token and a fresh nonce; a response whose arrays (pickled
-results) do not carry the worker's MAC for that nonce is refused before anything is unpickled
-(``WorkerAuthenticationError``). The channel is mutual TLS unless plaintext on loopback was
-asked for.
+Every call is signed with the chief's key for its target worker, that worker's incarnation and
+a fresh per-worker counter (``jaxdist.coordinator.signing``; the coordinator token itself never
+leaves this process), and carries a fresh nonce; an answer that does not carry that worker's
+MAC (its own answer key) over the nonce and every field and array of the answer is refused
+before anything is unpickled (``WorkerAuthenticationError``). The client learns each worker's
+incarnation from its (MAC'd) ``Ping`` answers; a worker that restarted refuses a request signed
+for its predecessor (``WorkerUnavailableError``; the next call pings it first). The channel is
+mutual TLS unless plaintext on loopback was asked for.
 
 Example:
     >>> client = WorkerClient(["127.0.0.1:2224"], coordinator_token="c0ffee")
@@ -17,8 +21,8 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import json
 import secrets
 import struct
 import time
@@ -28,20 +32,27 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxdist.cluster.credentials import COORDINATOR_METADATA_KEY, coordinator_token
+from jaxdist.cluster.credentials import CoordinatorKeys, coordinator_token
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
 from jaxdist.coordinator.errors import (
     CoordinatorError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
+from jaxdist.coordinator.signing import (
+    AUTH_KEY,
+    AUTH_METADATA_KEY,
+    CONNECT_METHOD,
+    MAC_KEY,
+    RequestSigner,
+    answer_mac,
+    body_digest,
+)
 from jaxdist.coordinator.worker_service import (
     ANSWERS_KEY,
-    MAC_KEY,
     MAX_BATCH_CLOSURES,
     NONCE_KEY,
     SERVICE_NAME,
-    arrays_mac,
     direct_enabled,
     item_nonce,
     split_answers,
@@ -94,8 +105,9 @@ class WorkerClient:
 
     Args:
         addresses: ``host:port`` of ``worker:0``, ``worker:1``, ...
-        coordinator_token: the coordinator token sent with every call (``None``: TF_CONFIG
-            ``"coordinator_token"`` / ``JAXDIST_COORDINATOR_TOKEN``).
+        coordinator_token: the coordinator token, from which the key every call is signed
+            with and the workers' answer keys are derived; it is never sent (``None``:
+            TF_CONFIG ``"coordinator_token"`` / ``JAXDIST_COORDINATOR_TOKEN``).
         job: the job name used in messages.
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
             TF_CONFIG / the environment.
@@ -116,14 +128,18 @@ class WorkerClient:
         token = _coordinator_token(coordinator_token)
         self.addresses = list(addresses)
         self.job = job
-        self._key = hashlib.sha256(token.encode()).digest()
-        self._metadata = ((COORDINATOR_METADATA_KEY, token),)
+        self._signer = RequestSigner(CoordinatorKeys(token),
+                                     [self.task_name(i) for i in range(len(self.addresses))])
+        self._answer_keys = [self._signer.answer_key(i) for i in range(len(self.addresses))]
+        # Each worker's incarnation, from its last authenticated answer (None: ping first).
+        self._incarnations: list[str | None] = [None] * len(self.addresses)
         self.tls = resolve_tls(tls, "the coordinator")
         self._channels = open_channels(self.addresses, self.tls, job, _OPTIONS)
         self._stubs = ChunkStubs(self._channels, SERVICE_NAME)
         use_direct = direct_enabled() if direct_transport is None else direct_transport
         # One connection per sender thread (PIPELINE_DEPTH of them per worker), kept open.
-        self._direct = DirectPool(self.addresses, token, self.tls, self._ping_meta,
+        self._direct = DirectPool(self.addresses, self._connect_credential, self.tls,
+                                  self._ping_meta,
                                   self._direct_error, max_idle=4,
                                   job=job) if use_direct else None
 
@@ -177,10 +193,12 @@ class WorkerClient:
         self._check_task(task)
         if self._direct is not None and method in DIRECT_METHODS:
             nonce, deadline = secrets.token_hex(16), time.monotonic() + timeout
+            signed, arrays = {**(meta or {}), NONCE_KEY: nonce}, arrays or {}
+            signed[AUTH_KEY] = self._signer.sign(
+                task, self._incarnation(task, method, timeout), method, signed, arrays)
             try:
-                frames = self._direct.call_stream(
-                    task, method, {**(meta or {}), NONCE_KEY: nonce}, arrays or {},
-                    deadline, timeout, on_start)
+                frames = self._direct.call_stream(task, method, signed, arrays, deadline,
+                                                  timeout, on_start)
             except DirectUnavailable:
                 # No direct port, or nothing could be sent: gRPC, in the time that is left.
                 timeout = max(1e-3, deadline - time.monotonic())
@@ -197,6 +215,23 @@ class WorkerClient:
                 yield from self._split(task, method, index, out_meta, out_arrays)
         finally:
             frames.close()  # a refused answer, or the caller stopped reading: drop the call
+
+    def _incarnation(self, task: int, method: str, timeout: float) -> str:
+        """The incarnation a request to ``task`` is signed for: the last one its
+        authenticated answers named; unknown, a ``Ping`` first (a ``Ping`` itself may be
+        signed for any)."""
+        known = self._incarnations[task]
+        if known is None and method != "Ping":
+            self.call(task, "Ping", timeout=min(timeout, 10.0))
+            known = self._incarnations[task]
+        return known or ""
+
+    def _connect_credential(self, task: int, hello: dict) -> dict:
+        """The signed credential a new direct connection to ``task`` presents (for the
+        incarnation the worker's hello names, which the pool checked against its ping)."""
+        incarnation = hello.get("incarnation")
+        return self._signer.sign_digest(task, incarnation if isinstance(incarnation, str)
+                                        else "", CONNECT_METHOD, body_digest({}, {}))
 
     def _ping_meta(self, task: int, timeout: float) -> dict:
         """The worker's ``Ping`` answer (it says its direct port)."""
@@ -218,10 +253,13 @@ class WorkerClient:
         """Sends the request of one call (with a fresh nonce); ``(nonce, responses)``."""
         self._check_task(task)
         nonce = secrets.token_hex(16)
+        signed, arrays = {**(meta or {}), NONCE_KEY: nonce}, arrays or {}
+        auth = self._signer.sign(task, self._incarnation(task, method, timeout), method,
+                                 signed, arrays)
         try:
             responses = self._stubs(
-                task, method, wire.encode({**(meta or {}), NONCE_KEY: nonce}, arrays),
-                timeout=timeout, metadata=self._metadata, wait_for_ready=False)
+                task, method, wire.encode(signed, arrays), timeout=timeout,
+                metadata=((AUTH_METADATA_KEY, json.dumps(auth)),), wait_for_ready=False)
             if on_start is not None:
                 on_start(responses)
         except grpc.RpcError as e:
@@ -268,15 +306,21 @@ class WorkerClient:
 
     def _check_mac(self, task: int, method: str, nonce: str, out_meta: dict,
                    out_arrays: dict) -> None:
+        name = self.task_name(task)
         mac = out_meta.pop(MAC_KEY, None)
         if not isinstance(mac, str) or not hmac.compare_digest(
-                mac, arrays_mac(self._key, nonce, out_arrays)):
-            name = self.task_name(task)
+                mac, answer_mac(self._answer_keys[task], name, method, nonce, out_meta,
+                                out_arrays)):
             raise WorkerAuthenticationError(
-                f"{name} at {self.addresses[task]}: the answer to {method} does not carry the "
-                f"worker's MAC for this call; refusing to unpickle it (is something else "
+                f"{name} at {self.addresses[task]}: the answer to {method} does not carry "
+                f"{name}'s MAC for this call; refusing to unpickle it (is something else "
                 f"listening on that address, or does the worker have another coordinator "
                 f"credential?)", task=name, address=self.addresses[task])
+        answers = out_meta.get(ANSWERS_KEY)
+        first = answers[0] if isinstance(answers, list) and answers else out_meta
+        incarnation = first.get("incarnation") if isinstance(first, dict) else None
+        if isinstance(incarnation, str):
+            self._incarnations[task] = incarnation
 
     def _translate(self, task: int, method: str, timeout: float,
                    e: grpc.RpcError) -> CoordinatorError:
@@ -287,6 +331,10 @@ class WorkerClient:
     def _error(self, task: int, method: str, timeout: float, code: grpc.StatusCode | None,
                details: str) -> CoordinatorError:
         name, addr = self.task_name(task), self.addresses[task]
+        if code == grpc.StatusCode.ABORTED:  # signed for the worker's previous process
+            self._incarnations[task] = None
+            return WorkerUnavailableError(f"{name} at {addr} restarted: {details}", task=name,
+                                          address=addr)
         if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.CANCELLED):
             return WorkerUnavailableError(

@@ -23,30 +23,35 @@ Methods (bidirectional streams of ``jaxdist.ps.wire`` chunks, like the ps servic
 * ``CreateResource`` (meta ``resource_id``, array ``fn``): builds a per-worker resource.
 * ``Stop``: stops the task.
 
-Running code is a separate right from pulling/pushing parameters: every call must carry the
-*coordinator* token (``x-jaxdist-coordinator-token``, see ``jaxdist.cluster.credentials``),
-which the worker checks against its SHA-256 digest before anything is unpickled. A request with
-only the cluster (ps) token is refused with ``PERMISSION_DENIED``, one without either with
-``UNAUTHENTICATED``. Every response's arrays (the pickled result or exception) carry a MAC
-keyed with that digest over the caller's nonce, so the coordinator unpickles only what a holder
-of the digest (a worker) sent. The transport is mutual TLS unless plaintext on loopback was
-asked for (``jaxdist.cluster.tls``).
+Running code is a separate right from pulling/pushing parameters, and it belongs to the chief
+alone: every request must carry the chief's Ed25519 signature for this worker, its
+incarnation and a fresh per-worker counter (``jaxdist.coordinator.signing``; gRPC metadata
+``x-jaxdist-coordinator-auth``), checked with the chief's public key before anything is
+unpickled. The worker holds only the public key (``jaxdist.cluster.credentials``), so nothing
+it holds or sees lets it run code on another worker. A request with only the cluster (ps)
+token is refused with ``PERMISSION_DENIED``, an unsigned, wrongly signed (another worker's,
+altered) or replayed one with ``UNAUTHENTICATED``, one signed for the worker's previous
+process with ``ABORTED``. Every answer message carries a MAC keyed with this worker's own
+answer key over its name, the method, the caller's nonce and every field and array of the
+message, so the coordinator accepts only what this worker sent. The transport is mutual TLS
+unless plaintext on loopback was asked for (``jaxdist.cluster.tls``).
 
 ``RunClosures`` is also served on a second port (``WorkerServer.direct``, named in the ``Ping``
 answer as ``direct_port``): the frames of ``jaxdist.ps.direct`` over one mutual-TLS socket per
-caller, the coordinator token presented once per connection, the same MAC'd answer messages,
-one frame each. It spares gRPC Python's fixed per-message cost (about half the CPU of a small
+caller, a signed connection credential presented once per connection (``Connect``, for this
+worker and incarnation), every request signed as on gRPC, the same MAC'd answer messages, one
+frame each. It spares gRPC Python's fixed per-message cost (about half the CPU of a small
 closure). ``JAXDIST_COORDINATOR_DIRECT=0`` turns it off.
 
 Example:
-    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224", coordinator=digest).start()
+    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224",
+    ...                       coordinator=keys.worker_credential("worker:0")).start()
     >>> server.wait_for_stop()
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import pickle
 import threading
@@ -60,14 +65,20 @@ import cloudpickle
 import grpc
 import numpy as np
 
-from jaxdist.cluster.credentials import (
-    COORDINATOR_METADATA_KEY,
-    CoordinatorVerifier,
-    coordinator_verifier,
-)
+from jaxdist.cluster.credentials import WorkerCredential, worker_credential
 from jaxdist.cluster.tls import TLSConfig, resolve_tls
-from jaxdist.coordinator import closure_pickle
+from jaxdist.coordinator import answer_pickle, closure_pickle
 from jaxdist.coordinator.errors import MissingResourceError
+from jaxdist.coordinator.signing import (
+    AUTH_KEY,
+    AUTH_METADATA_KEY,
+    CONNECT_METHOD,
+    MAC_KEY,
+    Refusal,
+    RequestVerifier,
+    answer_mac,
+    body_digest,
+)
 from jaxdist.coordinator.worker_runtime import WorkerRuntime, lookup_resource, set_current
 from jaxdist.ps import direct, wire
 from jaxdist.ps.direct_server import CallFailed, DirectServer
@@ -93,7 +104,6 @@ NONCE_KEY = "nonce"
 #: RunClosure meta: the SHA-256 (hex) of the pickled function; sent alone once the worker
 #: holds that function (it answers ``kind: "missing_function"`` when it does not).
 FN_DIGEST_KEY = "fn_digest"
-MAC_KEY = "mac"
 #: RunClosures meta: the closures of the batch, in the order they run.
 BATCH_KEY = "closures"
 #: The most closures one ``RunClosures`` call may carry.
@@ -135,52 +145,24 @@ def item_nonce(nonce: str, index: int) -> str:
     return f"{nonce}/{index}"
 
 
-def arrays_mac(key: bytes, nonce: str, arrays: dict) -> str:
-    """HMAC-SHA256 of a response's arrays (names, dtypes, shapes and bytes, sorted by name)
-    for ``nonce``.
+def request_refusal(verifier: RequestVerifier, method: str, auth: Any, meta: dict,
+                    arrays: dict, metadata: dict | None = None) -> Refusal | None:
+    """Why a request to this worker is refused (``None``: the chief signed it, for this
+    worker, its incarnation and ``method``, and it is not a replay).
 
     Example:
-        >>> meta["mac"] = arrays_mac(verifier.digest, meta_in["nonce"], out_arrays)
+        >>> request_refusal(verifier, "RunClosures", meta.get("auth"), meta, arrays)
     """
-    parts: list[Any] = [nonce.encode(), b"\0"]
-    size = 0
-    for name in sorted(arrays):
-        data = np.ascontiguousarray(arrays[name])
-        parts.append(f"{name}:{data.dtype.str}:{data.shape}:{data.nbytes}\0".encode())
-        parts.append(memoryview(data).cast("B"))
-        size += data.nbytes
-    if size <= _ONE_SHOT_MAC_BYTES:  # a small answer (a loss): one C call, the same MAC
-        return hmac.digest(key, b"".join(parts), "sha256").hex()
-    mac = hmac.new(key, digestmod=hashlib.sha256)
-    for part in parts:
-        mac.update(part)
-    return mac.hexdigest()
-
-
-_ONE_SHOT_MAC_BYTES = 64 << 10
-
-
-def check_coordinator(context: grpc.ServicerContext, verifier: CoordinatorVerifier, task: str,
-                      method: str) -> None:
-    """Aborts the call unless it carries the coordinator token (constant-time digest check).
-
-    Example:
-        >>> check_coordinator(context, verifier, "worker:0", "RunClosure")   # in a handler
-    """
-    metadata = dict(context.invocation_metadata() or ())
-    presented = metadata.get(COORDINATOR_METADATA_KEY)
-    if verifier.accepts(presented):
-        return
-    if presented is None and TOKEN_METADATA_KEY in metadata:
-        context.abort(
-            grpc.StatusCode.PERMISSION_DENIED,
-            f"{task} refused {method}: the cluster (ps) token allows pulling and pushing "
-            f"parameters only; running code on a worker needs the coordinator token "
-            f"(metadata {COORDINATOR_METADATA_KEY!r}, held by the chief)")
-    context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        f"{task} refused {method}: " + ("wrong coordinator token" if presented is not None
-                                        else "the request carries no coordinator token"))
+    if auth is None:
+        if metadata and TOKEN_METADATA_KEY in metadata:
+            return Refusal(
+                "PERMISSION_DENIED",
+                f"{verifier.task} refused {method}: the cluster (ps) token allows pulling and "
+                f"pushing parameters only; running code on a worker needs a request signed by "
+                f"the chief (metadata {AUTH_METADATA_KEY!r})")
+        return Refusal("UNAUTHENTICATED", f"{verifier.task} refused {method}: the request "
+                                          f"carries no coordinator signature")
+    return verifier.check(method, auth, body_digest(meta, arrays))
 
 
 def _host_value(value: Any) -> Any:
@@ -253,16 +235,18 @@ def value_arrays(value: Any) -> dict[str, np.ndarray]:
 
 def answer_value(arrays: dict) -> Any:
     """The result carried by an answer's arrays (``value_arrays``' inverse): a raw array is
-    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked).
+    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked)
+    as data only (``jaxdist.coordinator.answer_pickle``: a worker cannot run code here).
 
     Raises:
+        UntrustedPickleError: the pickle refers to something that is not data.
         Exception: the pickle cannot be loaded here.
     """
     if "array" in arrays:
         return np.array(arrays["array"])
     if "scalar" in arrays:
         return np.array(arrays["scalar"])[()]
-    return pickle.loads(from_bytes_array(arrays["value"]))
+    return answer_pickle.loads(from_bytes_array(arrays["value"]))
 
 
 def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
@@ -573,38 +557,47 @@ class WorkerServer(GrpcTaskServer):
     Args:
         runtime: the worker runtime (made current for reference resolution).
         address: ``host:port`` from the cluster spec.
-        coordinator: the coordinator token's SHA-256 (hex) or the token itself; ``None`` reads
-            TF_CONFIG ``"coordinator_token_sha256"`` / ``JAXDIST_COORDINATOR_TOKEN_SHA256`` (or
-            the token's keys). Required.
+        coordinator: the worker's ``WorkerCredential`` (the chief's public key and this
+            worker's answer key), or the coordinator token itself (tests; a worker that
+            holds it could act as the chief); ``None`` reads TF_CONFIG
+            ``"coordinator_public_key"`` and ``"coordinator_answer_key"`` /
+            ``JAXDIST_COORDINATOR_PUBLIC_KEY`` and ``JAXDIST_COORDINATOR_ANSWER_KEY``.
+            Required.
         max_workers: gRPC handler threads (pings are answered while a function runs).
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
             TF_CONFIG / the environment.
         direct_transport: also serve ``RunClosures`` on a second port over one authenticated
             socket per caller, no gRPC per call (``jaxdist.ps.direct``: the same TLS
-            identity, and the coordinator token presented once per connection); its port is
-            in the ``Ping`` answer. ``None``: unless ``JAXDIST_COORDINATOR_DIRECT=0``. Its
-            limits are the ps direct port's (``JAXDIST_PS_MAX_REQUEST_BYTES``: larger
-            requests go over gRPC; ``JAXDIST_PS_MAX_CALL_SECONDS``: to receive a request, and
-            to send each answer).
+            identity, a connection credential signed by the chief, every request signed);
+            its port is in the ``Ping`` answer. ``None``: unless
+            ``JAXDIST_COORDINATOR_DIRECT=0``. Its limits are the ps direct port's
+            (``JAXDIST_PS_MAX_REQUEST_BYTES``: larger requests go over gRPC;
+            ``JAXDIST_PS_MAX_CALL_SECONDS``: to receive a request, and to send each answer).
 
     Raises:
         ValueError: no coordinator credential configured.
+        ClusterConfigError: a malformed credential, or only the coordinator token's SHA-256.
         TLSConfigError: no TLS material and plaintext not asked for.
     """
 
-    def __init__(self, runtime: WorkerRuntime, address: str, coordinator: str | None = None,
+    def __init__(self, runtime: WorkerRuntime, address: str,
+                 coordinator: WorkerCredential | str | None = None,
                  max_workers: int = 8, *, tls: TLSConfig | str | None = None,
                  direct_transport: bool | None = None):
-        verifier = coordinator_verifier(coordinator)
-        if verifier is None:
+        credential = worker_credential(runtime.name, coordinator)
+        if credential is None:
             raise ValueError(
-                f"{runtime.name}: needs the coordinator credential because a worker task runs "
-                f"the functions it is sent: set TF_CONFIG 'coordinator_token_sha256' (or "
-                f"JAXDIST_COORDINATOR_TOKEN_SHA256) to the SHA-256 of the chief's "
-                f"coordinator token; python -m jaxdist.launch --coordinator sets it")
-        self._verifier = verifier
+                f"{runtime.name}: needs the coordinator's public key and its answer key "
+                f"because a worker task runs the functions the chief signs: set TF_CONFIG "
+                f"'coordinator_public_key' and 'coordinator_answer_key' (or "
+                f"JAXDIST_COORDINATOR_PUBLIC_KEY and JAXDIST_COORDINATOR_ANSWER_KEY; "
+                f"jaxdist.cluster.credentials.CoordinatorKeys(token).worker_env"
+                f"({runtime.name!r}) computes them); python -m jaxdist.launch --coordinator "
+                f"sets them")
+        self._answer_key = credential.answer_key
         self.tls = resolve_tls(tls, runtime.name)
         self.service = WorkerService(runtime)
+        self._verifier = RequestVerifier(credential, runtime.name, self.service.incarnation)
         set_current(runtime)
         self._server, self.address = bind_server(
             runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
@@ -615,7 +608,7 @@ class WorkerServer(GrpcTaskServer):
             ServerLimits.from_env(), self._refuse_direct, self.service.incarnation,
             authenticate=self._direct_credential, stream=self._direct_stream,
             stream_methods=frozenset({"RunClosures"}),
-            # Only the coordinator's credential authenticates here: one peer, every slot.
+            # Only the chief's signed credential authenticates here: one peer, every slot.
             max_connections_per_peer=64) if use_direct else None
         self._init_lifecycle()
 
@@ -624,18 +617,34 @@ class WorkerServer(GrpcTaskServer):
             self.direct.start()
         return super().start()
 
+    def _mac(self, method: str, nonce: str, meta: dict, arrays: dict) -> dict:
+        """``meta`` with this worker's MAC over the whole answer message."""
+        return {**meta, MAC_KEY: answer_mac(self._answer_key, self.service.task, method, nonce,
+                                            meta, arrays)}
+
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
-            # Before any byte is unpickled.
-            check_coordinator(context, self._verifier, self.service.task, method)
-            if method == "RunClosures":
-                yield from self._run_batch(request_iterator, context)
-                return
+            metadata = dict(context.invocation_metadata() or ())
+            auth = metadata.get(AUTH_METADATA_KEY)
+            if auth is None:  # refused before a byte of the request is read
+                refusal = request_refusal(self._verifier, method, None, {}, {}, metadata)
+                context.abort(getattr(grpc.StatusCode, refusal.code), refusal.details)
             try:
                 meta, arrays = wire.decode(request_iterator)
+            except wire.WireError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{self.service.task} {method}: {type(e).__name__}: {e}")
+            # Before any byte is unpickled.
+            refusal = request_refusal(self._verifier, method, auth, meta, arrays, metadata)
+            if refusal is not None:
+                context.abort(getattr(grpc.StatusCode, refusal.code), refusal.details)
+            if method == "RunClosures":
+                yield from self._run_batch(meta, arrays, context)
+                return
+            try:
                 out_meta, out_arrays = self.service.handle(method, meta, arrays,
                                                            context.is_active)
-            except (wire.WireError, KeyError, ValueError, TypeError) as e:
+            except (KeyError, ValueError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
             nonce = meta.get(NONCE_KEY)
@@ -644,8 +653,7 @@ class WorkerServer(GrpcTaskServer):
                     # Larger requests go over gRPC (the client checks before sending).
                     out_meta = {**out_meta, "direct_port": self.direct.port,
                                 "max_request_bytes": self.direct.limits.max_request_bytes}
-                out_meta = {**out_meta, MAC_KEY: arrays_mac(self._verifier.digest, nonce,
-                                                            out_arrays)}
+                out_meta = self._mac(method, nonce, out_meta, out_arrays)
             if method == "Stop":
                 threading.Thread(target=self.stop, args=(0.5,), daemon=True,
                                  name="jaxdist-worker-stop").start()
@@ -653,12 +661,11 @@ class WorkerServer(GrpcTaskServer):
 
         return handler
 
-    def _run_batch(self, request_iterator, context):
+    def _run_batch(self, meta: dict, arrays: dict, context):
         """``RunClosures``: one MAC'd answer message per closure, sent as each one ends."""
         try:
-            meta, arrays = wire.decode(request_iterator)
             answers = self._batch_answers(meta, arrays, context.is_active)
-        except (wire.WireError, KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{self.service.task} RunClosures: {type(e).__name__}: {e}")
         try:
@@ -693,20 +700,21 @@ class WorkerServer(GrpcTaskServer):
               ) -> Iterator[tuple[dict, dict]]:
         try:
             for i, (out_meta, out_arrays) in enumerate(answers):
-                mac = arrays_mac(self._verifier.digest, item_nonce(nonce, i), out_arrays)
-                yield {**out_meta, MAC_KEY: mac}, out_arrays
+                yield self._mac("RunClosures", item_nonce(nonce, i), out_meta,
+                                out_arrays), out_arrays
         finally:
             answers.close()  # the batch's turn ends with the call
 
     # ------------------------------------------------------------------ direct transport
     def _direct_credential(self, presented: Any) -> CallFailed | None:
-        """A direct connection must present the coordinator token (checked before any byte
-        of a request is read)."""
-        if isinstance(presented, str) and self._verifier.accepts(presented):
-            return None
-        return CallFailed("UNAUTHENTICATED", f"{self.service.task} refused the connection: " + (
-            "wrong coordinator token" if presented else
-            "it carries no coordinator token"))
+        """A direct connection must present the chief's signed ``Connect`` credential for
+        this worker and incarnation (checked before any byte of a request is read)."""
+        if presented is None or presented == "":
+            refusal = Refusal("UNAUTHENTICATED", f"{self.service.task} refused the connection: "
+                                                 f"it carries no coordinator credential")
+        else:
+            refusal = self._verifier.check(CONNECT_METHOD, presented, body_digest({}, {}))
+        return None if refusal is None else CallFailed(refusal.code, refusal.details)
 
     def _refuse_direct(self, method: str, meta: dict, arrays: dict) -> tuple[dict, dict]:
         raise CallFailed("UNIMPLEMENTED", f"{self.service.task}: method {method[:64]!r} is "
@@ -714,6 +722,9 @@ class WorkerServer(GrpcTaskServer):
 
     def _direct_stream(self, method: str, meta: dict, arrays: dict,
                        active: Callable[[], bool]) -> Iterator[tuple[dict, dict]]:
+        refusal = request_refusal(self._verifier, method, meta.get(AUTH_KEY), meta, arrays)
+        if refusal is not None:
+            raise CallFailed(refusal.code, refusal.details)
         try:
             return self._batch_answers(meta, arrays, active)
         except (KeyError, ValueError, TypeError) as e:
@@ -729,8 +740,8 @@ class WorkerServer(GrpcTaskServer):
 
 
 __all__ = ["ANSWERS_KEY", "BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "GROUP_HOLD_SECONDS",
-           "GROUP_KEY", "GROUP_MAX_BYTES", "MAX_BATCH_CLOSURES", "MAX_RESOURCE_ARGS", "METHODS",
-           "RAW_VALUE_BYTES", "RESOURCES_KEY", "SEQ_KEY", "SERVICE_NAME", "SESSION_KEY",
-           "WorkerServer", "WorkerService", "answer_value", "arrays_mac", "check_coordinator",
-           "direct_enabled", "dumps_value", "group_answers", "item_nonce", "split_answers",
+           "GROUP_KEY", "GROUP_MAX_BYTES", "MAC_KEY", "MAX_BATCH_CLOSURES", "MAX_RESOURCE_ARGS",
+           "METHODS", "NONCE_KEY", "RAW_VALUE_BYTES", "RESOURCES_KEY", "SEQ_KEY", "SERVICE_NAME",
+           "SESSION_KEY", "WorkerServer", "WorkerService", "answer_value", "direct_enabled",
+           "dumps_value", "group_answers", "item_nonce", "request_refusal", "split_answers",
            "value_arrays"]

@@ -13,7 +13,8 @@ Frames: a 16-byte prefix ``<4sIQ`` (magic, JSON header length, payload length), 
 header, then the payload (arrays at 64-byte aligned offsets, as ``jaxdist.ps.wire``).
 
 * server -> client on connect: ``JDH1`` ``{"task", "incarnation"}``;
-* client -> server: ``JDA1`` ``{"token"}``; the server answers a response frame (``OK`` or
+* client -> server: ``JDA1`` ``{"token"}`` (the cluster token; on a worker's direct port the
+  chief's signed connection credential); the server answers a response frame (``OK`` or
   ``UNAUTHENTICATED``, then it closes);
 * request: ``JDQ1`` ``{"method", "meta", "arrays"}`` + payload;
 * response: ``JDR1`` ``{"code", "details", "meta", "arrays"}`` + payload (``code`` is a
@@ -348,7 +349,10 @@ class DirectPool:
 
     Args:
         addresses: the tasks' gRPC ``host:port`` (the direct port is on the same host).
-        token: the cluster token.
+        token: the cluster token, or ``token(task, hello) -> credential`` giving the
+            credential for one new connection to ``task`` (``hello``: the server's hello,
+            its incarnation already checked; the worker direct port wants the chief's signed
+            credential for that task and incarnation).
         tls: the client's TLS identity (``None``: plaintext, loopback only).
         ping: ``ping(task, timeout) -> meta`` over gRPC (says the direct port).
         error: ``error(task, method, timeout, code_name, details) -> Exception``.
@@ -356,7 +360,8 @@ class DirectPool:
         job: the tasks' job name (in messages).
     """
 
-    def __init__(self, addresses: Sequence[str], token: str | None, tls: TLSConfig | None,
+    def __init__(self, addresses: Sequence[str],
+                 token: str | Callable[[int, dict], Any] | None, tls: TLSConfig | None,
                  ping: Callable[[int, float], dict], error: Callable[..., Exception],
                  max_idle: int = 4, job: str = "ps"):
         self.addresses = list(addresses)
@@ -413,7 +418,8 @@ class DirectPool:
             hello, _ = recv_frame(sock, HELLO, MAX_HANDSHAKE_BYTES, 0, deadline, None)
             if hello.get("incarnation") != info.get("incarnation"):
                 raise ConnectionError("the task restarted")  # rediscover before sending the token
-            send_frame(sock, AUTH, {"token": self._token}, None, deadline)
+            credential = self._token(task, hello) if callable(self._token) else self._token
+            send_frame(sock, AUTH, {"token": credential}, None, deadline)
             reply, _ = recv_frame(sock, RESPONSE, MAX_HANDSHAKE_BYTES, 0, deadline, None)
         except (OSError, wire.WireError, ssl.SSLError):
             raw.close()

@@ -49,8 +49,8 @@ class LocalCluster:
 
     Attributes:
         token: the cluster (ps) token every task holds.
-        coordinator_token: the right to run code on the workers (the chief holds it, workers
-            its digest).
+        coordinator_token: the right to run code on the workers (the chief holds it; each
+            worker holds the chief's public key and its own answer key).
         tls: the test process's own client identity (``TLSConfig``; ``"insecure"`` when
             plaintext), to build ``PSClient`` / ``WorkerClient`` in the test.
     """

@@ -1,0 +1,327 @@
+"""Only the chief can run code on a worker, and a worker cannot answer in another's name
+(issue 27, point 1).
+
+Two worker services run in this process (``worker:0`` and ``worker:1`` on 127.0.0.1, test
+PKI); the test plays the chief, and an attacker that holds everything ``worker:1`` holds: its
+public key and answer key, the cluster token, a certificate of the cluster CA, and every
+request the chief sent it (captured off the wire, as the worker process sees them).
+No JAX, no devices: the closures are plain Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+
+import cloudpickle
+import grpc
+import numpy as np
+import pytest
+from coordinator_util import in_process_worker
+
+from jaxdist.cluster.credentials import CoordinatorKeys, new_coordinator_token
+from jaxdist.coordinator.errors import WorkerAuthenticationError, WorkerUnavailableError
+from jaxdist.coordinator.signing import (
+    AUTH_METADATA_KEY,
+    MAC_KEY,
+    ReplayGuard,
+    answer_mac,
+)
+from jaxdist.coordinator.worker_client import WorkerClient
+from jaxdist.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
+from jaxdist.ps import direct, wire
+from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist.testing.tls import process_pki
+
+TOKEN = new_coordinator_token()
+
+
+def add_one(x: int) -> int:
+    return x + 1
+
+
+@pytest.fixture()
+def workers():
+    servers = [in_process_worker(index=i, token=TOKEN, direct_transport=False)[0]
+               for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop(0)
+
+
+def _chief(servers, **kwargs) -> WorkerClient:
+    kwargs.setdefault("direct_transport", False)
+    return WorkerClient([s.address for s in servers], TOKEN,
+                        tls=process_pki().identities["client"], **kwargs)
+
+
+class _Wire:
+    """What crosses the wire from the chief: every gRPC request's chunks and metadata."""
+
+    def __init__(self, client: WorkerClient):
+        self.sent: list[tuple[int, str, list[bytes], tuple]] = []
+        real = client._stubs
+
+        def spy(task, method, chunks, **kwargs):
+            chunks = list(chunks)
+            self.sent.append((task, method, chunks, kwargs.get("metadata", ())))
+            return real(task, method, iter(chunks), **kwargs)
+
+        client._stubs = spy
+
+    def last(self, task: int, method: str):
+        return [s for s in self.sent if s[0] == task and s[1] == method][-1]
+
+
+def _batch(fn, x) -> tuple[dict, dict]:
+    return ({"closures": [{"closure_id": 0}]},
+            {"args.0": to_bytes_array(cloudpickle.dumps(((x,), {}))),
+             "fn.0": to_bytes_array(cloudpickle.dumps(fn))})
+
+
+def _run(client: WorkerClient, task: int, x: int) -> int:
+    (meta, arrays), = client.call_stream(task, "RunClosures", *_batch(add_one, x), timeout=10)
+    assert meta["ok"], meta
+    return answer_value(arrays)
+
+
+def _send_as_attacker(server, method: str, chunks: list[bytes], metadata) -> list[bytes]:
+    """Sends raw request bytes to ``server`` with a certificate of the cluster CA."""
+    channels = open_channels([server.address], process_pki().identities["task"], "worker",
+                             CHANNEL_OPTIONS)
+    try:
+        return list(ChunkStubs(channels, SERVICE_NAME)(0, method, iter(chunks), timeout=10,
+                                                       metadata=metadata))
+    finally:
+        channels[0].close()
+
+
+def _refused(server, method, chunks, metadata) -> grpc.RpcError:
+    before = server.service.functions_run
+    with pytest.raises(grpc.RpcError) as err:
+        _send_as_attacker(server, method, chunks, metadata)
+    assert server.service.functions_run == before  # nothing ran
+    return err.value
+
+
+def test_a_request_captured_at_one_worker_is_refused_by_another(workers):
+    chief = _chief(workers)
+    spy = _Wire(chief)
+    assert _run(chief, 1, 41) == 42  # the chief runs a closure on worker:1
+    _, _, chunks, metadata = spy.last(1, "RunClosures")
+    err = _refused(workers[0], "RunClosures", chunks, metadata)  # worker:1 replays it
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "signature does not match" in err.details()
+    # Neither the captured Ping nor a signed request with another body (the signature
+    # covers the body) gets through.
+    _, _, ping, ping_meta = spy.last(1, "Ping")
+    assert _refused(workers[0], "Ping", ping, ping_meta).code() == \
+        grpc.StatusCode.UNAUTHENTICATED
+    meta, _ = wire.decode(iter(chunks))
+    evil = list(wire.encode(meta, _batch(print, "pwned")[1]))
+    err = _refused(workers[1], "RunClosures", evil, metadata)
+    assert "signature does not match" in err.details()
+    assert _run(chief, 0, 1) == 2 and _run(chief, 1, 2) == 3  # the chief still can
+    chief.close()
+
+
+def test_a_replayed_request_is_refused(workers):
+    chief = _chief(workers)
+    spy = _Wire(chief)
+    assert _run(chief, 1, 41) == 42
+    _, _, chunks, metadata = spy.last(1, "RunClosures")
+    err = _refused(workers[1], "RunClosures", chunks, metadata)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "already used (a replayed request)" in err.details()
+    chief.close()
+
+
+def test_a_request_signed_for_a_previous_incarnation_is_refused(workers):
+    chief = _chief(workers)
+    spy = _Wire(chief)
+    assert _run(chief, 1, 41) == 42
+    _, _, chunks, metadata = spy.last(1, "RunClosures")
+    port = workers[1].address.rsplit(":", 1)[1]
+    workers[1].stop(0)  # worker:1 restarts on the same port: it forgot every counter
+    workers[1] = in_process_worker(index=1, token=TOKEN, direct_transport=False,
+                                   address=f"127.0.0.1:{port}")[0]
+    err = _refused(workers[1], "RunClosures", chunks, metadata)
+    assert err.code() == grpc.StatusCode.ABORTED and "worker restarted" in err.details()
+    # The chief's next call fails the same way (it did not know); the one after pings first.
+    with pytest.raises(WorkerUnavailableError, match="worker:1 .* restarted"):
+        _run(chief, 1, 1)
+    assert _run(chief, 1, 5) == 6
+    chief.close()
+
+
+def test_nothing_a_worker_holds_lets_it_run_code_on_another(workers):
+    keys = CoordinatorKeys(TOKEN)
+    held = {"public key": keys.public_key, "its answer key": keys.answer_key("worker:1").hex(),
+            "cluster token": "t0k"}  # what worker:1's process holds (and its certificate)
+    for what, secret in held.items():
+        attacker = WorkerClient([workers[0].address], secret,
+                                tls=process_pki().identities["task"], direct_transport=False)
+        with pytest.raises(WorkerAuthenticationError, match="signature does not match"):
+            print("worker:1 signs with", what)
+            _run(attacker, 0, 1)
+        attacker.close()
+    # Nor a request "signed" with its answer key in place of the chief's signature.
+    meta, arrays = _batch(add_one, 1)
+    forged = {"s": "x", "t": time.time_ns(), "n": 1, "i": workers[0].service.incarnation,
+              "sig": hmac.new(keys.answer_key("worker:1"), b"RunClosures",
+                              hashlib.sha512).hexdigest()}
+    err = _refused(workers[0], "RunClosures", list(wire.encode({**meta, "nonce": "n"}, arrays)),
+                   ((AUTH_METADATA_KEY, json.dumps(forged)),))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert workers[0].service.functions_run == 0
+
+
+def test_the_coordinator_token_never_reaches_a_worker(workers, monkeypatch):
+    frames = []
+    real_send = direct.send_frame
+    monkeypatch.setattr(direct, "send_frame", lambda sock, kind, header, *a, **k: (
+        frames.append(json.dumps(header)), real_send(sock, kind, header, *a, **k))[1])
+    for use_direct in (False, True):
+        for s in workers:
+            s.stop(0)
+        workers[:] = [in_process_worker(index=i, token=TOKEN, direct_transport=use_direct)[0]
+                      for i in range(2)]
+        chief = _chief(workers, direct_transport=use_direct)
+        spy = _Wire(chief)
+        assert [_run(chief, t, 1) for t in (0, 1)] == [2, 2]
+        assert chief.direct_calls == (2 if use_direct else 0)
+        chief.close()
+        sent = b"".join(b"".join(c) + repr(m).encode() for _, _, c, m in spy.sent)
+        sent += "".join(frames).encode()
+        for secret in (TOKEN, hashlib.sha256(TOKEN.encode()).hexdigest()):
+            assert secret.encode() not in sent
+
+
+def test_a_forged_or_altered_answer_is_refused(workers):
+    chief = _chief(workers)
+    chief.call(0, "Ping", timeout=5)
+    keys = CoordinatorKeys(TOKEN)
+    meta = {"ok": True, "task": "worker:0", "incarnation": workers[0].service.incarnation}
+    arrays = {"scalar": np.array(42, np.int64)}
+
+    def check(meta, arrays, key=None, nonce="n/0"):
+        key = key or keys.answer_key("worker:0")
+        macd = {**meta, MAC_KEY: answer_mac(key, "worker:0", "RunClosures", nonce, meta,
+                                            arrays)}
+        chief._check_mac(0, "RunClosures", "n/0", macd, dict(arrays))
+
+    check(meta, arrays)  # the real worker:0's answer passes
+    with pytest.raises(WorkerAuthenticationError, match="worker:0's MAC"):
+        check(meta, arrays, key=keys.answer_key("worker:1"))  # worker:1 answering for it
+    with pytest.raises(WorkerAuthenticationError):
+        check(meta, arrays, nonce="n/1")  # another message's (or call's) answer
+    # Every field is covered: an answer MAC'd as one thing and delivered as another fails.
+    for altered in ({**meta, "ok": False}, {**meta, "kind": "user"},
+                    {**meta, "incarnation": "x"}, {**meta, "task": "worker:1"},
+                    {k: v for k, v in meta.items() if k != "task"}):
+        macd = {**meta, MAC_KEY: answer_mac(keys.answer_key("worker:0"), "worker:0",
+                                            "RunClosures", "n/0", meta, arrays)}
+        macd.update(altered)
+        for key in set(meta) - set(altered):
+            macd.pop(key)
+        with pytest.raises(WorkerAuthenticationError):
+            chief._check_mac(0, "RunClosures", "n/0", macd, dict(arrays))
+    good = {**meta, MAC_KEY: answer_mac(keys.answer_key("worker:0"), "worker:0",
+                                        "RunClosures", "n/0", meta, arrays)}
+    with pytest.raises(WorkerAuthenticationError):
+        chief._check_mac(0, "RunClosures", "n/0", dict(good),
+                         {"scalar": np.array(43, np.int64)})
+    with pytest.raises(WorkerAuthenticationError):  # another worker's method/answer
+        chief._check_mac(0, "Ping", "n/0", dict(good), dict(arrays))
+    chief.close()
+
+
+def test_the_replay_guard_accepts_each_counter_once_within_its_window():
+    g = ReplayGuard(window=8, max_sessions=2)
+    assert [g.admit("a", 10, n) for n in (1, 3, 2)] == [None] * 3  # out of order is fine
+    assert "already used" in g.admit("a", 10, 2)
+    assert g.admit("a", 10, 20) is None
+    assert "too old" in g.admit("a", 10, 5)  # below the window: it may have been used
+    assert "another start time" in g.admit("a", 11, 21)
+    assert g.admit("b", 12, 1) is None and g.admit("c", 13, 1) is None  # "a" is forgotten
+    assert "forgotten" in g.admit("a", 10, 21)  # and cannot come back
+    assert "forgotten" in g.admit("z", 9, 1)  # nor an older session
+    assert g.admit("b", 12, 2) is None  # the kept ones go on
+
+
+# ------------------------------------------------------------ nor through its own answers
+CALLS: list[str] = []
+
+
+def _record(what: str) -> str:
+    CALLS.append(what)
+    return what
+
+
+class _Evil:
+    """What a compromised worker returns: a pickle that calls a function when loaded."""
+
+    def __reduce__(self):
+        return _record, ("code ran on the chief",)
+
+
+def evil(_: int) -> _Evil:
+    return _Evil()
+
+
+def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
+    from jaxdist.coordinator.answer_pickle import TRUST_ENV, UntrustedPickleError
+
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    CALLS.clear()
+    chief = _chief(workers)
+    (meta, arrays), = chief.call_stream(0, "RunClosures", *_batch(evil, 0), timeout=10)
+    assert meta["ok"] and "value" in arrays  # the worker's own, correctly MAC'd answer
+    with pytest.raises(UntrustedPickleError, match=r"test_coordinator_signing\._record"):
+        answer_value(arrays)
+    assert CALLS == []
+    monkeypatch.setenv(TRUST_ENV, "1")  # trusting every worker: the same bytes run code
+    assert answer_value(arrays) == "code ran on the chief" and CALLS == [
+        "code ran on the chief"]
+    chief.close()
+
+
+def test_an_exception_from_a_worker_is_built_only_from_data(monkeypatch):
+    import pickle
+
+    from jaxdist.coordinator.answer_pickle import TRUST_ENV
+    from jaxdist.coordinator.cluster_coordinator import _remote_exception
+    from jaxdist.coordinator.errors import RemoteError
+
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    CALLS.clear()
+    meta = {"task": "worker:1", "type": "ValueError", "message": "m", "traceback": "tb"}
+    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(_Evil()))})
+    assert isinstance(error, RemoteError) and CALLS == []
+    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(KeyError("k")))})
+    assert type(error) is KeyError and error.args == ("k",)
+
+
+def test_plain_results_come_back_unchanged():
+    import collections
+    import pickle
+
+    import ml_dtypes
+
+    from jaxdist.coordinator.answer_pickle import loads
+
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float16(1.5), np.int64(-3),
+              np.zeros(2, ml_dtypes.bfloat16), np.array([1, "a", None], object),
+              np.array(["ab"]), np.dtype([("a", "<f4")]), np.datetime64("2020-01-02"),
+              collections.OrderedDict(a=1), {"x": [1, (2.5, 3j)], "s": {1}, "b": b"\0"},
+              frozenset({1}), bytearray(b"x"), slice(1, 2), range(3), None, True, "s"]
+    for value in values:
+        got = loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        assert type(got) is type(value) and repr(got) == repr(value)
+    masked = np.ma.masked_array([1.0, 2.0], mask=[0, 1])
+    got = loads(pickle.dumps(masked))
+    assert type(got) is np.ma.MaskedArray and got.mask.tolist() == [False, True]
+    rec = np.rec.fromrecords([(1, 2.0)], names="a,b")
+    assert loads(pickle.dumps(rec)).b.tolist() == [2.0]
