@@ -16,12 +16,25 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
 * when a task fails, stops the others and exits with that task's exit code;
 * on Ctrl-C (or SIGTERM) stops every task and exits 130 (143).
 
-With ``--coordinator`` (TF2 ``ClusterCoordinator`` mode) a chief task runs the command; the
-ps and worker tasks run ``python -m jaxdist.server`` and are stopped when the chief exits.
+Who runs what (as TensorFlow's parameter-server guide has it: ps tasks, and with a
+coordinator worker tasks too, run a server and wait; the program runs elsewhere):
+
+* ps tasks run ``python -m jaxdist.server --checkpoint_root ROOT``: they serve the variables
+  and save or restore checkpoints only under ``ROOT`` (``--checkpoint-root``, default
+  ``$JAXDIST_PS_CHECKPOINT_ROOT``, else the launcher's working directory, so a checkpoint path
+  relative to the program's working directory lies inside it);
+* without ``--coordinator`` (between-graph, TF1 style) every chief and worker task runs the
+  command; with ``--coordinator`` (TF2 ``ClusterCoordinator``) a chief task is added and runs
+  the command, and the worker tasks run ``python -m jaxdist.server`` too (they run the
+  functions the chief schedules), all stopped when the chief exits;
+* ``python -m jaxdist.train`` serves its own ps tasks (they restore the job's
+  ``checkpoint.dir`` at start), so between-graph its ps tasks run the command as well; so do
+  every program's with ``--ps-runs-command``.
 
 Example:
     python -m jaxdist.launch --workers 2 --devices-per-process 2 -- \\
         python -m jaxdist.train --config configs/multi_worker.yaml
+    python -m jaxdist.launch --workers 2 --ps 2 -- python train_between_graph.py
     python -m jaxdist.launch --coordinator --workers 2 --ps 1 -- python train_coordinator.py
 """
 
@@ -48,6 +61,39 @@ from jaxdist.cluster.local import (
 from jaxdist.cluster.pki import LocalPKI, apply_task_security, local_pki
 from jaxdist.cluster.validation import task_name
 
+#: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
+CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
+
+
+def serves_its_own_ps_tasks(command: Sequence[str]) -> bool:
+    """Whether ``command`` is ``python -m jaxdist.train ...``, which serves its ps tasks itself
+    (they restore the job's checkpoint at start, under its ``checkpoint.dir``).
+
+    Example:
+        >>> serves_its_own_ps_tasks(["python", "-m", "jaxdist.train", "--config", "c.yaml"])
+        True
+        >>> serves_its_own_ps_tasks(["python", "train.py"])
+        False
+    """
+    args = list(command)
+    for i, a in enumerate(args[:-1]):
+        if a == "-m" and args[i + 1] == "jaxdist.train":
+            return True
+    return False
+
+
+def server_command(job: str, checkpoint_root: str) -> list[str]:
+    """The argv the launcher runs for a ps task (or a coordinator's worker task).
+
+    Example:
+        >>> server_command("ps", "/runs")[1:]
+        ['-m', 'jaxdist.server', '--checkpoint_root', '/runs']
+    """
+    argv = [sys.executable, "-m", "jaxdist.server"]
+    if job == "ps":
+        argv += ["--checkpoint_root", checkpoint_root]
+    return argv
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -62,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator", action="store_true",
                    help="TF2 ClusterCoordinator mode: adds a chief that runs COMMAND; ps and "
                         "worker tasks run `python -m jaxdist.server`")
+    p.add_argument("--checkpoint-root", default=None, metavar="DIR",
+                   help="ps tasks save and restore checkpoints only under DIR (default: "
+                        f"${CHECKPOINT_ROOT_ENV}, else the current directory)")
+    p.add_argument("--ps-runs-command", action="store_true",
+                   help="run COMMAND on the ps tasks too (a program that serves its own ps "
+                        "tasks, as `python -m jaxdist.train` does, which needs no flag); "
+                        "default: ps tasks run `python -m jaxdist.server`")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
                    help="force K CPU devices in each process (JAX_NUM_CPU_DEVICES)")
     p.add_argument("--grace", type=float, default=10.0,
@@ -86,11 +139,18 @@ class Launcher:
                  chief: bool = False, evaluator: bool = False,
                  devices_per_process: int | None = None, grace: float = 10.0,
                  evaluator_grace: float = 60.0, out=None, coordinator: bool = False,
-                 insecure: bool = False):
+                 insecure: bool = False, checkpoint_root: str | None = None,
+                 ps_runs_command: bool = False):
         if not command:
             raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
         self.command = list(command)
         self.coordinator = coordinator
+        root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV) or os.getcwd()
+        self.checkpoint_root = os.path.abspath(root)
+        # jaxdist.train's ps tasks restore the job's checkpoint at start; in coordinator mode
+        # the chief restores (the servers only need the root).
+        self.ps_runs_command = ps_runs_command or (
+            not coordinator and serves_its_own_ps_tasks(self.command))
         self.cluster = local_cluster(workers, ps, chief or coordinator, evaluator)
         self.token = new_token()
         self.coordinator_token = new_coordinator_token()
@@ -109,21 +169,37 @@ class Launcher:
             self.out.write(f"[launch] {msg}\n")
             self.out.flush()
 
+    def argv_for(self, job: str) -> list[str]:
+        """What task ``job`` runs: a server (ps; a coordinator's workers) or the command.
+
+        Example:
+            >>> Launcher(["python", "train.py"], workers=2, ps=1).argv_for("ps")[1:3]
+            ['-m', 'jaxdist.server']
+        """
+        if job == "ps":
+            return list(self.command) if self.ps_runs_command else server_command(
+                "ps", self.checkpoint_root)
+        if self.coordinator and job == "worker":
+            return server_command(job, self.checkpoint_root)
+        return list(self.command)
+
     def start(self) -> None:
         if not self.insecure and self.pki is None:
             self.pki = local_pki([task_name(j, i) for j, i in task_list(self.cluster)])
+        if "ps" in self.cluster:
+            os.makedirs(self.checkpoint_root, exist_ok=True)
         for job, i in task_list(self.cluster):
             name = task_name(job, i)
             env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
             apply_task_security(env, job, i, self.pki, self.coordinator_token)
-            argv = self.command
-            if self.coordinator and job in ("ps", "worker"):
-                argv = [sys.executable, "-m", "jaxdist.server"]
-                # A ps saves only under its checkpoint root: the chief's working directory.
-                env.setdefault("JAXDIST_PS_CHECKPOINT_ROOT", os.getcwd())
-            self.tasks[name] = TaskProcess(name, argv, env, echo=self.out,
+            # Every task knows the ps tasks' checkpoint root (a program that serves its own
+            # ps tasks, or checks where it may save, reads it here).
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+            self.tasks[name] = TaskProcess(name, self.argv_for(job), env, echo=self.out,
                                            echo_lock=self.lock)
         self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
+        if "ps" in self.cluster:
+            self._say(f"ps tasks checkpoint under {self.checkpoint_root}")
 
     def stop_all(self, except_: Sequence[str] = ()) -> None:
         live = [t for n, t in self.tasks.items() if n not in except_ and t.running()]
@@ -198,7 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("need --workers >= 1 (or --chief)")
     launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
                         args.devices_per_process, args.grace, args.evaluator_grace,
-                        coordinator=args.coordinator, insecure=args.insecure)
+                        coordinator=args.coordinator, insecure=args.insecure,
+                        checkpoint_root=args.checkpoint_root,
+                        ps_runs_command=args.ps_runs_command)
     return launcher.run()
 
 

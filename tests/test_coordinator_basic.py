@@ -4,6 +4,7 @@ chief): schedule/join/fetch, per-worker values and datasets, errors, token, shut
 import os
 import threading
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -187,7 +188,13 @@ def test_first_error_cancels_pending_and_is_raised_once(coordinator):
             pending.append(coordinator.schedule(slow, args=(i,)))
         coordinator.join()
     assert len(pending) == 30, "the error was raised while scheduling"
-    assert "raised on worker:" in "".join(getattr(info.value, "__notes__", []))
+    # one typed line and one note on the chief; the worker's frames stay on the error
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and "\n" not in notes[0], notes
+    assert notes[0].startswith("raised on worker:") and " in bad " in notes[0], notes
+    assert ', in bad\nValueError: bad value 42' in info.value.remote_traceback
+    printed = traceback.format_exception_only(info.value)
+    assert len("".join(printed).splitlines()) == 2, printed
     coordinator.join()  # raised once: cleared now
     with pytest.raises(ValueError):
         failing.fetch()

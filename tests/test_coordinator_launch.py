@@ -45,3 +45,29 @@ def test_a_server_task_logs_jaxdist_from_info_and_other_libraries_from_warning(m
     finally:
         root.setLevel(saved[0])
         ours.setLevel(saved[1])
+
+
+def test_a_worker_server_imports_keras_on_the_jax_backend(monkeypatch):
+    from jaxdist.coordinator.server import use_keras_jax_backend
+
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    use_keras_jax_backend("worker:0")
+    assert os.environ["KERAS_BACKEND"] == "jax"
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    with pytest.raises(ValueError, match=r"^worker:3: KERAS_BACKEND='torch' in the environment, "
+                                         r"but jaxdist workers run Keras on the JAX backend"):
+        use_keras_jax_backend("worker:3")
+
+
+def test_a_worker_server_with_another_keras_backend_exits_with_one_line():
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", JAXDIST_INSECURE="1",
+               JAXDIST_CLUSTER_TOKEN="t" * 32,
+               TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}),
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "jaxdist.server"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "jaxdist.server: worker:0: KERAS_BACKEND='tensorflow' in the environment, but jaxdist "
+        "workers run Keras on the JAX backend: unset KERAS_BACKEND or set KERAS_BACKEND=jax"]

@@ -193,6 +193,50 @@ def test_attach_errors():
         _fit(m)
 
 
+
+def _lazy_model(optimizer):
+    """The model of TF's tutorial: no Input, not called yet (Keras builds it from a batch)."""
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    m.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    return m
+
+
+def test_a_lazily_built_model_is_built_at_its_first_fit_and_matches_keras():
+    """As TF's fit: attach accepts a model without an Input; its first fit builds it from the
+    first batch, then its variables go to the ps; the numbers are Keras's own."""
+    ref = _lazy_model(keras.optimizers.Adagrad(0.1))
+    h_ref = _fit(ref)
+    m = _lazy_model(keras.optimizers.Adagrad(0.1))
+    training = jk.attach(m, jaxdist.ParameterServerStrategy())
+    assert not m.built and training.variables is None
+    with pytest.raises(RuntimeError, match="is not built yet, so nothing is on the ps"):
+        training.pull_weights()
+    h = _fit(m)
+    assert m.built and training.steps == 8
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-6)
+    for a, b, c in zip(m.trainable_variables, training.variables.pull(), ref.get_weights()):
+        np.testing.assert_array_equal(np.asarray(a.value), b)   # the ps's values
+        np.testing.assert_allclose(b, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["evaluate", "predict"])
+def test_a_lazily_built_model_used_first_by_evaluate_or_predict_goes_to_the_ps(first):
+    m = _lazy_model(keras.optimizers.SGD(0.1))
+    training = jk.attach(m, jaxdist.ParameterServerStrategy())
+    if first == "evaluate":
+        m.evaluate(X, Y, verbose=0)
+    else:
+        assert m.predict(X[:4], verbose=0).shape == (4, 1)
+    assert training.variables is not None
+    before = [np.array(x) for x in training.variables.pull()]
+    _fit(m)                                     # trains the very variables created then
+    after = training.variables.pull()
+    assert all(not np.array_equal(a, b) for a, b in zip(before, after))
+    for a, b in zip(m.trainable_variables, after):
+        np.testing.assert_array_equal(np.asarray(a.value), b)
+
+
 # ---------------------------------------------------------------------- sparse embeddings
 IDS = np.random.default_rng(1).integers(0, 50, size=(32, 3)).astype("int32")
 YE = np.random.default_rng(2).normal(size=(32, 1)).astype("float32")

@@ -587,8 +587,11 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
 
 
 def _remote_exception(meta: dict, arrays: dict) -> BaseException:
-    """The exception a worker sent back, with its traceback attached as a note."""
+    """The exception a worker sent back, as itself (its type and message), with one note line
+    naming the task and the worker's innermost frame; the worker's whole traceback is its
+    ``remote_traceback`` attribute (and in the worker's log), not printed on the chief."""
     task = meta.get("task")
+    tb = str(meta.get("traceback") or "")
     error: BaseException | None = None
     if "error" in arrays:
         try:
@@ -598,12 +601,27 @@ def _remote_exception(meta: dict, arrays: dict) -> BaseException:
             error = None
     if not isinstance(error, BaseException):
         error = RemoteError(f"{task}: {meta.get('type')}: {meta.get('message')}", task=task,
-                            remote_type=str(meta.get("type")),
-                            remote_traceback=str(meta.get("traceback", "")))
-    tb = meta.get("traceback")
-    if tb and hasattr(error, "add_note"):
-        error.add_note(f"raised on {task}:\n{tb}")
+                            remote_type=str(meta.get("type")), remote_traceback=tb)
+    if tb:
+        try:
+            error.remote_traceback = tb  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an exception type that refuses attributes
+            pass
+        if hasattr(error, "add_note"):
+            error.add_note(f"raised on {task}{_innermost_frame(tb)} (the worker's traceback: "
+                           f"the error's remote_traceback, and that task's log)")
     return error
+
+
+def _innermost_frame(tb: str) -> str:
+    """`` at FILE:LINE in FUNCTION`` of a formatted traceback's last frame (or ``""``)."""
+    import re
+
+    frames = re.findall(r'^  File "([^"]+)", line (\d+), in (.+)$', tb, re.MULTILINE)
+    if not frames:
+        return ""
+    path, line, fn = frames[-1]
+    return f" at {path}:{line} in {fn}"
 
 
 def _identity_dataset(dataset: Any) -> Any:
@@ -776,7 +794,9 @@ class ClusterCoordinator:
         if info.task_type not in ("chief", None):
             raise ValueError(
                 f"the coordinator runs on the chief task, this process is {info.name} "
-                f"(TF_CONFIG task type must be 'chief')")
+                f"(TF_CONFIG task type must be 'chief'); with python -m jaxdist.launch pass "
+                f"--coordinator: it adds the chief that runs the program and runs "
+                f"python -m jaxdist.server on the worker and ps tasks")
         self._settings = dict(settings)
         self._strategy = strategy
         self._rpc_timeout = float(rpc_timeout)

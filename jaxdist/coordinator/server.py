@@ -7,7 +7,9 @@ SIGTERM or SIGINT). With ``checkpoint_dir`` it restores the latest checkpoint at
 
 A worker task (TF2 ``ClusterCoordinator`` mode) serves the worker service: it runs the
 functions the coordinator sends (cloudpickle, accepted only when signed by the chief) against
-the ps tasks, with its own ``ParameterServerStrategy`` over its local devices.
+the ps tasks, with its own ``ParameterServerStrategy`` over its local devices. It imports Keras
+(when a function needs it) on the JAX backend: it sets ``KERAS_BACKEND=jax`` at start, and
+refuses to start when the environment names another backend.
 
 Example:
     $ TF_CONFIG='{"cluster": {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]},
@@ -48,6 +50,38 @@ def configure_logging() -> None:
 #: Default of ``--checkpoint_root`` (``jaxdist.launch --coordinator`` sets its working directory).
 CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
 
+
+
+def use_keras_jax_backend(task: str) -> None:
+    """Makes a worker task import Keras on the JAX backend, whatever the chief's program did.
+
+    The chief's functions unpickle on the worker; those that use Keras import it there. A
+    program that sets ``KERAS_BACKEND=jax`` itself (``os.environ`` before ``import keras``)
+    sets it in its own process only, and Keras's default backend is TensorFlow, so the worker
+    sets ``KERAS_BACKEND=jax`` before anything imports keras.
+
+    Raises:
+        ValueError: the environment names another backend, or keras is already imported on
+            another backend (one line naming it and the fix).
+
+    Example:
+        >>> use_keras_jax_backend("worker:0")
+        >>> os.environ["KERAS_BACKEND"]
+        'jax'
+    """
+    backend = os.environ.get("KERAS_BACKEND", "")
+    if backend and backend != "jax":
+        raise ValueError(
+            f"{task}: KERAS_BACKEND={backend!r} in the environment, but jaxdist workers run "
+            f"Keras on the JAX backend: unset KERAS_BACKEND or set KERAS_BACKEND=jax")
+    keras = sys.modules.get("keras")
+    loaded = getattr(getattr(keras, "backend", None), "backend", None)
+    if callable(loaded) and loaded() != "jax":
+        raise ValueError(
+            f"{task}: keras was imported on the {loaded()!r} backend before the worker "
+            f"started; jaxdist workers run Keras on the JAX backend: set KERAS_BACKEND=jax "
+            f"before keras is imported")
+    os.environ["KERAS_BACKEND"] = "jax"
 
 
 def _address(info: Any, job: str, index: int) -> str:
@@ -136,6 +170,7 @@ class Server:
 
         address = _address(info, "worker", index)
         self.task = f"worker:{index}"
+        use_keras_jax_backend(self.task)
         worker_info = replace(info, task_type="worker", task_id=index,
                               token=token or info.token)
         self.runtime = WorkerRuntime(worker_info, strategy_factory)
@@ -228,4 +263,4 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
     return 0
 
 
-__all__ = ["Server", "configure_logging", "main"]
+__all__ = ["Server", "configure_logging", "main", "use_keras_jax_backend"]

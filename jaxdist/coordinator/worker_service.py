@@ -376,6 +376,9 @@ class WorkerService:
 
     def _failure(self, kind: str, e: BaseException) -> tuple[dict, dict]:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        if kind == "user":  # the chief prints one line: the whole story is in this log
+            log.warning("%s: a function failed (%s: %s):\n%s", self.task, type(e).__name__,
+                        e, tb)
         meta = {"ok": False, "kind": kind, "type": type(e).__name__, "message": str(e),
                 "traceback": tb[-8000:], "task": self.task, "incarnation": self.incarnation}
         payload = _pickle_error(e)

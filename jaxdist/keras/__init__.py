@@ -71,8 +71,10 @@ def distribution_for(strategy: Any) -> Any:
         ...     model = keras.Sequential([...])
     """
     require_keras()
+    from jaxdist.keras import sharding_check
     from jaxdist.keras.distribution import StrategyDistribution
 
+    sharding_check.install()  # no false mixed-sharding alarm on one device
     return StrategyDistribution(strategy)
 
 
@@ -112,9 +114,10 @@ def strategy_scope_hook(strategy: Any) -> Any:
             return None
     except AttributeError:  # keras is being imported right now
         return None
-    from jaxdist.keras import model_strategy
+    from jaxdist.keras import model_strategy, sharding_check
 
     model_strategy.install()  # models remember this strategy (fit outside the scope, as TF)
+    sharding_check.install()  # no false mixed-sharding alarm on one device
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
         from jaxdist.keras import distribution as dist_lib

@@ -235,28 +235,42 @@ class KerasPSTraining:
         if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
             raise ValueError("attach the model after model.compile(optimizer=..., loss=...): "
                              "the Keras optimizer decides the update the ps applies")
-        if not model.built:
-            raise ValueError(f"model {model.name!r} is not built: give it a keras.Input (or "
-                             f"call model.build(input_shape)) before attach, so its variables "
-                             f"exist and can be created on the ps")
         self.model, self.strategy = model, strategy
         self._optimizer = model.optimizer
         self.ps_optimizer = (ps_opt.as_spec(ps_optimizer) if ps_optimizer is not None
                              else keras_optimizer_spec(model.optimizer))
         self.coordinator = strategy.extended.cluster_coordinator
+        self._name, self._sparse_names = name, list(sparse_embeddings)
+        self._embedding_optimizer = embedding_optimizer
         layers = [_embedding_layer(model, n) for n in sparse_embeddings]
+        for layer in layers:
+            input_index(model, layer)  # refuse before anything is created on the ps
+        self.variables: Any = None
+        self.tables: list[SparseTable] = []
+        self.steps = 0
+        self._compute: _StepCompute | None = None
+        self._pending: deque = deque()
+        self._worker_step: Any = None
+        self._install()
+        if model.built:
+            self._create_on_ps()
+        # else (no keras.Input, never called): as TF's fit, the first fit / evaluate /
+        # predict builds the model from its first batch, then its variables go to the ps.
+
+    def _create_on_ps(self) -> None:
+        """Creates the model's trainable variables on the ps (the chief; other workers wait
+        for them) and takes their values."""
+        model, strategy, name = self.model, self.strategy, self._name
+        layers = [_embedding_layer(model, n) for n in self._sparse_names]
         if self.coordinator is not None:
             _check_metric_aggregation(model)
         sparse_ids = {id(layer.embeddings) for layer in layers}
         self._dense_index = [i for i, v in enumerate(model.trainable_variables)
                              if id(v) not in sparse_ids]
         init = [np.asarray(model.trainable_variables[i].value) for i in self._dense_index]
-        self.tables: list[SparseTable] = []
-        for layer in layers:
-            input_index(model, layer)  # refuse before anything is created on the ps
         if layers:
-            spec = table_optimizer(self.ps_optimizer, embedding_optimizer,
-                                   list(sparse_embeddings))
+            spec = table_optimizer(self.ps_optimizer, self._embedding_optimizer,
+                                   self._sparse_names)
         with strategy.scope():
             self.variables = strategy.create_variables(init, self.ps_optimizer, name=name)
             for layer in layers:
@@ -266,10 +280,6 @@ class KerasPSTraining:
                     initializer=full, dtype=full.dtype)
                 self.tables.append(SparseTable(model, layer, table))
         self._ps = _PSState(model, self.variables, self.tables)
-        self.steps = 0
-        self._compute: _StepCompute | None = None
-        self._pending: deque = deque()
-        self._worker_step: Any = None
         if self.coordinator is not None:
             # Serialized now: during fit Keras detaches the values from the model's variables
             # (and before the tables shrink: the workers load the model whole once).
@@ -278,7 +288,18 @@ class KerasPSTraining:
                 [(t.layer.name, t.table, t.input_index) for t in self.tables])
         for t in self.tables:
             t.shrink(1)  # the table is on the ps: free this process's copy
-        self._install()
+
+    def _ensure_on_ps(self, model: Any) -> None:
+        """A lazily built model, now built by Keras from its first batch: its variables go
+        to the ps, and the model takes the ps's values (the chief's initial ones)."""
+        if self.variables is not None:
+            return
+        if not model.built:
+            raise ValueError(f"model {model.name!r} is still not built after Keras saw its "
+                             f"first batch: give it a keras.Input or call "
+                             f"model.build(input_shape) before fit")
+        self._create_on_ps()
+        self.pull_weights()
 
     # ------------------------------------------------------------------ model hooks
     def _install(self) -> None:
@@ -290,9 +311,26 @@ class KerasPSTraining:
             if self_model.optimizer is not handle._optimizer:
                 raise ValueError("the model was compiled again with another optimizer after "
                                  "jaxdist.keras.attach; call attach(model, strategy) again")
+            handle._ensure_on_ps(self_model)  # Keras built the model before asking
             self_model.train_function = (handle._coordinator_train_function
                                          if handle.coordinator is not None
                                          else handle._train_function)
+
+        def lazy(method: str) -> Any:
+            original = getattr(type(model), method)
+
+            def make(self_model, force=False):
+                if self_model.built:
+                    handle._ensure_on_ps(self_model)
+                if handle.tables:
+                    sparse = (handle._sparse_test_function if method == "make_test_function"
+                              else handle._sparse_predict_function)
+                    key = method.replace("make_", "")
+                    setattr(self_model, key, sparse)
+                    return sparse
+                return original(self_model, force)
+
+            return make
 
         def jax_state_sync(self_model):
             handle._refresh_jax_state()
@@ -307,8 +345,10 @@ class KerasPSTraining:
                 handle._finish()
 
         methods = [("make_train_function", make_train_function),
+                   ("make_test_function", lazy("make_test_function")),
+                   ("make_predict_function", lazy("make_predict_function")),
                    ("jax_state_sync", jax_state_sync), ("fit", fit)]
-        if self.tables:
+        if self._sparse_names:
             methods += self._sparse_methods()
         for name, fn in methods:
             object.__setattr__(model, name, types.MethodType(fn, model))
@@ -335,26 +375,20 @@ class KerasPSTraining:
 
             return call
 
-        def make_test_function(self_model, force=False):
-            self_model.test_function = handle._sparse_test_function
-
-        def make_predict_function(self_model, force=False):
-            self_model.predict_function = handle._sparse_predict_function
-
-        return [(m, guarded(m)) for m in ("get_weights", "save", "save_weights")] + [
-            ("make_test_function", make_test_function),
-            ("make_predict_function", make_predict_function)]
+        return [(m, guarded(m)) for m in ("get_weights", "save", "save_weights")]
 
     def _refresh_jax_state(self) -> None:
         """Before Keras writes its step state into the model: take the ps's values."""
         state = getattr(self.model, "_jax_state", None)
-        if not state or self.model._jax_state_synced:
+        if not state or self.model._jax_state_synced or self.variables is None:
             return
         self._drain(state)
         state["trainable_variables"] = self._ps.merge(self.variables.pull(),
                                                    state.get("trainable_variables"))
 
     def _finish(self) -> None:
+        if self.variables is None:  # fit failed before the model was built
+            return
         self._drain(None)
         self.pull_weights()
         if self.coordinator is None:
@@ -368,6 +402,9 @@ class KerasPSTraining:
                 layers (needed before ``model.save`` / ``get_weights``; the next step shrinks
                 them again).
         """
+        if self.variables is None:
+            raise RuntimeError(f"model {self.model.name!r} is not built yet, so nothing is on "
+                               f"the ps: its first fit / evaluate / predict builds it")
         trainable = self.model.trainable_variables
         for i, x in zip(self._dense_index, self.variables.pull()):
             trainable[i].assign(x)

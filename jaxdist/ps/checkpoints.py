@@ -175,7 +175,8 @@ def checkpoint_directory(task: str, requested: str | None, what: str, *, confine
         raise PSInvalidArgumentError(
             f"{task} refuses {what} to {requested!r}: it resolves to {path!r}, outside "
             f"the server's checkpoint root {real_root!r} (start the server with "
-            f"--checkpoint_root set to the training's checkpoint directory)",
+            f"--checkpoint_root set to the training's checkpoint directory; under "
+            f"python -m jaxdist.launch: --checkpoint-root DIR)",
             task=task)
     task_dir = _task_dir(path, task)
     if os.path.lexists(task_dir) and os.path.commonpath(

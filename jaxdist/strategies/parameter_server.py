@@ -14,6 +14,7 @@ compute runs on the local devices, like TF's contrib strategy.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -352,6 +353,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
             >>> if strategy.extended.should_checkpoint:
             ...     strategy.extended.save("/tmp/ckpt", step)
         """
+        # A relative directory is this process's (where the pointer goes), not each ps's.
+        directory = os.path.abspath(directory)
         results = self._client.call_many([
             (t, "Save", {"directory": directory, "step": int(step), "keep": keep}, {})
             for t in range(self._client.num_tasks)
@@ -361,6 +364,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
     def restore(self, directory: str, step: int | None = None) -> list[int]:
         """Asks every ps to replace its state with checkpoint ``step`` (default: latest)."""
+        directory = os.path.abspath(directory)  # as save: relative to this process
         results = self._client.call_many([
             (t, "Restore", {"directory": directory, "step": step}, {})
             for t in range(self._client.num_tasks)

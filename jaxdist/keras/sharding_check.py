@@ -1,0 +1,71 @@
+"""Keras's mixed-sharding warning, without its false alarm on one device.
+
+Keras 3.15 (``JAXTrainer._check_sharding_consistency``, called when a step's state shardings
+are gathered) warns "Detected a mix of local (SingleDeviceSharding) and distributed
+(mesh-aware) variables. This will cause a 'ValueError: Received incompatible devices for
+jitted computation' ..." whenever a Keras distribution is active and some variable's value has
+a ``SingleDeviceSharding`` while others have a mesh sharding. Under a strategy of one device
+(``OneDeviceStrategy``, ``MirroredStrategy`` over one device, ``CentralStorageStrategy``'s
+parameter device) that happens after every ``load_weights`` / ``set_weights`` / ``assign`` of a
+host value: Keras's ``distribute_tensor`` keeps an array whose sharding is *equivalent* to the
+variable's one-device mesh layout as it is, a ``SingleDeviceSharding`` on that same device.
+Nothing is incompatible then (every value is on the one device; the step compiles and runs),
+so the warning is wrong. ``install()`` keeps Keras's check and skips it only when every state
+sharding spans one and the same device; a real mix (state on different devices) still warns.
+
+Keras internals used: ``keras.src.backend.jax.trainer.JAXTrainer._check_sharding_consistency``
+(Keras 3.15; absent in older versions, which do not warn: then nothing is installed).
+
+Example:
+    >>> install()
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_INSTALLED = False
+
+
+def _one_device(*groups: Any) -> bool:
+    """Whether every sharding in ``groups`` places its array on the same single device."""
+    devices: set = set()
+    for group in groups:
+        for sharding in group or ():
+            device_set = getattr(sharding, "device_set", None)
+            if device_set is None:
+                return False
+            devices |= set(device_set)
+            if len(devices) > 1:
+                return False
+    return True
+
+
+def install() -> None:
+    """Makes Keras's mixed-sharding check skip state that lives on one device (idempotent).
+
+    Example:
+        >>> install()
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    original = getattr(JAXTrainer, "_check_sharding_consistency", None)
+    if original is None:  # this Keras has no such warning
+        _INSTALLED = True
+        return
+
+    @functools.wraps(original)
+    def check(self: Any, *shardings: Any, **kwargs: Any) -> Any:
+        if _one_device(*shardings, *kwargs.values()):
+            return None
+        return original(self, *shardings, **kwargs)
+
+    JAXTrainer._check_sharding_consistency = check
+    _INSTALLED = True
+
+
+__all__ = ["install"]
