@@ -21,6 +21,9 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keras on the JAX backend for every test, also where TensorFlow is installed (the tf.data
+# tests' extra): without it keras would import on TensorFlow, its default backend.
+os.environ.setdefault("KERAS_BACKEND", "jax")
 # Older spelling, honoured by every jaxlib; JAX_NUM_CPU_DEVICES wins where both are read.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
