@@ -19,7 +19,10 @@ Needs 4 local devices (tests/conftest.py forces 8 CPU devices); skipped with few
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -30,6 +33,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jaxdist  # noqa: E402
 
 DEVICES = 4
+HERE = os.path.dirname(os.path.abspath(__file__))
 RTOL, ATOL = 1e-5, 1e-6   # ATOL: per element (scaled by sqrt(size) for a norm)
 
 # name -> how it is compared where 1e-5 on every value is not the bar, and why.
@@ -102,6 +106,12 @@ def assert_same_results(got, ref, rtol=RTOL, atol=ATOL, drop=(), why="") -> None
     assert compared, "nothing was compared"
 
 
+def _like(ref, loaded):
+    """``loaded`` (JSON: arrays as nested lists) with ``ref``'s structure and arrays."""
+    treedef = jax.tree.structure(ref)
+    return jax.tree.unflatten(treedef, [np.asarray(x) for x in treedef.flatten_up_to(loaded)])
+
+
 def _param(name: str):
     marks = ([pytest.mark.xfail(strict=True, raises=ValueError, reason=XFAIL[name])]
              if name in XFAIL else [])
@@ -116,3 +126,71 @@ def test_program_on_4_devices_matches_1_device(name):
     ref = program.main(None)
     got = program.main(jaxdist.MirroredStrategy(jax.local_devices()[:DEVICES]))
     assert_same_results(got, ref, **LOOSER.get(name, {}))
+
+
+def _launch_env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+    for key in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        env.pop(key, None)  # the launcher gives each task its own
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(HERE), HERE, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multi_worker_with_keras_on_2_processes_matches_1_device(tmp_path):
+    """TF's multi-worker Keras tutorial as each task of ``python -m jaxdist.launch
+    --workers 2 --devices-per-process 2`` (4 replicas on one global mesh), against the same
+    program on 1 device over the same global batches."""
+    program = importlib.import_module("programs.tf_multi_worker_with_keras")
+    ref = program.main(None, num_workers=2)
+    out = tmp_path / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
+         "--", sys.executable, "-m", "programs.tf_multi_worker_with_keras", str(out),
+         str(tmp_path)],
+        cwd=HERE, env=_launch_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for i in range(2):
+        got = json.loads((tmp_path / f"result.{i}.json").read_text())
+        assert got.pop("replicas") == DEVICES
+        assert_same_results(_like(ref, got), ref)
+
+
+PARAMETER_SERVER = ["tf_parameter_server_custom_loop", "tf_parameter_server_keras_fit"]
+
+
+@pytest.fixture(scope="module")
+def ps_cluster():
+    """1 worker task with 4 CPU devices and 2 ps tasks on 127.0.0.1; this process is the
+    chief (the coordinator). Workers import the programs' modules (``PYTHONPATH``)."""
+    from coordinator_util import start_cluster
+
+    env = _launch_env()
+    c = start_cluster(workers=1, ps=2, devices_per_process=DEVICES,
+                      env={"KERAS_BACKEND": "jax", "PYTHONPATH": env["PYTHONPATH"]})
+    yield c
+    c.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", PARAMETER_SERVER)
+def test_parameter_server_program_on_a_4_device_worker_matches_1_device(name, ps_cluster):
+    """TF's parameter-server tutorial: its functions scheduled by a ``ClusterCoordinator``
+    onto a worker task with 4 devices, variables partitioned over 2 ps tasks, against the
+    same program in this process on 1 device with an in-process parameter service
+    (``programs/_inprocess.py``)."""
+    from coordinator_util import ChiefResolver, coordinator_for
+
+    program = importlib.import_module(f"programs.{name}")
+    ref = program.main(None)
+    strategy = program.make_strategy(ChiefResolver(ps_cluster.cluster, ps_cluster.token))
+    coordinator = coordinator_for(strategy)
+    try:
+        assert strategy.num_replicas_in_sync == DEVICES
+        got = program.main(strategy, coordinator)
+    finally:
+        coordinator.shutdown()
+    assert_same_results(got, ref)
