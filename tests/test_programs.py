@@ -13,7 +13,13 @@ A program that fails today because of a known, open jaxdist limitation is marked
 ``xfail(strict=True)`` with that limitation as the reason, so it reports XPASS (a failure)
 the day the fix lands and the mark must go.
 
-Needs 4 local devices (tests/conftest.py forces 8 CPU devices); skipped with fewer.
+The multi-process programs (marked ``slow``) run as their tutorials run them:
+TF's multi-worker Keras tutorial as each task of ``python -m jaxdist.launch --workers 2
+--devices-per-process 2``; the parameter-server tutorial's functions scheduled by a
+``ClusterCoordinator`` in this process onto a worker task with 4 CPU devices, with 2 ps tasks.
+
+The in-process tests need 4 local devices (tests/conftest.py forces 8 CPU devices) and are
+skipped with fewer; the multi-process ones force their tasks' CPU devices themselves.
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ RTOL, ATOL = 1e-5, 1e-6   # ATOL: per element (scaled by sqrt(size) for a norm)
 
 # name -> how it is compared where 1e-5 on every value is not the bar, and why.
 LOOSER: dict[str, dict] = {
+    "flax_mnist_example": dict(
+        rtol=5e-3,
+        why="float32 rounding is amplified to ~1e-3 here: the gradients of the biases before "
+            "BatchNorm are differences of nearly equal terms, and SGD at lr 0.1 with momentum "
+            "0.9 feeds them back. Scaling the input images by 1 + 2**-22 moves the 1-device "
+            "result as far (conv1's bias by 2.3e-3, batch_norm1's by 6.4e-4, the kernels by "
+            "1e-5..4e-5, relative norms) as 2, 4 or 8 devices do, and the 4-device result is "
+            "within 7e-6 of that perturbed 1-device run; 4 devices only sum in another order."),
     "flax_mnist_tutorial": dict(
         rtol=1e-3, drop=("conv2/bias", "batch_norm2/mean"),
         why="AdamW divides each gradient by its running RMS, so a parameter whose gradient is "
@@ -45,8 +59,8 @@ LOOSER: dict[str, dict] = {
             "devices sum each gradient in another order than 1 device. conv2's bias is such a "
             "parameter (batch_norm2 subtracts the batch mean, cancelling it in training): it is "
             "left out, and so is batch_norm2's running mean, which accumulates it; through that "
-            "mean it reaches the eval losses, compared to 1e-3 as everything else. The same "
-            "model trained with SGD (flax_mnist_example) matches to 1e-5."),
+            "mean it reaches the eval losses, compared to 1e-3 as everything else (rounding is "
+            "amplified as in flax_mnist_example)."),
 }
 
 UNEVEN = ("Keras fit/evaluate/predict on a last batch that does not divide over the replicas "
