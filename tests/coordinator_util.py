@@ -31,10 +31,13 @@ class ChiefResolver:
         return {k: list(v) for k, v in self._cluster.items()}
 
 
-def start_cluster(workers: int = 2, ps: int = 1, ps_args: tuple[str, ...] = ()) -> LocalCluster:
-    """Starts ps and worker tasks (not the chief: that is this process)."""
-    c = LocalCluster(workers=workers, ps=ps, chief=True, devices_per_process=1,
-                     env={"JAX_NUM_CPU_DEVICES": "1"})
+def start_cluster(workers: int = 2, ps: int = 1, ps_args: tuple[str, ...] = (),
+                  devices_per_process: int = 1, env: dict[str, str] | None = None
+                  ) -> LocalCluster:
+    """Starts ps and worker tasks (not the chief: that is this process), each with
+    ``devices_per_process`` forced CPU devices and ``env`` added to its environment."""
+    c = LocalCluster(workers=workers, ps=ps, chief=True, devices_per_process=devices_per_process,
+                     env={"JAX_NUM_CPU_DEVICES": str(devices_per_process), **(env or {})})
     # This process is the chief: its TLS identity and the coordinator token.
     for key in ("JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN_SHA256",
                 "JAXDIST_COORDINATOR_PUBLIC_KEY", "JAXDIST_COORDINATOR_ANSWER_KEY"):
