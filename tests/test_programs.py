@@ -61,6 +61,15 @@ LOOSER: dict[str, dict] = {
             "left out, and so is batch_norm2's running mean, which accumulates it; through that "
             "mean it reaches the eval losses, compared to 1e-3 as everything else (rounding is "
             "amplified as in flax_mnist_example)."),
+    "keras_timeseries_classification": dict(
+        rtol=2e-3,
+        drop=tuple(f"['weights'][{i}]" for i in (1, 4, 7, 10, 13, 16)),
+        why="each Conv1D's bias feeds a BatchNormalization that subtracts the batch mean, so "
+            "its gradient is zero up to rounding and Adam takes full-size steps in a direction "
+            "set by rounding (4 devices sum in another order than 1): the three conv biases "
+            "and the moving means that accumulate them are left out; the other weights agree "
+            "to 1e-3 (BatchNorm's beta moves with the bias) and the history and test accuracy "
+            "(compared before the weights) to 1e-5."),
 }
 
 UNEVEN = ("Keras fit/evaluate/predict on a last batch that does not divide over the replicas "
@@ -69,9 +78,9 @@ FIT_DATASET = "model.fit(jaxdist.Dataset) (today: Keras' 'Unrecognized data type
 
 # name -> the open jaxdist limitation that makes it fail today.
 XFAIL: dict[str, str] = {
-    "keras_timeseries_classification": UNEVEN,
-    "keras_structured_data": UNEVEN,
-    "tf_distribute_keras": FIT_DATASET,
+    # The 1-device reference run (no strategy) gives Keras a jaxdist.Dataset, which Keras
+    # accepts only under a jaxdist strategy.
+    "tf_distribute_keras": "model.fit(jaxdist.Dataset) outside a strategy (the reference run)",
 }
 
 IN_PROCESS = [
