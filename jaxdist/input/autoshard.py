@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.input.options import AutoShardPolicy
+from jaxdist.input.options import AutoShardPolicy, as_policy
 
 
 class FileListDataset:
@@ -74,19 +74,6 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
         >>> ds = with_auto_shard_policy(ds, AutoShardPolicy.DATA)
     """
     return _PolicyDataset(dataset, as_policy(policy))
-
-
-def as_policy(policy: Any) -> AutoShardPolicy:
-    if isinstance(policy, AutoShardPolicy):
-        return policy
-    name = getattr(policy, "name", policy)
-    try:
-        return AutoShardPolicy[str(name).upper()]
-    except KeyError:
-        raise ValueError(
-            f"auto_shard_policy={policy!r}: expected one of "
-            f"{[p.name for p in AutoShardPolicy]}"
-        ) from None
 
 
 def policy_of(dataset: Any, default: AutoShardPolicy = AutoShardPolicy.AUTO) -> AutoShardPolicy:
