@@ -284,7 +284,7 @@ def test_readme_dataset_example_runs_as_written(devices):
     import re
 
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("**`jaxdist.Dataset` as Keras input.**"):]
+    section = text[text.index("**`jaxdist.Dataset` and `tf.data.Dataset` as Keras input.**"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)
