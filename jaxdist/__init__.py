@@ -10,7 +10,7 @@ Example:
 
 import sys
 
-from jaxdist import cluster_resolver, coordinator, tpu
+from jaxdist import cluster_resolver, coordinator, data, tpu
 from jaxdist.coordinator.server import Server
 from jaxdist.input import (
     AutoShardPolicy,
@@ -141,6 +141,7 @@ __all__ = [
     "byte_size_load_fn",
     "cluster_resolver",
     "coordinator",
+    "data",
     "compute_average_loss",
     "experimental_connect_to_cluster",
     "experimental_set_strategy",

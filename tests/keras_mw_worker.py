@@ -1,7 +1,8 @@
 """One task of a Keras ``fit`` under MultiWorkerMirroredStrategy (run by tests/test_keras_mw.py).
 
-Every process feeds its own rows of each global batch (process p: rows [p*B/n, (p+1)*B/n) of
-every global batch of B), as each worker reads its shard of a TF multi-worker dataset.
+Every process runs the same program on the whole data with the global batch size, as in TF's
+multi-worker Keras tutorial; ``fit`` shards it (``AutoShardPolicy.DATA``: process p keeps rows
+[p*B/n, (p+1)*B/n) of every global batch of B).
 """
 
 import json
@@ -34,13 +35,6 @@ def model():
     return m
 
 
-def shard(a, index, count):
-    per = GLOBAL_BATCH // count
-    rows = [r for b in range(0, len(a), GLOBAL_BATCH) for r in range(b + index * per,
-                                                                     b + (index + 1) * per)]
-    return a[rows]
-
-
 class _KillAfter(keras.callbacks.Callback):
     """Ends the process abruptly at the end of an epoch (a preempted job)."""
 
@@ -69,8 +63,8 @@ def main(out, workdir, epochs, kill_after):
         callbacks.append(_KillAfter(kill_after))
     with strategy.scope():
         m = model()
-        hist = m.fit(shard(x, i, n), shard(y, i, n), batch_size=GLOBAL_BATCH // n,
-                     epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks).history
+        hist = m.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=callbacks).history
     result = {"history": {k: [float(v) for v in vs] for k, vs in hist.items()},
               "weights": [np.asarray(w).tolist() for w in m.get_weights()],
               "replicas": strategy.num_replicas_in_sync, "processes": n}

@@ -1,8 +1,9 @@
 """Keras ``fit`` under MultiWorkerMirroredStrategy on real processes.
 
 2 processes x 2 forced CPU devices on 127.0.0.1 (a ``LocalCluster`` killed mid-job, then
-relaunched by ``python -m jaxdist.launch``); each feeds its own rows of every global batch and
-the result must equal one device over the same global batches.
+relaunched by ``python -m jaxdist.launch``); each is given the whole data and the global batch
+size, ``fit`` gives each its rows of every global batch, and the result must equal one device
+over the same global batches.
 """
 
 import json

@@ -223,10 +223,14 @@ def test_keras_io_digits_example_runs_unchanged(four):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_partial_batches_across_processes(tmp_path):
-    # 2 processes x 2 CPU devices (jaxdist.launch on 127.0.0.1); the last global batch has 4
-    # rows from process 0 and 2 from process 1: each pads its own rows, all steps run masked.
+@pytest.mark.timeout(400)
+def test_input_across_processes_matches_one_device(tmp_path):
+    # 2 processes x 2 CPU devices (jaxdist.launch on 127.0.0.1), one program on both (see
+    # keras_partial_mw_worker.py): arrays, a shuffled jaxdist.Dataset and a tf.data.Dataset of
+    # global batches of 32 are sharded across the processes (AutoShardPolicy.DATA; the last
+    # global batch of 6 rows is 3 + 3), and an AutoShardPolicy.OFF dataset whose processes read
+    # their own rows (last batch 4 + 2). Each must equal one device over the same global batches.
+    import importlib.util
     import json
     import subprocess
     import sys
@@ -235,28 +239,43 @@ def test_partial_batches_across_processes(tmp_path):
     sys.path.insert(0, here)
     import keras_partial_mw_worker as w
 
+    runs = [r for r in w.RUNS if r != "tfdata" or importlib.util.find_spec("tensorflow")]
     x, y = w.data()
-    ref = w.model()
-    want = ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
-    want_eval = ref.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    plain = w.model()
+    want = {"history": plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                 verbose=0).history,
+            "eval": plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+            "weights": plain.get_weights()}
+    shuffled = w.model()
+    ds = w.dataset(x, y)
+    batches = list(ds) + list(ds)  # epochs 0 and 1 (each pass reshuffles)
+    want_ds = {"history": shuffled.fit((b for b in batches), steps_per_epoch=3, epochs=2,
+                                       verbose=0).history}
+    want_ds["eval"] = shuffled.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    want_ds["weights"] = shuffled.get_weights()
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     for k in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
         env.pop(k, None)
     proc = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
          "--", sys.executable, os.path.join(here, "keras_partial_mw_worker.py"),
-         str(tmp_path / "out")],
-        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=240)
+         str(tmp_path / "out"), ",".join(runs)],
+        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for i in range(2):
-        got = json.loads((tmp_path / f"out.{i}.json").read_text())
-        assert (got["processes"], got["replicas"]) == (2, 4)
-        for k in want:
-            np.testing.assert_allclose(got["history"][k], want[k], rtol=1e-5, atol=1e-6)
-        for k in want_eval:
-            np.testing.assert_allclose(got["eval"][k], want_eval[k], rtol=1e-5, atol=1e-6)
-        for a, b in zip(got["weights"], ref.get_weights()):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        out = json.loads((tmp_path / f"out.{i}.json").read_text())
+        assert (out["processes"], out["replicas"]) == (2, 4)
+        for run in runs:
+            got, ref = out[run], want_ds if run == "dataset" else want
+            assert got["history"]["rows"] == [70.0, 70.0], run  # each row once per epoch
+            for k in ref["history"]:
+                np.testing.assert_allclose(got["history"][k], ref["history"][k], rtol=1e-5,
+                                           atol=1e-6, err_msg=f"{run} {k}")
+            for k in ref["eval"]:
+                np.testing.assert_allclose(got["eval"][k], ref["eval"][k], rtol=1e-5,
+                                           atol=1e-6, err_msg=f"{run} eval {k}")
+            for a, b in zip(got["weights"], ref["weights"], strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=run)
 
 
 def test_readme_dataset_example_runs_as_written(devices):
@@ -265,7 +284,7 @@ def test_readme_dataset_example_runs_as_written(devices):
     import re
 
     text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text[text.index("**`jaxdist.Dataset` as Keras input.**"):]
+    section = text[text.index("**`jaxdist.Dataset` and `tf.data.Dataset` as Keras input.**"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist.input.options import AutoShardPolicy
+from jaxdist.input.options import AutoShardPolicy, as_policy
 
 
 class FileListDataset:
@@ -76,19 +76,6 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
     return _PolicyDataset(dataset, as_policy(policy))
 
 
-def as_policy(policy: Any) -> AutoShardPolicy:
-    if isinstance(policy, AutoShardPolicy):
-        return policy
-    name = getattr(policy, "name", policy)
-    try:
-        return AutoShardPolicy[str(name).upper()]
-    except KeyError:
-        raise ValueError(
-            f"auto_shard_policy={policy!r}: expected one of "
-            f"{[p.name for p in AutoShardPolicy]}"
-        ) from None
-
-
 def policy_of(dataset: Any, default: AutoShardPolicy = AutoShardPolicy.AUTO) -> AutoShardPolicy:
     """The policy a dataset carries (jaxdist tag, or a tf.data dataset's options)."""
     if hasattr(dataset, "auto_shard_policy"):
@@ -106,34 +93,50 @@ def _unwrap(dataset: Any) -> Any:
     return dataset.dataset if isinstance(dataset, _PolicyDataset) else dataset
 
 
-def _rows(element: Any, index: int, count: int) -> Any:
+def _rows(element: Any, index: int, count: int, uneven: bool = False) -> Any:
+    """Process ``index``'s rows of a global batch: the ``index``-th of ``count`` consecutive
+    equal parts; with ``uneven``, a batch that does not divide gives the first ``b % count``
+    processes one row more (a batch of fewer rows than processes leaves the last ones empty)."""
     leaves = jax.tree.leaves(element)
     b = int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else None
     if b is None:
         raise ValueError("AutoShardPolicy.DATA needs batched elements (rank >= 1 arrays)")
-    if b % count:
+    if b % count and not uneven:
         raise ValueError(
             f"AutoShardPolicy.DATA: the global batch of {b} rows does not split across {count} "
             f"processes; use a global batch size that is a multiple of {count}"
         )
-    per = b // count
-    return jax.tree.map(lambda x: np.asarray(x)[index * per:(index + 1) * per], element)
+    per, extra = divmod(b, count)
+    start = index * per + min(index, extra)
+    stop = start + per + (index < extra)
+    return jax.tree.map(lambda x: np.asarray(x)[start:stop], element)
+
+
+def process_rows(batch: Any, index: int, count: int) -> Any:
+    """Process ``index``'s rows of a global ``batch`` under ``AutoShardPolicy.DATA``: the
+    ``index``-th of ``count`` consecutive parts, the first ``rows % count`` one row longer.
+
+    Example:
+        >>> process_rows(np.arange(6), 1, 4).tolist()
+        [2, 3]
+    """
+    return _rows(batch, index, count, uneven=True)
 
 
 class _RowShard:
-    def __init__(self, dataset: Any, count: int, index: int):
-        self.dataset, self.count, self.index = dataset, count, index
+    def __init__(self, dataset: Any, count: int, index: int, uneven: bool = False):
+        self.dataset, self.count, self.index, self.uneven = dataset, count, index, uneven
 
     def __iter__(self) -> Iterator[Any]:
         source = self.dataset
         if hasattr(source, "as_numpy_iterator") and not hasattr(source, "_make_iter"):
             source = source.as_numpy_iterator()
         for element in source:
-            yield _rows(element, self.index, self.count)
+            yield _rows(element, self.index, self.count, self.uneven)
 
 
 def auto_shard(dataset: Any, num_workers: int, worker_index: int,
-               policy: AutoShardPolicy | str | None = None) -> Any:
+               policy: AutoShardPolicy | str | None = None, uneven: bool = False) -> Any:
     """This process's part of ``dataset``; each element it yields is this process's rows.
 
     Args:
@@ -141,10 +144,19 @@ def auto_shard(dataset: Any, num_workers: int, worker_index: int,
         num_workers: how many processes feed the replicas.
         worker_index: this process's index.
         policy: the ``AutoShardPolicy`` (default: the dataset's own, else ``AUTO``).
+        uneven: ``DATA`` splits a batch that does not divide across the processes (the first
+            ones get a row more) instead of raising (Keras pads each process's rows).
 
     Raises:
         ValueError: ``FILE`` on a dataset that is not file based or has fewer files than
-            processes, or an unsupported policy.
+            processes, ``DATA`` on a ``jaxdist.Dataset`` with an unseeded ``shuffle`` (each
+            process would shuffle differently, so the global batches would repeat and miss
+            rows), or an unsupported policy.
+
+    Example:
+        >>> mine = auto_shard(jaxdist.Dataset.range(16).batch(8), num_workers=2, worker_index=1)
+        >>> [b.tolist() for b in mine]
+        [[4, 5, 6, 7], [12, 13, 14, 15]]
     """
     policy = as_policy(policy) if policy is not None else policy_of(dataset)
     data = _unwrap(dataset)
@@ -169,7 +181,13 @@ def auto_shard(dataset: Any, num_workers: int, worker_index: int,
             )
         return data.shard(num_workers, worker_index)
     if policy is AutoShardPolicy.DATA:
-        return _RowShard(data, num_workers, worker_index)
+        if getattr(data, "_unseeded_shuffle", False):
+            raise ValueError(
+                f"AutoShardPolicy.DATA across {num_workers} processes: the dataset has a "
+                f"shuffle without a seed, which shuffles differently in every process, so the "
+                f"processes' rows would not form the global batches (rows repeated, others "
+                f"missed). Pass shuffle(..., seed=<the same int on every process>)")
+        return _RowShard(data, num_workers, worker_index, uneven)
     raise ValueError(
         f"AutoShardPolicy.{policy.name} is not supported; use OFF, AUTO, FILE or DATA"
     )
@@ -195,6 +213,7 @@ __all__ = [
     "as_policy",
     "auto_shard",
     "policy_of",
+    "process_rows",
     "shard_files",
     "with_auto_shard_policy",
 ]

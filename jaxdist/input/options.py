@@ -22,6 +22,25 @@ class AutoShardPolicy(enum.Enum):
     HINT = "HINT"
 
 
+def as_policy(policy: object) -> AutoShardPolicy:
+    """``policy`` as an ``AutoShardPolicy`` (a TF ``AutoShardPolicy`` or a name is read by name).
+
+    Example:
+        >>> as_policy("data")
+        <AutoShardPolicy.DATA: 'DATA'>
+    """
+    if isinstance(policy, AutoShardPolicy):
+        return policy
+    name = getattr(policy, "name", policy)
+    try:
+        return AutoShardPolicy[str(name).upper()]
+    except KeyError:
+        raise ValueError(
+            f"auto_shard_policy={policy!r}: expected one of "
+            f"{[p.name for p in AutoShardPolicy]}"
+        ) from None
+
+
 _PARTIAL = ("split", "error", "drop", "pad")
 
 
@@ -129,3 +148,95 @@ class InputContext:
         # TF's string form (distribute_lib_test checks it).
         return (f"tf.distribute.InputContext(input pipeline id {self.input_pipeline_id}, "
                 f"total: {self.num_input_pipelines})")
+
+
+class DistributeOptions:
+    """How a dataset is split across workers (``tf.data.experimental.DistributeOptions``).
+
+    Attributes:
+        auto_shard_policy: the ``AutoShardPolicy`` used when the dataset feeds several
+            processes (``MultiWorkerMirroredStrategy``): ``experimental_distribute_dataset`` and
+            Keras ``fit`` / ``evaluate`` / ``predict``. Default ``AUTO``.
+        num_devices: accepted for compatibility.
+
+    Example:
+        >>> options = jaxdist.data.Options()
+        >>> options.experimental_distribute.auto_shard_policy = jaxdist.AutoShardPolicy.OFF
+    """
+
+    _FIELDS = ("auto_shard_policy", "num_devices")
+
+    def __init__(self):
+        object.__setattr__(self, "_set", {})
+
+    def __getattr__(self, name: str):
+        if name in DistributeOptions._FIELDS:
+            default = AutoShardPolicy.AUTO if name == "auto_shard_policy" else None
+            return self._set.get(name, default)
+        raise AttributeError(f"DistributeOptions has no option {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in DistributeOptions._FIELDS:
+            raise AttributeError(
+                f"DistributeOptions has no option {name!r}; expected one of "
+                f"{list(DistributeOptions._FIELDS)}")
+        if name == "auto_shard_policy":
+            value = as_policy(value)
+        self._set[name] = value
+
+    def _merged(self, other: DistributeOptions) -> DistributeOptions:
+        out = DistributeOptions()
+        out._set.update(self._set)
+        out._set.update(other._set)
+        return out
+
+
+class Options:
+    """A dataset's options (``tf.data.Options``); set with ``Dataset.with_options``.
+
+    Only options set explicitly are recorded, so ``ds.with_options(a).with_options(b)`` keeps
+    what ``a`` sets unless ``b`` sets it too (as tf.data merges options).
+
+    Attributes:
+        experimental_distribute: ``DistributeOptions`` (``auto_shard_policy``).
+        deterministic, experimental_deterministic: accepted for compatibility (jaxdist
+            datasets are always deterministic).
+
+    Example:
+        >>> options = jaxdist.data.Options()
+        >>> options.experimental_distribute.auto_shard_policy = jaxdist.AutoShardPolicy.DATA
+        >>> ds = jaxdist.Dataset.range(8).batch(4).with_options(options)
+        >>> ds.options().experimental_distribute.auto_shard_policy
+        <AutoShardPolicy.DATA: 'DATA'>
+    """
+
+    def __init__(self):
+        self.experimental_distribute = DistributeOptions()
+        self.deterministic: bool | None = None
+        self.experimental_deterministic: bool | None = None
+
+    def merge(self, other: Options) -> Options:
+        """These options with the ones ``other`` sets (``other`` wins)."""
+        out = Options()
+        out.experimental_distribute = self.experimental_distribute._merged(
+            other.experimental_distribute)
+        for name in ("deterministic", "experimental_deterministic"):
+            value = getattr(other, name)
+            setattr(out, name, getattr(self, name) if value is None else value)
+        return out
+
+
+def as_options(options) -> Options:
+    """``options`` as jaxdist ``Options`` (a ``tf.data.Options`` is read for its
+    ``experimental_distribute.auto_shard_policy``)."""
+    if isinstance(options, Options):
+        return options
+    dist = getattr(options, "experimental_distribute", None)
+    policy = getattr(dist, "auto_shard_policy", None)
+    if dist is None:
+        raise TypeError(
+            f"with_options expects jaxdist.data.Options (or tf.data.Options), got {options!r}")
+    out = Options()
+    if policy is not None:
+        out.experimental_distribute.auto_shard_policy = policy
+    return out

@@ -150,27 +150,74 @@ def _pad_rows(x: Any, rows: int) -> Any:
     return np.concatenate([a, extra], axis=0)
 
 
+def _is_tf_dataset(x: Any) -> bool:
+    from keras.src.trainers import data_adapters
+
+    return data_adapters.is_tf_dataset(x)
+
+
+def _is_dataset(x: Any) -> bool:
+    """A dataset whose elements are Keras batches: ``jaxdist.Dataset``, ``tf.data.Dataset``, a
+    ``FileListDataset`` or a dataset tagged with an ``AutoShardPolicy``."""
+    from jaxdist.input.autoshard import FileListDataset, _PolicyDataset
+    from jaxdist.input.dataset import Dataset
+
+    return isinstance(x, (Dataset, FileListDataset, _PolicyDataset)) or _is_tf_dataset(x)
+
+
+def _untagged(x: Any) -> Any:
+    """The dataset under an ``AutoShardPolicy`` tag (its length is the data's)."""
+    from jaxdist.input.autoshard import _PolicyDataset
+
+    return x.dataset if isinstance(x, _PolicyDataset) else x
+
+
 class DatasetAdapter(data_adapter_lib.DataAdapter):
-    """A ``jaxdist.Dataset`` as Keras input: its elements are the global batches.
+    """A ``jaxdist.Dataset`` or ``tf.data.Dataset`` as Keras input: its elements are the global
+    batches (this process's rows of them once ``source`` is sharded across processes).
 
     Elements are ``(x, y)`` or ``(x, y, sample_weight)`` tuples (a list is read as a tuple, any
     other element as ``x`` alone), as Keras reads a ``tf.data.Dataset``. Each pass over the
     data iterates the dataset once (a shuffled dataset reshuffles, as ``tf.data`` does).
 
     Args:
-        dataset: a batched ``jaxdist.Dataset``.
+        dataset: a batched ``jaxdist.Dataset`` or ``tf.data.Dataset`` (read for its length).
         class_weight: Keras's ``class_weight`` (sample weights from ``y``), or ``None``.
+        source: what is iterated each epoch (default ``dataset``): this process's share of it
+            under several processes (``jaxdist.input.autoshard.auto_shard``).
 
     Example:
         >>> adapter = DatasetAdapter(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32))
     """
 
-    def __init__(self, dataset: Any, class_weight: dict | None = None):
+    def __init__(self, dataset: Any, class_weight: dict | None = None, source: Any = None):
         self._dataset = dataset
+        self._source = dataset if source is None else source
         self._class_weight = class_weight
+        # (iterator, first element) of a pass abandoned after its first element: Keras reads
+        # one batch to build the model before the first epoch; that pass is then resumed, so
+        # the first epoch is the dataset's next pass (a shuffle's next order), not the one after.
+        self._peeked: tuple[Iterator[Any], Any] | None = None
+
+    def _elements(self) -> Iterator[Any]:
+        if self._peeked is not None:
+            iterator, first = self._peeked
+            self._peeked = None
+            yield first
+            yield from iterator
+            return
+        src = self._source
+        iterator = iter(src.as_numpy_iterator()) if _is_tf_dataset(src) else iter(src)
+        for i, element in enumerate(iterator):
+            if i == 0:
+                self._peeked = (iterator, element)
+            elif i == 1:
+                self._peeked = None
+            yield element
+        self._peeked = None
 
     def _batches(self) -> Iterator[tuple]:
-        for element in self._dataset:
+        for element in self._elements():
             if isinstance(element, list):
                 element = tuple(element)
             if not isinstance(element, tuple):
@@ -191,14 +238,18 @@ class DatasetAdapter(data_adapter_lib.DataAdapter):
         return data_adapter_utils.get_jax_iterator(self._batches())
 
     def get_tf_dataset(self) -> Any:
-        raise NotImplementedError("a jaxdist.Dataset feeds the Keras JAX backend only")
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
 
     def get_torch_dataloader(self) -> Any:
-        raise NotImplementedError("a jaxdist.Dataset feeds the Keras JAX backend only")
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
 
     @property
     def num_batches(self) -> int | None:
-        return self._dataset.cardinality()
+        cardinality = getattr(self._dataset, "cardinality", None)
+        if cardinality is None:
+            return None
+        n = int(cardinality())  # a tf.data dataset returns a scalar tensor
+        return n if n >= 0 else None  # INFINITE / UNKNOWN_CARDINALITY
 
     @property
     def batch_size(self) -> int | None:
@@ -211,6 +262,92 @@ class DatasetAdapter(data_adapter_lib.DataAdapter):
     @property
     def partial_batch_size(self) -> int | None:
         return None
+
+
+def _broadcast_seed() -> int:
+    """A seed drawn by process 0 (from numpy's global generator, which
+    ``keras.utils.set_random_seed`` seeds) and known to every process."""
+    from jax.experimental import multihost_utils
+
+    seed = np.int64(np.random.randint(0, 2**31 - 1)) if jax.process_index() == 0 else np.int64(0)
+    return int(multihost_utils.broadcast_one_to_all(seed))
+
+
+class ProcessRowsAdapter(data_adapter_lib.DataAdapter):
+    """Keras's adapter for arrays under several processes: every process reads the same
+    global batches (``batch_size`` rows) and keeps its own rows of each
+    (``AutoShardPolicy.DATA``, as TF shards in-memory data). Keras's shuffle draws its
+    permutations from one generator seeded alike on every process, so all processes cut the
+    same global batches.
+
+    Args:
+        inner: Keras's ``ArrayDataAdapter`` over the whole arrays.
+        count: the number of processes.
+        index: this process's index.
+        seed: the shuffle seed, the same on every process (``None`` when not shuffling).
+
+    Example:
+        >>> ProcessRowsAdapter(inner, jax.process_count(), jax.process_index(), seed=7)
+    """
+
+    def __init__(self, inner: Any, count: int, index: int, seed: int | None):
+        self._inner, self._count, self._index = inner, count, index
+        self._rng_state = None if seed is None else np.random.RandomState(seed).get_state()
+
+    def _share(self, rows: int | None) -> int | None:
+        return None if rows is None else math.ceil(rows / self._count)
+
+    def _rows(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        from jaxdist.input.autoshard import process_rows
+
+        while True:
+            saved = None
+            if self._rng_state is not None:  # Keras shuffles with numpy's global generator
+                saved = np.random.get_state()
+                np.random.set_state(self._rng_state)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                if saved is not None:
+                    self._rng_state = np.random.get_state()
+                    np.random.set_state(saved)
+            yield process_rows(batch, self._index, self._count)
+
+    def get_numpy_iterator(self) -> Iterator[Any]:
+        return self._rows(self._inner.get_numpy_iterator())
+
+    def get_jax_iterator(self) -> Iterator[Any]:
+        return self._rows(self._inner.get_numpy_iterator())
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    @property
+    def num_batches(self) -> int | None:
+        return self._inner.num_batches
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._share(self._inner.batch_size)
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return self._inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return self._share(self._inner.partial_batch_size)
+
+    def on_epoch_begin(self) -> None:
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self._inner.on_epoch_end()
 
 
 class PaddedAdapter(data_adapter_lib.DataAdapter):
@@ -647,19 +784,34 @@ def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = 
         return x
     from keras.src.trainers import data_adapters
 
-    from jaxdist.input.dataset import Dataset
+    from jaxdist.input.autoshard import auto_shard
 
-    if isinstance(x, Dataset):
+    count, index = jax.process_count(), jax.process_index()
+    if _is_dataset(x):
         for name, value in (("y", y), ("sample_weight", sample_weight)):
             if value is not None:
+                kind_name = "tf.data.Dataset" if _is_tf_dataset(x) else (
+                    f"jaxdist.{type(x).__name__}")
                 raise ValueError(
-                    f"When providing `x` as a jaxdist.Dataset, `{name}` should not be passed: "
-                    f"its elements are (x, y) or (x, y, sample_weight) batches")
-        inner = DatasetAdapter(x, class_weight)
+                    f"When providing `x` as a {kind_name}, `{name}` should not be passed: its "
+                    f"elements are (x, y) or (x, y, sample_weight) batches")
+        source = None
+        if count > 1:  # this process's share, by the dataset's AutoShardPolicy
+            source = auto_shard(x, count, index, uneven=True)
+        inner = DatasetAdapter(_untagged(x), class_weight, source)
     else:
         inner = data_adapters.get_data_adapter(
             x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
             shuffle=shuffle, class_weight=class_weight)
+        if count > 1:
+            if not isinstance(inner, data_adapters.ArrayDataAdapter):
+                raise ValueError(
+                    f"Keras input of type {type(x).__name__} in a job of {count} processes: "
+                    f"jaxdist shards arrays, jaxdist.Dataset and tf.data.Dataset across the "
+                    f"processes (AutoShardPolicy); wrap the data in a jaxdist.Dataset (with "
+                    f"AutoShardPolicy.OFF if each process already reads its own share)")
+            seed = _broadcast_seed() if shuffle and kind == "train" else None
+            inner = ProcessRowsAdapter(inner, count, index, seed)
     return PaddedAdapter(inner, distribution_lib.distribution(), kind, blocker(model, kind))
 
 

@@ -1,0 +1,41 @@
+"""``jaxdist.data``: tf.data's names for jaxdist's input pipeline (``tf.data`` -> ``jaxdist.data``).
+
+Example:
+    >>> ds = jaxdist.data.Dataset.range(10).batch(4).prefetch(jaxdist.data.AUTOTUNE)
+    >>> options = jaxdist.data.Options()
+    >>> options.experimental_distribute.auto_shard_policy = (
+    ...     jaxdist.data.experimental.AutoShardPolicy.DATA)
+    >>> ds = ds.with_options(options)
+"""
+
+from types import SimpleNamespace
+
+from jaxdist.input.dataset import (
+    AUTOTUNE,
+    INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY,
+    Dataset,
+    TensorSpec,
+)
+from jaxdist.input.options import AutoShardPolicy, DistributeOptions, Options
+
+#: ``tf.data.experimental``'s names used with distribution.
+experimental = SimpleNamespace(
+    AUTOTUNE=AUTOTUNE,
+    AutoShardPolicy=AutoShardPolicy,
+    DistributeOptions=DistributeOptions,
+    INFINITE_CARDINALITY=INFINITE_CARDINALITY,
+    UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY,
+)
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
+    "AutoShardPolicy",
+    "Dataset",
+    "DistributeOptions",
+    "Options",
+    "TensorSpec",
+    "experimental",
+]
