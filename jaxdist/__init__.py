@@ -54,10 +54,14 @@ from jaxdist.strategies import (
     in_cross_replica_context,
     scale_regularization_loss,
 )
-from jaxdist.strategies.context import experimental_set_strategy, get_cross_replica_context
+from jaxdist.strategies.context import (
+    experimental_set_strategy,
+    get_cross_replica_context,
+    register_scope_hook,
+)
 from jaxdist.strategies.parameter_server import ParameterServerStrategy
 from jaxdist.strategies.replica_reduce import DoubleReductionError
-from jaxdist.strategies.strategy import register_run_state_hook, register_scope_hook
+from jaxdist.strategies.strategy import register_run_state_hook
 from jaxdist.strategies.tpu import experimental_connect_to_cluster
 from jaxdist.values import PerReplicaSpec
 

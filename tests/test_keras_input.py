@@ -150,3 +150,23 @@ def test_tf_data_options_choose_the_policy():
     # A tf.data.Options is accepted by jaxdist.Dataset.with_options too.
     tagged = jaxdist.Dataset.range(4).with_options(options)
     assert tagged.options().experimental_distribute.auto_shard_policy.name == "OFF"
+
+
+def test_a_jaxdist_dataset_under_the_default_strategy_scope():
+    """TF's default strategy takes tf.data in fit; jaxdist's default strategy scope takes a
+    jaxdist.Dataset (no distribution: one device, the dataset's batches as they are)."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+
+    x = np.random.default_rng(0).normal(size=(20, 3)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    with jaxdist.get_strategy().scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(jaxdist.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2,
+                            verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert model.predict(jaxdist.Dataset.from_tensor_slices(x).batch(8), verbose=0).shape == (20, 2)

@@ -77,11 +77,7 @@ UNEVEN = ("Keras fit/evaluate/predict on a last batch that does not divide over 
 FIT_DATASET = "model.fit(jaxdist.Dataset) (today: Keras' 'Unrecognized data type')"
 
 # name -> the open jaxdist limitation that makes it fail today.
-XFAIL: dict[str, str] = {
-    # The 1-device reference run (no strategy) gives Keras a jaxdist.Dataset, which Keras
-    # accepts only under a jaxdist strategy.
-    "tf_distribute_keras": "model.fit(jaxdist.Dataset) outside a strategy (the reference run)",
-}
+XFAIL: dict[str, str] = {}
 
 IN_PROCESS = [
     "flax_mnist_example",

@@ -75,6 +75,8 @@ def distribution_for(strategy: Any) -> Any:
     from jaxdist.keras.distribution import StrategyDistribution
 
     sharding_check.install()  # no false mixed-sharding alarm on one device
+    if getattr(strategy, "_is_default_strategy", False):
+        return None  # the default strategy distributes nothing (its scope enters no context)
     return StrategyDistribution(strategy)
 
 
@@ -118,6 +120,8 @@ def strategy_scope_hook(strategy: Any) -> Any:
 
     model_strategy.install()  # models remember this strategy (fit outside the scope, as TF)
     sharding_check.install()  # no false mixed-sharding alarm on one device
+    if getattr(strategy, "_is_default_strategy", False):
+        return None  # the default strategy distributes nothing (its scope enters no context)
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
         from jaxdist.keras import distribution as dist_lib

@@ -834,9 +834,10 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
         >>> args, kwargs = adapt_call("predict", JAXTrainer.predict, model, (x,), {})
     """
     dist = distribution_lib.distribution()
-    if name not in ("fit", "evaluate", "predict") or not getattr(
-            dist, "_jaxdist_strategy_distribution", False):
+    if name not in ("fit", "evaluate", "predict"):
         return args, kwargs
+    if not getattr(dist, "_jaxdist_strategy_distribution", False):
+        return _plain_dataset_call(name, original, model, args, kwargs)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -864,6 +865,33 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
     else:
         a["x"] = _adapter(model, "predict", a["x"], None, None, a["batch_size"], a["steps"])
         _ensure_rows_aware(model, ("predict_function",))
+    return bound.args[1:], bound.kwargs
+
+
+def _plain_dataset_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
+                        ) -> tuple[tuple, dict]:
+    """Outside a jaxdist strategy (TF's default strategy): a ``jaxdist.Dataset`` given to
+    ``fit`` / ``evaluate`` / ``predict`` (or as ``validation_data``) is read as Keras reads a
+    ``tf.data.Dataset``; every other argument is left to Keras."""
+    from jaxdist.input.dataset import Dataset
+
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    a = bound.arguments
+    changed = False
+    if isinstance(a.get("x"), Dataset):
+        for key in ("y", "sample_weight"):
+            if a.get(key) is not None:
+                raise ValueError(
+                    f"When providing `x` as a jaxdist.Dataset, `{key}` should not be passed: "
+                    f"its elements are (x, y) or (x, y, sample_weight) batches")
+        a["x"] = DatasetAdapter(a["x"], a.get("class_weight"))
+        a.pop("class_weight", None)
+        changed = True
+    if name == "fit" and isinstance(a.get("validation_data"), Dataset):
+        a["validation_data"] = DatasetAdapter(a["validation_data"])
+        changed = True
+    if not changed:
+        return args, kwargs
     return bound.args[1:], bound.kwargs
 
 

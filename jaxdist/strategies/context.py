@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -207,6 +207,22 @@ class StrategyScope:
                 )
 
 
+#: ``fn(strategy) -> context manager | None``: contexts every ``scope()`` enters after the
+#: placement context. ``jaxdist/__init__.py`` registers Keras's, so that this package imports
+#: nothing above it (``jaxdist.keras`` sits above ``strategies``).
+_SCOPE_HOOKS: list[Callable[[Any], Any]] = []
+
+
+def register_scope_hook(hook: Callable[[Any], Any]) -> None:
+    """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
+
+    Example:
+        >>> register_scope_hook(lambda strategy: None)   # a hook that never adds a context
+    """
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
+
+
 class DefaultStrategyScope:
     """``scope()`` of the default strategy: a no-op for the contexts, as in TF.
 
@@ -229,6 +245,13 @@ class DefaultStrategyScope:
                 f"Must not nest tf.distribute.Strategy scopes: the default strategy's scope was "
                 f"entered inside the scope of {current_strategy()!r}."
             )
+        for hook in _SCOPE_HOOKS:
+            # Hooks learn of the default scope (Keras installs its input handling, so
+            # model.fit takes a jaxdist.Dataset as TF's default strategy takes tf.data);
+            # they return no context for it: the default scope changes none.
+            if hook(self._strategy) is not None:
+                raise RuntimeError(f"scope hook {hook!r} returned a context for the default "
+                                   f"strategy, whose scope enters none")
         return self._strategy
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.compat import jax_internals
 from jaxdist.strategies import context as ctx_lib
 from jaxdist.strategies import nnx_state
+from jaxdist.strategies.context import _SCOPE_HOOKS
 from jaxdist.strategies.cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -1203,22 +1204,6 @@ def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
 
 
 __all__ = ["Strategy", "StrategyExtended", "ValueContext", "local_components"]
-
-
-#: ``fn(strategy) -> context manager | None``: contexts every ``scope()`` enters after the
-#: placement context. ``jaxdist/__init__.py`` registers Keras's, so that this package imports
-#: nothing above it (``jaxdist.keras`` sits above ``strategies``).
-_SCOPE_HOOKS: list[Callable[[Any], Any]] = []
-
-
-def register_scope_hook(hook: Callable[[Any], Any]) -> None:
-    """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
-
-    Example:
-        >>> register_scope_hook(lambda strategy: None)   # a hook that never adds a context
-    """
-    if hook not in _SCOPE_HOOKS:
-        _SCOPE_HOOKS.append(hook)
 
 
 #: ``hook(fn, args, kwargs) -> None | (step, step_args, write_back)``: state a replica function

@@ -16,14 +16,10 @@ Edits beyond API renames:
   (seeded shuffle).
 - the global batch is 64 x 4 in every run, so the 1-device run sees the same global batches.
 - 3 epochs instead of 10.
-- ``tf.GradientTape`` on a Keras model becomes Keras 3's JAX custom-loop API (keras.io,
-  "Writing a training loop from scratch in JAX"): the variables' values are carried as
-  arrays, the step calls ``model.stateless_call``, ``jax.value_and_grad``,
-  ``optimizer.stateless_apply`` and ``metric.stateless_update_state``, and the new values
-  are assigned back to the Keras variables before checkpointing and at the end.
-- the metrics are updated with ``sample_weight=ctx.row_mask(...)`` (the last, partial batch
-  reaches each replica zero-padded) and each replica's metric update is summed over the
-  replicas with ``ctx.all_reduce`` (what TF does for metric variables created under the scope).
+- the ``tf.GradientTape`` block becomes ``jaxdist.keras.value_and_grad`` of a function of no
+  arguments (JAX differentiates functions, not tapes); the model, optimizer and metrics are
+  closed over by the steps as in the tutorial (``strategy.run`` carries their variables).
+- ``@tf.function`` is dropped (``strategy.run`` compiles).
 - ``tf.train.Checkpoint(optimizer, model)`` becomes ``model.save_weights`` (the restore only
   evaluates the model; the optimizer state is not needed); files go to a temporary directory.
 - the "alternate ways of iterating" sections are left out; results are returned, not printed.
@@ -36,11 +32,11 @@ import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
+import jaxdist.keras  # noqa: E402
 
 from ._data import digits_as_mnist  # noqa: E402
 
@@ -63,21 +59,6 @@ def create_model():
         keras.layers.Dense(10),
     ])
     return model
-
-
-def _values(variables):
-    return [v.value for v in variables]
-
-
-def _assign(variables, values):
-    for v, x in zip(variables, values):
-        v.assign(x)
-
-
-def _summed_update(ctx, old, new):
-    """``new`` with each replica's change (``new - old``) replaced by the sum of all."""
-    deltas = ctx.all_reduce(jaxdist.ReduceOp.SUM, [n - o for o, n in zip(old, new)])
-    return [o + d for o, d in zip(old, deltas)]
 
 
 def main(strategy: jaxdist.Strategy | None = None) -> dict:
@@ -110,82 +91,59 @@ def main(strategy: jaxdist.Strategy | None = None) -> dict:
         test_accuracy = keras.metrics.SparseCategoricalAccuracy(name="test_accuracy")
         model = create_model()
         optimizer = keras.optimizers.Adam()
-        optimizer.build(model.trainable_variables)
 
-    def train_step(state, acc_vars, inputs):
+    def train_step(inputs):
         images, labels = inputs
-        ctx = jaxdist.get_replica_context()
-        trainable, non_trainable, opt_vars = state
 
-        def loss_and_updates(trainable):
-            predictions, nt = model.stateless_call(trainable, non_trainable, images,
-                                                   training=True)
-            return compute_loss(labels, predictions), (predictions, nt)
+        def forward():  # was: with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            return compute_loss(labels, predictions), predictions
 
-        (loss, (predictions, non_trainable)), gradients = jax.value_and_grad(
-            loss_and_updates, has_aux=True)(trainable)
-        trainable, opt_vars = optimizer.stateless_apply(opt_vars, gradients, trainable)
-        mask = ctx.row_mask(labels.shape[0])
-        new_acc = train_accuracy.stateless_update_state(acc_vars, labels, predictions,
-                                                        sample_weight=mask)
-        return (trainable, non_trainable, opt_vars), _summed_update(ctx, acc_vars, new_acc), loss
+        (loss, predictions), gradients = jaxdist.keras.value_and_grad(
+            forward, model.trainable_variables, has_aux=True)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        train_accuracy.update_state(labels, predictions)
+        return loss
 
-    def test_step(state, loss_vars, acc_vars, inputs):
+    def test_step(inputs):
         images, labels = inputs
-        ctx = jaxdist.get_replica_context()
-        trainable, non_trainable, _ = state
-        predictions, _ = model.stateless_call(trainable, non_trainable, images, training=False)
+        predictions = model(images, training=False)
         t_loss = loss_object(labels, predictions)
-        mask = ctx.row_mask(labels.shape[0])
-        new_loss = test_loss.stateless_update_state(loss_vars, t_loss, sample_weight=mask)
-        new_acc = test_accuracy.stateless_update_state(acc_vars, labels, predictions,
-                                                       sample_weight=mask)
-        return (_summed_update(ctx, loss_vars, new_loss),
-                _summed_update(ctx, acc_vars, new_acc))
+        test_loss.update_state(t_loss)
+        test_accuracy.update_state(labels, predictions)
 
-    def distributed_train_step(state, acc_vars, dataset_inputs):
-        state, acc_vars, per_replica_losses = strategy.run(
-            train_step, args=(state, acc_vars, dataset_inputs))
-        return state, acc_vars, strategy.reduce(jaxdist.ReduceOp.SUM, per_replica_losses,
-                                                axis=None)
+    def distributed_train_step(dataset_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(jaxdist.ReduceOp.SUM, per_replica_losses, axis=None)
 
-    def distributed_test_step(state, loss_vars, acc_vars, dataset_inputs):
-        return strategy.run(test_step, args=(state, loss_vars, acc_vars, dataset_inputs))
+    def distributed_test_step(dataset_inputs):
+        return strategy.run(test_step, args=(dataset_inputs,))
 
-    state = (_values(model.trainable_variables), _values(model.non_trainable_variables),
-             _values(optimizer.variables))
     history = []
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
         saved = []
         for epoch in range(EPOCHS):
-            train_acc = _values(train_accuracy.variables)
-            test_l, test_acc = _values(test_loss.variables), _values(test_accuracy.variables)
             total_loss = 0.0
             num_batches = 0
             for x in train_dist_dataset:
-                state, train_acc, loss = distributed_train_step(state, train_acc, x)
-                total_loss += loss
+                total_loss += distributed_train_step(x)
                 num_batches += 1
             train_loss = total_loss / num_batches
             for x in test_dist_dataset:
-                test_l, test_acc = distributed_test_step(state, test_l, test_acc, x)
+                distributed_test_step(x)
             if epoch % 2 == 0:
-                _assign(model.trainable_variables, state[0])
-                _assign(model.non_trainable_variables, state[1])
                 saved.append(f"{checkpoint_prefix}-{epoch + 1}.weights.h5")
                 model.save_weights(saved[-1])
             history.append({
                 "loss": train_loss,
-                "accuracy": train_accuracy.stateless_result(train_acc),
-                "test_loss": test_loss.stateless_result(test_l),
-                "test_accuracy": test_accuracy.stateless_result(test_acc),
+                "accuracy": train_accuracy.result(),
+                "test_loss": test_loss.result(),
+                "test_accuracy": test_accuracy.result(),
             })
-            # reset_states(): the next epoch starts from the metrics' initial values
-
-        _assign(model.trainable_variables, state[0])
-        _assign(model.non_trainable_variables, state[1])
-        _assign(optimizer.variables, state[2])
+            test_loss.reset_state()
+            train_accuracy.reset_state()
+            test_accuracy.reset_state()
 
         # Restore the latest checkpoint into a new model and test it without the strategy.
         eval_accuracy = keras.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
