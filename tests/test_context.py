@@ -189,6 +189,7 @@ _CONTROL_FLOW = {
 }
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("flow", sorted(_CONTROL_FLOW))
 def test_merge_call_inside_control_flow_raises_at_trace_time_and_devices_stay_usable(
         devices, flow):
@@ -205,6 +206,7 @@ def test_merge_call_inside_control_flow_raises_at_trace_time_and_devices_stay_us
     assert float(jax.block_until_ready(total)) == 2.0
 
 
+@pytest.mark.devices(2)
 def test_merge_call_outside_control_flow_still_works(devices):
     # Not control flow: a nested jax.jit, jax.grad, jax.checkpoint around the merge_call; and a
     # replica function that is itself traced inside a user's lax.scan (strategy.run in a loop).
@@ -227,6 +229,7 @@ def test_merge_call_outside_control_flow_still_works(devices):
     assert float(two_steps(v)) == 6.0
 
 
+@pytest.mark.devices(2)
 def test_merge_call_inside_control_flow_is_allowed_where_tf_allows_it(devices):
     # Only TF's mirrored replica threads check the graph; TF's default strategy, OneDevice and
     # TPU replica contexts run merge_fn in place (a merge_call in a loop body is traced there).
@@ -243,6 +246,7 @@ def test_merge_call_inside_control_flow_is_allowed_where_tf_allows_it(devices):
         jaxdist.MirroredStrategy(devices[:1]).run(loop, args=(jnp.float32(1.0),))
 
 
+@pytest.mark.devices(4)
 def test_error_while_tracing_a_replica_function_leaves_the_devices_usable(devices):
     s = jaxdist.MirroredStrategy(devices[:4])
     v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(1.0))

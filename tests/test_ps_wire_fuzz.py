@@ -53,7 +53,10 @@ def messages(draw):
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         raw = draw(st.binary(min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
         arrays[f"a{i}"] = np.frombuffer(raw, np.uint8).astype(dt).reshape(shape)
-    meta = draw(st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5),
+    # Valid messages carry integers of the wire's range: signed 64-bit (larger ones are
+    # refused, tests/test_security_small_holes.py).
+    meta = draw(st.dictionaries(st.text(max_size=5),
+                                st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
                                 max_size=3))
     chunk = draw(st.integers(1, 64))
     return meta, arrays, list(wire.encode(meta, arrays, chunk_bytes=chunk))
