@@ -15,7 +15,7 @@ Edits beyond API renames:
   4 x 64) and 272 test rows (256 + 16, as 10000); ``jaxdist.Dataset`` for ``tf.data``
   (seeded shuffle).
 - the global batch is 64 x 4 in every run, so the 1-device run sees the same global batches.
-- 3 epochs instead of 10.
+- 2 epochs instead of 10.
 - the ``tf.GradientTape`` block becomes ``jaxdist.keras.value_and_grad`` of a function of no
   arguments (JAX differentiates functions, not tapes); the model, optimizer and metrics are
   closed over by the steps as in the tutorial (``strategy.run`` carries their variables).
@@ -43,7 +43,7 @@ from ._data import digits_as_mnist  # noqa: E402
 BATCH_SIZE_PER_REPLICA = 64
 REPLICAS = 4            # the tutorial uses strategy.num_replicas_in_sync
 GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * REPLICAS
-EPOCHS = 3              # 10 in the tutorial
+EPOCHS = 2              # 10 in the tutorial
 TRAIN_ROWS, TEST_ROWS = 352, 272
 
 
