@@ -90,7 +90,9 @@ TIMEOUT = 6
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("frozen", ["worker:1", "worker:0"])
+# One frozen task is enough here: tests/test_multi_worker_frozen_peer.py freezes each of the two
+# in turn (the survivor's side), and the guard does not depend on the task's index.
+@pytest.mark.parametrize("frozen", ["worker:1"])
 def test_a_frozen_peer_that_continues_exits_with_one_typed_line(frozen):
     survivor = "worker:0" if frozen == "worker:1" else "worker:1"
     with LocalCluster(workers=2, devices_per_process=1) as c:
