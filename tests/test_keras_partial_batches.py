@@ -173,6 +173,7 @@ def test_fit_a_jaxdist_dataset(four):
         model.fit(ds, Y, verbose=0)
 
 
+@pytest.mark.devices(5)
 def test_central_storage_partial_batches(devices):
     strategy = jaxdist.CentralStorageStrategy(devices[1:5], devices[0])
     _assert_same(_run(_in(strategy)), _run(_model()))

@@ -41,6 +41,7 @@ def _batch(strategy, rows_per_replica):
 
 
 # ------------------------------------------------------------ without libtpu (CPU devices)
+@pytest.mark.devices(4)
 def test_topology_of_devices_and_device_assignment(devices):
     topo = Topology(devices=devices[:4])
     assert not topo.compile_only and topo.name is None
@@ -59,6 +60,7 @@ def test_topology_of_devices_and_device_assignment(devices):
     assert da.core_assignment.shape == (2, 1, 4)
 
 
+@pytest.mark.devices(4)
 def test_device_assignment_errors(devices):
     topo = Topology(devices=devices[:4])
     with pytest.raises(ValueError, match="num_replicas=5"):
@@ -71,6 +73,7 @@ def test_device_assignment_errors(devices):
         DeviceAssignment(topo, [[[1, 0, 0, 0]], [[1, 0, 0, 0]]])
 
 
+@pytest.mark.devices(4)
 def test_strategy_runs_on_a_device_assignment_of_attached_devices(devices):
     da = DeviceAssignment.build(Topology(devices=devices[:4]), num_replicas=2)
     s = jaxdist.TPUStrategy(experimental_device_assignment=da)
@@ -86,6 +89,7 @@ def test_strategy_runs_on_a_device_assignment_of_attached_devices(devices):
         jaxdist.TPUStrategy(experimental_device_assignment=da, devices=devices[:2])
 
 
+@pytest.mark.devices(4)
 def test_experimental_compile_on_attached_devices_counts_the_step(devices):
     s = jaxdist.TPUStrategy(devices=devices[:4])
     w = jax.ShapeDtypeStruct((D, H), jnp.float32)
