@@ -9,34 +9,12 @@ import threading
 import time
 
 import pytest
+from test_handshake import _group, _run  # the handshake tests' own helpers
 
 from jaxdist.cluster import handshake
 from jaxdist.cluster.handshake import join_handshake, serve_handshake
 from jaxdist.cluster.local import pick_free_ports
-from jaxdist.cluster.process_group import ProcessGroup
 from jaxdist.testing.tls import process_pki
-
-TASKS = (("worker", 0), ("worker", 1), ("worker", 2))
-
-
-def _group(pid, port):
-    address = f"127.0.0.1:{port}"
-    return ProcessGroup(TASKS, *TASKS[pid], pid, address, address, pid == 0)
-
-
-def _run(fn, *args, **kwargs):
-    out = {}
-
-    def target():
-        try:
-            fn(*args, **kwargs)
-            out["ok"] = True
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            out["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, out
 
 
 class Stallers:
