@@ -72,7 +72,7 @@ def _between_graph_worker(warmup: int) -> None:
     ``ready``, then for each line ``N`` on stdin it runs N timed steps and prints their
     window (an empty line or end of input: exit)."""
     import jaxdist
-    from jaxdist.ps import optimizers as O
+    from jaxdist._src.ps import optimizers as O
 
     strategy = jaxdist.ParameterServerStrategy(timeout=60)
     init, grad_fn = _model()
@@ -202,8 +202,8 @@ class Coordinator:
 
     def __init__(self, warmup: int):
         import jaxdist
-        from jaxdist.coordinator import ClusterCoordinator
-        from jaxdist.ps import optimizers as O
+        from jaxdist._src.coordinator import ClusterCoordinator
+        from jaxdist._src.ps import optimizers as O
 
         self.cluster = c = _cluster(2, chief=True)
         self.coordinator = None
@@ -252,8 +252,8 @@ def noop_closures_per_s(n: int, direct: bool) -> float:
     """Closures/s of ``n`` functions that do nothing, on 2 workers: the coordinator's own cost
     per closure, over the workers' direct ports or over gRPC only."""
     import jaxdist
-    from jaxdist.coordinator import ClusterCoordinator
-    from jaxdist.coordinator.worker_service import ENV_DIRECT
+    from jaxdist._src.coordinator import ClusterCoordinator
+    from jaxdist._src.coordinator.worker_service import ENV_DIRECT
 
     c = _cluster(2, chief=True)
     saved = os.environ.get(ENV_DIRECT)

@@ -8,7 +8,8 @@ strategy scope) costs or saves. Timings are medians of interleaved one-epoch fit
 warm-up fit (compilation excluded).
 
 Both fit loops keep at most two steps dispatched and unfinished: jaxdist's Keras integration
-bounds its step functions itself (``jaxdist.keras.model_strategy._bounded``), and the reference's
+bounds its step functions itself (``_bounded`` in ``jaxdist/_src/keras/model_strategy.py``), and
+the reference's
 ``train_function`` gets the same wrapper here, after a two-step warm-up fit has built it and the
 optimizer. Keras's own loop dispatches unbounded, which with more forced CPU devices than cores
 lets XLA's CPU collective rendezvous abort the process on long runs (``--steps 200``).
@@ -51,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     import numpy as np
 
     import jaxdist
-    import jaxdist.keras as jk
-    from jaxdist.keras.model_strategy import _bounded
+    import jaxdist._src.keras as jk
+    from jaxdist._src.keras.model_strategy import _bounded
 
     devices = jax.devices()[: args.devices]
     rng = np.random.default_rng(0)

@@ -93,8 +93,8 @@ def _reference_tls(side: str):
     certificates and settings as the ps direct transport, from ``JAXDIST_TLS_*``."""
     if os.environ.get("JAXDIST_INSECURE"):
         return None
-    from jaxdist.cluster.tls import resolve_tls
-    from jaxdist.ps import direct
+    from jaxdist._src.cluster.tls import resolve_tls
+    from jaxdist._src.ps import direct
 
     tls = resolve_tls(None, "the reference socket")
     return direct.server_context(tls) if side == "server" else direct.client_context(tls)
@@ -198,7 +198,7 @@ def _transfer_times(sizes: list[int], repeats: int
     transfers alternate in rounds of their own (``OPS``). Each sample times
     ``SAMPLE_BYTES // size`` transfers back to back (at least one).
     """
-    from jaxdist.ps import PSClient
+    from jaxdist._src.ps import PSClient
 
     cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
     proc = _start_ps(cluster, 0)
@@ -258,9 +258,9 @@ def _update_times(n: int, repeats: int) -> list[tuple[str, float, float]]:
     import jax.numpy as jnp
     import optax
 
-    from jaxdist.ps import optimizers as O
-    from jaxdist.ps.memory import aligned_copy
-    from jaxdist.ps.service import ParameterService
+    from jaxdist._src.ps import optimizers as O
+    from jaxdist._src.ps.memory import aligned_copy
+    from jaxdist._src.ps.service import ParameterService
 
     rows = []
     size = n // 4
@@ -305,7 +305,7 @@ def _worker(steps: int, hidden: int, local: bool) -> None:
     import optax
 
     import jaxdist
-    from jaxdist.ps import optimizers as O
+    from jaxdist._src.ps import optimizers as O
 
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(index)

@@ -11,8 +11,8 @@ Example:
 import sys
 
 from jaxdist import cluster_resolver, coordinator, data, tpu
-from jaxdist.coordinator.server import Server
-from jaxdist.input import (
+from jaxdist._src.coordinator.server import Server
+from jaxdist._src.input import (
     AutoShardPolicy,
     Dataset,
     DistributedDataset,
@@ -20,7 +20,7 @@ from jaxdist.input import (
     InputContext,
     InputOptions,
 )
-from jaxdist.ps import (
+from jaxdist._src.ps import (
     FixedShardsPartitioner,
     GreedyLoadBalancingStrategy,
     MaxSizePartitioner,
@@ -28,7 +28,7 @@ from jaxdist.ps import (
     byte_size_load_fn,
     replica_device_setter,
 )
-from jaxdist.strategies import (
+from jaxdist._src.strategies import (
     CentralStorageStrategy,
     CommunicationImplementation,
     CommunicationOptions,
@@ -54,31 +54,31 @@ from jaxdist.strategies import (
     in_cross_replica_context,
     scale_regularization_loss,
 )
-from jaxdist.strategies.context import (
+from jaxdist._src.strategies.context import (
     experimental_set_strategy,
     get_cross_replica_context,
     register_scope_hook,
 )
-from jaxdist.strategies.parameter_server import ParameterServerStrategy
-from jaxdist.strategies.replica_reduce import DoubleReductionError
-from jaxdist.strategies.strategy import register_run_state_hook
-from jaxdist.strategies.tpu import experimental_connect_to_cluster
-from jaxdist.values import PerReplicaSpec
+from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
+from jaxdist._src.strategies.replica_reduce import DoubleReductionError
+from jaxdist._src.strategies.strategy import register_run_state_hook
+from jaxdist._src.strategies.tpu import experimental_connect_to_cluster
+from jaxdist._src.values import PerReplicaSpec
 
 __version__ = "0.1.0"
 
-from jaxdist.compat import jax_internals as _jax_internals  # noqa: E402
+from jaxdist._src.compat import jax_internals as _jax_internals  # noqa: E402
 
 _jax_internals.warn_if_unsupported()
 
 
 def _keras_scope_hook(strategy):
     # strategy.scope() distributes Keras models once keras is imported (this never imports
-    # it). jaxdist.keras sits above jaxdist.strategies, so the hook is wired in here, where
-    # every import of jaxdist.strategies passes first.
+    # it). jaxdist.keras sits above jaxdist._src.strategies, so the hook is wired in here, where
+    # every import of jaxdist._src.strategies passes first.
     if "keras" not in sys.modules:
         return None
-    from jaxdist.keras import strategy_scope_hook
+    from jaxdist._src.keras import strategy_scope_hook
 
     return strategy_scope_hook(strategy)
 
@@ -91,7 +91,7 @@ def _keras_run_state_hook(fn, args, kwargs):
     # Keras model); nothing happens, and keras is never imported, until keras is imported.
     if "keras" not in sys.modules:
         return None
-    from jaxdist.keras.custom_loop import run_state_hook
+    from jaxdist._src.keras.custom_loop import run_state_hook
 
     return run_state_hook(fn, args, kwargs)
 
@@ -102,7 +102,7 @@ register_run_state_hook(_keras_run_state_hook)
 def __getattr__(name: str):
     # jaxdist.Trainer is imported on first use, so `import jaxdist` stays free of flax/optax.
     if name == "Trainer":
-        from jaxdist.train.trainer import Trainer
+        from jaxdist._src.train.trainer import Trainer
 
         return Trainer
     raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")

@@ -1,15 +1,15 @@
 """``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver`` names."""
 
-from jaxdist.cluster.cluster_spec import ClusterSpec
-from jaxdist.cluster.resolver import (
+from jaxdist._src.cluster.cluster_spec import ClusterSpec
+from jaxdist._src.cluster.resolver import (
     ClusterResolver,
     SimpleClusterResolver,
     UnionClusterResolver,
     UnionResolver,
 )
-from jaxdist.cluster.slurm import SlurmClusterResolver
-from jaxdist.cluster.tf_config import TFConfigClusterResolver
-from jaxdist.cluster.tpu_cluster_resolver import TPUClusterResolver, TPUNotFoundError
+from jaxdist._src.cluster.slurm import SlurmClusterResolver
+from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+from jaxdist._src.cluster.tpu_cluster_resolver import TPUClusterResolver, TPUNotFoundError
 
 __all__ = [
     "ClusterResolver",

@@ -10,14 +10,14 @@ Example:
 
 from types import SimpleNamespace
 
-from jaxdist.input.dataset import (
+from jaxdist._src.input.dataset import (
     AUTOTUNE,
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
     Dataset,
     TensorSpec,
 )
-from jaxdist.input.options import AutoShardPolicy, DistributeOptions, Options
+from jaxdist._src.input.options import AutoShardPolicy, DistributeOptions, Options
 
 #: ``tf.data.experimental``'s names used with distribution.
 experimental = SimpleNamespace(

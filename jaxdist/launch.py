@@ -9,7 +9,7 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
   instead (``JAXDIST_INSECURE=1``);
 * gives the chief a fresh coordinator token (the right to run code on the workers: the chief
   signs its requests with a key derived from it) and each worker only the chief's public key
-  and its own answer key (``jaxdist.cluster.credentials``);
+  and its own answer key (``jaxdist._src.cluster.credentials``);
 
 * exits 0 when every chief/worker task exits 0 (ps tasks, which serve forever, are then
   stopped; an evaluator gets ``--evaluator-grace`` seconds to finish);
@@ -49,8 +49,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxdist.cluster.credentials import new_coordinator_token
-from jaxdist.cluster.local import (
+from jaxdist._src.cluster.credentials import new_coordinator_token
+from jaxdist._src.cluster.local import (
     TaskProcess,
     exit_status,
     local_cluster,
@@ -58,8 +58,8 @@ from jaxdist.cluster.local import (
     task_env,
     task_list,
 )
-from jaxdist.cluster.pki import LocalPKI, apply_task_security, local_pki
-from jaxdist.cluster.validation import task_name
+from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist._src.cluster.validation import task_name
 
 #: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
 CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"

@@ -3,7 +3,7 @@
 The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``, or ``worker`` for
 a worker that runs the functions a ``jaxdist.coordinator.ClusterCoordinator`` sends), the
 token from ``TF_CONFIG["token"]`` or ``$JAXDIST_CLUSTER_TOKEN``. SIGTERM or SIGINT stop it
-cleanly. The code lives in ``jaxdist.coordinator.server``.
+cleanly. The code lives in ``jaxdist._src.coordinator.server``.
 
 Example:
     $ python -m jaxdist.server --checkpoint_dir /tmp/ckpt
@@ -11,7 +11,7 @@ Example:
 
 import sys
 
-from jaxdist.coordinator.server import Server, main
+from jaxdist._src.coordinator.server import Server, main
 
 __all__ = ["Server", "main"]
 

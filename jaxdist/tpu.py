@@ -11,8 +11,8 @@ Example:
 
 import sys
 
-from jaxdist.strategies.compile_report import CompileOnlyError, CompileReport
-from jaxdist.strategies.tpu import (
+from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileReport
+from jaxdist._src.strategies.tpu import (
     DeviceAssignment,
     Topology,
     initialize_tpu_system,

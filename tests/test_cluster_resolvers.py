@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxdist.cluster import (
+from jaxdist._src.cluster import (
     ClusterConfigError,
     ClusterMergeError,
     ClusterSpec,
@@ -16,8 +16,8 @@ from jaxdist.cluster import (
     UnionResolver,
     process_group,
 )
-from jaxdist.cluster.local import local_cluster, task_env, task_list, tf_config
-from jaxdist.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from jaxdist._src.cluster.local import local_cluster, task_env, task_list, tf_config
+from jaxdist._src.cluster.slurm import expand_hostlist, expand_tasks_per_node
 
 
 def resolver(config, **kw):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxdist
-from jaxdist.strategies.default import DefaultStrategy
+from jaxdist._src.strategies.default import DefaultStrategy
 
 
 def test_default_strategy_outside_scope():

@@ -13,16 +13,16 @@ import pytest
 from coordinator_util import by_value, coordinator_for, start_cluster, strategy_for, wait_until
 
 import jaxdist
-from jaxdist.coordinator import (
+from jaxdist._src.coordinator import (
     CancelledError,
     PerWorkerValues,
     RemoteValue,
     RemoteValueStatus,
     WorkerAuthenticationError,
 )
-from jaxdist.coordinator import cluster_coordinator as cc
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.ps import optimizers as O
+from jaxdist._src.coordinator import cluster_coordinator as cc
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.ps import optimizers as O
 
 pytestmark = pytest.mark.slow
 by_value(__name__)
@@ -64,7 +64,7 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
     assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
     assert float(counter.pull()["n"]) == 12.0
     assert sum(coordinator.functions_run()) == 12
-    # The closures went over the workers' direct ports (jaxdist.ps.direct frames), not gRPC.
+    # The closures went over the workers' direct ports (jaxdist._src.ps.direct frames), not gRPC.
     assert coordinator._client.direct_calls >= 1
     pids = {rv.fetch()["pid"] for rv in rvs}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2

@@ -1,4 +1,4 @@
-"""The workers' direct transport for ``RunClosures`` (``jaxdist.ps.direct`` frames on a second
+"""The workers' direct transport for ``RunClosures`` (``jaxdist._src.ps.direct`` frames on a second
 port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
 cancellation seen by the worker, malformed requests refused, and the switch to turn it off.
 
@@ -18,22 +18,22 @@ import time
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist.cluster.credentials import CoordinatorKeys
-from jaxdist.coordinator import closure_pickle
-from jaxdist.coordinator.errors import (
+from jaxdist._src.cluster.credentials import CoordinatorKeys
+from jaxdist._src.coordinator import closure_pickle
+from jaxdist._src.coordinator.errors import (
     CoordinatorError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
 )
-from jaxdist.coordinator.signing import CONNECT_METHOD, RequestSigner, body_digest
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.coordinator.worker_service import (
+from jaxdist._src.coordinator.signing import CONNECT_METHOD, RequestSigner, body_digest
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.coordinator.worker_service import (
     ENV_DIRECT,
     GROUP_KEY,
     answer_value,
     to_bytes_array,
 )
-from jaxdist.ps import direct
+from jaxdist._src.ps import direct
 from jaxdist.testing.tls import process_pki
 
 RAN: list[int] = []
@@ -127,7 +127,7 @@ def test_a_batch_asked_to_group_its_answers_sends_fewer_messages(worker, use_dir
                                                                 monkeypatch):
     import numpy as np
 
-    from jaxdist.coordinator import worker_service
+    from jaxdist._src.coordinator import worker_service
 
     # Timing aside (the hold rule has its unit test): every answer may wait for the next.
     monkeypatch.setattr(worker_service, "GROUP_HOLD_SECONDS", 60.0)
@@ -276,7 +276,7 @@ def _authenticated(server, credential) -> ssl.SSLSocket:
 
 
 def test_a_20_gib_request_is_refused_before_allocating(worker, monkeypatch):
-    from jaxdist.ps.memory import RECEIVE_POOL
+    from jaxdist._src.ps.memory import RECEIVE_POOL
 
     server, token = worker
     taken = []
@@ -450,8 +450,8 @@ class _Call:
 def test_a_call_that_starts_on_a_worker_already_down_is_cancelled(up):
     # Heartbeats cancel the calls in flight once, when the worker goes down; a call whose
     # start came later (its connection hung) must not wait for the whole closure timeout.
-    from jaxdist.coordinator.cluster_coordinator import _Slot, _WorkerThread
-    from jaxdist.coordinator.health import WorkerState
+    from jaxdist._src.coordinator.cluster_coordinator import _Slot, _WorkerThread
+    from jaxdist._src.coordinator.health import WorkerState
 
     sender = object.__new__(_WorkerThread)
     sender.state = WorkerState(0, "worker:0")

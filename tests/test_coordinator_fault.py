@@ -18,8 +18,8 @@ from coordinator_util import (
     wait_until,
 )
 
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.ps import optimizers as O
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.ps import optimizers as O
 
 pytestmark = pytest.mark.slow
 by_value(__name__)

@@ -31,7 +31,7 @@ def test_launch_coordinator_mode_end_to_end():
 def test_a_server_task_logs_jaxdist_from_info_and_other_libraries_from_warning(monkeypatch):
     import logging
 
-    from jaxdist.coordinator.server import configure_logging
+    from jaxdist._src.coordinator.server import configure_logging
 
     root, ours = logging.getLogger(), logging.getLogger("jaxdist")
     monkeypatch.setattr(root, "handlers", [])  # a fresh process: basicConfig configures root
@@ -48,7 +48,7 @@ def test_a_server_task_logs_jaxdist_from_info_and_other_libraries_from_warning(m
 
 
 def test_a_worker_server_imports_keras_on_the_jax_backend(monkeypatch):
-    from jaxdist.coordinator.server import use_keras_jax_backend
+    from jaxdist._src.coordinator.server import use_keras_jax_backend
 
     monkeypatch.delenv("KERAS_BACKEND", raising=False)
     use_keras_jax_backend("worker:0")

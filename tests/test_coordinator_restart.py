@@ -18,9 +18,9 @@ from coordinator_util import (
     wait_until,
 )
 
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.ps import PSUnavailableError
-from jaxdist.ps import optimizers as O
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.ps import PSUnavailableError
+from jaxdist._src.ps import optimizers as O
 
 pytestmark = pytest.mark.slow
 by_value(__name__)

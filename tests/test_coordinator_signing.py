@@ -21,18 +21,18 @@ import numpy as np
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist.cluster.credentials import CoordinatorKeys, new_coordinator_token
-from jaxdist.coordinator.errors import WorkerAuthenticationError, WorkerUnavailableError
-from jaxdist.coordinator.signing import (
+from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_token
+from jaxdist._src.coordinator.errors import WorkerAuthenticationError, WorkerUnavailableError
+from jaxdist._src.coordinator.signing import (
     AUTH_METADATA_KEY,
     MAC_KEY,
     ReplayGuard,
     answer_mac,
 )
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
-from jaxdist.ps import direct, wire
-from jaxdist.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
+from jaxdist._src.ps import direct, wire
+from jaxdist._src.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 from jaxdist.testing.tls import process_pki
 
 TOKEN = new_coordinator_token()
@@ -272,7 +272,7 @@ def evil(_: int) -> _Evil:
 
 
 def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
-    from jaxdist.coordinator.answer_pickle import TRUST_ENV, UntrustedPickleError
+    from jaxdist._src.coordinator.answer_pickle import TRUST_ENV, UntrustedPickleError
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     CALLS.clear()
@@ -291,9 +291,9 @@ def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
 def test_an_exception_from_a_worker_is_built_only_from_data(monkeypatch):
     import pickle
 
-    from jaxdist.coordinator.answer_pickle import TRUST_ENV
-    from jaxdist.coordinator.cluster_coordinator import _remote_exception
-    from jaxdist.coordinator.errors import RemoteError
+    from jaxdist._src.coordinator.answer_pickle import TRUST_ENV
+    from jaxdist._src.coordinator.cluster_coordinator import _remote_exception
+    from jaxdist._src.coordinator.errors import RemoteError
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     CALLS.clear()
@@ -310,7 +310,7 @@ def test_plain_results_come_back_unchanged():
 
     import ml_dtypes
 
-    from jaxdist.coordinator.answer_pickle import loads
+    from jaxdist._src.coordinator.answer_pickle import loads
 
     values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float16(1.5), np.int64(-3),
               np.zeros(2, ml_dtypes.bfloat16), np.array([1, "a", None], object),

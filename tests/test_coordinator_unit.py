@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist.cluster.task_info import TaskInfo
-from jaxdist.coordinator import (
+from jaxdist._src.cluster.task_info import TaskInfo
+from jaxdist._src.coordinator import (
     CancelledError,
     ClusterCoordinator,
     JoinTimeoutError,
@@ -18,9 +18,9 @@ from jaxdist.coordinator import (
     RemoteValue,
     closure_pickle,
 )
-from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
-from jaxdist.coordinator.worker_runtime import WorkerRuntime, set_current
-from jaxdist.coordinator.worker_service import (
+from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, set_current
+from jaxdist._src.coordinator.worker_service import (
     WorkerService,
     answer_value,
     from_bytes_array,
@@ -182,7 +182,7 @@ GLOBAL_SCALE = 2.0
 
 
 def test_function_fingerprints_change_when_what_they_refer_to_is_rebound():
-    from jaxdist.coordinator.cluster_coordinator import _fingerprint, _same
+    from jaxdist._src.coordinator.cluster_coordinator import _fingerprint, _same
 
     global GLOBAL_SCALE
     lr = 0.1
@@ -254,7 +254,7 @@ def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
 
 
 def test_results_of_plain_data_are_pickled_without_cloudpickle():
-    from jaxdist.coordinator.worker_service import dumps_value
+    from jaxdist._src.coordinator.worker_service import dumps_value
 
     plain = {"loss": np.float32(1.5), "xs": [np.arange(3), (1, "a", None)], "b": b"x"}
     out = cloudpickle.loads(dumps_value(plain))
@@ -267,7 +267,7 @@ def test_results_of_plain_data_are_pickled_without_cloudpickle():
 def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
     import ml_dtypes
 
-    from jaxdist.coordinator.worker_service import RAW_VALUE_BYTES, answer_value, value_arrays
+    from jaxdist._src.coordinator.worker_service import RAW_VALUE_BYTES, answer_value, value_arrays
 
     fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
     raw = [np.asarray(np.float32(1.5)), fortran, np.arange(3)[::-1], np.float32(0.25),
@@ -297,7 +297,7 @@ def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
 
 
 def test_the_answer_mac_covers_the_shape_of_each_array():
-    from jaxdist.coordinator.signing import answer_mac
+    from jaxdist._src.coordinator.signing import answer_mac
 
     def mac(arrays):
         return answer_mac(b"k" * 32, "worker:0", "RunClosures", "n/0", {"ok": True}, arrays)
@@ -330,7 +330,7 @@ def _timed_answers(clock, spec, wait=0.0, starts=None):
 
 
 def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypatch):
-    from jaxdist.coordinator import worker_service as ws
+    from jaxdist._src.coordinator import worker_service as ws
 
     clock = _Clock()
     monkeypatch.setattr(ws, "time", clock)
@@ -403,7 +403,7 @@ def test_answers_of_a_batch_share_messages_while_the_next_ones_end_soon(monkeypa
     ({"answers": [{"ok": True}]}, {"*.array": np.zeros(())}),
 ])
 def test_a_malformed_group_of_answers_is_refused(meta, arrays):
-    from jaxdist.coordinator.worker_service import split_answers
+    from jaxdist._src.coordinator.worker_service import split_answers
 
     with pytest.raises(ValueError, match="answers"):
         split_answers(meta, arrays, 2)
@@ -413,9 +413,9 @@ def test_arguments_of_per_worker_resources_go_as_ids_and_are_never_pickled(monke
     import threading
     import types
 
-    from jaxdist.coordinator import cluster_coordinator as cc
-    from jaxdist.coordinator.closure_queue import Closure
-    from jaxdist.coordinator.remote_value import PerWorkerValues
+    from jaxdist._src.coordinator import cluster_coordinator as cc
+    from jaxdist._src.coordinator.closure_queue import Closure
+    from jaxdist._src.coordinator.remote_value import PerWorkerValues
 
     w = object.__new__(cc._WorkerThread)
     w._c = types.SimpleNamespace(_ps_rpc_timeout=1.0, _join_timeout=1.0)
@@ -512,7 +512,7 @@ def test_numbered_batches_of_a_session_run_in_their_order():
     import threading
     import time
 
-    from jaxdist.coordinator import worker_service
+    from jaxdist._src.coordinator import worker_service
 
     svc = WorkerService(_runtime())
     try:

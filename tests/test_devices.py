@@ -6,7 +6,7 @@ from devutil import cpu_devices
 from devutil import device_string as default_device_string
 
 import jaxdist
-from jaxdist.strategies.devices import device_string, resolve_device
+from jaxdist._src.strategies.devices import device_string, resolve_device
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ import inspect
 import pytest
 
 import jaxdist
+import jaxdist._src.coordinator
 import jaxdist.cluster_resolver
-import jaxdist.coordinator
 import jaxdist.tpu
 
 NAMESPACES = [jaxdist, jaxdist.cluster_resolver, jaxdist.coordinator, jaxdist.tpu]

@@ -27,8 +27,9 @@ from collections.abc import Iterable, Mapping
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxdist")
 
 # Package -> the jaxdist packages it may import (a package may always import its own modules).
-# "*" means anything. The top-level modules (jaxdist/__init__.py, jaxdist/launch.py, ...) are
-# the package "" and, like testing/, sit above everything.
+# "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
+# modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
+# package "" and sit above everything (no private module imports a public one).
 _BELOW_STRATEGIES = {"input", "ps", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
@@ -40,8 +41,8 @@ ALLOWED: dict[str, set[str] | str] = {
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "train": {"coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
-    "testing": "*",
-    "": "*",
+    "_src": set(),  # the private tree's own __init__: a docstring
+    "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
 }
 
 # Explicit exceptions, each naming why it is still there. Keep these empty: an entry is a bug to
@@ -182,17 +183,19 @@ def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
 
 
 def _packages(root: str = ROOT) -> set[str]:
-    return {d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "__init__.py"))}
+    src = os.path.join(root, "_src")
+    return {d for d in os.listdir(src) if os.path.isfile(os.path.join(src, d, "__init__.py"))}
 
 
 _PACKAGES = _packages()
 
 
 def package_of(module: str) -> str:
-    """``jaxdist.train.job`` -> ``train``; a top-level module (``jaxdist.launch``) -> ``""``."""
+    """``jaxdist._src.train.job`` -> ``train``; ``jaxdist._src`` itself -> ``_src``; a public
+    module (``jaxdist.launch``, ``jaxdist.train``, ``jaxdist.testing.tls``) -> ``""``."""
     parts = module.split(".")
-    if len(parts) > 2 or (len(parts) == 2 and parts[1] in _PACKAGES):
-        return parts[1]
+    if len(parts) >= 2 and parts[1] == "_src":
+        return parts[2] if len(parts) > 2 else "_src"
     return ""
 
 
@@ -246,18 +249,19 @@ def test_checker_finds_a_circle_through_an_import_inside_a_function(tmp_path):
 
 def test_checker_finds_an_upward_arrow():
     graph = {
-        "jaxdist.cluster.tf_config": {"jaxdist.values.per_replica"},   # cluster imports nothing
-        "jaxdist.input.distributed": {"jaxdist.values.per_replica"},   # allowed
-        "jaxdist.strategies.strategy": {"jaxdist.train.job"},          # upward
-        "jaxdist.testing.cluster": {"jaxdist.train.job"},              # testing: anything
+        # cluster imports nothing
+        "jaxdist._src.cluster.tf_config": {"jaxdist._src.values.per_replica"},
+        "jaxdist._src.input.distributed": {"jaxdist._src.values.per_replica"},   # allowed
+        "jaxdist._src.strategies.strategy": {"jaxdist._src.train.job"},          # upward
+        "jaxdist.testing.cluster": {"jaxdist._src.train.job"},              # testing: anything
     }
     bad = layer_violations(graph)
     assert len(bad) == 2, bad
-    assert bad[0].startswith("jaxdist.cluster.tf_config -> jaxdist.values.per_replica")
-    assert bad[1].startswith("jaxdist.strategies.strategy -> jaxdist.train.job")
+    assert bad[0].startswith("jaxdist._src.cluster.tf_config -> jaxdist._src.values.per_replica")
+    assert bad[1].startswith("jaxdist._src.strategies.strategy -> jaxdist._src.train.job")
     assert layer_violations(graph, exceptions={
-        ("jaxdist.cluster.tf_config", "jaxdist.values.per_replica"),
-        ("jaxdist.strategies.strategy", "jaxdist.train.job")}) == []
+        ("jaxdist._src.cluster.tf_config", "jaxdist._src.values.per_replica"),
+        ("jaxdist._src.strategies.strategy", "jaxdist._src.train.job")}) == []
 
 
 def test_checker_resolves_relative_and_attribute_imports(tmp_path):

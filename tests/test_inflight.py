@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxdist
-from jaxdist.strategies.inflight import StepThrottle
+from jaxdist._src.strategies.inflight import StepThrottle
 
 
 @pytest.mark.devices(8)
@@ -72,7 +72,7 @@ def test_max_steps_in_flight_is_configurable():
 
 
 def test_watched_steps_bound_in_flight_and_hand_back_errors():
-    from jaxdist.strategies.watched_steps import StepNotFinished, WatchedSteps
+    from jaxdist._src.strategies.watched_steps import StepNotFinished, WatchedSteps
 
     overruns = []
     steps = WatchedSteps(2, 5.0, on_overrun=lambda elapsed: overruns.append(elapsed) or True)
@@ -92,7 +92,7 @@ def test_watched_steps_bound_in_flight_and_hand_back_errors():
         def block_until_ready(self):
             raise RuntimeError("gloo: connection reset by peer")
 
-    from jaxdist.strategies import watched_steps
+    from jaxdist._src.strategies import watched_steps
 
     step = watched_steps._Step([Failing()])
     with steps._lock:
@@ -109,7 +109,7 @@ def test_watched_steps_bound_in_flight_and_hand_back_errors():
 
 
 def test_watched_steps_skip_outputs_donated_to_a_later_step():
-    from jaxdist.strategies.watched_steps import WatchedSteps
+    from jaxdist._src.strategies.watched_steps import WatchedSteps
 
     f = jax.jit(lambda p: p + 1, donate_argnums=0)
     steps = WatchedSteps(2, 5.0, on_overrun=lambda elapsed: True)
@@ -127,7 +127,7 @@ def test_wait_skips_an_output_whose_wait_says_it_was_donated():
     """JAX 0.11 can refuse to wait on a buffer donated to a later step before is_deleted()
     says so ("BlockHostUntilReady() called on deleted or donated buffer"): the throttle skips
     it (the later step consumes it); any other failure still raises."""
-    from jaxdist.strategies import inflight
+    from jaxdist._src.strategies import inflight
 
     class Donated:
         def is_deleted(self):

@@ -1,4 +1,4 @@
-"""Every private JAX API jaxdist uses sits in jaxdist/compat/jax_internals.py and still works.
+"""Every private JAX API jaxdist uses sits in jaxdist/_src/compat/jax_internals.py and still works.
 
 A JAX that moves one of them fails here, naming the adapter, instead of somewhere deep in a
 strategy. No other module of jaxdist may import ``jax._src``.
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist.compat import jax_internals
+from jaxdist._src.compat import jax_internals
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
 
@@ -27,7 +27,7 @@ def test_no_other_module_imports_jax_private_modules():
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if "_src" in n]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("jax._src")]
     assert not offenders, offenders
 
 
@@ -81,7 +81,7 @@ def test_all_gather_invariant_in_a_replica_step():
     n = min(2, jax.local_device_count())
     if n < 2:
         pytest.skip(f"needs 2 local devices, {jax.local_device_count()} available")
-    from jaxdist.strategies.cross_device_ops import all_gather_invariant
+    from jaxdist._src.strategies.cross_device_ops import all_gather_invariant
 
     mesh = jax.make_mesh((n,), ("r",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.local_devices()[:n])

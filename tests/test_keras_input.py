@@ -17,8 +17,8 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-from jaxdist.input import autoshard  # noqa: E402
-from jaxdist.keras import partial_batches  # noqa: E402
+from jaxdist._src.input import autoshard  # noqa: E402
+from jaxdist._src.keras import partial_batches  # noqa: E402
 
 _RNG = np.random.default_rng(0)
 X = _RNG.normal(size=(70, 5)).astype("float32")

@@ -2,7 +2,7 @@
 
 A last batch that does not split evenly (70 rows in batches of 32 on 4 replicas ends with 6
 rows; 65 rows end with 1; ``predict`` of one sample) is padded and masked
-(``jaxdist/keras/partial_batches.py``). Every test compares with plain Keras on one device over
+(``jaxdist/_src/keras/partial_batches.py``). Every test compares with plain Keras on one device over
 the same global batches: losses, metrics, weights after ``fit``, ``evaluate`` and ``predict``.
 Needs 4 devices (8 forced CPU devices in CI, see conftest.py).
 """
@@ -19,7 +19,7 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-from jaxdist.keras import partial_batches  # noqa: E402
+from jaxdist._src.keras import partial_batches  # noqa: E402
 
 _RNG = np.random.default_rng(0)
 X = _RNG.normal(size=(70, 5)).astype("float32")

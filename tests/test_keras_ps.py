@@ -18,8 +18,8 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-import jaxdist.keras as jk  # noqa: E402
-from jaxdist.keras.ps_optimizers import keras_optimizer_spec  # noqa: E402
+import jaxdist._src.keras as jk  # noqa: E402
+from jaxdist._src.keras.ps_optimizers import keras_optimizer_spec  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
 Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
@@ -302,7 +302,7 @@ def test_sparse_embedding_refusals():
         jk.attach(m, jaxdist.ParameterServerStrategy(), sparse_embeddings=["emb"])
     m = _emb_model(keras.optimizers.Adam(0.01))  # explicit lazy Adam: accepted
     jk.attach(m, jaxdist.ParameterServerStrategy(), sparse_embeddings=["emb"],
-              embedding_optimizer=jaxdist.ps.optimizers.adam(0.01))
+              embedding_optimizer=jaxdist._src.ps.optimizers.adam(0.01))
     m.fit(IDS, YE, batch_size=8, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="expected a plain keras.layers.Embedding"):
         jk.attach(_emb_model(keras.optimizers.SGD(0.1)), jaxdist.ParameterServerStrategy(),

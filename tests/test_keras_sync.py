@@ -17,7 +17,7 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-import jaxdist.keras as jk  # noqa: E402
+import jaxdist._src.keras as jk  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
 Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
@@ -279,7 +279,7 @@ def test_tensorboard_without_tensorflow(devices, tmp_path):
 def test_keras_file_callbacks_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
     # Keras's own ModelCheckpoint / BackupAndRestore know nothing about processes: every process
     # would write the same files. The jaxdist.keras versions write from the chief only.
-    from jaxdist.keras import model_strategy
+    from jaxdist._src.keras import model_strategy
 
     model_strategy.install()  # done by the first strategy scope entered with keras imported
     monkeypatch.setattr(jax, "process_count", lambda: 2)

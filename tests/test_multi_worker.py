@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist.cluster import ClusterConfigError, TFConfigClusterResolver
-from jaxdist.input.autoshard import FileListDataset, auto_shard, shard_files, with_auto_shard_policy
-from jaxdist.strategies.multi_worker import PackedAllReduce, pack_by_bytes
+from jaxdist._src.cluster import ClusterConfigError, TFConfigClusterResolver
+from jaxdist._src.input.autoshard import (
+    FileListDataset,
+    auto_shard,
+    shard_files,
+    with_auto_shard_policy,
+)
+from jaxdist._src.strategies.multi_worker import PackedAllReduce, pack_by_bytes
 from jaxdist.testing.workloads import global_batches, make_train_step
 
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from jaxdist._src.train.runs import latest_run
 from jaxdist.testing import LocalCluster, python_command
-from jaxdist.train.runs import latest_run
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxdist.ps import direct, direct_server
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSAuthenticationError, PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.limits import ServerLimits
-from jaxdist.ps.memory import RECEIVE_POOL
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.ps import direct, direct_server
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.errors import PSAuthenticationError, PSInvalidArgumentError, PSNotFoundError
+from jaxdist._src.ps.limits import ServerLimits
+from jaxdist._src.ps.memory import RECEIVE_POOL
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 
 TOKEN = "direct-Secret-91b2"
 MiB = 1 << 20
@@ -235,7 +235,7 @@ def test_the_direct_transport_can_be_turned_off(monkeypatch):
 
 
 def test_the_direct_port_speaks_mutual_tls_only(monkeypatch):
-    from jaxdist.cluster.pki import local_pki
+    from jaxdist._src.cluster.pki import local_pki
 
     pki = local_pki(["ps", "client"])
     other = local_pki(["intruder"])
@@ -421,7 +421,7 @@ def test_prefix_layout():
 
 
 def test_one_deadline_covers_discovery_and_the_call():
-    from jaxdist.ps.errors import PSUnavailableError
+    from jaxdist._src.ps.errors import PSUnavailableError
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

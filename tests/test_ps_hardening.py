@@ -13,14 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist.ps import protocol, wire
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSError, PSInvalidArgumentError
-from jaxdist.ps.grpc_util import method_path
-from jaxdist.ps.limits import ServerLimits, default_max_request_bytes
-from jaxdist.ps.memory import RECEIVE_POOL
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.ps import protocol, wire
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.errors import PSError, PSInvalidArgumentError
+from jaxdist._src.ps.grpc_util import method_path
+from jaxdist._src.ps.limits import ServerLimits, default_max_request_bytes
+from jaxdist._src.ps.memory import RECEIVE_POOL
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 
 TOKEN = "hardening-Secret-7f3a9c"
 MiB = 1 << 20

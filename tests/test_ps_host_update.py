@@ -1,4 +1,4 @@
-"""The ps's numpy ``assign_add`` (``jaxdist.ps.host_update``): same bits as the jitted add,
+"""The ps's numpy ``assign_add`` (``jaxdist._src.ps.host_update``): same bits as the jitted add,
 in place only when nothing else holds the value, other dtypes on the jitted add."""
 
 import platform
@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxdist.ps import host_update
-from jaxdist.ps.service import _ASSIGN_ADD, ParameterService
+from jaxdist._src.ps import host_update
+from jaxdist._src.ps.service import _ASSIGN_ADD, ParameterService
 
 X86_GLIBC = platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
 

@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist.ps import optimizers as O
-from jaxdist.ps.checkpoints import write_checkpoint_pointer
-from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.ps import optimizers as O
+from jaxdist._src.ps.checkpoints import write_checkpoint_pointer
+from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist._src.ps.service import ParameterService
 
 
 def _shards_vs_whole(spec, ref_tx, split, steps, seed):
@@ -201,7 +201,7 @@ def test_save_keeps_the_newest_checkpoints_and_the_last_complete_one(tmp_path):
 def test_many_learning_rate_changes_keep_the_compiled_update_cache_bounded():
     # Each new rate is a new optimizer spec; a job that changes it often must not grow the ps
     # without end. An evicted spec compiles again on its next use with the same numbers.
-    from jaxdist.ps import service as S
+    from jaxdist._src.ps import service as S
 
     svc = ParameterService("ps:0")
     svc.create({"v": np.ones((4,), np.float32)}, {"v": {"optimizer": O.sgd(0.1).to_json()}})

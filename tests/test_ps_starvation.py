@@ -15,15 +15,15 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist.cluster.pki import local_pki
-from jaxdist.cluster.tls import open_channel
-from jaxdist.ps import direct, direct_server, protocol, wire
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.direct_server import DirectServer
-from jaxdist.ps.grpc_util import method_path
-from jaxdist.ps.limits import ServerLimits
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.cluster.pki import local_pki
+from jaxdist._src.cluster.tls import open_channel
+from jaxdist._src.ps import direct, direct_server, protocol, wire
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.direct_server import DirectServer
+from jaxdist._src.ps.grpc_util import method_path
+from jaxdist._src.ps.limits import ServerLimits
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 
 TOKEN = "starvation-Secret-9d1e"
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from devutil import cpu_devices
 
-from jaxdist.ps import wire
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSAuthenticationError, PSInvalidArgumentError
-from jaxdist.ps.memory import BufferPool
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.ps import wire
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.errors import PSAuthenticationError, PSInvalidArgumentError
+from jaxdist._src.ps.memory import BufferPool
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 from jaxdist.testing.tls import process_pki
 
 MiB = 1 << 20
@@ -97,7 +97,7 @@ def test_pool_small_buffers_are_not_tracked_and_free_bytes_are_bounded():
 @pytest.mark.parametrize("spec", [None, "sgd", "adam"])
 def test_updates_run_in_place_but_never_under_a_pull_in_flight(spec):
     """Updates donate the old value (same buffer) unless a pull still holds it."""
-    from jaxdist.ps import optimizers as O
+    from jaxdist._src.ps import optimizers as O
 
     opt = {None: None, "sgd": O.sgd(1.0), "adam": O.adam(0.1)}[spec]
     svc = ParameterService("ps:0")
@@ -178,9 +178,9 @@ def test_large_calls_still_check_the_token(served):
 
 
 def test_servers_refuse_to_start_without_a_token():
-    from jaxdist.ps.grpc_util import require_token
-    from jaxdist.ps.server import ParameterServer
-    from jaxdist.ps.service import ParameterService
+    from jaxdist._src.ps.grpc_util import require_token
+    from jaxdist._src.ps.server import ParameterServer
+    from jaxdist._src.ps.service import ParameterService
 
     with pytest.raises(ValueError, match="ps:3: needs the cluster token"):
         ParameterServer(ParameterService("ps:3"), "127.0.0.1:0", token=None)

@@ -12,30 +12,30 @@ import numpy as np
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist.cluster.credentials import (
+from jaxdist._src.cluster.credentials import (
     CoordinatorKeys,
     WorkerCredential,
     new_coordinator_token,
     token_digest,
     worker_credential,
 )
-from jaxdist.cluster.errors import ClusterConfigError
-from jaxdist.cluster.pki import apply_task_security, local_pki
-from jaxdist.cluster.task_info import TaskInfo
-from jaxdist.cluster.tls import TLSConfigError, resolve_tls
-from jaxdist.coordinator.errors import WorkerAuthenticationError
-from jaxdist.coordinator.signing import AUTH_METADATA_KEY
-from jaxdist.coordinator.worker_client import WorkerClient
-from jaxdist.coordinator.worker_runtime import WorkerRuntime
-from jaxdist.coordinator.worker_service import SERVICE_NAME as WORKER_SERVICE
-from jaxdist.coordinator.worker_service import WorkerServer, to_bytes_array
-from jaxdist.ps import wire
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSUnavailableError
-from jaxdist.ps.protocol import SERVICE_NAME as PS_SERVICE
-from jaxdist.ps.protocol import TOKEN_METADATA_KEY
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.cluster.errors import ClusterConfigError
+from jaxdist._src.cluster.pki import apply_task_security, local_pki
+from jaxdist._src.cluster.task_info import TaskInfo
+from jaxdist._src.cluster.tls import TLSConfigError, resolve_tls
+from jaxdist._src.coordinator.errors import WorkerAuthenticationError
+from jaxdist._src.coordinator.signing import AUTH_METADATA_KEY
+from jaxdist._src.coordinator.worker_client import WorkerClient
+from jaxdist._src.coordinator.worker_runtime import WorkerRuntime
+from jaxdist._src.coordinator.worker_service import SERVICE_NAME as WORKER_SERVICE
+from jaxdist._src.coordinator.worker_service import WorkerServer, to_bytes_array
+from jaxdist._src.ps import wire
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.errors import PSUnavailableError
+from jaxdist._src.ps.protocol import SERVICE_NAME as PS_SERVICE
+from jaxdist._src.ps.protocol import TOKEN_METADATA_KEY
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 from jaxdist.testing.tls import process_pki
 
 _NO_ENV = {"JAXDIST_INSECURE": "", "JAXDIST_TLS_CA": "", "JAXDIST_TLS_CERT": "",

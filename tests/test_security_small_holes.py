@@ -11,15 +11,15 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist.cluster import TFConfigClusterResolver
-from jaxdist.cluster.errors import TFConfigError
-from jaxdist.cluster.tf_config import canonical_address
-from jaxdist.ps import protocol, wire
-from jaxdist.ps.client import PSClient
-from jaxdist.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist.ps.grpc_util import method_path
-from jaxdist.ps.server import ParameterServer
-from jaxdist.ps.service import ParameterService
+from jaxdist._src.cluster import TFConfigClusterResolver
+from jaxdist._src.cluster.errors import TFConfigError
+from jaxdist._src.cluster.tf_config import canonical_address
+from jaxdist._src.ps import protocol, wire
+from jaxdist._src.ps.client import PSClient
+from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist._src.ps.grpc_util import method_path
+from jaxdist._src.ps.server import ParameterServer
+from jaxdist._src.ps.service import ParameterService
 
 TOKEN = "small-holes-Secret-41c2"
 

@@ -10,8 +10,8 @@ import time
 import jax
 import pytest
 
-from jaxdist.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
-from jaxdist.train.runs import latest_run
+from jaxdist._src.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
+from jaxdist._src.train.runs import latest_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ def test_idle_timeout_is_a_typed_error_naming_the_directory(tmp_path):
     from flax import nnx
 
     import jaxdist
-    from jaxdist.train.models import MLP
+    from jaxdist._src.train.models import MLP
 
     strategy = jaxdist.OneDeviceStrategy(jax.devices()[0])
     with strategy.scope():
@@ -88,9 +88,9 @@ def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
 def test_ps_checkpoint_reader_reassembles_partitioned_leaves(tmp_path):
     import numpy as np
 
-    from jaxdist.ps.checkpoints import PSCheckpointReader, write_checkpoint_pointer
-    from jaxdist.ps.service import ParameterService
-    from jaxdist.train.evaluator import PSCheckpointState
+    from jaxdist._src.ps.checkpoints import PSCheckpointReader, write_checkpoint_pointer
+    from jaxdist._src.ps.service import ParameterService
+    from jaxdist._src.train.evaluator import PSCheckpointState
 
     w = np.arange(15, dtype=np.float32).reshape(5, 3)
     b = np.array([7.0], np.float32)

@@ -9,7 +9,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxdist.cluster import (
+from jaxdist._src.cluster import (
     ClusterConfigError,
     ClusterSpec,
     TFConfigClusterResolver,

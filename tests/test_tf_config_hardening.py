@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxdist.cluster import (
+from jaxdist._src.cluster import (
     ClusterConfigError,
     SimpleClusterResolver,
     TFConfigClusterResolver,
@@ -13,7 +13,7 @@ from jaxdist.cluster import (
     UnionResolver,
     process_group,
 )
-from jaxdist.cluster.tf_config import check_address, parse_tf_config
+from jaxdist._src.cluster.tf_config import check_address, parse_tf_config
 
 TOKEN = "tok-5f3c9a1e7d2b"
 

@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist.train import callbacks as C
-from jaxdist.train import data as data_lib
-from jaxdist.train.config import ConfigError, load_config
-from jaxdist.train.models import MLP
-from jaxdist.train.trainer import Trainer
+from jaxdist._src.train import callbacks as C
+from jaxdist._src.train import data as data_lib
+from jaxdist._src.train.config import ConfigError, load_config
+from jaxdist._src.train.models import MLP
+from jaxdist._src.train.trainer import Trainer
 
 GBS = 32
 
@@ -254,7 +254,7 @@ def test_file_writing_callbacks_run_on_the_chief_only(tmp_path):
     assert worker.callbacks == [stop]
     chief = C.CallbackList([csv_cb, stop], model=object(), is_chief=True)
     assert chief.callbacks == [csv_cb, stop]
-    with pytest.raises(TypeError, match="not a jaxdist.train.callbacks.Callback"):
+    with pytest.raises(TypeError, match="not a jaxdist._src.train.callbacks.Callback"):
         C.CallbackList([print])
 
 
@@ -297,7 +297,7 @@ def test_evaluate_and_predict_take_callbacks(data):
 
 # ---------------------------------------------------------------------- test / predict batches
 def C_top_k():
-    from jaxdist.train.keras_metrics import SparseTopKCategoricalAccuracy
+    from jaxdist._src.train.keras_metrics import SparseTopKCategoricalAccuracy
 
     return SparseTopKCategoricalAccuracy(k=2)
 
@@ -314,7 +314,7 @@ def _strategy(name):
 def test_test_and_predict_batch_hooks_get_keras_logs(data, strategy, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     (x, y), (xv, yv) = data
-    from jaxdist.ps import optimizers as O
+    from jaxdist._src.ps import optimizers as O
 
     t = _trainer(_strategy(strategy),
                  optimizer=O.sgd(0.1) if strategy == "parameter_server" else None,

@@ -5,8 +5,8 @@ import pathlib
 import jax
 import pytest
 
-from jaxdist.train import strategy_registry
-from jaxdist.train.config import ConfigError, Field, check_replicas, load_config, schema_help
+from jaxdist._src.train import strategy_registry
+from jaxdist._src.train.config import ConfigError, Field, check_replicas, load_config, schema_help
 
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
 TRAIN_CONFIGS = [p for p in CONFIGS
@@ -108,9 +108,9 @@ def test_registry_is_keyed_by_class_and_every_default_is_in_the_schema():
     import inspect
 
     import jaxdist
-    from jaxdist.train import hooks, schema
-    from jaxdist.train.parameter_server import ParameterServerHook
-    from jaxdist.train.trainer import Trainer
+    from jaxdist._src.train import hooks, schema
+    from jaxdist._src.train.parameter_server import ParameterServerHook
+    from jaxdist._src.train.trainer import Trainer
 
     one_device = jaxdist.OneDeviceStrategy(jax.devices()[0])
     assert type(strategy_registry.hook_for(one_device)) is hooks.SyncHook
@@ -142,8 +142,8 @@ def test_schedules_give_the_same_rates_locally_and_on_the_ps(schedule, extra, ra
     import jax.numpy as jnp
     import optax
 
-    from jaxdist.train.job import optimizer_from_config
-    from jaxdist.train.parameter_server.config import ps_optimizer_from_config
+    from jaxdist._src.train.job import optimizer_from_config
+    from jaxdist._src.train.parameter_server.config import ps_optimizer_from_config
 
     cfg = load_config(raw={}, overrides=["optimizer.name=sgd", "optimizer.learning_rate=0.1",
                                          f"optimizer.schedule={schedule}",

@@ -13,11 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from jaxdist.input.options import InputContext
-from jaxdist.train.__main__ import main as train_main
-from jaxdist.train.data import epoch_order
-from jaxdist.train.metrics import read_metrics
-from jaxdist.train.parameter_server.coordinated import CoordinatorHook, WorkerShard, worker_share
+from jaxdist._src.input.options import InputContext
+from jaxdist._src.train.__main__ import main as train_main
+from jaxdist._src.train.data import epoch_order
+from jaxdist._src.train.metrics import read_metrics
+from jaxdist._src.train.parameter_server.coordinated import (
+    CoordinatorHook,
+    WorkerShard,
+    worker_share,
+)
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "parameter_server_coordinator.yaml"
@@ -204,8 +208,8 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path):
 
 @pytest.mark.parametrize("task, serves", [("ps", True), ("worker", True), ("chief", False)])
 def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monkeypatch):
-    from jaxdist.train.config import load_config
-    from jaxdist.train.parameter_server.config import is_ps_task
+    from jaxdist._src.train.config import load_config
+    from jaxdist._src.train.parameter_server.config import is_ps_task
 
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
@@ -224,10 +228,10 @@ def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
     from flax import nnx
 
     import jaxdist
-    from jaxdist.ps import optimizers as O
-    from jaxdist.train.keras_metrics import AUC, SparseTopKCategoricalAccuracy
-    from jaxdist.train.models import MLP
-    from jaxdist.train.parameter_server.coordinated import StepStats, WorkerStep
+    from jaxdist._src.ps import optimizers as O
+    from jaxdist._src.train.keras_metrics import AUC, SparseTopKCategoricalAccuracy
+    from jaxdist._src.train.models import MLP
+    from jaxdist._src.train.parameter_server.coordinated import StepStats, WorkerStep
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 5)).astype(np.float32)
@@ -271,8 +275,8 @@ def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
 
 
 def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
-    from jaxdist.train.data import DataError
-    from jaxdist.train.inputs import source
+    from jaxdist._src.train.data import DataError
+    from jaxdist._src.train.inputs import source
 
     hook = CoordinatorHook.__new__(CoordinatorHook)
     gen = ((np.zeros((4, 2), np.float32), np.zeros(4, np.int32)) for _ in range(3))
@@ -298,8 +302,8 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
     from flax import nnx
 
     import jaxdist
-    from jaxdist.ps import optimizers as O
-    from jaxdist.train.models import MLP
+    from jaxdist._src.ps import optimizers as O
+    from jaxdist._src.train.models import MLP
 
     class OneDeviceWorkers:  # what the chief's hook and strategy ask of a ClusterCoordinator
         num_workers = 1
@@ -355,9 +359,9 @@ def test_each_worker_reads_its_share_of_a_grain_map_dataset_once_per_epoch():
     every epoch, and a resumed shard starts at the batch it is told."""
     import cloudpickle
 
-    from jaxdist.train.data import DataError
-    from jaxdist.train.inputs import source
-    from jaxdist.train.parameter_server.coordinated import GrainWorkerShard
+    from jaxdist._src.train.data import DataError
+    from jaxdist._src.train.inputs import source
+    from jaxdist._src.train.parameter_server.coordinated import GrainWorkerShard
 
     ds = _grain_examples().batch(6)            # 17 elements: 16 of 6 rows, the last of 4
     hook = CoordinatorHook.__new__(CoordinatorHook)

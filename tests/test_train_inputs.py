@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist.train.data import DataError
-from jaxdist.train.trainer import Trainer
+from jaxdist._src.train.data import DataError
+from jaxdist._src.train.trainer import Trainer
 
 GBS = 16
 
@@ -156,7 +156,7 @@ def test_grain_datasets_and_resume_keeps_the_position(data, strategy, tmp_path):
     # interrupted after 6 steps (mid-epoch), resumed from the checkpoint
     first = _trainer(strategy, checkpoint_dir=str(tmp_path), checkpoint_every_steps=6)
     first.fit(iter_ds, steps=6, steps_per_epoch=4)
-    from jaxdist.train.checkpoint import Checkpointer
+    from jaxdist._src.train.checkpoint import Checkpointer
 
     _, meta = Checkpointer(str(tmp_path), read_only=True).restore(6)
     assert meta["data_position"]["epoch"] == 1 and meta["data_position"]["batches"] == 2
@@ -170,7 +170,7 @@ def test_grain_datasets_and_resume_keeps_the_position(data, strategy, tmp_path):
 def test_grain_missing_gives_the_install_command(monkeypatch):
     import builtins
 
-    from jaxdist.train import inputs
+    from jaxdist._src.train import inputs
 
     real = builtins.__import__
 
@@ -236,7 +236,7 @@ def test_labels_of_the_wrong_kind_are_one_clear_error(data, strategy):
 
 
 def test_not_an_npz_file_names_the_path(tmp_path):
-    from jaxdist.train.data import load_npz
+    from jaxdist._src.train.data import load_npz
 
     bad = tmp_path / "data.npz"
     bad.write_text("x,y\n1,2\n")
@@ -251,7 +251,7 @@ def test_not_an_npz_file_names_the_path(tmp_path):
 def _cli(tmp_path, *overrides):
     import pathlib
 
-    from jaxdist.train.__main__ import main
+    from jaxdist._src.train.__main__ import main
 
     config = pathlib.Path(__file__).parent.parent / "configs" / "one_device.yaml"
     args = ["--config", str(config)]

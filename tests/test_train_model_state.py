@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist.train.checkpoint import CheckpointMismatchError
-from jaxdist.train.trainer import Trainer
+from jaxdist._src.train.checkpoint import CheckpointMismatchError
+from jaxdist._src.train.trainer import Trainer
 
 GBS = 16
 
@@ -82,7 +82,7 @@ def test_dropout_is_deterministic_given_the_seed_and_off_in_evaluate(data):
 
 
 def test_dropout_masks_differ_across_replicas_and_steps(data):
-    from jaxdist.train.model_state import ModelState
+    from jaxdist._src.train.model_state import ModelState
 
     ms = ModelState.split(Net(dropout=0.5, rngs=nnx.Rngs(0)))
     x = np.ones((8, 4), np.float32)
@@ -117,7 +117,7 @@ def test_per_replica_batch_norm_normalizes_each_replicas_rows(data):
                   batch_norm="per_replica")
     per, _ = _fit(_mirrored(2), data, steps=1, bn=True, batch_norm="per_replica")
     # Expected: the average of two one-device steps' gradients on each half of the batch.
-    from jaxdist.train.model_state import ModelState
+    from jaxdist._src.train.model_state import ModelState
 
     ms = ModelState.split(Net(bn=True, rngs=nnx.Rngs(0)))
 
@@ -195,7 +195,7 @@ def _ps_strategy():
 
 
 def test_parameter_servers_train_dropout_and_reject_batch_norm(data, monkeypatch):
-    from jaxdist.ps import optimizers as O
+    from jaxdist._src.ps import optimizers as O
 
     monkeypatch.delenv("TF_CONFIG", raising=False)
     x, y = data

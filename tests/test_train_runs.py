@@ -15,12 +15,12 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist.train import runs
-from jaxdist.train.__main__ import main as train_main
-from jaxdist.train.config import load_config
-from jaxdist.train.metrics import MetricsLogger, read_metrics
-from jaxdist.train.models import MLP
-from jaxdist.train.trainer import Trainer
+from jaxdist._src.train import runs
+from jaxdist._src.train.__main__ import main as train_main
+from jaxdist._src.train.config import load_config
+from jaxdist._src.train.metrics import MetricsLogger, read_metrics
+from jaxdist._src.train.models import MLP
+from jaxdist._src.train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GBS = 16

@@ -9,9 +9,9 @@ from flax import nnx
 from reference_loops import optax_step
 
 import jaxdist
-from jaxdist.train import data as data_lib
-from jaxdist.train.models import CNN, MLP
-from jaxdist.train.trainer import NaNLossError, Trainer
+from jaxdist._src.train import data as data_lib
+from jaxdist._src.train.models import CNN, MLP
+from jaxdist._src.train.trainer import NaNLossError, Trainer
 
 GBS = 32
 
@@ -183,8 +183,8 @@ def test_cnn_trains_under_scope_strategy():
 
 
 def test_same_seed_and_config_same_final_loss_through_run_job():
-    from jaxdist.train.config import load_config
-    from jaxdist.train.job import run_job
+    from jaxdist._src.train.config import load_config
+    from jaxdist._src.train.job import run_job
 
     overrides = ["data.name=synthetic", "data.num_examples=600", "data.num_features=8",
                  "model.hidden_sizes=[16]", "train.steps=12", "logging.dir=null",

@@ -16,18 +16,18 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from jaxdist.cluster.credentials import new_coordinator_token
-from jaxdist.cluster.errors import ClusterTimeoutError
-from jaxdist.cluster.local import (
+from jaxdist._src.cluster.credentials import new_coordinator_token
+from jaxdist._src.cluster.errors import ClusterTimeoutError
+from jaxdist._src.cluster.local import (
     TaskProcess,
     local_cluster,
     new_token,
     task_env,
     task_list,
 )
-from jaxdist.cluster.pki import LocalPKI, apply_task_security, local_pki
-from jaxdist.cluster.tls import TLSConfig
-from jaxdist.cluster.validation import task_name
+from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist._src.cluster.tls import TLSConfig
+from jaxdist._src.cluster.validation import task_name
 
 Command = Sequence[str] | Callable[[str, int], Sequence[str]]
 

@@ -15,8 +15,8 @@ import atexit
 import os
 import threading
 
-from jaxdist.cluster.pki import LocalPKI, local_pki
-from jaxdist.cluster.tls import INSECURE_ENV, TLSConfig
+from jaxdist._src.cluster.pki import LocalPKI, local_pki
+from jaxdist._src.cluster.tls import INSECURE_ENV, TLSConfig
 
 _lock = threading.Lock()
 _pki: list[LocalPKI] = []

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from jaxdist.cluster.handshake import ClusterAuthenticationError
+    from jaxdist._src.cluster.handshake import ClusterAuthenticationError
 
     try:
         return run_linreg(args)

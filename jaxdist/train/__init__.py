@@ -1,12 +1,4 @@
-"""jaxdist.train: the Keras-``fit``-like path and the ``python -m jaxdist.train`` job.
-
-Modules: ``schema`` (every config key and default, once), ``config`` (YAML, overrides,
-validation), ``strategy_registry`` (per strategy class: its config names and builders, and the
-``TrainerHook`` the ``Trainer`` delegates to), ``hooks`` (``TrainerHook``, ``SyncHook``),
-``parameter_server`` (training under ``ParameterServerStrategy``), ``data`` (digits,
-synthetic, ``.npz``; resumable order), ``models`` (MLP, CNN), ``trainer`` (``Trainer``),
-``checkpoint`` (orbax), ``metrics`` (JSON lines, TensorBoard, progress), ``job`` (config ->
-``Trainer.fit``), ``__main__`` (the CLI).
+"""``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job.
 
 Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
 
@@ -20,17 +12,17 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "Trainer": "jaxdist.train.trainer",
-    "History": "jaxdist.train.trainer",
-    "NaNLossError": "jaxdist.train.trainer",
-    "ConfigError": "jaxdist.train.config",
-    "load_config": "jaxdist.train.config",
-    "register_strategy": "jaxdist.train.strategy_registry",
-    "run_job": "jaxdist.train.job",
-    "Checkpointer": "jaxdist.train.checkpoint",
-    "MetricsLogger": "jaxdist.train.metrics",
-    "ArrayData": "jaxdist.train.data",
-    "DataError": "jaxdist.train.data",
+    "Trainer": "jaxdist._src.train.trainer",
+    "History": "jaxdist._src.train.trainer",
+    "NaNLossError": "jaxdist._src.train.trainer",
+    "ConfigError": "jaxdist._src.train.config",
+    "load_config": "jaxdist._src.train.config",
+    "register_strategy": "jaxdist._src.train.strategy_registry",
+    "run_job": "jaxdist._src.train.job",
+    "Checkpointer": "jaxdist._src.train.checkpoint",
+    "MetricsLogger": "jaxdist._src.train.metrics",
+    "ArrayData": "jaxdist._src.train.data",
+    "DataError": "jaxdist._src.train.data",
 }
 
 __all__ = sorted(_LAZY)

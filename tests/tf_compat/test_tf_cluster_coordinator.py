@@ -25,15 +25,15 @@ import pytest
 from coordinator_util import by_value, start_cluster, strategy_for
 
 import jaxdist
-from jaxdist.coordinator import (
+from jaxdist._src.coordinator import (
     CancelledError,
     ClosureInputError,
     ClusterCoordinator,
     RemoteValue,
     RemoteValueStatus,
 )
-from jaxdist.coordinator.closure_queue import Closure, ClosureQueue
-from jaxdist.ps import optimizers as O
+from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist._src.ps import optimizers as O
 
 by_value(__name__)
 

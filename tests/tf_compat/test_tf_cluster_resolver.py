@@ -12,7 +12,7 @@ from unittest import mock
 import jax
 import pytest
 
-from jaxdist.cluster import ClusterMergeError
+from jaxdist._src.cluster import ClusterMergeError
 from jaxdist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,

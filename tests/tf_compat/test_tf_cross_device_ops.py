@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxdist
 from jaxdist import ReduceOp
-from jaxdist.strategies.devices import resolve_device
+from jaxdist._src.strategies.devices import resolve_device
 
 _cpu_device = "/device:CPU:0"
 

@@ -14,10 +14,10 @@ import pytest
 
 import jaxdist
 from jaxdist import ReduceOp
+from jaxdist._src.input.dataset import Dataset
+from jaxdist._src.input.options import InputContext
+from jaxdist._src.strategies import get_default_strategy
 from jaxdist.cluster_resolver import ClusterSpec, SimpleClusterResolver
-from jaxdist.input.dataset import Dataset
-from jaxdist.input.options import InputContext
-from jaxdist.strategies import get_default_strategy
 
 
 def _TestStrategy():  # noqa: N802 - TF's name

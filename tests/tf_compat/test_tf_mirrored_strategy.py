@@ -24,7 +24,7 @@ from devutil import tf_test_devices
 
 import jaxdist
 from jaxdist import ReduceOp
-from jaxdist.input.dataset import Dataset
+from jaxdist._src.input.dataset import Dataset
 
 _DISTRIBUTIONS = {
     "GPUAndCPU": ["/cpu:0", "/cpu:1"],

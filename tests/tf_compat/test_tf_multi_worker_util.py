@@ -1,13 +1,13 @@
 """Port of TensorFlow's tensorflow/python/distribute/multi_worker_util_test.py.
 
 TF's inputs, expected values and error regexes, jaxdist's API: ``multi_worker_util.X`` ->
-``jaxdist.cluster.validation.X``; ``server_lib.ClusterSpec`` -> ``ClusterSpec``; a
+``jaxdist._src.cluster.validation.X``; ``server_lib.ClusterSpec`` -> ``ClusterSpec``; a
 ``cluster_pb2.ClusterDef`` proto -> the job -> {task index: address} dict jaxdist uses for it.
 """
 
 import pytest
 
-from jaxdist.cluster import validation as multi_worker_util
+from jaxdist._src.cluster import validation as multi_worker_util
 from jaxdist.cluster_resolver import ClusterSpec
 
 CLUSTER = {

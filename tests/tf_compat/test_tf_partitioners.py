@@ -9,7 +9,7 @@ that do not exist on JAX (jaxdist's sharded leaves are covered by tests/test_ps_
 
 import pytest
 
-from jaxdist.ps.partitioners import (
+from jaxdist._src.ps.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 
-from jaxdist.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from jaxdist._src.cluster.slurm import expand_hostlist, expand_tasks_per_node
 from jaxdist.cluster_resolver import ClusterSpec, SlurmClusterResolver
 
 

@@ -19,7 +19,7 @@ from devutil import tf_test_device, tf_test_devices
 
 import jaxdist
 from jaxdist import ReduceOp
-from jaxdist.strategies import get_default_strategy
+from jaxdist._src.strategies import get_default_strategy
 
 _STRATEGIES = {
     "Default": lambda: get_default_strategy(),

@@ -1,0 +1,587 @@
+"""``jax.distributed`` bring-up from a resolver, peer-failure detection and an orderly exit.
+
+``initialize_from_resolver`` starts JAX's coordination service and connects every training
+task to it, with a timeout. The service runs in a helper process started by process 0
+(``jaxdist._src.cluster.runtime``), so it outlives a crash of process 0, and the job runs in JAX's
+*recoverable* mode, so the death of any member does not abort the survivors: their next
+collective fails, the coordination service reports which tasks are gone, and ``wait_for_step``
+raises ``PeerLostError`` naming them (the chief included). At exit the processes meet at a
+barrier, then non-coordinator processes disconnect before process 0 stops the service. Once
+the cluster is broken (or a registration timed out), a process exits with status 1 right after
+its exit hooks, without interpreter shutdown: threads stuck in a broken collective would abort
+it ("FATAL: exception not rethrown").
+
+Before JAX starts, every process proves the cluster token to process 0 (and process 0 to it)
+in an HMAC challenge-response on the coordinator's port (``jaxdist._src.cluster.handshake``); a
+process with another token gets ``ClusterAuthenticationError`` and the cluster refuses it. The
+coordination service and gloo listen only on the interface the cluster spec names for their
+task. What this does not protect (JAX's service itself authenticates nobody) is in
+docs/security.md.
+
+Limitation: the helper process lives on process 0's host and in its own session; if the whole
+host (or pod/container) of process 0 goes away, JAX still terminates the survivors ("the JAX
+distributed service detected fatal errors", exit status 134).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
+from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
+from jaxdist._src.cluster.process_group import ProcessGroup, process_group
+from jaxdist._src.cluster.runtime import FreezeGuard, join_abandoned, start_runtime
+from jaxdist._src.cluster.waiting import call_with_timeout
+from jaxdist._src.compat import jax_internals
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_SECONDS = 60.0
+_POLL_SECONDS = 0.5  # how often a failed step asks the service again who is gone
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {
+    "group": None,  # ProcessGroup this process joined
+    "timeout": DEFAULT_TIMEOUT_SECONDS,
+    "heartbeat": None,
+    "lost": None,  # tuple of task names once a peer is lost
+    "broken": False,  # a step failed or timed out
+    "uncaught": False,
+    "atexit": False,
+    "joining": None,  # the group whose registration timed out (JAX still waits on it)
+    "freeze_guard": None,  # FreezeGuard of the joined group
+}
+
+
+def current_group() -> ProcessGroup | None:
+    """The process group ``initialize_from_resolver`` joined (``None`` before)."""
+    return _state["group"]
+
+
+def lost_tasks() -> tuple[str, ...] | None:
+    """The tasks found lost so far (``None`` while the cluster is healthy)."""
+    return _state["lost"]
+
+
+def _jax_distributed():
+    return jax_internals.distributed_module()
+
+
+def _configure_jax(collectives: str | None, gloo_host: str | None = None) -> None:
+    import jax
+
+    if collectives is not None:
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", collectives)
+        except (AttributeError, ValueError) as e:  # pragma: no cover - other JAX versions
+            log.warning("could not select CPU collectives %r: %s", collectives, e)
+    if collectives == "gloo" and gloo_host:
+        _bind_gloo(gloo_host)
+    try:
+        jax.config.update("jax_enable_recoverability", True)
+    except AttributeError:  # pragma: no cover - other JAX versions
+        log.warning("this JAX has no recoverable mode: a lost peer aborts the survivors")
+
+
+def _bind_gloo(host: str) -> None:
+    """Makes gloo listen on ``host`` (this task's interface in the cluster spec).
+
+    JAX creates gloo without a host name, so gloo binds the address the machine's host name
+    resolves to, whatever the cluster spec says; the CPU backend factory is replaced by one
+    that passes ``hostname=host`` (JAX 0.10's ``make_gloo_tcp_collectives`` parameter).
+    """
+    distributed = jax_internals.distributed_module()
+    xla_bridge = jax_internals.xla_bridge()
+    _jax = jax_internals.jax_extension()
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname=host)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    try:
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0,
+                                            fail_quietly=False)
+    except (AttributeError, TypeError, RuntimeError) as e:  # pragma: no cover - other JAX
+        log.warning("could not bind gloo to %s: %s", host, e)
+
+
+def _own_host(resolver: Any, group: ProcessGroup) -> str | None:
+    """This task's host in the cluster spec (``localhost`` as 127.0.0.1)."""
+    from jaxdist._src.cluster.cluster_spec import as_cluster_spec
+    from jaxdist._src.cluster.validation import split_address
+
+    try:
+        address = as_cluster_spec(resolver.cluster_spec()).task_address(group.task_type,
+                                                                         group.task_id)
+        host, _ = split_address(address)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    host = host.strip("[]")
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _cluster_token(resolver: Any, group: ProcessGroup) -> str:
+    from jaxdist._src.cluster.resolver import TOKEN_ENV
+
+    token = getattr(resolver, "cluster_token", None)
+    token = (token() if callable(token) else token) or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ClusterConfigError(
+            f"{group.name}: a multi-process group needs the cluster token, which every process "
+            f"proves to {group.task_name(0)} before jax.distributed starts: set TF_CONFIG "
+            f"\"token\" or {TOKEN_ENV} to the same secret on every task (python -m "
+            f"jaxdist.launch sets it)")
+    return token
+
+
+def _recoverable() -> bool:
+    import jax
+
+    return bool(getattr(jax.config, "jax_enable_recoverability", False))
+
+
+def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None,
+                             heartbeat_timeout_seconds: int | None = None,
+                             cpu_collectives: str | None = "gloo") -> ProcessGroup:
+    """Brings up ``jax.distributed`` for the training group a cluster resolver describes.
+
+    Idempotent: a second call with the same cluster returns the same group. ``ps`` and
+    ``evaluator`` tasks, and single-process clusters, do not start ``jax.distributed``.
+
+    Args:
+        resolver: a ``ClusterResolver`` (``TFConfigClusterResolver``, ``SlurmClusterResolver``,
+            ...).
+        timeout_seconds: how long to wait for every task to register (default 60 s); also the
+            bound ``wait_for_step`` uses.
+        heartbeat_timeout_seconds: after how long a silent task is declared dead (default: half
+            of ``timeout_seconds``, at least 3 s).
+        cpu_collectives: the CPU collectives implementation (``"gloo"``; ``None`` leaves JAX's
+            choice).
+
+    Returns:
+        The ``ProcessGroup`` this process belongs to.
+
+    Raises:
+        ClusterConfigError: the cluster is invalid, or ``jax.distributed`` was already
+            initialized differently, or JAX already ran computations in this process.
+        ClusterTimeoutError: not every task registered within ``timeout_seconds``; the message
+            names the coordinator and the tasks expected.
+        ClusterAuthenticationError: this process failed the cluster handshake (another cluster
+            token or cluster spec than process 0's).
+
+    Example:
+        >>> group = jaxdist._src.cluster.initialize_from_resolver(
+        ...     jaxdist.cluster_resolver.TFConfigClusterResolver(), timeout_seconds=120)
+        >>> group.process_id, group.num_processes
+        (1, 2)
+    """
+    timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
+    group = process_group(resolver)
+    with _lock:
+        prev = _state["group"]
+        if prev is not None:
+            if (prev.tasks, prev.process_id, prev.coordination_address) != (
+                group.tasks, group.process_id, group.coordination_address
+            ):
+                raise ClusterConfigError(
+                    f"jax.distributed is already initialized as {prev.name} of "
+                    f"{[prev.task_name(i) for i in range(prev.num_processes)]} (coordinator "
+                    f"{prev.coordination_address}); cannot join as {group.name} of "
+                    f"{[group.task_name(i) for i in range(group.num_processes)]}"
+                )
+            return prev
+        if not group.multi_process:
+            return group  # one process, or a ps / evaluator task: no jax.distributed
+        dist = _jax_distributed()
+        xla_bridge = jax_internals.xla_bridge()
+
+        if dist.is_initialized():
+            raise ClusterConfigError(
+                "jax.distributed was initialized outside jaxdist; create the strategy from a "
+                "resolver instead of calling jax.distributed.initialize yourself"
+            )
+        if xla_bridge.backends_are_initialized():
+            raise ClusterConfigError(
+                f"cannot join the cluster as {group.name}: JAX already initialized its "
+                f"backend in this process (something called jax.devices(), created an array "
+                f"or ran a computation). Create MultiWorkerMirroredStrategy (or call "
+                f"jaxdist.experimental_connect_to_cluster) before any other JAX call"
+            )
+        token = _cluster_token(resolver, group)
+        _configure_jax(cpu_collectives, _own_host(resolver, group))
+        hb = int(heartbeat_timeout_seconds or max(3, math.ceil(timeout / 2)))
+        deadline = time.monotonic() + timeout
+        # Every process proves the token to process 0 (and it to them) before JAX starts.
+        if group.process_id == 0:
+            serve_handshake(group, token, timeout)
+        else:
+            join_handshake(group, token, timeout)
+            # JAX aborts the process when the coordinator never answers: probe it first.
+            _wait_for_coordination_service(group, max(1.0, deadline - time.monotonic()))
+        try:
+            start_runtime(
+                coordination_address=group.coordination_address,
+                num_processes=group.num_processes,
+                process_id=group.process_id,
+                bind_address=group.coordination_bind_address,
+                join_timeout=max(1.0, deadline - time.monotonic()),
+                heartbeat_timeout=hb,
+                shutdown_timeout=max(1, math.ceil(timeout)),
+                recoverable=_recoverable(),
+                linger_seconds=2 * timeout + hb,
+            )
+        except Exception as e:
+            if join_abandoned():  # JAX's registration still runs: exit without shutdown
+                _state["joining"] = group
+                _install_exit_hooks()
+            else:
+                try:
+                    dist.global_state.shutdown()
+                except Exception:  # noqa: BLE001 - best effort after a failed start
+                    pass
+            others = [group.task_name(i) for i in range(group.num_processes)
+                      if i != group.process_id]
+            raise ClusterTimeoutError(
+                f"{group.name} could not join the cluster within {timeout:g} s: the "
+                f"coordinator {group.task_name(0)} at {group.coordination_address} and the "
+                f"tasks {others} must all start (error: {_first_line(e)})",
+                tasks=tuple(others),
+                timeout_seconds=timeout,
+            ) from e
+        _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
+        _state["freeze_guard"] = FreezeGuard(
+            group.name, group.process_id, group.num_processes, hb,
+            dist.global_state.client).start()
+        _install_exit_hooks()
+        return group
+
+
+def _wait_for_coordination_service(group: ProcessGroup, timeout: float) -> None:
+    host, _, port = str(group.coordination_address).rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    others = [group.task_name(i) for i in range(1, group.num_processes)
+              if i != group.process_id]
+    raise ClusterTimeoutError(
+        f"{group.name} could not join the cluster within {timeout:g} s: the coordinator "
+        f"{group.task_name(0)} at {group.coordination_address} is not reachable ({last}); start "
+        f"it (and {others or 'no other task'}) with the same cluster spec",
+        tasks=(group.task_name(0),),
+        timeout_seconds=timeout,
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------- failure detection
+def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str, ...] | None:
+    """Asks the coordination service which members are gone.
+
+    Args:
+        wait_seconds: how long to wait for an answer.
+        until_lost: keep asking (every 0.5 s, within ``wait_seconds``) while every member is
+            alive: after a collective failed, the service declares the dead task lost only once
+            its heartbeats stop.
+
+    Returns:
+        The lost tasks' names (``("worker:1",)``), ``()`` when every member is alive, or
+        ``None`` when the service did not answer within ``wait_seconds``. If the service
+        itself is unreachable the coordinator task is reported lost.
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return ()
+    client = _jax_distributed().global_state.client
+    if client is None:
+        return None
+    result: dict[str, Any] = {}
+    deadline = time.monotonic() + max(0.1, wait_seconds)
+
+    def probe() -> None:
+        while True:
+            live = client.get_live_nodes(list(range(group.num_processes)))
+            result["live"] = live
+            if (not until_lost or len(live) < group.num_processes
+                    or time.monotonic() + _POLL_SECONDS > deadline):
+                return
+            time.sleep(_POLL_SECONDS)
+
+    _, error = call_with_timeout(probe, max(0.1, deadline - time.monotonic()),
+                                 "jaxdist-live-nodes")
+    if error is not None:  # the service itself is unreachable
+        return (group.task_name(0),)
+    if "live" in result:
+        live = set(result["live"])
+        return tuple(group.task_name(i) for i in range(group.num_processes) if i not in live)
+    return None
+
+
+def _mark_lost(tasks: Iterable[str]) -> tuple[str, ...]:
+    tasks = tuple(tasks)
+    if _state["lost"] is None:
+        _state["lost"] = tasks
+    return _state["lost"]
+
+
+def _raise_lost(tasks: tuple[str, ...], cause: BaseException | None, what: str) -> None:
+    group = _state["group"]
+    me = group.name if group else "this task"
+    names = ", ".join(tasks)
+    raise PeerLostError(
+        f"{me}: lost peer task(s) {names} during {what}; the training cluster is broken. "
+        f"Restart the job (it resumes from the last checkpoint)"
+        + (f" (error: {_first_line(cause)})" if cause is not None else ""),
+        tasks=tasks,
+    ) from cause
+
+
+def _block(leaves: list[Any]) -> None:
+    for x in leaves:
+        if hasattr(x, "block_until_ready"):
+            x.block_until_ready()
+
+
+def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str = "a step") -> Any:
+    """Waits for ``outputs`` (arrays of a step with collectives), bounded by the timeout.
+
+    In a single-process run this is ``block_until_ready``.
+
+    Raises:
+        PeerLostError: a member of the group died (the message and ``.tasks`` name it).
+        ClusterTimeoutError: the step did not finish in time and no member is known dead.
+
+    Example:
+        >>> loss = jaxdist._src.cluster.wait_for_step(strategy.run(step, args=(state, batch)))
+    """
+    import jax
+
+    leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        _block(leaves)
+        return outputs
+    if _state["lost"]:
+        _raise_lost(_state["lost"], None, what)
+    timeout = float(timeout_seconds or _state["timeout"])
+    start = time.monotonic()
+    # On a daemon thread, so a collective that never returns cannot keep the process alive.
+    finished, error = call_with_timeout(lambda: _block(leaves), timeout, "jaxdist-wait")
+    if not finished:
+        _state["broken"] = True
+        lost = find_lost_tasks(float(_state["heartbeat"] or timeout) + 2.0)
+        if lost:
+            _raise_lost(_mark_lost(lost), None, what)
+        peers = tuple(group.task_name(i) for i in range(group.num_processes)
+                      if i != group.process_id)
+        status = "no task lost" if lost == () else "nothing (it did not answer)"
+        raise ClusterTimeoutError(
+            f"{group.name}: {what} did not finish within {timeout:g} s; the coordination "
+            f"service reports {status}. Waiting on peers {list(peers)}",
+            tasks=peers,
+            timeout_seconds=timeout,
+        )
+    if error is not None:
+        raise_if_peer_lost(error, what, max(2.0, timeout - (time.monotonic() - start)))
+        raise error
+    return outputs
+
+
+_RUNTIME_FAILURE = re.compile(
+    r"gloo|nccl|UNAVAILABLE|DEADLINE_EXCEEDED|ABORTED|INTERNAL|UNKNOWN|connection|socket|"
+    r"coordination|heartbeat|peer",
+    re.IGNORECASE,
+)
+
+
+def raise_if_peer_lost(error: BaseException, what: str = "a step",
+                       wait_seconds: float | None = None) -> None:
+    """Turns a failed collective into ``PeerLostError`` when a member of the group is gone.
+
+    Returns (so the caller re-raises ``error``) when the error does not look like a runtime
+    failure, when this process is not in a multi-process group, or when every member is alive.
+
+    Raises:
+        PeerLostError: the coordination service reports lost tasks; ``.tasks`` names them.
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    if isinstance(error, (PeerLostError, ClusterTimeoutError)):
+        return
+    if _state["lost"]:
+        _raise_lost(_state["lost"], error, what)
+    if isinstance(error, (TypeError, KeyError, AttributeError)) or not _RUNTIME_FAILURE.search(
+        f"{type(error).__name__}: {error}"
+    ):
+        return
+    _state["broken"] = True
+    lost = find_lost_tasks(float(wait_seconds or _state["timeout"]), until_lost=True)
+    if lost:
+        _raise_lost(_mark_lost(lost), error, what)
+
+
+def check_healthy(what: str = "a step") -> None:
+    """Raises ``PeerLostError`` at once if a peer was already found lost."""
+    if _state["lost"]:
+        _raise_lost(_state["lost"], None, what)
+
+
+# ---------------------------------------------------------------------- orderly exit
+def _install_exit_hooks() -> None:
+    if _state["atexit"]:
+        return
+    _state["atexit"] = True
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        _state["uncaught"] = True
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    # Registered after JAX's own clean-up, so it runs before it (atexit is LIFO).
+    atexit.register(_at_exit)
+
+
+def cluster_broken() -> bool:
+    """A step failed or timed out, a peer was lost, or the coordination service is gone."""
+    return bool(_state["lost"] or _state["broken"])
+
+
+def _at_exit() -> None:
+    """The exit hook: an orderly ``shutdown`` while healthy, else ``_exit_broken``."""
+    if join_abandoned() and _state["joining"] is not None:
+        _exit_broken(_state["joining"], "its registration with the coordination service "
+                                        "timed out and is still pending")
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    if not cluster_broken():
+        shutdown()
+    if cluster_broken():
+        lost = ", ".join(_state["lost"] or ()) or "none named"
+        _exit_broken(group, f"the training cluster is broken (lost: {lost})")
+
+
+def _exit_broken(group: ProcessGroup, reason: str, status: int = 1) -> None:
+    """Ends the process at once with ``status``, skipping the interpreter's shutdown.
+
+    Threads still blocked in the broken collective (and JAX's runtime waiting on them) would
+    otherwise hang the exit or abort it ("FATAL: exception not rethrown", SIGABRT) when the
+    interpreter tears them down. Output is flushed first; exit hooks registered after jaxdist's
+    have already run.
+    """
+    try:
+        sys.stderr.write(
+            f"jaxdist: {group.name} exits with status {status}: {reason}; skipping "
+            f"interpreter shutdown (threads may be stuck waiting on the cluster)\n"
+        )
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(status)
+
+
+def shutdown(timeout_seconds: float | None = None) -> None:
+    """Leaves the cluster in order: barrier, workers disconnect, then process 0 stops the service.
+
+    Runs automatically at exit; skips the barrier when a peer was lost or this process is
+    exiting on an uncaught exception (so the others learn it quickly instead of waiting).
+    """
+    group = _state["group"]
+    if group is None or not group.multi_process:
+        return
+    if _state["freeze_guard"] is not None:
+        _state["freeze_guard"].stop()
+    dist = _jax_distributed()
+    state = dist.global_state
+    client = state.client
+    if client is None:
+        return
+    timeout = float(timeout_seconds or min(_state["timeout"], 60.0))
+    healthy = not (_state["lost"] or _state["broken"] or _state["uncaught"])
+    if healthy:
+        try:
+            client.wait_at_barrier("jaxdist_exit", int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - exit anyway
+            log.warning("exit barrier failed: %s", _first_line(e))
+            healthy = False
+    if group.process_id != 0:
+        try:
+            state.shutdown()
+        except Exception as e:  # noqa: BLE001 - the service may be gone already
+            log.info("distributed shutdown: %s", _first_line(e))
+        return
+    # Process 0 hosts the service: wait (bounded) until the others have disconnected.
+    find_lost_tasks(timeout if healthy else min(timeout, 5.0))
+    try:
+        state.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.info("distributed shutdown: %s", _first_line(e))
+    _state["group"] = None
+
+
+def should_save_checkpoint() -> bool:
+    """Whether this task writes checkpoints: the chief of the joined cluster (True alone).
+
+    Example:
+        >>> should_save_checkpoint()     # a single process
+        True
+    """
+    group = current_group()
+    return True if group is None else bool(group.is_chief)
+
+
+def should_load_checkpoint() -> bool:
+    """Whether this task loads checkpoints: every task of a synchronous cluster does.
+
+    TF returns the worker context's ``experimental_should_init``, which is True for every
+    task of ``MultiWorkerMirroredStrategy`` (each task restores the same state).
+
+    Example:
+        >>> should_load_checkpoint()
+        True
+    """
+    return True
+
+
+__all__ = [
+    "should_load_checkpoint",
+    "should_save_checkpoint",
+    "DEFAULT_TIMEOUT_SECONDS",
+    "check_healthy",
+    "cluster_broken",
+    "current_group",
+    "find_lost_tasks",
+    "initialize_from_resolver",
+    "lost_tasks",
+    "raise_if_peer_lost",
+    "shutdown",
+    "wait_for_step",
+]

@@ -1,0 +1,178 @@
+"""A throwaway certificate authority and per-task certificates for a local cluster.
+
+``python -m jaxdist.launch`` and ``jaxdist.testing.LocalCluster`` call ``local_pki`` once per
+cluster: it creates a private directory (mode 0700), a CA whose private key never touches the
+disk (nobody can sign another certificate once the call returns), and one EC P-256 key and
+certificate per task, valid for the loopback names, readable only by the owner (0600). Every
+certificate is good for both server and client authentication (tasks are both).
+
+Example:
+    >>> pki = local_pki(["chief:0", "worker:0", "ps:0", "client"])
+    >>> pki.identities["ps:0"].cert         # '/tmp/jaxdist-tls-xxxx/ps-0.pem'
+    >>> pki.cleanup()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+
+from jaxdist._src.cluster.tls import TLSConfig
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclasses.dataclass
+class LocalPKI:
+    """The files of a generated PKI.
+
+    Attributes:
+        directory: the private directory holding them.
+        ca: path of the CA certificate.
+        identities: ``name -> TLSConfig`` (the task's certificate and key).
+
+    Example:
+        >>> env.update(pki.identities["worker:0"].env())
+    """
+
+    directory: str
+    ca: str
+    identities: dict[str, TLSConfig]
+
+    def cleanup(self) -> None:
+        """Deletes the directory and every key in it.
+
+        Example:
+            >>> pki.cleanup()
+        """
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _write(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _san(hosts: Sequence[str]):
+    from cryptography import x509
+
+    names: list = []
+    for h in dict.fromkeys(hosts):
+        h = h.strip("[]")
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(names)
+
+
+def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
+              directory: str | None = None, days: int = 7) -> LocalPKI:
+    """Generates a CA and one certificate per name in a new private directory.
+
+    Args:
+        names: identities to issue (task names like ``"worker:0"``, or ``"client"``).
+        hosts: host names / IPs the certificates are valid for (loopback by default).
+        directory: parent of the new directory (default: the system temp directory).
+        days: validity.
+
+    Returns:
+        The ``LocalPKI`` (call ``cleanup()`` when the cluster is gone).
+
+    Example:
+        >>> pki = local_pki(["ps:0", "client"])
+        >>> server_tls, client_tls = pki.identities["ps:0"], pki.identities["client"]
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    root = tempfile.mkdtemp(prefix="jaxdist-tls-", dir=directory)  # mode 0700
+    os.chmod(root, 0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxdist throwaway CA")])
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                     False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path = os.path.join(root, "ca.pem")
+    _write(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM))
+    identities: dict[str, TLSConfig] = {}
+    for name in names:
+        key = ec.generate_private_key(ec.SECP256R1())
+        job = name.split(":")[0]
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, job)])
+        cert = (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(_san(hosts), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "-", name)
+        cert_path, key_path = os.path.join(root, f"{stem}.pem"), os.path.join(root, f"{stem}.key")
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _write(key_path, key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+        identities[name] = TLSConfig(ca_path, cert_path, key_path)
+    return LocalPKI(root, ca_path, identities)
+
+
+
+
+
+_SECURITY_ENV = ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY",
+                 "JAXDIST_TLS_SERVER_NAME", "JAXDIST_INSECURE", "JAXDIST_COORDINATOR_TOKEN",
+                 "JAXDIST_COORDINATOR_TOKEN_SHA256", "JAXDIST_COORDINATOR_PUBLIC_KEY",
+                 "JAXDIST_COORDINATOR_ANSWER_KEY")
+
+
+def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI | None,
+                        coordinator_token: str | None) -> dict[str, str]:
+    """Sets one local task's TLS identity and coordinator credential in ``env`` (in place).
+
+    Inherited ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE`` / coordinator variables are dropped
+    first. ``pki=None`` means plaintext on loopback (``JAXDIST_INSECURE=1``). The chief gets
+    the coordinator token; each worker gets the chief's public key (enough to check a signed
+    request, not to sign one) and its own answer key; other tasks nothing.
+
+    Example:
+        >>> apply_task_security(env, "worker", 0, pki, coordinator_token)
+    """
+    from jaxdist._src.cluster.credentials import COORDINATOR_TOKEN_ENV, CoordinatorKeys
+    from jaxdist._src.cluster.tls import INSECURE_ENV
+
+    for key in _SECURITY_ENV:
+        env.pop(key, None)
+    if pki is None:
+        env[INSECURE_ENV] = "1"
+    else:
+        env.update(pki.identities[f"{job}:{index}"].env())
+    if coordinator_token and job == "chief":
+        env[COORDINATOR_TOKEN_ENV] = coordinator_token
+    elif coordinator_token and job == "worker":
+        env.update(CoordinatorKeys(coordinator_token).worker_env(f"worker:{index}"))
+    return env
+
+__all__ = ["LOOPBACK_NAMES", "LocalPKI", "apply_task_security", "local_pki"]

@@ -1,0 +1,287 @@
+"""Signed requests to the worker tasks, and answers MAC'd with a per-worker key.
+
+The right to run code on a worker belongs to the chief alone, and nothing the chief sends a
+worker lets that worker (or anyone who watches it) run code elsewhere:
+
+* **Requests** carry an ``auth`` object (gRPC metadata ``x-jaxdist-coordinator-auth`` as
+  JSON, or the ``"auth"`` key of a direct-port request's meta, and the direct port's
+  connection credential): the chief's Ed25519 signature (``CoordinatorKeys``) over the
+  target task's name (``"worker:1"``), the worker process's incarnation, the method, the
+  chief's session (a random id and its start time), a per-worker counter and the SHA-256 of
+  the request's meta and arrays. A worker checks the signature with the chief's public key,
+  then that the request names it and its incarnation (a restarted worker refuses requests
+  signed for its predecessor with ``ABORTED``), then that the counter is new for that
+  session (``ReplayGuard``: a replayed request is refused), all before anything is
+  unpickled. A request captured at one worker is refused by every other (it names the
+  first), and by the same worker (replay) or its next incarnation.
+* **Answers** carry a MAC keyed with the worker's own answer key over the worker's name,
+  the method, the chief's per-call nonce (and the message's place in the call), the answer's
+  meta (every field) and its arrays (names, dtypes, shapes, bytes). A worker holds only its
+  own key, so it cannot answer in another worker's name.
+
+Example:
+    >>> keys = CoordinatorKeys("c0")
+    >>> signer = RequestSigner(keys, ["worker:0"])
+    >>> auth = signer.sign(0, "inc-1", "Ping", {"nonce": "n"}, {})
+    >>> guard = RequestVerifier(keys.worker_credential("worker:0"), "worker:0", "inc-1")
+    >>> guard.check("Ping", auth, body_digest({"nonce": "n"}, {})) is None
+    True
+    >>> guard.check("Ping", auth, body_digest({"nonce": "n"}, {})).code   # replayed
+    'UNAUTHENTICATED'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxdist._src.cluster.credentials import CoordinatorKeys, WorkerCredential
+
+#: A direct-port request's meta key holding the request's ``auth``.
+AUTH_KEY = "auth"
+#: The gRPC metadata key holding a request's ``auth`` (JSON).
+AUTH_METADATA_KEY = "x-jaxdist-coordinator-auth"
+#: The answer meta key holding the worker's MAC.
+MAC_KEY = "mac"
+#: The method name a direct-port connection's credential is signed for.
+CONNECT_METHOD = "Connect"
+#: Counters more than this far below the highest seen in a session are refused as too old.
+REPLAY_WINDOW = 4096
+#: Sessions a worker remembers; the oldest is forgotten past this, and sessions started
+#: before a forgotten one are refused from then on.
+MAX_SESSIONS = 64
+_REQUEST_DOMAIN = "jaxdist-worker-request-v1"
+_ANSWER_DOMAIN = b"jaxdist-worker-answer-v1\0"
+_ONE_SHOT_MAC_BYTES = 64 << 10
+
+
+def _canonical(meta: dict, drop: str) -> bytes:
+    return json.dumps({k: v for k, v in meta.items() if k != drop}, sort_keys=True,
+                      separators=(",", ":"), allow_nan=True).encode()
+
+
+def _array_parts(arrays: dict) -> tuple[list[Any], int]:
+    parts: list[Any] = []
+    size = 0
+    for name in sorted(arrays):
+        data = np.ascontiguousarray(arrays[name])
+        parts.append(f"\0{name}:{data.dtype.str}:{data.shape}:{data.nbytes}\0".encode())
+        parts.append(memoryview(data).cast("B"))
+        size += data.nbytes
+    return parts, size
+
+
+def body_digest(meta: dict, arrays: dict) -> str:
+    """The SHA-256 (hex) a request's signature covers: its meta (every key but ``auth``, as
+    canonical JSON) and its arrays (names, dtypes, shapes and bytes, sorted by name).
+
+    Example:
+        >>> body_digest({"a": 1}, {}) == body_digest({"a": 1, "auth": {}}, {})
+        True
+    """
+    h = hashlib.sha256(_canonical(meta, AUTH_KEY))
+    parts, _ = _array_parts(arrays)
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
+
+
+def _request_message(task: str, incarnation: str, method: str, session: str, started: int,
+                     counter: int, digest: str) -> bytes:
+    return json.dumps([_REQUEST_DOMAIN, task, incarnation, method, session, started, counter,
+                       digest], separators=(",", ":")).encode()
+
+
+class RequestSigner:
+    """The chief's signer of requests to the tasks ``names`` (one session, one counter per
+    task).
+
+    Args:
+        keys: the chief's ``CoordinatorKeys``.
+        names: the tasks' names, by index (``["worker:0", "worker:1"]``).
+    """
+
+    def __init__(self, keys: CoordinatorKeys, names: Sequence[str]):
+        self._keys = keys
+        self._names = list(names)
+        self.session = secrets.token_hex(16)
+        self.started = time.time_ns()
+        self._counters = [0] * len(self._names)
+        self._lock = threading.Lock()
+
+    def sign(self, task: int, incarnation: str, method: str, meta: dict,
+             arrays: dict) -> dict:
+        """The ``auth`` of a request to task ``task`` (its current ``incarnation``)."""
+        return self.sign_digest(task, incarnation, method, body_digest(meta, arrays))
+
+    def sign_digest(self, task: int, incarnation: str, method: str, digest: str) -> dict:
+        """The ``auth`` of a request whose ``body_digest`` is ``digest``."""
+        with self._lock:
+            self._counters[task] += 1
+            counter = self._counters[task]
+        message = _request_message(self._names[task], incarnation, method, self.session,
+                                   self.started, counter, digest)
+        return {"s": self.session, "t": self.started, "n": counter, "i": incarnation,
+                "sig": self._keys.sign(message).hex()}
+
+    def answer_key(self, task: int) -> bytes:
+        """The key task ``task``'s answers are MAC'd with."""
+        return self._keys.answer_key(self._names[task])
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was refused: a ``grpc.StatusCode`` name and a message."""
+
+    code: str
+    details: str
+
+
+class ReplayGuard:
+    """Which (session, counter) pairs a worker has accepted: each at most once.
+
+    A session's counters may arrive a little out of order (several calls in flight): a
+    counter is accepted once, and only while it is within ``window`` of the highest seen in
+    its session. At most ``max_sessions`` sessions are remembered; forgetting one raises the
+    floor below which a session's start time is refused, so a forgotten session cannot be
+    replayed either.
+
+    Example:
+        >>> g = ReplayGuard()
+        >>> g.admit("s", 5, 1), g.admit("s", 5, 1)
+        (None, 'counter 1 of this session was already used (a replayed request)')
+    """
+
+    def __init__(self, window: int = REPLAY_WINDOW, max_sessions: int = MAX_SESSIONS):
+        self.window, self.max_sessions = window, max_sessions
+        self._sessions: dict[str, list[Any]] = {}  # session -> [started, highest, seen]
+        self._floor = -1
+        self._lock = threading.Lock()
+
+    def admit(self, session: str, started: int, counter: int) -> str | None:
+        """``None`` when (``session``, ``counter``) is new (it is then used up); else why not."""
+        with self._lock:
+            state = self._sessions.get(session)
+            if state is None:
+                if started <= self._floor:
+                    return (f"session {session[:40]!r} started before the oldest one this "
+                            f"worker has forgotten (a replayed or stale request)")
+                state = self._sessions[session] = [started, 0, set()]
+                if len(self._sessions) > self.max_sessions:
+                    oldest = min(self._sessions, key=lambda s: self._sessions[s][0])
+                    self._floor = max(self._floor, self._sessions.pop(oldest)[0])
+                    if oldest == session:
+                        return (f"session {session[:40]!r} is older than the "
+                                f"{self.max_sessions} this worker remembers")
+            if state[0] != started:
+                return f"session {session[:40]!r} was given another start time"
+            _, highest, seen = state
+            if counter <= highest - self.window:
+                return (f"counter {counter} is more than {self.window} below the highest of "
+                        f"this session ({highest}): too old")
+            if counter in seen:
+                return f"counter {counter} of this session was already used (a replayed request)"
+            seen.add(counter)
+            if counter > highest:
+                state[1] = counter
+                if len(seen) > 2 * self.window:
+                    state[2] = {c for c in seen if c > counter - self.window}
+            return None
+
+
+class RequestVerifier:
+    """A worker's check of the requests it is sent (see the module docstring).
+
+    Args:
+        credential: the worker's ``WorkerCredential`` (the chief's public key).
+        task: this worker's name (``"worker:0"``).
+        incarnation: this worker process's incarnation.
+    """
+
+    def __init__(self, credential: WorkerCredential, task: str, incarnation: str):
+        self._credential, self.task, self.incarnation = credential, task, incarnation
+        self.replay = ReplayGuard()
+
+    def check(self, method: str, auth: Any, digest: str) -> Refusal | None:
+        """``None`` when ``auth`` is the chief's fresh signature of this request to this
+        worker (``method``, ``digest`` = ``body_digest``); else the ``Refusal``.
+
+        ``Ping`` may be signed for any incarnation (it is how the chief learns it).
+        """
+        fields = _auth_fields(auth)
+        if fields is None:
+            return Refusal("UNAUTHENTICATED", f"{self.task} refused {method}: the request "
+                           f"carries no well-formed coordinator signature")
+        session, started, counter, incarnation, signature = fields
+        message = _request_message(self.task, incarnation, method, session, started, counter,
+                                   digest)
+        if not self._credential.verify(signature, message):
+            return Refusal("UNAUTHENTICATED", f"{self.task} refused {method}: the coordinator "
+                           f"signature does not match (not signed by the chief, signed for "
+                           f"another task or method, or the request was altered)")
+        if incarnation != self.incarnation and method != "Ping":
+            return Refusal("ABORTED", f"{self.task} refused {method}: it was signed for "
+                           f"incarnation {incarnation[:40]!r}, this process is "
+                           f"{self.incarnation!r} (the worker restarted)")
+        reason = self.replay.admit(session, started, counter)
+        if reason is not None:
+            return Refusal("UNAUTHENTICATED", f"{self.task} refused {method}: {reason}")
+        return None
+
+
+def _auth_fields(auth: Any) -> tuple[str, int, int, str, bytes] | None:
+    if isinstance(auth, str):
+        try:
+            auth = json.loads(auth)
+        except ValueError:
+            return None
+    if not isinstance(auth, dict):
+        return None
+    session, started, counter = auth.get("s"), auth.get("t"), auth.get("n")
+    incarnation, sig = auth.get("i"), auth.get("sig")
+    if not (isinstance(session, str) and len(session) <= 64 and type(started) is int
+            and type(counter) is int and counter > 0 and isinstance(incarnation, str)
+            and len(incarnation) <= 64 and isinstance(sig, str) and len(sig) == 128):
+        return None
+    try:
+        signature = bytes.fromhex(sig)
+    except ValueError:
+        return None
+    return session, started, counter, incarnation, signature
+
+
+def answer_mac(key: bytes, task: str, method: str, nonce: str, meta: dict,
+               arrays: dict) -> str:
+    """HMAC-SHA256 of one answer message: the worker's name, the method, ``nonce`` (the
+    chief's per-call nonce, ``"<nonce>/<i>"`` for message ``i`` of a stream), every field of
+    ``meta`` but ``"mac"`` (canonical JSON) and the arrays (names, dtypes, shapes and bytes).
+
+    Example:
+        >>> mac = answer_mac(b"k" * 32, "worker:0", "Ping", "n", {"ok": True}, {})
+        >>> mac == answer_mac(b"k" * 32, "worker:0", "Ping", "n", {"ok": False}, {})
+        False
+    """
+    parts: list[Any] = [_ANSWER_DOMAIN, f"{task}\0{method}\0{nonce}\0".encode(),
+                        _canonical(meta, MAC_KEY)]
+    array_parts, size = _array_parts(arrays)
+    parts += array_parts
+    if size <= _ONE_SHOT_MAC_BYTES:  # a small answer (a loss): one C call, the same MAC
+        return hmac.digest(key, b"".join(parts), "sha256").hex()
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.hexdigest()
+
+
+__all__ = ["AUTH_KEY", "AUTH_METADATA_KEY", "CONNECT_METHOD", "MAC_KEY", "MAX_SESSIONS",
+           "REPLAY_WINDOW", "Refusal", "ReplayGuard", "RequestSigner", "RequestVerifier",
+           "answer_mac", "body_digest"]

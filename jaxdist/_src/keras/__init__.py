@@ -1,0 +1,230 @@
+"""Keras 3 (JAX backend) under jaxdist strategies: ``model.fit`` inside a strategy's scope.
+
+Keras is an optional extra (``pip install 'jaxdist[keras]'``) and is imported only when this
+package's functions are called. ``scope(strategy)`` enters the strategy's scope and makes Keras
+distribute variables and batches over the strategy's own mesh (one mesh, so Keras's jitted
+train step and jaxdist agree on every placement).
+
+Example:
+    >>> import keras, jaxdist, jaxdist.keras
+    >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with jaxdist.keras.scope(strategy):
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     model.fit(x, y, batch_size=8, epochs=2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+_INSTALL = "pip install 'jaxdist[keras]'  (or: pip install 'keras>=3.8')"
+
+
+def require_keras() -> Any:
+    """Imports Keras 3 and checks it runs on the JAX backend.
+
+    Returns:
+        The ``keras`` module.
+
+    Raises:
+        ImportError: Keras is not installed (the message gives the pip command).
+        RuntimeError: Keras runs on another backend (set ``KERAS_BACKEND=jax`` before importing
+            keras).
+
+    Example:
+        >>> keras = jaxdist.keras.require_keras()
+    """
+    if "keras" not in sys.modules:
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+    try:
+        import keras
+    except ImportError as e:
+        raise ImportError(f"jaxdist.keras needs Keras 3: {_INSTALL}") from e
+    version = getattr(keras, "__version__", "0")
+    if int(version.split(".")[0]) < 3:
+        raise ImportError(f"jaxdist.keras needs Keras 3, found keras {version}: {_INSTALL}")
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise RuntimeError(
+            f"jaxdist.keras needs the Keras JAX backend, but Keras runs on {backend!r}: set "
+            f"KERAS_BACKEND=jax in the environment before keras is first imported"
+        )
+    return keras
+
+
+def distribution_for(strategy: Any) -> Any:
+    """The ``keras.distribution.Distribution`` that places Keras state as ``strategy`` does.
+
+    Args:
+        strategy: a synchronous jaxdist strategy (Mirrored, OneDevice, TPU).
+
+    Returns:
+        A ``keras.distribution.DataParallel`` over the strategy's own mesh.
+
+    Example:
+        >>> with jaxdist.keras.distribution_for(strategy).scope():
+        ...     model = keras.Sequential([...])
+    """
+    require_keras()
+    from jaxdist._src.keras import sharding_check
+    from jaxdist._src.keras.distribution import StrategyDistribution
+
+    sharding_check.install()  # no false mixed-sharding alarm on one device
+    if getattr(strategy, "_is_default_strategy", False):
+        return None  # the default strategy distributes nothing (its scope enters no context)
+    return StrategyDistribution(strategy)
+
+
+@contextlib.contextmanager
+def distribution_scope(strategy: Any) -> Iterator[Any]:
+    """Only the Keras side of ``scope``: the hook a strategy's own ``scope()`` can enter.
+
+    Does nothing (yields ``None``) when keras has not been imported, so strategies stay free of
+    a keras dependency.
+
+    Example:
+        >>> with strategy.scope(), jaxdist.keras.distribution_scope(strategy):
+        ...     model = keras.Sequential([...])
+    """
+    if "keras" not in sys.modules:
+        yield None
+        return
+    dist = distribution_for(strategy)
+    with dist.scope():
+        yield dist
+
+
+def strategy_scope_hook(strategy: Any) -> Any:
+    """The Keras context ``strategy.scope()`` enters once keras is imported (or ``None``).
+
+    Never imports keras and never raises: ``None`` when keras is not imported or runs on
+    another backend, or for a ``ParameterServerStrategy`` (its Keras models are attached with
+    ``jaxdist.keras.attach``).
+
+    Example:
+        >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    """
+    mod = sys.modules.get("keras")
+    try:
+        if mod is None or mod.backend.backend() != "jax":
+            return None
+    except AttributeError:  # keras is being imported right now
+        return None
+    from jaxdist._src.keras import model_strategy, sharding_check
+
+    model_strategy.install()  # models remember this strategy (fit outside the scope, as TF)
+    sharding_check.install()  # no false mixed-sharding alarm on one device
+    if getattr(strategy, "_is_default_strategy", False):
+        return None  # the default strategy distributes nothing (its scope enters no context)
+    dist = getattr(strategy, "_jaxdist_keras_distribution", None)
+    if dist is None:
+        from jaxdist._src.keras import distribution as dist_lib
+
+        if dist_lib._unsupported_reason(strategy) is not None:
+            return None
+        dist = dist_lib.StrategyDistribution(strategy)
+        strategy._jaxdist_keras_distribution = dist
+    return dist.scope()
+
+
+@contextlib.contextmanager
+def scope(strategy: Any) -> Iterator[Any]:
+    """``strategy.scope()`` plus Keras: models built and fit inside train data-parallel.
+
+    Args:
+        strategy: a synchronous jaxdist strategy.
+
+    Yields:
+        The strategy.
+
+    Example:
+        >>> with jaxdist.keras.scope(jaxdist.MirroredStrategy()) as strategy:
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        ...     model.fit(x, y, batch_size=16, epochs=2)
+    """
+    require_keras()
+    dist = distribution_for(strategy)
+    with strategy.scope(), dist.scope():
+        yield strategy
+
+
+def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
+                     sample_weight: Any = None, strategy: Any = None) -> Any:
+    """Compiles one ``model.fit`` step for the strategy's devices without running it.
+
+    See ``jaxdist._src.keras.compile_only.compile_fit_step``; with a compile-only
+    ``TPUStrategy(topology="v5e:2x2")`` it reports the step's per-chip memory and FLOPs on a
+    machine without a TPU.
+
+    Example:
+        >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():
+        ...     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
+        ...     model.compile(optimizer="adam", loss="mse")
+        >>> print(jaxdist.keras.compile_fit_step(model, x, y, batch_size=128))
+    """
+    require_keras()
+    from jaxdist._src.keras.compile_only import compile_fit_step as _compile
+
+    return _compile(model, x, y, batch_size=batch_size, sample_weight=sample_weight,
+                    strategy=strategy)
+
+
+def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
+    """Trains a compiled Keras model on parameter servers (``ParameterServerStrategy``).
+
+    See ``jaxdist._src.keras.parameter_server.attach``.
+
+    Example:
+        >>> jaxdist.keras.attach(model, jaxdist.ParameterServerStrategy())
+        >>> model.fit(x, y, epochs=2)
+    """
+    require_keras()
+    from jaxdist._src.keras.parameter_server import attach as _attach
+
+    return _attach(model, strategy, **kwargs)
+
+
+def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
+    """The gradient line of TF's custom loop: ``fn()``'s value and its gradient w.r.t. Keras
+    ``variables`` (see ``jaxdist._src.keras.custom_loop.value_and_grad``).
+
+    Example:
+        >>> loss, grads = jaxdist.keras.value_and_grad(
+        ...     lambda: loss_object(y, model(x, training=True)), model.trainable_variables)
+    """
+    require_keras()
+    from jaxdist._src.keras.custom_loop import value_and_grad as _value_and_grad
+
+    return _value_and_grad(fn, variables, has_aux=has_aux)
+
+
+def __getattr__(name: str) -> Any:
+    # Classes that subclass Keras's are imported on first use (keras stays optional).
+    if name in ("BackupAndRestore", "ModelCheckpoint", "TensorBoard"):
+        require_keras()
+        from jaxdist._src.keras import callbacks
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module 'jaxdist.keras' has no attribute {name!r}")
+
+
+__all__ = [
+    "BackupAndRestore",
+    "ModelCheckpoint",
+    "TensorBoard",
+    "attach",
+    "compile_fit_step",
+    "distribution_for",
+    "distribution_scope",
+    "require_keras",
+    "scope",
+    "strategy_scope_hook",
+    "value_and_grad",
+]

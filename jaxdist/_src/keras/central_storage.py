@@ -1,0 +1,118 @@
+"""Keras ``fit`` under ``CentralStorageStrategy``: variables on the parameter device.
+
+Inside the strategy's scope Keras creates every variable (weights, optimizer slots, metric
+state) on the strategy's parameter device. Keras's JAX trainer jits one step over its whole
+state, and a jitted computation runs on one set of devices, so each Keras step function of a
+model whose state is central is wrapped: the state is broadcast to the compute devices, the
+jitted step runs there data-parallel (the batch split over the replicas, the gradient
+all-reduce inserted by XLA), and the new state is moved back to the parameter device. Between
+steps exactly one copy of the state exists, on the parameter device, as in TF.
+
+The wrapping is installed on Keras's ``JAXTrainer`` the first time a ``CentralStorageStrategy``
+distribution is made; models of any other kind are untouched (their step functions are Keras's
+own).
+
+Example:
+    >>> strategy = jaxdist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], "/cpu:0")
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     model.fit(x, y, batch_size=8)   # state on /cpu:0, compute on /cpu:0 and /cpu:1
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from keras.src.backend.jax.trainer import JAXTrainer
+from keras.src.distribution import distribution_lib
+
+_STEP_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+_STEP_ATTRS = {
+    "make_train_function": "train_function",
+    "make_test_function": "test_function",
+    "make_predict_function": "predict_function",
+}
+_installed = False
+
+
+def mark_central(variable: Any, strategy: Any) -> None:
+    """Records that ``variable`` lives on ``strategy``'s parameter device."""
+    variable._jaxdist_central_storage = strategy
+
+
+def central_strategy_of(model: Any) -> Any:
+    """The ``CentralStorageStrategy`` holding ``model``'s variables, or ``None``.
+
+    Example:
+        >>> central_strategy_of(model) is strategy
+        True
+    """
+    from jaxdist._src.strategies.central_storage import CentralStorageStrategy
+
+    dist = distribution_lib.distribution()
+    strategy = getattr(dist, "strategy", None)
+    if isinstance(strategy, CentralStorageStrategy):
+        return strategy
+    for v in getattr(model, "variables", ()):
+        strategy = getattr(v, "_jaxdist_central_storage", None)
+        if strategy is not None:
+            return strategy
+    return None
+
+
+def _central_step(fn: Any, strategy: Any) -> Any:
+    ext = strategy.extended
+    compute = NamedSharding(ext.mesh, P())
+    param = ext.state_sharding
+
+    @functools.wraps(fn)
+    def step(state: Any, iterator: Any) -> Any:
+        state = jax.device_put(state, compute)  # broadcast: parameter device -> replicas
+        outputs, state = fn(state, iterator)
+        return outputs, jax.device_put(state, param)  # one copy again, on the parameter device
+
+    step._jaxdist_central_storage = strategy
+    return step
+
+
+def _wrap(name: str, original: Any) -> Any:
+    attr = _STEP_ATTRS[name]
+
+    @functools.wraps(original)
+    def make(self: Any, force: bool = False) -> Any:
+        strategy = central_strategy_of(self)
+        if strategy is None:
+            return original(self, force)
+        fn = getattr(self, attr, None)
+        if fn is not None and not force:
+            if getattr(fn, "_jaxdist_central_storage", None) is strategy:
+                return None
+            force = True  # made for another placement: make it again
+        # Keras jits with its distribution's state shardings as out_shardings; those name
+        # the parameter device, the step runs on the compute devices: let jit infer them.
+        token = distribution_lib.distribution()
+        distribution_lib.set_distribution(None)
+        try:
+            original(self, force)
+        finally:
+            distribution_lib.set_distribution(token)
+        setattr(self, attr, _central_step(getattr(self, attr), strategy))
+        return None
+
+    make._jaxdist_original = original
+    return make
+
+
+def install() -> None:
+    """Wraps Keras's JAX step-function makers once (idempotent); see the module docstring."""
+    global _installed
+    if _installed:
+        return
+    for name in _STEP_MAKERS:
+        setattr(JAXTrainer, name, _wrap(name, getattr(JAXTrainer, name)))
+    _installed = True

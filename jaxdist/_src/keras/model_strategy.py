@@ -1,0 +1,211 @@
+"""A Keras model remembers the strategy it was compiled under, as in TF.
+
+TF's guide builds and compiles a Keras model inside ``strategy.scope()`` and calls
+``model.fit`` *outside* it; TF still distributes that ``fit``, because the model belongs to the
+strategy. Two consequences on jaxdist, both wired here on Keras's ``JAXTrainer``:
+
+- **Synchronous strategies** (Mirrored, OneDevice, TPU, CentralStorage, MultiWorkerMirrored):
+  ``fit`` / ``evaluate`` / ``predict`` called outside every strategy scope re-enter the scope the
+  model was compiled in, so batches are split over the replicas as inside it.
+- **ParameterServerStrategy**: a Keras model trains on the ps through
+  ``jaxdist.keras.attach(model, strategy)``. A model compiled (or fit) inside the scope but not
+  attached would train a local copy and leave the ps untouched, a wrong result without an
+  error: its first ``fit`` raises instead (``attach`` installs its own train function on the
+  model, which bypasses this check).
+
+Installed the first time a strategy scope is entered with Keras (JAX backend) imported.
+
+Example:
+    >>> with jaxdist.MirroredStrategy().scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    >>> model.fit(x, y)          # data-parallel over the strategy's replicas, as in TF
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_installed = False
+_ATTR = "_jaxdist_strategy"
+_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                 "predict_on_batch")
+
+
+def _current_strategy() -> Any:
+    """The strategy of the innermost scope, or ``None`` outside every scope."""
+    from jaxdist._src.strategies.context import has_strategy
+    from jaxdist._src.strategies.current import get_strategy
+
+    return get_strategy() if has_strategy() else None
+
+
+def _is_ps(strategy: Any) -> bool:
+    from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
+
+    return isinstance(strategy, ParameterServerStrategy)
+
+
+def unattached_error(model: Any, strategy: Any) -> RuntimeError:
+    """The error for ``fit`` on a model of a ``ParameterServerStrategy`` that was not attached.
+
+    Example:
+        >>> raise unattached_error(model, strategy)
+    """
+    return RuntimeError(
+        f"Keras model {getattr(model, 'name', model)!r} was compiled (or is fit) inside "
+        f"{type(strategy).__name__}.scope() but is not attached to the parameter servers: "
+        f"model.fit would train a local copy on this process and leave the ps variables "
+        f"unchanged. Call jaxdist.keras.attach(model, strategy) after model.compile (see "
+        f"docs/parameter_server.md, 'Keras models'); to train locally on purpose, compile "
+        f"the model outside the strategy's scope")
+
+
+def strategy_of(model: Any) -> Any:
+    """The strategy whose scope ``model`` was compiled in (``None``: outside every scope).
+
+    Example:
+        >>> strategy_of(model) is strategy
+        True
+    """
+    return getattr(model, _ATTR, None)
+
+
+#: Keras callbacks that write files from every process of a multi-process job (the same paths:
+#: the processes overwrite each other) and the jaxdist versions that write from the chief only.
+_CHIEF_ONLY = {"ModelCheckpoint": "ModelCheckpoint", "BackupAndRestore": "BackupAndRestore",
+               "TensorBoard": "TensorBoard"}
+
+
+def check_multi_process_callbacks(callbacks: Any) -> None:
+    """Refuses Keras's own file-writing callbacks in a job of several processes.
+
+    Keras's ``ModelCheckpoint`` / ``BackupAndRestore`` / ``TensorBoard`` know nothing about
+    processes: every process would write the same files. ``jaxdist.keras`` has versions that
+    write from the chief only (and restore on every process).
+
+    Raises:
+        ValueError: naming the callback and its ``jaxdist.keras`` replacement.
+
+    Example:
+        >>> check_multi_process_callbacks([jaxdist.keras.ModelCheckpoint("ckpt.keras")])
+    """
+    import jax
+    import keras
+
+    if jax.process_count() <= 1 or not callbacks:
+        return
+    from jaxdist._src.keras import callbacks as chief_only
+
+    for cb in callbacks:
+        for name, replacement in _CHIEF_ONLY.items():
+            if (isinstance(cb, getattr(keras.callbacks, name))
+                    and not isinstance(cb, getattr(chief_only, replacement))):
+                raise ValueError(
+                    f"keras.callbacks.{name} in a job of {jax.process_count()} processes: every "
+                    f"process would write the same files. Use jaxdist.keras.{replacement} (same "
+                    f"arguments; it writes from the chief only)")
+
+
+_STEP_ATTRS = {"make_train_function": "train_function", "make_test_function": "test_function",
+               "make_predict_function": "predict_function"}
+
+
+def _bounded(fn: Any) -> Any:
+    """``fn`` (a Keras step function) with at most 2 of its calls dispatched and unfinished.
+
+    Keras's ``fit`` loop dispatches step after step without waiting (unless a callback reads
+    the logs). With more forced CPU devices than cores, many dispatched steps that contain
+    cross-device collectives make XLA's CPU rendezvous abort the process after 40 s; waiting on
+    step k-2 before dispatching step k avoids it (``_src.strategies.inflight``) and keeps two
+    steps in flight.
+    """
+    if fn is None or getattr(fn, "_jaxdist_bounded", False):
+        return fn
+    from jaxdist._src.strategies.inflight import StepThrottle
+
+    throttle = StepThrottle(2)
+
+    @functools.wraps(fn)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        throttle.before_dispatch()
+        out = fn(*args, **kwargs)
+        throttle.after_dispatch(out)  # donated (deleted) outputs are skipped when waiting
+        return out
+
+    step._jaxdist_bounded = True
+    return step
+
+
+def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def make(self: Any, force: bool = False) -> Any:
+        strategy = strategy_of(self) or _current_strategy()
+        if maker == "make_train_function":
+            for s in (strategy_of(self), _current_strategy()):
+                if s is not None and _is_ps(s):
+                    raise unattached_error(self, s)
+        for s in (strategy_of(self), _current_strategy()):
+            if s is not None and getattr(s, "compile_only", False):
+                raise s.extended.compile_only_error(f"Keras {maker}")
+        result = original(self, force)
+        if strategy is not None:
+            setattr(self, attr, _bounded(getattr(self, attr, None)))
+        return result
+
+    return make
+
+
+def _reenter(name: str, original: Any) -> Any:
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == "fit":  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+            check_multi_process_callbacks(
+                kwargs.get("callbacks", args[5] if len(args) > 5 else None))
+        strategy = strategy_of(self)
+
+        def run() -> Any:
+            # Under a jaxdist distribution fit / evaluate / predict read their data through a
+            # padding adapter, so a partial batch is padded and masked (partial_batches).
+            from jaxdist._src.keras import partial_batches
+
+            a, k = partial_batches.adapt_call(name, original, self, args, kwargs)
+            return original(self, *a, **k)
+
+        if strategy is None or _is_ps(strategy) or _current_strategy() is not None:
+            return run()
+        with strategy.scope():  # as TF: the model's strategy distributes it outside the scope
+            return run()
+
+    return call
+
+
+def install() -> None:
+    """Wraps Keras's ``JAXTrainer`` once (idempotent); see the module docstring.
+
+    Example:
+        >>> install()
+    """
+    global _installed
+    if _installed:
+        return
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    original_compile = JAXTrainer.compile
+
+    @functools.wraps(original_compile)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_compile(self, *args, **kwargs)
+        object.__setattr__(self, _ATTR, _current_strategy())
+        return result
+
+    JAXTrainer.compile = compile
+    from jaxdist._src.keras import partial_batches
+
+    partial_batches.install()
+    for maker, attr in _STEP_ATTRS.items():
+        setattr(JAXTrainer, maker, _bounded_maker(maker, attr, getattr(JAXTrainer, maker)))
+    for name in _ENTRY_POINTS:
+        setattr(JAXTrainer, name, _reenter(name, getattr(JAXTrainer, name)))
+    _installed = True

@@ -1,0 +1,910 @@
+"""Keras ``fit`` / ``evaluate`` / ``predict`` on any dataset size under a jaxdist strategy.
+
+A global batch is split over the replicas along its rows, so its size must divide by the
+replica count. The last batch of a dataset often does not (70 rows in batches of 32 end with 6;
+``predict`` of one sample on 4 replicas). As TF does for partial batches, such a batch is padded
+and the padding masked, so that every number equals the same model on one device over the same
+global batches:
+
+- **Input.** ``fit`` / ``evaluate`` / ``predict`` of a model under a jaxdist distribution read
+  their data through ``PaddedAdapter`` (a Keras ``DataAdapter`` around Keras's own adapter for
+  the data given, or around ``DatasetAdapter`` for a ``jaxdist.Dataset``). A batch whose rows
+  divide over this process's replicas passes through unchanged; another one gets copies of its
+  last row appended up to the next multiple of the replica count (copies of a real row keep
+  every value finite), and a row mask (``True`` for the real rows) is published beside it.
+- **Steps.** The loop that Keras's ``_make_function`` builds around the jitted step is replaced
+  for such models: it runs Keras's own step on every unpadded batch, and on a padded one a
+  masked step (``masked_train_step`` / ``masked_test_step``) that gives the loss the sample
+  weights ``w * mask`` (times ``rows / real rows`` for losses that divide by the number of
+  elements, ``"sum_over_batch_size"`` and ``"mean"``, so the divisor counts only real rows),
+  gives ``weighted_metrics`` ``w * mask`` and ``metrics`` (unweighted in Keras) the mask,
+  weighs the loss trackers by the real row count, and hands ``BatchNormalization`` layers the
+  row mask in training (their batch moments use real rows only). ``predict`` runs Keras's
+  step and keeps the real rows of each batch.
+- **Several processes** (``MultiWorkerMirroredStrategy``): each process pads its own rows of
+  every batch to the batch size, and every train / test step runs masked, so all processes run
+  the same program whatever their own row counts are. ``predict`` is not padded there.
+
+The mask reaches the step through ``_CHANNEL``: the padding adapter's generator publishes it
+just before yielding its batch, and the step loop reads it right after pulling that batch
+(Keras's distributed iterator pulls one batch per ``next``; the loop checks exactly one batch
+was published per pull and refuses otherwise, so a mask can never meet the wrong batch).
+
+What cannot be masked raises instead of counting padded rows: a model that overrides
+``train_step`` / ``test_step`` / ``compute_loss`` / ``compute_metrics``, layers that add losses
+while called (``activity_regularizer``, ``add_loss``), and compiled losses that mix reductions
+that need different weights. Random layers (``Dropout``) draw for the padded shape: the same
+distribution, not the same random bits as one device. A custom metric that ignores
+``sample_weight`` counts the padded rows.
+
+Keras internals used here (``keras.src``; Keras 3.8 to 3.15): ``JAXTrainer._make_function``,
+``compute_loss_and_updates``'s body, ``_loss_tracker``, ``_compile_loss``, ``DataAdapter``,
+``data_adapters.get_data_adapter``, ``array_slicing.train_validation_split``.
+
+Example:
+    >>> with jaxdist.MirroredStrategy(jax.devices()[:4]).scope():
+    ...     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    >>> model.fit(x[:70], y[:70], batch_size=32)     # batches of 32, 32 and 6 rows
+    >>> model.predict(x[:1]).shape                    # one row on 4 replicas
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from keras.src import backend as keras_backend
+from keras.src import tree
+from keras.src.backend.jax import trainer as jax_trainer
+from keras.src.distribution import distribution_lib
+from keras.src.trainers import trainer as base_trainer
+from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+from keras.src.trainers.data_adapters import data_adapter as data_adapter_lib
+
+_installed = False
+_ORIGINAL_MAKE_FUNCTION: Any = None
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_SUM_REDUCTIONS = ("sum", "none", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The side channel: the mask of the batch a padding adapter yielded last.
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What the step needs to know about one batch of a ``PaddedAdapter``.
+
+    Attributes:
+        mask: ``(rows,)`` bool array, placed as the batch (``True`` for real rows), or ``None``
+            when every row is real and the step need not be masked.
+        real: real rows of this process's part of the batch.
+        rows: rows of this process's part after padding.
+    """
+
+    mask: Any
+    real: int
+    rows: int
+
+
+class _Channel(threading.local):
+    seq = 0
+    rows: Rows | None = None
+
+
+_CHANNEL = _Channel()
+
+
+def _publish(rows: Rows | None) -> None:
+    _CHANNEL.seq += 1
+    _CHANNEL.rows = rows
+
+
+def _pull(iterator: Any) -> tuple[Any, Rows | None]:
+    """``next(iterator)`` and the ``Rows`` its padding adapter published for that batch."""
+    seq = _CHANNEL.seq
+    data = next(iterator)
+    moved = _CHANNEL.seq - seq
+    if moved == 0:  # not from a padding adapter (train_on_batch, a Keras-made iterator)
+        return data, None
+    if moved != 1:
+        raise RuntimeError(
+            f"Keras read {moved} batches ahead of the step (expected 1): jaxdist.keras cannot "
+            f"tell which batch is padded with this Keras version "
+            f"({getattr(__import__('keras'), '__version__', '?')}); use a dataset size "
+            f"divisible by the global batch size and a batch size divisible by the replicas")
+    return data, _CHANNEL.rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Input: adapters.
+
+
+def _leading_rows(batch: Any) -> int:
+    leaves = [x for x in jax.tree.leaves(batch) if np.ndim(x) > 0]
+    if not leaves:
+        raise ValueError(f"a Keras batch without arrays of rank >= 1: {batch!r}")
+    sizes = {int(np.shape(x)[0]) for x in leaves}
+    if len(sizes) != 1:
+        raise ValueError(f"a Keras batch whose arrays have different row counts {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _pad_rows(x: Any, rows: int) -> Any:
+    """``x`` with copies of its last row appended up to ``rows`` rows."""
+    a = np.asarray(x)
+    if a.ndim == 0 or a.shape[0] == rows:
+        return x
+    extra = np.repeat(a[-1:], rows - a.shape[0], axis=0)
+    return np.concatenate([a, extra], axis=0)
+
+
+def _is_tf_dataset(x: Any) -> bool:
+    from keras.src.trainers import data_adapters
+
+    return data_adapters.is_tf_dataset(x)
+
+
+def _is_dataset(x: Any) -> bool:
+    """A dataset whose elements are Keras batches: ``jaxdist.Dataset``, ``tf.data.Dataset``, a
+    ``FileListDataset`` or a dataset tagged with an ``AutoShardPolicy``."""
+    from jaxdist._src.input.autoshard import FileListDataset, _PolicyDataset
+    from jaxdist._src.input.dataset import Dataset
+
+    return isinstance(x, (Dataset, FileListDataset, _PolicyDataset)) or _is_tf_dataset(x)
+
+
+def _untagged(x: Any) -> Any:
+    """The dataset under an ``AutoShardPolicy`` tag (its length is the data's)."""
+    from jaxdist._src.input.autoshard import _PolicyDataset
+
+    return x.dataset if isinstance(x, _PolicyDataset) else x
+
+
+class DatasetAdapter(data_adapter_lib.DataAdapter):
+    """A ``jaxdist.Dataset`` or ``tf.data.Dataset`` as Keras input: its elements are the global
+    batches (this process's rows of them once ``source`` is sharded across processes).
+
+    Elements are ``(x, y)`` or ``(x, y, sample_weight)`` tuples (a list is read as a tuple, any
+    other element as ``x`` alone), as Keras reads a ``tf.data.Dataset``. Each pass over the
+    data iterates the dataset once (a shuffled dataset reshuffles, as ``tf.data`` does).
+
+    Args:
+        dataset: a batched ``jaxdist.Dataset`` or ``tf.data.Dataset`` (read for its length).
+        class_weight: Keras's ``class_weight`` (sample weights from ``y``), or ``None``.
+        source: what is iterated each epoch (default ``dataset``): this process's share of it
+            under several processes (``jaxdist._src.input.autoshard.auto_shard``).
+
+    Example:
+        >>> adapter = DatasetAdapter(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32))
+    """
+
+    def __init__(self, dataset: Any, class_weight: dict | None = None, source: Any = None):
+        self._dataset = dataset
+        self._source = dataset if source is None else source
+        self._class_weight = class_weight
+        # (iterator, first element) of a pass abandoned after its first element: Keras reads
+        # one batch to build the model before the first epoch; that pass is then resumed, so
+        # the first epoch is the dataset's next pass (a shuffle's next order), not the one after.
+        self._peeked: tuple[Iterator[Any], Any] | None = None
+
+    def _elements(self) -> Iterator[Any]:
+        if self._peeked is not None:
+            iterator, first = self._peeked
+            self._peeked = None
+            yield first
+            yield from iterator
+            return
+        src = self._source
+        iterator = iter(src.as_numpy_iterator()) if _is_tf_dataset(src) else iter(src)
+        for i, element in enumerate(iterator):
+            if i == 0:
+                self._peeked = (iterator, element)
+            elif i == 1:
+                self._peeked = None
+            yield element
+        self._peeked = None
+
+    def _batches(self) -> Iterator[tuple]:
+        for element in self._elements():
+            if isinstance(element, list):
+                element = tuple(element)
+            if not isinstance(element, tuple):
+                element = (element,)
+            if self._class_weight is not None:
+                if len(element) != 2:
+                    raise ValueError(
+                        f"class_weight needs (x, y) batches, got a tuple of {len(element)}")
+                x, y = element
+                element = (x, y, data_adapter_utils.class_weight_to_sample_weights(
+                    y, self._class_weight))
+            yield element
+
+    def get_numpy_iterator(self) -> Iterator[Any]:
+        return data_adapter_utils.get_numpy_iterator(self._batches())
+
+    def get_jax_iterator(self) -> Iterator[Any]:
+        return data_adapter_utils.get_jax_iterator(self._batches())
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    @property
+    def num_batches(self) -> int | None:
+        cardinality = getattr(self._dataset, "cardinality", None)
+        if cardinality is None:
+            return None
+        n = int(cardinality())  # a tf.data dataset returns a scalar tensor
+        return n if n >= 0 else None  # INFINITE / UNKNOWN_CARDINALITY
+
+    @property
+    def batch_size(self) -> int | None:
+        return None
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return None
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return None
+
+
+def _broadcast_seed() -> int:
+    """A seed drawn by process 0 (from numpy's global generator, which
+    ``keras.utils.set_random_seed`` seeds) and known to every process."""
+    from jax.experimental import multihost_utils
+
+    seed = np.int64(np.random.randint(0, 2**31 - 1)) if jax.process_index() == 0 else np.int64(0)
+    return int(multihost_utils.broadcast_one_to_all(seed))
+
+
+class ProcessRowsAdapter(data_adapter_lib.DataAdapter):
+    """Keras's adapter for arrays under several processes: every process reads the same
+    global batches (``batch_size`` rows) and keeps its own rows of each
+    (``AutoShardPolicy.DATA``, as TF shards in-memory data). Keras's shuffle draws its
+    permutations from one generator seeded alike on every process, so all processes cut the
+    same global batches.
+
+    Args:
+        inner: Keras's ``ArrayDataAdapter`` over the whole arrays.
+        count: the number of processes.
+        index: this process's index.
+        seed: the shuffle seed, the same on every process (``None`` when not shuffling).
+
+    Example:
+        >>> ProcessRowsAdapter(inner, jax.process_count(), jax.process_index(), seed=7)
+    """
+
+    def __init__(self, inner: Any, count: int, index: int, seed: int | None):
+        self._inner, self._count, self._index = inner, count, index
+        self._rng_state = None if seed is None else np.random.RandomState(seed).get_state()
+
+    def _share(self, rows: int | None) -> int | None:
+        return None if rows is None else math.ceil(rows / self._count)
+
+    def _rows(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        from jaxdist._src.input.autoshard import process_rows
+
+        while True:
+            saved = None
+            if self._rng_state is not None:  # Keras shuffles with numpy's global generator
+                saved = np.random.get_state()
+                np.random.set_state(self._rng_state)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                if saved is not None:
+                    self._rng_state = np.random.get_state()
+                    np.random.set_state(saved)
+            yield process_rows(batch, self._index, self._count)
+
+    def get_numpy_iterator(self) -> Iterator[Any]:
+        return self._rows(self._inner.get_numpy_iterator())
+
+    def get_jax_iterator(self) -> Iterator[Any]:
+        return self._rows(self._inner.get_numpy_iterator())
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    @property
+    def num_batches(self) -> int | None:
+        return self._inner.num_batches
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._share(self._inner.batch_size)
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return self._inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return self._share(self._inner.partial_batch_size)
+
+    def on_epoch_begin(self) -> None:
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self._inner.on_epoch_end()
+
+
+class PaddedAdapter(data_adapter_lib.DataAdapter):
+    """Keras input whose batches always divide over the replicas (see the module docstring).
+
+    Args:
+        inner: the Keras ``DataAdapter`` that reads the data.
+        distribution: the ``StrategyDistribution`` the batches are placed by.
+        kind: ``"train"``, ``"test"`` or ``"predict"``: the step that reads the batches.
+        blocker: why the step cannot mask padded rows (a batch that does not divide then
+            raises), or ``None``.
+
+    Example:
+        >>> PaddedAdapter(inner, keras.distribution.distribution(), "test", None)
+    """
+
+    def __init__(self, inner: Any, distribution: Any, kind: str, blocker: str | None):
+        self._inner = inner
+        self._distribution = distribution
+        self._kind = kind
+        self._blocker = blocker
+        strategy = distribution.strategy
+        me = jax.process_index()
+        self._local = sum(d.process_index == me for d in strategy.extended.worker_devices)
+        # Across processes every train / test batch is padded to one size and masked, so all
+        # processes run the same step whatever their own row counts (predict is not padded).
+        self._uniform = jax.process_count() > 1 and kind != "predict" and blocker is None
+        self._target: int | None = None
+        if self._uniform and inner.batch_size:
+            self._target = self._round_up(int(inner.batch_size))
+        if blocker is not None:  # sizes known now (arrays): refuse before any step runs
+            for size in (inner.batch_size, inner.partial_batch_size):
+                if size and size % self._local:
+                    raise self._unmaskable(size)
+
+    def _unmaskable(self, real: int) -> ValueError:
+        return ValueError(
+            f"a batch of {real} rows does not divide over the {self._local} replicas of "
+            f"{self._distribution.strategy!r}, and its padding cannot be masked: "
+            f"{self._blocker}. Use a batch size and a dataset size divisible by {self._local} "
+            f"(or drop the remainder)")
+
+    @property
+    def kind(self) -> str:
+        """The step that reads the batches: ``"train"``, ``"test"`` or ``"predict"``."""
+        return self._kind
+
+    def _round_up(self, rows: int) -> int:
+        return math.ceil(rows / self._local) * self._local
+
+    def _rows_for(self, real: int) -> int:
+        if not self._uniform:
+            return self._round_up(real)
+        if self._target is None:
+            self._target = self._round_up(real)
+        if real > self._target:
+            raise ValueError(
+                f"a batch of {real} rows on process {jax.process_index()} after batches of "
+                f"{self._target}: in a job of several processes every batch of a dataset must "
+                f"have at most as many rows as its first")
+        return self._target
+
+    def _prepare(self, batch: Any) -> Any:
+        real = _leading_rows(batch)
+        rows = self._rows_for(real)
+        if rows == real and not self._uniform:
+            _publish(None)
+            return batch
+        if rows != real and self._blocker is not None:
+            raise self._unmaskable(real)
+        if rows != real and jax.process_count() > 1 and self._kind == "predict":
+            raise ValueError(
+                f"a predict batch of {real} rows does not divide over the {self._local} "
+                f"replicas of process {jax.process_index()}: across processes predict needs "
+                f"batches divisible by each process's replica count")
+        padded = jax.tree.map(lambda x: _pad_rows(x, rows), batch) if rows != real else batch
+        mask = None
+        if self._kind != "predict":
+            sharding = self._distribution._data_sharding
+            mask = jax.make_array_from_process_local_data(sharding, np.arange(rows) < real)
+        _publish(Rows(mask, real, rows))
+        return padded
+
+    def get_jax_iterator(self) -> Iterator[Any]:
+        for batch in self._inner.get_jax_iterator():
+            yield self._prepare(batch)
+
+    def get_numpy_iterator(self) -> Iterator[Any]:
+        for batch in self._inner.get_numpy_iterator():
+            yield self._prepare(batch)
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras pads batches for the Keras JAX backend only")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras pads batches for the Keras JAX backend only")
+
+    @property
+    def num_batches(self) -> int | None:
+        return self._inner.num_batches
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._inner.batch_size
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return self._inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return self._inner.partial_batch_size
+
+    def on_epoch_begin(self) -> None:
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self._inner.on_epoch_end()
+
+
+# ----------------------------------------------------------------------------------------------
+# What a model's steps can mask.
+
+
+def _overrides(model: Any, name: str) -> bool:
+    mine = getattr(type(model), name, None)
+    keras_own = getattr(jax_trainer.JAXTrainer, name, None) or getattr(
+        base_trainer.Trainer, name, None)
+    return mine is not keras_own
+
+
+def _loss_reductions(model: Any) -> list[Any]:
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        return []
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if flat:
+        return [getattr(fn, "reduction", "sum_over_batch_size") for _, fn, _, _ in flat]
+    return [getattr(fn, "reduction", "sum_over_batch_size")
+            for fn in tree.flatten(model.loss) if fn is not None]
+
+
+def _loss_scaling(model: Any) -> bool:
+    """Whether the loss weights of padded batches are scaled by rows / real rows.
+
+    Raises:
+        ValueError: the compiled losses mix reductions that need different weights.
+    """
+    reductions = {r for r in _loss_reductions(model) if r != "mean_with_sample_weight"}
+    mean = {r for r in reductions if r in _MEAN_REDUCTIONS}
+    if mean and reductions - mean:
+        raise ValueError(
+            f"the compiled losses mix reductions {sorted(map(str, reductions))}: a padded "
+            f"batch needs scaled weights for the first kind and plain ones for the second")
+    return bool(mean)
+
+
+def blocker(model: Any, kind: str) -> str | None:
+    """Why ``kind`` steps of ``model`` cannot mask padded rows, or ``None`` when they can.
+
+    Example:
+        >>> blocker(model, "train") is None
+        True
+    """
+    if kind == "predict":
+        return None
+    step = "train_step" if kind == "train" else "test_step"
+    for name in (step, "compute_loss", "compute_metrics"):
+        if _overrides(model, name):
+            return f"{type(model).__name__} overrides {name}"
+    for layer in model._flatten_layers():
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return (f"layer {layer.name!r} has an activity_regularizer (a loss over every row "
+                    f"of the batch, padding included)")
+    try:
+        _loss_scaling(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked steps.
+
+
+def _row_mask_like(mask: Any, w: Any) -> Any:
+    m = mask.astype(w.dtype if jnp.issubdtype(w.dtype, jnp.floating) else jnp.float32)
+    return m.reshape(m.shape + (1,) * (w.ndim - 1))
+
+
+def _weights(model: Any, sample_weight: Any, mask: Any) -> tuple[Any, Any, Any]:
+    """(metric weights, loss weights, real row count) of a padded batch."""
+    m = mask.astype(jnp.float32)
+    n = jnp.sum(m)
+    if sample_weight is None:
+        metric = m
+    else:
+        metric = tree.map_structure(lambda w: w * _row_mask_like(mask, w), sample_weight)
+    if _loss_scaling(model):
+        scale = mask.shape[0] / n
+        loss = tree.map_structure(lambda w: w * scale.astype(w.dtype), metric)
+    else:
+        loss = metric
+    return metric, loss, n
+
+
+@contextlib.contextmanager
+def _masked_batch_norm(model: Any, mask: Any, training: bool) -> Iterator[None]:
+    """``BatchNormalization`` layers of ``model`` compute batch moments over real rows only."""
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    layers = [layer for layer in model._flatten_layers()
+              if isinstance(layer, BatchNormalization)] if training else []
+    rows = mask.shape[0]
+
+    def masked_call(layer: Any) -> Any:
+        call = type(layer).call
+
+        @functools.wraps(call)
+        def masked(inputs: Any, training: Any = None, mask: Any = None) -> Any:
+            if training and inputs.ndim >= 2 and inputs.shape[0] == rows:
+                row = jnp.reshape(row_mask, (rows,) + (1,) * (inputs.ndim - 2))
+                row = jnp.broadcast_to(row, inputs.shape[:-1])
+                mask = row if mask is None else jnp.logical_and(mask, row)
+            return call(layer, inputs, training=training, mask=mask)
+
+        return masked
+
+    row_mask = mask
+    try:
+        for layer in layers:
+            layer.__dict__["call"] = masked_call(layer)
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("call", None)
+
+
+def _loss_and_updates(model: Any, trainable: Any, non_trainable: Any, metrics: Any, x: Any,
+                      y: Any, loss_weight: Any, mask: Any, training: bool,
+                      optimizer_variables: Any = None) -> tuple[Any, Any]:
+    """Keras's ``compute_loss_and_updates`` with masked BatchNormalization; refuses losses
+    added while calling the model (they would count padded rows)."""
+    kwargs = {"training": training} if model._call_has_training_arg else {}
+    with _masked_batch_norm(model, mask, training):
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs)
+    weight_losses = sum(getattr(v, "regularizer", None) is not None
+                        for v in model.trainable_weights)
+    if len(losses) > weight_losses:
+        raise ValueError(
+            f"{model.name!r} adds {len(losses) - weight_losses} loss(es) while it is called "
+            f"(add_loss / activity_regularizer): they count every row of a batch, so a padded "
+            f"batch cannot be masked; use a dataset size divisible by the global batch size")
+    if losses:
+        model._losses_override.clear()
+        model._losses_override = losses
+    loss, variables = model.stateless_compute_loss(
+        trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight,
+        training=training)
+    if losses:
+        model._losses_override.clear()
+    trainable, non_trainable, metrics = variables
+    unscaled = loss
+    if training and model.optimizer is not None:
+        mapping = list(zip(model.optimizer.variables, optimizer_variables))
+        with keras_backend.StatelessScope(state_mapping=mapping):
+            loss = model.optimizer.scale_loss(loss)
+    return loss, (unscaled, y_pred, non_trainable, metrics)
+
+
+def _rescale_loss_trackers(model: Any, before: list, after: list, fraction: Any) -> list:
+    """The per-output loss trackers (weighted by the padded row count) weighted by real rows."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    ids = {id(v) for m in getattr(compile_loss, "metrics", ()) for v in m.variables}
+    if not ids:
+        return after
+    out = list(after)
+    for i, v in enumerate(model.metrics_variables):
+        if id(v) in ids:
+            out[i] = before[i] + (after[i] - before[i]) * fraction.astype(after[i].dtype)
+    return out
+
+
+def _update_compile_metrics(model: Any, y: Any, y_pred: Any, row_weight: Any,
+                            metric_weight: Any) -> None:
+    """Keras's ``CompileMetrics.update_state``, with the padded rows weighted 0.
+
+    Keras gives ``metrics=`` no sample weights and ``weighted_metrics=`` the batch's: here the
+    first get the row mask, the second the sample weights times the row mask.
+    """
+    compiled = model._compile_metrics
+    if compiled is None:
+        return
+    if not compiled.built:
+        compiled.build(y, y_pred)
+    y_true = compiled._flatten_y(y)
+    y_pred = compiled._flatten_y(y_pred)
+    for m, y_t, y_p in zip(compiled._flat_metrics, y_true, y_pred):
+        if m:
+            m.update_state(y_t, y_p, row_weight)
+    weights = compiled._flatten_y(metric_weight)
+    if len(weights) < len(y_true):  # one weight for every output, as Keras repeats it
+        weights = [weights[0] for _ in y_true]
+    for m, y_t, y_p, w in zip(compiled._flat_weighted_metrics, y_true, y_pred, weights):
+        if m:
+            m.update_state(y_t, y_p, w)
+
+
+def _update_metrics(model: Any, metrics: list, unscaled_loss: Any, x: Any, y: Any,
+                    y_pred: Any, metric_weight: Any, mask: Any, n: Any) -> tuple[Any, list]:
+    """Keras's ``_update_metrics_variables`` and ``compute_metrics`` counting real rows only:
+    the loss is weighted by the real row count, every compiled metric by the row mask."""
+    mapping = list(zip(model.metrics_variables, metrics))
+    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
+        model._loss_tracker.update_state(unscaled_loss, sample_weight=n)
+        _update_compile_metrics(model, y, y_pred, mask.astype(jnp.float32), metric_weight)
+        logs = model.get_metrics_result()
+    new = []
+    for ref in model.metrics_variables:
+        value = scope.get_current_value(ref)
+        new.append(ref.value if value is None else value)
+    return logs, new
+
+
+def masked_train_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[Any, tuple]:
+    """Keras's ``train_step`` on a padded batch: only the rows where ``mask`` is set count.
+
+    Example:
+        >>> logs, state = masked_train_step(model, state, (x, y), mask)
+    """
+    trainable, non_trainable, optimizer_variables, metrics = state
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    metric_weight, loss_weight, n = _weights(model, sample_weight, mask)
+    grad_fn = jax.value_and_grad(
+        lambda t, nt, mv: _loss_and_updates(model, t, nt, mv, x, y, loss_weight, mask, True,
+                                            optimizer_variables), has_aux=True)
+    (_, aux), grads = grad_fn(trainable, non_trainable, metrics)
+    unscaled, y_pred, non_trainable, new_metrics = aux
+    new_metrics = _rescale_loss_trackers(model, metrics, new_metrics, n / mask.shape[0])
+    trainable, optimizer_variables = model.optimizer.stateless_apply(
+        optimizer_variables, grads, trainable)
+    logs, new_metrics = _update_metrics(model, new_metrics, unscaled, x, y, y_pred,
+                                        metric_weight, mask, n)
+    return logs, (trainable, non_trainable, optimizer_variables, new_metrics)
+
+
+def masked_test_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[Any, tuple]:
+    """Keras's ``test_step`` on a padded batch: only the rows where ``mask`` is set count.
+
+    Example:
+        >>> logs, state = masked_test_step(model, state, (x, y), mask)
+    """
+    trainable, non_trainable, metrics = state
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    metric_weight, loss_weight, n = _weights(model, sample_weight, mask)
+    _, aux = _loss_and_updates(model, trainable, non_trainable, metrics, x, y, loss_weight,
+                               mask, False)
+    unscaled, y_pred, non_trainable, new_metrics = aux
+    new_metrics = _rescale_loss_trackers(model, metrics, new_metrics, n / mask.shape[0])
+    logs, new_metrics = _update_metrics(model, new_metrics, unscaled, x, y, y_pred,
+                                        metric_weight, mask, n)
+    return logs, (trainable, non_trainable, new_metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step loop.
+
+
+def _under_strategy(model: Any) -> bool:
+    from jaxdist._src.keras.central_storage import central_strategy_of
+
+    dist = distribution_lib.distribution()
+    if getattr(dist, "_jaxdist_strategy_distribution", False):
+        return True
+    return central_strategy_of(model) is not None
+
+
+def _make_function(self: Any, step_function: Any, concatenate_outputs: bool = False) -> Any:
+    made = _ORIGINAL_MAKE_FUNCTION(self, step_function, concatenate_outputs)
+    if not _under_strategy(self):
+        return made
+    model = self
+    jit_steps = not model.run_eagerly and model.jit_compile
+    masked: dict[int, Any] = {}
+
+    def masked_step(state: tuple) -> Any:
+        size = len(state)  # train: 4 parts of state, test: 3
+        if size not in masked:
+            fn = {4: masked_train_step, 3: masked_test_step}[size]
+            step = functools.partial(fn, model)
+            if jit_steps:
+                shardings = jax.tree.map(lambda a: a.sharding, state)
+                step = jax_trainer.jit(step, donate_argnums=0, out_shardings=(None, shardings))
+            masked[size] = step
+        return masked[size]
+
+    def one(state: tuple, iterator: Any) -> tuple[Any, tuple]:
+        data, rows = _pull(iterator)
+        if rows is None:
+            return step_function(state, data)
+        if concatenate_outputs:  # predict: Keras's step, then the real rows
+            outputs, state = step_function(state, data)
+            if rows.real != rows.rows:
+                outputs = tree.map_structure(lambda o: o[:rows.real], outputs)
+            return outputs, state
+        return masked_step(state)(state, data, rows.mask)
+
+    def iterator_step(state: tuple, iterator: Any) -> tuple[Any, tuple]:
+        outputs, state = one(state, iterator)
+        collected = [outputs]
+        try:
+            for _ in range(model.steps_per_execution - 1):
+                outputs, state = one(state, iterator)
+                collected.append(outputs)
+        except StopIteration:
+            pass
+        if concatenate_outputs and len(collected) > 1:
+            outputs = tree.map_structure(lambda *o: jnp.concatenate(o), *collected)
+        return outputs, state
+
+    iterator_step._jaxdist_rows = True
+    return iterator_step
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points: fit / evaluate / predict read their data through a PaddedAdapter.
+
+
+def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = None,
+             batch_size: int | None = None, steps: int | None = None, shuffle: bool = False,
+             class_weight: dict | None = None) -> PaddedAdapter:
+    if isinstance(x, PaddedAdapter):
+        return x
+    from keras.src.trainers import data_adapters
+
+    from jaxdist._src.input.autoshard import auto_shard
+
+    count, index = jax.process_count(), jax.process_index()
+    if _is_dataset(x):
+        for name, value in (("y", y), ("sample_weight", sample_weight)):
+            if value is not None:
+                kind_name = "tf.data.Dataset" if _is_tf_dataset(x) else (
+                    f"jaxdist.{type(x).__name__}")
+                raise ValueError(
+                    f"When providing `x` as a {kind_name}, `{name}` should not be passed: its "
+                    f"elements are (x, y) or (x, y, sample_weight) batches")
+        source = None
+        if count > 1:  # this process's share, by the dataset's AutoShardPolicy
+            source = auto_shard(x, count, index, uneven=True)
+        inner = DatasetAdapter(_untagged(x), class_weight, source)
+    else:
+        inner = data_adapters.get_data_adapter(
+            x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
+            shuffle=shuffle, class_weight=class_weight)
+        if count > 1:
+            if not isinstance(inner, data_adapters.ArrayDataAdapter):
+                raise ValueError(
+                    f"Keras input of type {type(x).__name__} in a job of {count} processes: "
+                    f"jaxdist shards arrays, jaxdist.Dataset and tf.data.Dataset across the "
+                    f"processes (AutoShardPolicy); wrap the data in a jaxdist.Dataset (with "
+                    f"AutoShardPolicy.OFF if each process already reads its own share)")
+            seed = _broadcast_seed() if shuffle and kind == "train" else None
+            inner = ProcessRowsAdapter(inner, count, index, seed)
+    return PaddedAdapter(inner, distribution_lib.distribution(), kind, blocker(model, kind))
+
+
+def _ensure_rows_aware(model: Any, attrs: tuple[str, ...]) -> None:
+    """Step functions made before (outside any strategy) are made again with the row loop."""
+    for attr in attrs:
+        fn = getattr(model, attr, None)
+        if fn is not None and not getattr(fn, "_jaxdist_rows", False):
+            setattr(model, attr, None)
+
+
+def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
+               ) -> tuple[tuple, dict]:
+    """``fit`` / ``evaluate`` / ``predict`` arguments with the data read by ``PaddedAdapter``.
+
+    Called by ``jaxdist._src.keras.model_strategy`` inside a jaxdist distribution's scope; other
+    entry points and calls outside such a scope are returned unchanged.
+
+    Example:
+        >>> args, kwargs = adapt_call("predict", JAXTrainer.predict, model, (x,), {})
+    """
+    dist = distribution_lib.distribution()
+    if name not in ("fit", "evaluate", "predict"):
+        return args, kwargs
+    if not getattr(dist, "_jaxdist_strategy_distribution", False):
+        return _plain_dataset_call(name, original, model, args, kwargs)
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if name == "fit":
+        x, y, sw = a["x"], a["y"], a["sample_weight"]
+        if a["validation_split"] and a["validation_data"] is None:
+            (x, y, sw), a["validation_data"] = array_slicing.train_validation_split(
+                (x, y, sw), validation_split=a["validation_split"])
+            a["validation_split"] = 0.0
+        a["x"] = _adapter(model, "train", x, y, sw, a["batch_size"], a["steps_per_epoch"],
+                          a["shuffle"], a["class_weight"])
+        a["y"] = a["sample_weight"] = a["class_weight"] = None
+        if a["validation_data"] is not None:
+            vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
+            a["validation_data"] = _adapter(
+                model, "test", vx, vy, vsw, a["validation_batch_size"] or a["batch_size"],
+                a["validation_steps"])
+        _ensure_rows_aware(model, ("train_function", "test_function"))
+    elif name == "evaluate":
+        if not a["kwargs"].get("_use_cached_eval_dataset", False):
+            a["x"] = _adapter(model, "test", a["x"], a["y"], a["sample_weight"],
+                              a["batch_size"], a["steps"])
+            a["y"] = a["sample_weight"] = None
+        _ensure_rows_aware(model, ("test_function",))
+    else:
+        a["x"] = _adapter(model, "predict", a["x"], None, None, a["batch_size"], a["steps"])
+        _ensure_rows_aware(model, ("predict_function",))
+    return bound.args[1:], bound.kwargs
+
+
+def _plain_dataset_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
+                        ) -> tuple[tuple, dict]:
+    """Outside a jaxdist strategy (TF's default strategy): a ``jaxdist.Dataset`` given to
+    ``fit`` / ``evaluate`` / ``predict`` (or as ``validation_data``) is read as Keras reads a
+    ``tf.data.Dataset``; every other argument is left to Keras."""
+    from jaxdist._src.input.dataset import Dataset
+
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    a = bound.arguments
+    changed = False
+    if isinstance(a.get("x"), Dataset):
+        for key in ("y", "sample_weight"):
+            if a.get(key) is not None:
+                raise ValueError(
+                    f"When providing `x` as a jaxdist.Dataset, `{key}` should not be passed: "
+                    f"its elements are (x, y) or (x, y, sample_weight) batches")
+        a["x"] = DatasetAdapter(a["x"], a.get("class_weight"))
+        a.pop("class_weight", None)
+        changed = True
+    if name == "fit" and isinstance(a.get("validation_data"), Dataset):
+        a["validation_data"] = DatasetAdapter(a["validation_data"])
+        changed = True
+    if not changed:
+        return args, kwargs
+    return bound.args[1:], bound.kwargs
+
+
+def install() -> None:
+    """Replaces ``JAXTrainer._make_function`` once (idempotent): models under a jaxdist
+    distribution get the loop that masks padded batches; others keep Keras's.
+
+    Example:
+        >>> install()
+    """
+    global _installed, _ORIGINAL_MAKE_FUNCTION
+    if _installed:
+        return
+    _ORIGINAL_MAKE_FUNCTION = jax_trainer.JAXTrainer._make_function
+    jax_trainer.JAXTrainer._make_function = _make_function
+    _installed = True

@@ -1,0 +1,53 @@
+"""The current strategy and replica context, with the default strategy outside every scope.
+
+Example:
+    >>> get_strategy()
+    DefaultStrategy()
+    >>> get_replica_context().num_replicas_in_sync
+    1
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxdist._src.strategies.context import _top
+from jaxdist._src.strategies.default import get_default_strategy
+
+if TYPE_CHECKING:
+    from jaxdist._src.strategies.replica_context import ReplicaContext
+    from jaxdist._src.strategies.strategy import Strategy
+
+
+def get_strategy() -> Strategy:
+    """Returns the current strategy: the innermost ``scope()``, else the default strategy.
+
+    Example:
+        >>> with jaxdist.MirroredStrategy().scope():
+        ...     jaxdist.get_strategy().num_replicas_in_sync
+        8
+    """
+    frame = _top()
+    if frame is None:
+        return get_default_strategy()
+    return frame.strategy
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current ``ReplicaContext``; ``None`` in a cross-replica context.
+
+    Outside every scope this is the default strategy's replica context (one replica), as in TF.
+
+    Example:
+        >>> def step(x):
+        ...     ctx = jaxdist.get_replica_context()
+        ...     return ctx.all_reduce("SUM", x) / ctx.num_replicas_in_sync
+        >>> strategy.run(step, args=(per_replica_x,))
+    """
+    frame = _top()
+    if frame is None:
+        return get_default_strategy()._default_replica_context
+    return frame.replica_context
+
+
+__all__ = ["get_replica_context", "get_strategy"]

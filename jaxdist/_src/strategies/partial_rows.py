@@ -1,0 +1,159 @@
+"""The real rows of a partial-batch step: which outputs of ``run`` are per row, and their rows.
+
+On TF's last partial batch the replicas get different numbers of rows (some none); jaxdist
+pads every replica's rows with zeros to one shape (``padded_rows``) so one SPMD program runs,
+and the input ``PerReplica`` records each replica's real row count (``lengths``).
+
+The rule for the outputs of such a step: an output that **varies per replica** and whose
+per-replica **leading axis is the batch's row axis** is a per-row output (predictions,
+per-example losses, labels passed through ...): it comes back as a ``PerReplica`` carrying the
+step's ``lengths``, so ``.values``, ``experimental_local_results``, ``gather`` and ``reduce(...,
+axis=0)`` see each replica's real rows only, in order. Every other output (scalars, sums,
+gradients, replicated values) is returned as on a full step.
+
+"Is the row axis" is decided from shapes, once per compiled step: an output qualifies if its
+leading axis has the padded row count *and* follows the row count when the replica function is
+traced again (abstractly, nothing runs) with one more row in every batch input. So a gradient
+or a per-class vector whose size happens to equal the padded row count is not cut. A replica
+function that cannot be traced with another row count (shapes fixed in its code) falls back to
+the leading-axis test alone.
+
+Example:
+    >>> per_row_lengths(((16, 13, 0, 0), 16), [(4, 16, 10), (4,)])   # (replicas, rows, ...)
+    [(16, 13, 0, 0), None]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist._src.strategies.reduce_util import ReduceOp
+from jaxdist._src.values import PerReplica
+
+#: ``(lengths, padded_rows)`` of a partial-batch step: each replica's real row count, and the
+#: row count every replica's rows are padded to.
+Partial = tuple[tuple[int, ...], int]
+
+
+def per_row_lengths(
+    partial: Partial | None,
+    out_shapes: Sequence[Sequence[int]],
+    inputs: Sequence[Any] = (),
+    input_kinds: Sequence[str] = (),
+    trace_shapes: Callable[[list[Any]], Sequence[Any]] | None = None,
+) -> list[tuple[int, ...] | None]:
+    """The ``lengths`` each output of a step carries (``None``: not a per-row output).
+
+    Args:
+        partial: the step's ``(lengths, padded_rows)``; ``None`` on a full step.
+        out_shapes: the outputs' stacked shapes, ``(replicas, ...)``.
+        inputs: the step's array inputs (stacked per-replica values and replicated arrays).
+        input_kinds: ``"pr"`` (per-replica) or ``"arr"`` for each input.
+        trace_shapes: traces the step abstractly on other inputs (``jax.ShapeDtypeStruct``s
+            allowed) and returns its outputs' stacked shapes; ``None``: the leading-axis
+            test alone.
+
+    Example:
+        >>> per_row_lengths(((2, 1), 2), [(2, 2, 5), (2, 2)])
+        [(2, 1), (2, 1)]
+    """
+    if partial is None:
+        return [None] * len(out_shapes)
+    lengths, padded = tuple(partial[0]), int(partial[1])
+    candidates = [len(s) >= 2 and int(s[1]) == padded for s in out_shapes]
+    if not any(candidates) or trace_shapes is None:
+        return [lengths if c else None for c in candidates]
+    grown = []
+    for x, kind in zip(inputs, input_kinds):
+        shape = tuple(getattr(x, "shape", ()))
+        if kind == "pr" and len(shape) >= 2 and shape[1] == padded:
+            x = jax.ShapeDtypeStruct((shape[0], padded + 1, *shape[2:]), x.dtype)
+        grown.append(x)
+    try:
+        grown_shapes = [tuple(getattr(s, "shape", s)) for s in trace_shapes(grown)]
+    except Exception:  # shapes fixed in the replica function: the leading-axis test alone
+        return [lengths if c else None for c in candidates]
+    if len(grown_shapes) != len(out_shapes):
+        return [lengths if c else None for c in candidates]
+    return [
+        lengths if c and len(g) >= 2 and g[1] == padded + 1 else None
+        for c, g in zip(candidates, grown_shapes)
+    ]
+
+
+def wrap_outputs(flat: Sequence[Any], varying: Sequence[bool],
+                 lengths: Sequence[tuple[int, ...] | None]) -> list[Any]:
+    """The outputs of a compiled step: ``PerReplica`` for varying leaves (per-row ones of a
+    partial step carry its ``lengths``), the replicated arrays as they are.
+
+    Example:
+        >>> out = wrap_outputs([stacked_preds, total], [True, False], [(4, 1), None])
+    """
+    return [PerReplica(x, n) if v else x for x, v, n in zip(flat, varying, lengths)]
+
+
+def _parts(v: PerReplica) -> tuple[list[Any], bool]:
+    """Each replica's real rows, and whether they are traced (inside a user's ``jax.jit``)."""
+    if isinstance(v.stacked, jax.core.Tracer):
+        return [v.stacked[i, :n] for i, n in enumerate(v.lengths or ())], True
+    return [np.asarray(jax.device_get(p)) for p in v.values], False
+
+
+def gather_rows(v: PerReplica, axis: int, sharding: Any) -> Any:
+    """``strategy.gather`` of a partial-batch ``PerReplica``: the real rows, in replica order.
+
+    Raises:
+        ValueError: ``axis`` is not the row axis (replicas have different row counts).
+
+    Example:
+        >>> gather_rows(per_row_predictions, 0, strategy.extended.replicated_sharding)
+    """
+    parts, traced = _parts(v)
+    ndim = max(len(v.shape), 1)
+    if axis % ndim != 0:
+        raise ValueError(
+            f"A partial batch (per-replica rows {list(v.lengths or ())}) can only be gathered "
+            f"along axis 0, got axis={axis}"
+        )
+    if traced:
+        return jnp.concatenate(parts, axis=0)
+    return jax.device_put(np.concatenate(parts, axis=0), sharding)
+
+
+def reduce_rows(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
+    """Reduces a partial-batch ``PerReplica`` as TF does: along ``axis=0`` over the real rows
+    only; across replicas (``axis=None``) only if the replicas' shapes agree.
+
+    Raises:
+        ValueError: ``axis=None`` and the replicas have different row counts, or ``axis`` is
+            not the row axis.
+
+    Example:
+        >>> reduce_rows(ReduceOp.SUM, per_row_losses, 0)     # the sum over the real rows
+    """
+    parts, traced = _parts(v)
+    xp = jnp if traced else np
+    if axis is None:
+        if len({tuple(p.shape) for p in parts}) != 1:
+            raise ValueError(
+                f"Cannot reduce per-replica values of different shapes "
+                f"{[tuple(p.shape) for p in parts]} (a partial batch) with axis=None; pass "
+                f"axis=0 to reduce over the rows"
+            )
+        total = sum(parts[1:], parts[0])
+        return jnp.asarray(total / len(parts) if op is ReduceOp.MEAN else total)
+    if axis % max(len(v.shape), 1) != 0:
+        raise ValueError(
+            f"A partial batch (per-replica rows {list(v.lengths or ())}) can only be reduced "
+            f"along axis 0, got axis={axis}"
+        )
+    rows = xp.concatenate(parts, axis=0)
+    total = xp.sum(rows, axis=0)
+    if op is ReduceOp.MEAN:
+        return jnp.asarray(total / rows.shape[0] if rows.shape[0] else xp.full_like(total, np.nan))
+    return jnp.asarray(total)

@@ -1,0 +1,240 @@
+"""Side-car evaluation: an ``evaluator`` task evaluates each new checkpoint the chief writes.
+
+TensorFlow's ``SidecarEvaluator`` (and the evaluator task of ``train_and_evaluate``): a process
+outside the training cluster (``TF_CONFIG`` task type ``evaluator``; it never joins
+``jax.distributed``) runs the same ``python -m jaxdist.train --config ...`` command as the
+training tasks. Instead of training, it polls ``checkpoint.dir``, restores the newest complete
+checkpoint into the configured model on its own devices, evaluates the validation data and writes
+``{"event": "evaluation", "step": ..., "loss": ..., "accuracy": ...}`` to its own log directory
+(``metrics.jsonl`` and TensorBoard). It stops after evaluating the job's final step (the last
+checkpoint ``fit`` writes), or fails with ``EvaluatorTimeoutError`` when no new checkpoint appears
+within ``evaluator.idle_timeout_seconds``.
+
+Example:
+    >>> evaluator = SidecarEvaluator(trainer, (x_val, y_val), "runs/mw/ckpt", final_step=330,
+    ...                              log_dir="runs/mw/eval")
+    >>> records = evaluator.start()          # one record per evaluated checkpoint
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxdist._src.cluster.errors import ClusterTimeoutError
+from jaxdist._src.cluster.task_info import evaluator_task
+
+
+class EvaluatorTimeoutError(ClusterTimeoutError):
+    """No new checkpoint appeared within the evaluator's idle timeout."""
+
+
+class SidecarEvaluator:
+    """Evaluates every new checkpoint in a directory (``tf.keras.utils.SidecarEvaluator``).
+
+    Args:
+        trainer: a ``Trainer`` whose model and optimizer match the checkpoints (its state is
+            the restore target; it writes nothing itself).
+        data: the ``(x, y)`` pair to evaluate.
+        checkpoint_dir: the chief's checkpoint directory (read only).
+        final_step: stop after evaluating this step (the job's last); ``None``: run until idle.
+        log_dir: where ``metrics.jsonl`` and TensorBoard files go (``None``: console only).
+        poll_seconds: how often the directory is checked.
+        idle_timeout_seconds: fail when no new checkpoint appears for this long.
+        tensorboard: write TensorBoard event files.
+        task: this task's name, for messages.
+        sleep: the sleep function (tests).
+        reader: where checkpoints come from (``latest_step()``, ``all_steps()``,
+            ``restore(step, like)``, ``is_final(step)``, ``close()``); default: the Trainer's
+            ``Checkpointer`` on ``checkpoint_dir``. ``PSCheckpointState`` reads the
+            checkpoints parameter servers write; the evaluator also stops after a step the
+            reader calls final.
+
+    Example:
+        >>> SidecarEvaluator(trainer, (x_val, y_val), "ckpt", final_step=100).start()
+    """
+
+    def __init__(self, trainer: Any, data: Any, checkpoint_dir: str, *,
+                 final_step: int | None = None, log_dir: str | None = None,
+                 poll_seconds: float = 1.0, idle_timeout_seconds: float = 600.0,
+                 tensorboard: bool = True, task: str = "evaluator:0",
+                 sleep: Callable[[float], None] = time.sleep, reader: Any = None):
+        if poll_seconds <= 0 or idle_timeout_seconds <= 0:
+            raise ValueError(f"poll_seconds={poll_seconds!r} and idle_timeout_seconds="
+                             f"{idle_timeout_seconds!r}: expected positive numbers of seconds")
+        self.trainer = trainer
+        self.data = data
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir)
+        self.final_step = final_step
+        self.log_dir = log_dir
+        self.poll_seconds = float(poll_seconds)
+        self.idle_timeout_seconds = float(idle_timeout_seconds)
+        self.tensorboard = tensorboard
+        self.task = task
+        self._sleep = sleep
+        self._reader = reader
+        self.last_evaluated: int | None = None
+
+    def start(self) -> list[dict[str, Any]]:
+        """Evaluates checkpoints as they appear until the final one; returns the records.
+
+        Raises:
+            EvaluatorTimeoutError: no new checkpoint within ``idle_timeout_seconds``.
+        """
+        from jaxdist._src.train.checkpoint import Checkpointer
+        from jaxdist._src.train.metrics import MetricsLogger
+
+        ckpt = self._reader or Checkpointer(self.checkpoint_dir, read_only=True)
+        logger = MetricsLogger(self.log_dir, tensorboard=self.tensorboard, progress_bar="never")
+        records: list[dict[str, Any]] = []
+        until = (f"final step {self.final_step}" if self.final_step is not None
+                 else "until the chief marks one final")
+        logger.message(f"{self.task}: evaluating new checkpoints in {self.checkpoint_dir} "
+                       f"({until})")
+        idle_since = time.monotonic()
+        try:
+            while True:
+                step = ckpt.latest_step()
+                if step is not None and (self.last_evaluated is None
+                                         or step > self.last_evaluated):
+                    record = self._evaluate(ckpt, step, logger)
+                    if record is not None:
+                        records.append(record)
+                        idle_since = time.monotonic()
+                        if ckpt.is_final(step) or (self.final_step is not None
+                                                   and step >= self.final_step):
+                            logger.message(f"{self.task}: evaluated the final checkpoint "
+                                           f"(step {step}); done")
+                            return records
+                    continue
+                idle = time.monotonic() - idle_since
+                if idle > self.idle_timeout_seconds:
+                    seen = ("no checkpoint yet" if self.last_evaluated is None
+                            else f"the last was step {self.last_evaluated}")
+                    raise EvaluatorTimeoutError(
+                        f"{self.task}: no new checkpoint in {self.checkpoint_dir} within "
+                        f"{self.idle_timeout_seconds:g} s ({seen}; expected up to step "
+                        f"{self.final_step}); is the chief still training?",
+                        tasks=("chief",), timeout_seconds=self.idle_timeout_seconds)
+                self._sleep(self.poll_seconds)
+        finally:
+            logger.close()
+            ckpt.close()
+
+    def _evaluate(self, ckpt: Any, step: int, logger: Any) -> dict[str, Any] | None:
+        t = self.trainer
+        try:
+            state, meta = ckpt.restore(step, like=t.state)
+        except (FileNotFoundError, ValueError, OSError, KeyError):
+            # The chief pruned it (keep K) between listing and reading: take the next newest.
+            if step in ckpt.all_steps():
+                raise
+            return None
+        t.params, t.rest, t.opt_state = state["params"], state["rest"], state["opt_state"]
+        values = t.evaluate(self.data)
+        self.last_evaluated = step
+        epoch = {} if meta.get("epoch") is None else {"epoch": int(meta["epoch"])}
+        return logger.write("evaluation", step, **epoch, **values)
+
+
+class PSCheckpointState:
+    """Serves parameter-server checkpoints to ``SidecarEvaluator`` as Trainer states.
+
+    The parameters come from the ps shards (``jaxdist._src.ps.checkpoints``); the rest of the
+    state (non-parameter model state, optimizer state) stays the evaluating Trainer's own, which
+    evaluation does not use.
+
+    Args:
+        directory: the job's ``checkpoint.dir``.
+        collection: the variables' collection name (the Trainer's is ``"model"``).
+        steps_per_epoch: the chief's steps per epoch, to report the epoch of a step
+            (``None``: records carry no epoch).
+
+    Example:
+        >>> SidecarEvaluator(trainer, (x, y), "ckpt", reader=PSCheckpointState("ckpt")).start()
+    """
+
+    def __init__(self, directory: str, collection: str = "model",
+                 steps_per_epoch: int | None = None):
+        from jaxdist._src.ps.checkpoints import PSCheckpointReader
+
+        self.reader = PSCheckpointReader(directory)
+        self.collection = collection
+        self.steps_per_epoch = steps_per_epoch
+
+    def latest_step(self) -> int | None:
+        return self.reader.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return self.reader.all_steps()
+
+    def is_final(self, step: int) -> bool:
+        return self.reader.is_final(step)
+
+    def close(self) -> None:
+        pass
+
+    def restore(self, step: int, like: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+        params = self.reader.restore_tree(step, like["params"], self.collection)
+        epoch = step // self.steps_per_epoch if self.steps_per_epoch else None
+        return {**like, "params": params}, {"step": step, "epoch": epoch}
+
+
+def run_sidecar(cfg: Mapping[str, Any], task: str = "evaluator:0") -> list[dict[str, Any]]:
+    """Runs a job config's side-car evaluator (the ``evaluator`` task of ``python -m
+    jaxdist.train``).
+
+    The model, optimizer and batch size come from the config (so the checkpoints restore into
+    them); evaluation runs on one local device, outside the training cluster. Under the
+    ``parameter_server`` strategies it reads the ps tasks' checkpoints and stops after the one
+    the chief marks final.
+
+    Raises:
+        ConfigError: the config has no ``checkpoint.dir`` to watch.
+        EvaluatorTimeoutError: no new checkpoint within ``evaluator.idle_timeout_seconds``.
+    """
+    import jax
+
+    from jaxdist._src.strategies.one_device import OneDeviceStrategy
+    from jaxdist._src.train import data as data_lib
+    from jaxdist._src.train import models
+    from jaxdist._src.train.optimizers import optimizer_from_config
+    from jaxdist._src.train.schema import ConfigError
+    from jaxdist._src.train.trainer import Trainer
+
+    ccfg, lcfg, ecfg, tcfg = cfg["checkpoint"], cfg["logging"], cfg["evaluator"], cfg["train"]
+    if ccfg["dir"] is None:
+        raise ConfigError(f"checkpoint.dir: null, but {task} evaluates the checkpoints the "
+                          f"chief writes there; set checkpoint.dir")
+    train, val = data_lib.from_config(cfg["data"])
+    num_classes = cfg["model"]["num_classes"]
+    if num_classes is None:
+        num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
+    b = tcfg["global_batch_size"]
+    spe = data_lib.steps_per_epoch(len(train), b)
+    final = tcfg["steps"] if tcfg["steps"] is not None else tcfg["epochs"] * spe
+    strategy = OneDeviceStrategy(jax.local_devices()[0])
+    with strategy.scope():
+        model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
+        trainer = Trainer(model, optimizer_from_config(cfg["optimizer"]), tcfg["loss"],
+                          global_batch_size=b, strategy=strategy, progress_bar="never",
+                          precision=tcfg.get("precision", "float32"))
+    log_dir = ecfg["log_dir"]
+    if log_dir is None and lcfg["dir"] is not None:
+        log_dir = os.path.join(lcfg["dir"], "eval")
+    data = (val.x, val.y) if val is not None else (train.x, train.y)
+    reader = None
+    if cfg["strategy"]["name"] in ("parameter_server", "parameter_server_coordinator"):
+        # The chief's step count depends on the workers' shares: stop at its final mark.
+        reader, final = PSCheckpointState(ccfg["dir"]), None
+    return SidecarEvaluator(
+        trainer, data, ccfg["dir"], final_step=final, log_dir=log_dir,
+        poll_seconds=ecfg["poll_seconds"], idle_timeout_seconds=ecfg["idle_timeout_seconds"],
+        tensorboard=lcfg["tensorboard"], task=task, reader=reader,
+    ).start()
+
+
+__all__ = ["EvaluatorTimeoutError", "PSCheckpointState", "SidecarEvaluator", "evaluator_task",
+           "run_sidecar"]

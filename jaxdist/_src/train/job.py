@@ -1,0 +1,126 @@
+"""A training job from a validated config: strategy, data, model, optimizer, ``Trainer.fit``.
+
+Example:
+    >>> from jaxdist._src.train.config import load_config
+    >>> history = run_job(load_config("configs/default.yaml"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxdist._src.train import strategy_registry
+from jaxdist._src.train.config import ConfigError, check_replicas, fit_kwargs, trainer_kwargs
+from jaxdist._src.train.optimizers import (  # noqa: F401 - also public here
+    learning_rate_from_config,
+    optimizer_from_config,
+)
+
+
+def build_strategy(cfg: Mapping[str, Any]) -> Any:
+    """Builds the configured strategy and checks the config against it (the batch divides
+    across its replicas, its own checks).
+
+    Raises:
+        ConfigError: an unknown device, a batch size that does not divide, or a setting the
+            strategy cannot run.
+    """
+    spec = strategy_registry.config_for(cfg["strategy"]["name"])
+    try:
+        strategy = spec.build(cfg["strategy"])
+    except (ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
+                          f"{dict(cfg['strategy'])!r}: {first}") from None
+    check_replicas(cfg, strategy.num_replicas_in_sync)
+    if spec.check is not None:
+        spec.check(cfg)
+    return strategy
+
+
+def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
+    """Builds the job's strategy, data, model and ``Trainer`` as ``run_job`` does, then compiles
+    one training dispatch without running it (nothing is written: no run directory, no
+    checkpoint).
+
+    With ``strategy.topology`` set (``TPUStrategy(topology=...)``), this compiles the step for
+    that TPU on a machine without one.
+
+    Returns:
+        A ``jaxdist.tpu.CompileReport`` (per-device memory and FLOPs).
+
+    Example:
+        >>> from jaxdist._src.train.config import load_config
+        >>> cfg = load_config("configs/tpu.yaml", ["strategy.topology=v5e:2x2"])
+        >>> print(compile_job(cfg))
+    """
+    from jaxdist._src.train import data as data_lib
+    from jaxdist._src.train import models
+    from jaxdist._src.train.trainer import Trainer
+
+    if strategy is None:
+        strategy = build_strategy(cfg)
+    else:
+        check_replicas(cfg, strategy.num_replicas_in_sync)
+    train, val = data_lib.from_config(cfg["data"])
+    num_classes = cfg["model"]["num_classes"]
+    if num_classes is None:
+        num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
+    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
+    kwargs = dict(trainer_kwargs(cfg), checkpoint_dir=None, log_dir=None, tensorboard=False)
+    with strategy.scope():
+        model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
+        trainer = Trainer(model, optimizer, strategy=strategy, **kwargs)
+    return trainer.experimental_compile(train.x, train.y)
+
+
+def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
+    """Trains as ``cfg`` says and returns the ``History``.
+
+    Args:
+        cfg: a config from ``load_config``.
+        strategy: use this strategy instead of building the configured one.
+    """
+    from jaxdist._src.train import callbacks as callbacks_lib
+    from jaxdist._src.train import data as data_lib
+    from jaxdist._src.train import models
+    from jaxdist._src.train.trainer import Trainer
+
+    if strategy is None:
+        from jaxdist._src.train.evaluator import evaluator_task, run_sidecar
+
+        # Only the strategies that read TF_CONFIG look at it: a stale one in the environment
+        # does not change (or break) a single-host job.
+        task = evaluator_task() if strategy_registry.uses_tf_config(cfg["strategy"]["name"]) \
+            else None
+        if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
+            return run_sidecar(cfg, task)
+        strategy = build_strategy(cfg)
+    else:
+        check_replicas(cfg, strategy.num_replicas_in_sync)
+    train, val = data_lib.from_config(cfg["data"])
+    num_classes = cfg["model"]["num_classes"]
+    if num_classes is None:
+        num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
+    # e.g. parameter servers run their own optimizer spec
+    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
+    with strategy.scope():
+        model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
+        trainer = Trainer(model, optimizer, strategy=strategy, **trainer_kwargs(cfg))
+    run_dir = trainer.run_dir  # this run's own directory (chief only)
+    if run_dir is not None:
+        from jaxdist._src.train.config import dump
+
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(dump(cfg))
+    base = run_dir or os.getcwd()
+    callbacks = callbacks_lib.from_config(
+        cfg["callbacks"], resolve_path=lambda p: p if os.path.isabs(p) else os.path.join(base, p))
+    return trainer.fit(
+        (train.x, train.y),
+        validation_data=None if val is None else (val.x, val.y),
+        callbacks=callbacks,
+        **fit_kwargs(cfg),
+    )

@@ -1,0 +1,337 @@
+"""The job-config schema: every key's type, default, help, and the Trainer argument it feeds.
+
+This module is the one home of the config defaults. ``Field.arg`` names the ``Trainer``
+argument (or ``fit`` argument, ``"fit.<name>"``) a key feeds: ``trainer_defaults()`` gives the
+``Trainer``'s own defaults from it, and ``trainer_kwargs(cfg)`` / ``fit_kwargs(cfg)`` turn a
+validated config into the arguments a job passes, so no key is mapped by hand twice. A key whose
+library default differs on purpose (``logging.dir``: the CLI writes run directories, a
+``Trainer`` made in Python writes none) says so with ``arg_default``.
+
+The ``strategy`` section's keys are declared by each strategy in
+``jaxdist._src.train.strategy_registry``.
+
+Example:
+    >>> SCHEMA["train"]["epochs"].default
+    10
+    >>> trainer_defaults()["checkpoint_every_steps"]
+    100
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class _Same:
+    def __repr__(self) -> str:
+        return "SAME"
+
+
+#: ``Field.arg_default``: the argument's default is the key's default.
+SAME: Any = _Same()
+#: ``Field.arg_default``: the argument has no default (the caller must pass it).
+REQUIRED: Any = type("_Required", (), {"__repr__": lambda self: "REQUIRED"})()
+
+
+class ConfigError(ValueError):
+    """A config that does not validate (the CLI prints it on one line and exits 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config key: its type, default, allowed values and help text.
+
+    Args:
+        kind: ``int``, ``float``, ``str``, ``bool`` or ``list`` (of ``item``).
+        default: the value used when the key is absent.
+        help: one line for ``--help`` and the docs.
+        choices: the allowed values, if restricted.
+        optional: ``null`` is allowed.
+        minimum: the smallest allowed number (or list length for lists).
+        item: the element type of a list.
+        arg: the ``Trainer`` argument this key feeds (``"fit.<name>"``: a ``fit`` argument).
+        arg_default: that argument's default: ``SAME`` (this key's default), ``REQUIRED``, or
+            a different value (with the reason next to it in the schema).
+    """
+
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    optional: bool = False
+    minimum: float | None = None
+    item: type | None = None
+    arg: str | None = None
+    arg_default: Any = SAME
+
+    def describe(self) -> str:
+        if self.kind is list:
+            t = f"list[{self.item.__name__ if self.item else 'any'}]"
+        else:
+            t = self.kind.__name__
+        if self.optional:
+            t += " | null"
+        if self.choices:
+            t = " | ".join(repr(c) for c in self.choices)
+        return t
+
+
+# The sections other than ``strategy`` have a fixed set of keys (see docs/trainer.md).
+SCHEMA: dict[str, dict[str, Field]] = {
+    "data": {
+        "name": Field(str, "digits", "dataset: scikit-learn digits, a synthetic "
+                      "classification problem, or your own .npz file",
+                      choices=("digits", "synthetic", "npz")),
+        "path": Field(str, None, "npz: file with arrays 'x' and 'y' (optionally "
+                      "'x_val'/'y_val')", optional=True),
+        "validation_split": Field(float, 0.2, "fraction of examples held out for "
+                                  "validation (when the data has no own validation set)",
+                                  minimum=0.0),
+        "split_seed": Field(int, 0, "seed of the train/validation split (independent of 'seed')"),
+        "shuffle": Field(bool, True, "reshuffle the training examples every epoch "
+                         "(deterministic from 'seed' and the epoch)", arg="shuffle"),
+        "num_examples": Field(int, 4096, "synthetic: number of examples", minimum=1),
+        "num_features": Field(int, 32, "synthetic: features per example", minimum=1),
+        "num_classes": Field(int, 10, "synthetic: number of classes", minimum=2),
+    },
+    "model": {
+        "name": Field(str, "mlp", "model architecture", choices=("mlp", "cnn")),
+        "hidden_sizes": Field(list, [128], "mlp: widths of the hidden layers", item=int),
+        "features": Field(list, [16, 32], "cnn: channels of the 3x3 conv layers (each "
+                          "followed by 2x2 average pooling)", item=int, minimum=1),
+        "num_classes": Field(int, None, "output classes (null: inferred from the labels)",
+                             optional=True, minimum=2),
+    },
+    "optimizer": {
+        "name": Field(str, "adam", "optax optimizer", choices=("sgd", "adam", "adamw",
+                                                                "rmsprop")),
+        "learning_rate": Field(float, 1e-3, "step size (the peak of a warm-up schedule)",
+                               minimum=0.0),
+        "schedule": Field(str, "constant", "learning-rate schedule over the update count "
+                          "(optax; on a ps, each shard's update count = the global step)",
+                          choices=("constant", "cosine", "warmup_cosine", "exponential",
+                                   "linear")),
+        "decay_steps": Field(int, None, "cosine/warmup_cosine/linear: steps until the end "
+                             "rate (warmup_cosine: warm-up included); exponential: steps per "
+                             "decay_rate factor", optional=True, minimum=1),
+        "warmup_steps": Field(int, 0, "warmup_cosine: steps of linear warm-up from 0",
+                              minimum=0),
+        "end_learning_rate": Field(float, 0.0, "cosine/warmup_cosine/linear: the rate at "
+                                   "decay_steps", minimum=0.0),
+        "decay_rate": Field(float, 0.5, "exponential: factor applied every decay_steps",
+                            minimum=0.0),
+        "momentum": Field(float, 0.0, "sgd/rmsprop: momentum", minimum=0.0),
+        "weight_decay": Field(float, 1e-4, "adamw: decoupled weight decay", minimum=0.0),
+        "clipnorm": Field(float, None, "clip the global gradient norm to this value",
+                          optional=True, minimum=0.0),
+    },
+    "train": {
+        "global_batch_size": Field(int, 64, "examples per step over all replicas; must "
+                                   "divide by the replica count", minimum=1,
+                                   arg="global_batch_size", arg_default=REQUIRED),
+        "epochs": Field(int, 10, "passes over the training data (ignored when 'steps' is "
+                        "set)", minimum=1, arg="fit.epochs",
+                        arg_default=None),  # fit: one epoch when neither is given
+        "steps": Field(int, None, "train for exactly this many steps instead of "
+                       "'epochs'", optional=True, minimum=1, arg="fit.steps"),
+        "steps_per_execution": Field(int, 1, "steps folded into one compiled dispatch "
+                                     "(a lax.scan over k batches)", minimum=1,
+                                     arg="steps_per_execution"),
+        "loss": Field(str, "sparse_categorical_crossentropy", "per-example loss",
+                      choices=("sparse_categorical_crossentropy",), arg="loss"),
+        "precision": Field(str, "float32", "float32, or bfloat16 (Keras' mixed_bfloat16: "
+                           "compute in bfloat16, parameters and optimizer in float32)",
+                           choices=("float32", "bfloat16"), arg="precision"),
+        "batch_norm": Field(str, "sync", "BatchNorm statistics over the global batch (sync, "
+                            "TF's SyncBatchNormalization) or each replica's rows "
+                            "(per_replica, TF's default)", choices=("sync", "per_replica"),
+                            arg="batch_norm"),
+        "validation_freq": Field(int, 1, "validate every this many epochs (0: never)",
+                                 minimum=0, arg="fit.validation_freq"),
+        "halt_on_nan": Field(bool, True, "stop with an error when the loss becomes NaN or "
+                             "inf (TF's TerminateOnNaN); the last good checkpoint is kept",
+                             arg="halt_on_nan"),
+        "metrics": Field(list, ["accuracy"], "Keras metrics: names (accuracy, "
+                         "sparse_top_k_categorical_accuracy, auc, ...) or {name: ..., k: 3}",
+                         arg="metrics",
+                         arg_default=None),  # Trainer: None = ["accuracy"] if accuracy=True
+        "weighted_metrics": Field(list, [], "Keras weighted_metrics: metrics weighted by "
+                                  "the sample/class weights (the metrics above are not); a "
+                                  "name also in metrics is logged as weighted_<name>",
+                                  arg="weighted_metrics", arg_default=None),
+    },
+    "checkpoint": {
+        "dir": Field(str, None, "checkpoint directory (null: no checkpoints); on start the "
+                     "job resumes from the latest checkpoint in it", optional=True,
+                     arg="checkpoint_dir"),
+        "every_steps": Field(int, 100, "save every this many steps (and always at the end)",
+                             minimum=1, arg="checkpoint_every_steps"),
+        "keep": Field(int, 3, "keep the last K checkpoints", minimum=1, arg="keep_checkpoints"),
+        "resume": Field(bool, True, "resume from the latest checkpoint in 'dir'", arg="resume"),
+    },
+    "logging": {
+        "dir": Field(str, "runs/default", "parent of the run directories: each run writes "
+                     "metrics.jsonl, config.yaml and TensorBoard files (train/, validation/) "
+                     "into its own <dir>/<timestamp> (null: no files)", optional=True,
+                     arg="log_dir", arg_default=None),  # a Trainer made in Python writes no files
+        "run_name": Field(str, None, "the run directory's name instead of the start time "
+                          "(--run-name); it must not hold an earlier run", optional=True,
+                          arg="run_name"),
+        "verbose": Field(int, 1, "console output as Keras' verbose: 0 silent, 1 progress bar "
+                         "(log lines when not on a terminal), 2 one line per epoch",
+                         choices=(0, 1, 2), arg="fit.verbose",
+                         arg_default="auto"),  # fit: Keras' "auto" (1)
+        "every_steps": Field(int, 10, "log training metrics every this many steps",
+                             minimum=1, arg="log_every_steps"),
+        "tensorboard": Field(bool, True, "also write TensorBoard event files", arg="tensorboard"),
+        "progress_bar": Field(str, "auto", "tqdm bar: auto (when stdout is a terminal), "
+                              "always, never", choices=("auto", "always", "never"),
+                              arg="progress_bar"),
+    },
+    # Used only by an `evaluator` task of TF_CONFIG (side-car evaluation of the checkpoints).
+    "evaluator": {
+        "log_dir": Field(str, None, "where the evaluator's metrics.jsonl and TensorBoard files "
+                         "go (null: <logging.dir>/eval)", optional=True),
+        "poll_seconds": Field(float, 1.0, "how often the checkpoint directory is checked",
+                              minimum=0.01),
+        "idle_timeout_seconds": Field(float, 600.0, "stop with an error when no new "
+                                      "checkpoint appears for this long", minimum=0.1),
+    },
+}
+
+TOP_LEVEL: dict[str, Field] = {
+    "seed": Field(int, 0, "seed of the model initialisation and the data order", arg="seed"),
+    "callbacks": Field(list, [], "Keras callbacks by class name with their arguments, e.g. "
+                       "[{name: EarlyStopping, monitor: val_loss, patience: 3}]; relative "
+                       "paths are inside the run directory"),
+}
+
+SECTIONS = ("strategy", *SCHEMA)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check(where: str, field: Field, value: Any) -> Any:
+    """Returns ``value`` converted to ``field``'s type, or raises ``ConfigError``."""
+    if value is None:
+        if field.optional:
+            return None
+        raise ConfigError(f"{where}: null is not allowed; expected {field.describe()}")
+    kind = field.kind
+    out: Any
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a bool; "
+                              f"expected true or false")
+        out = value
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not an int")
+        out = value
+    elif kind is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)  # YAML reads 1e-3 (no dot) as a string
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a number")
+        out = float(value)
+    elif kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a string")
+        out = value
+    elif kind is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a list; "
+                              f"expected {field.describe()}")
+        item = Field(field.item, None, "") if field.item else None
+        out = [_check(f"{where}[{i}]", item, v) if item else v for i, v in enumerate(value)]
+        if field.minimum is not None and len(out) < field.minimum:
+            raise ConfigError(f"{where}: {value!r} needs at least {int(field.minimum)} "
+                              f"entries")
+        return out
+    else:  # pragma: no cover - schema bug
+        raise TypeError(f"unsupported field kind {kind}")
+    if field.choices is not None and out not in field.choices:
+        valid = ", ".join(str(c) for c in field.choices)
+        raise ConfigError(f"{where}: {value!r} is not valid; expected one of: {valid}")
+    if field.minimum is not None and out < field.minimum:
+        raise ConfigError(f"{where}: {value!r} is too small; expected >= {field.minimum:g}")
+    return out
+
+
+def _unknown(where: str, key: str, valid: Sequence[str]) -> ConfigError:
+    return ConfigError(f"{where}{key}: unknown key; valid keys: {', '.join(sorted(valid))}")
+
+
+def _fill(section: str, fields: Mapping[str, Field], raw: Any) -> dict[str, Any]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{section}: {raw!r} ({_type_name(raw)}) is not a mapping; expected "
+                          f"keys {', '.join(sorted(fields))}")
+    for key in raw:
+        if key not in fields:
+            raise _unknown(f"{section}.", str(key), list(fields))
+    return {k: _check(f"{section}.{k}", f, raw.get(k, copy.deepcopy(f.default)))
+            for k, f in fields.items()}
+
+
+def _args(prefix: str) -> dict[str, tuple[str, str, Field]]:
+    """``{argument: (section, key, field)}`` of the keys feeding ``prefix`` arguments."""
+    out: dict[str, tuple[str, str, Field]] = {}
+    for section, fields in (("", TOP_LEVEL), *SCHEMA.items()):
+        for key, f in fields.items():
+            if f.arg is None:
+                continue
+            owner, _, name = f.arg.rpartition(".")
+            if owner == prefix:
+                out[name] = (section, key, f)
+    return out
+
+
+def trainer_defaults(prefix: str = "") -> dict[str, Any]:
+    """The ``Trainer`` arguments' defaults (``prefix="fit"``: ``fit``'s), from the schema.
+
+    Arguments marked ``REQUIRED`` have none and are left out.
+
+    Example:
+        >>> trainer_defaults()["keep_checkpoints"], trainer_defaults("fit")["validation_freq"]
+        (3, 1)
+    """
+    out = {}
+    for name, (_, _, f) in _args(prefix).items():
+        if f.arg_default is REQUIRED:
+            continue
+        out[name] = copy.deepcopy(f.default if f.arg_default is SAME else f.arg_default)
+    return out
+
+
+def trainer_kwargs(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The ``Trainer`` arguments (``prefix="fit"``: ``fit``'s) a validated config sets.
+
+    Example:
+        >>> trainer_kwargs(load_config(raw={"checkpoint": {"keep": 5}}))["keep_checkpoints"]
+        5
+    """
+    return {name: cfg[key] if not section else cfg[section][key]
+            for name, (section, key, _) in _args(prefix).items()}
+
+
+def fit_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``Trainer.fit``'s arguments from a validated config (``epochs`` only without ``steps``).
+
+    Example:
+        >>> fit_kwargs(load_config(raw={"train": {"steps": 7}}))["epochs"] is None
+        True
+    """
+    out = trainer_kwargs(cfg, "fit")
+    if out.get("steps") is not None:
+        out["epochs"] = None
+    return out

@@ -1,0 +1,155 @@
+"""What callbacks reach through ``self.model``: the ``Trainer`` parts Keras' ``Model`` offers.
+
+``learning_rate`` (read and set at run time), ``get_weights``/``set_weights``,
+``save_checkpoint_to``/``load_weights`` (orbax directories), ``run_dir`` (this run's own
+directory) and ``describe_run`` (the start-up line). ``Trainer`` inherits them.
+
+Example:
+    >>> trainer.learning_rate = trainer.learning_rate * 0.5
+    >>> best = trainer.get_weights(); ...; trainer.set_weights(best)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+from jaxdist._src.train import learning_rate as lr_lib
+from jaxdist._src.train import runs
+
+
+class TrainerHandle:
+    """Mixin of ``Trainer``: the handle callbacks get as ``self.model``.
+
+    Expects ``params``, ``rest``, ``opt_state``, ``strategy``, ``log_dir``, ``run_name``,
+    ``should_save_summary``, ``_hook`` on the instance.
+
+    Example:
+        >>> class Trainer(TrainerHandle): ...
+    """
+
+    stop_training: bool = False
+    stop_training_by_error: bool = False
+    _run_dir: str | None = None
+
+    # ------------------------------------------------------------------ learning rate
+    @property
+    def learning_rate(self) -> float:
+        """The optimizer's current learning rate (settable; no recompilation).
+
+        Under the parameter-server strategies the optimizers run on the ps tasks: reading
+        asks them, setting changes the rate every ps applies from its next push.
+
+        Raises:
+            ValueError: the optimizer was not built with ``optax.inject_hyperparams``, or the
+                rate follows a schedule.
+        """
+        if not self._hook.local_state:
+            return self._hook.get_learning_rate(self)
+        value = lr_lib.get_learning_rate(self.opt_state)
+        if value is None:
+            raise ValueError(f"the learning rate is not readable from this optimizer; "
+                             f"{lr_lib.HOW_TO_INJECT}")
+        if lr_lib.is_scheduled(self.opt_state):
+            raise ValueError("the learning rate follows a schedule and cannot be set; use a "
+                             "constant learning rate to change it at run time")
+        return value
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        if not self._hook.local_state:
+            self._hook.set_learning_rate(self, float(value))
+            return
+        self.opt_state = lr_lib.set_learning_rate(self.opt_state, float(value))
+
+    def current_learning_rate(self) -> float | None:
+        """The rate of the last update, for the logs (``None`` when it cannot be read)."""
+        if not self._hook.local_state:
+            return self._hook.current_learning_rate(self)
+        return lr_lib.get_learning_rate(self.opt_state)
+
+    # ------------------------------------------------------------------ weights
+    def get_weights(self) -> Any:
+        """The model's variables (``{"params", "rest"}``), for ``set_weights``."""
+        return {"params": self._current_params(), "rest": self.rest}
+
+    def set_weights(self, weights: Any) -> None:
+        """Puts back variables from ``get_weights`` (the optimizer state is kept). Under the
+        parameter-server strategies the ps tasks' variables are assigned."""
+        if not self._hook.local_state:
+            self._hook.set_weights(self, weights["params"])
+            self.rest = weights["rest"]
+            return
+        self.params, self.rest = weights["params"], weights["rest"]
+
+    def save_checkpoint_to(self, path: str | os.PathLike, weights_only: bool = False) -> None:
+        """Writes an orbax checkpoint into ``path`` (replacing what is there).
+
+        Args:
+            path: a directory.
+            weights_only: only ``params`` and ``rest``; else the whole state and position.
+        """
+        from jaxdist._src.train.checkpoint import Checkpointer
+
+        state = self.get_weights() if weights_only else \
+            {**self.get_weights(), "opt_state": self.opt_state}
+        meta = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "weights_only": bool(weights_only)}
+        ckpt = Checkpointer(path, keep=1)
+        try:
+            ckpt.save(self.step, state, meta)
+        finally:
+            ckpt.close()
+
+    def load_weights(self, path: str | os.PathLike) -> None:
+        """Restores the model's variables from a ``save_checkpoint_to``/``ModelCheckpoint``
+        directory (the optimizer state too, when it was saved)."""
+        from jaxdist._src.train.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(path, keep=1, read_only=True)
+        try:
+            step = ckpt.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"load_weights: no checkpoint in {os.fspath(path)}")
+            like = {**self.get_weights(), "opt_state": self.opt_state}
+            try:
+                state, meta = ckpt.restore(step, like=like)
+            except Exception:  # noqa: BLE001 - a weights-only checkpoint has no opt_state
+                state, meta = ckpt.restore(step, like=self.get_weights())
+        finally:
+            ckpt.close()
+        self.set_weights(state)
+        if "opt_state" in state:
+            self.opt_state = state["opt_state"]
+
+    def close_checkpointer(self) -> None:
+        """Releases the checkpoint directory (before ``BackupAndRestore`` deletes it)."""
+        ckpt = getattr(self, "_checkpointer", None)
+        if ckpt is not None:
+            ckpt.close()
+            self._checkpointer = None
+
+    # ------------------------------------------------------------------ runs
+    @property
+    def run_dir(self) -> str | None:
+        """This run's own directory (created on first use; ``None`` without ``log_dir`` or on
+        a process that does not write summaries)."""
+        if self._run_dir is None and self.log_dir is not None and self.should_save_summary:
+            self._run_dir = runs.new_run_dir(self.log_dir, getattr(self, "run_name", None))
+        return self._run_dir
+
+    def describe_run(self) -> str:
+        """The start-up line: strategy, replicas, devices, processes, output directory."""
+        strategy = self.strategy
+        devices = list(strategy.extended.worker_devices)
+        kinds = sorted({d.platform for d in devices})
+        procs = jax.process_count()
+        out = self.run_dir or "nowhere (no log_dir)"
+        return (f"jaxdist: {type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+                f"replica(s) on {len(devices)} {'/'.join(kinds)} device(s), {procs} "
+                f"process(es); writing to {out}")
+
+
+__all__ = ["TrainerHandle"]

@@ -1,0 +1,46 @@
+"""``jaxdist.coordinator``: TF's ``tf.distribute.coordinator``.
+
+Example:
+    >>> strategy = jaxdist.ParameterServerStrategy(resolver)  # doctest: +SKIP
+    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+"""
+
+from jaxdist._src.coordinator import (
+    CancelledError,
+    ClosureInputError,
+    ClusterCoordinator,
+    CoordinatorError,
+    CoordinatorShutdownError,
+    JoinTimeoutError,
+    PerWorkerDataset,
+    PerWorkerIterator,
+    PerWorkerValues,
+    PSUnavailableError,
+    RemoteError,
+    RemoteValue,
+    RemoteValueStatus,
+    UntrustedPickleError,
+    WorkerAuthenticationError,
+    WorkerUnavailableError,
+    get_current_worker_index,
+)
+
+__all__ = [
+    "CancelledError",
+    "ClosureInputError",
+    "ClusterCoordinator",
+    "CoordinatorError",
+    "CoordinatorShutdownError",
+    "JoinTimeoutError",
+    "PSUnavailableError",
+    "PerWorkerDataset",
+    "PerWorkerIterator",
+    "PerWorkerValues",
+    "RemoteError",
+    "RemoteValue",
+    "RemoteValueStatus",
+    "UntrustedPickleError",
+    "WorkerAuthenticationError",
+    "WorkerUnavailableError",
+    "get_current_worker_index",
+]

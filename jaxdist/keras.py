@@ -1,0 +1,39 @@
+"""``jaxdist.keras``: Keras 3 (JAX backend) under jaxdist strategies.
+
+Keras is an optional extra (``pip install 'jaxdist[keras]'``) and is imported only when these
+functions are called. ``scope(strategy)`` enters the strategy's scope and makes Keras distribute
+variables and batches over the strategy's own mesh.
+
+Example:
+    >>> import keras, jaxdist, jaxdist.keras
+    >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])  # doctest: +SKIP
+    >>> with jaxdist.keras.scope(strategy):  # doctest: +SKIP
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+"""
+
+from jaxdist._src.keras import (
+    BackupAndRestore,
+    ModelCheckpoint,
+    TensorBoard,
+    attach,
+    compile_fit_step,
+    distribution_for,
+    distribution_scope,
+    require_keras,
+    scope,
+    value_and_grad,
+)
+
+__all__ = [
+    "BackupAndRestore",
+    "ModelCheckpoint",
+    "TensorBoard",
+    "attach",
+    "compile_fit_step",
+    "distribution_for",
+    "distribution_scope",
+    "require_keras",
+    "scope",
+    "value_and_grad",
+]
