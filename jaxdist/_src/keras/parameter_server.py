@@ -64,10 +64,10 @@ COLLECTION = "keras"
 _REJECTED_CALLBACKS = {
     "ReduceLROnPlateau": "the learning rate is the ps optimizer's; give the optimizer a "
                          "keras.optimizers.schedules.ExponentialDecay learning rate, or pass "
-                         "ps_optimizer=jaxdist._src.ps.optimizers.<opt>(<schedule spec>) to attach",
+                         "ps_optimizer=jaxdist.ps.optimizers.<opt>(<schedule spec>) to attach",
     "LearningRateScheduler": "the learning rate is the ps optimizer's; give the optimizer a "
                              "keras.optimizers.schedules.ExponentialDecay learning rate, or "
-                             "pass ps_optimizer= with a jaxdist._src.ps.optimizers schedule",
+                             "pass ps_optimizer= with a jaxdist.ps.optimizers schedule",
     "BackupAndRestore": "the variables and the optimizer state live on the ps tasks; save and "
                         "resume them with strategy.extended.save(dir, step) / "
                         "strategy.extended.restore(dir) (or jaxdist.Server --checkpoint_dir)",
@@ -214,7 +214,7 @@ class KerasPSTraining:
         model: the Keras model.
         strategy: the ``ParameterServerStrategy``.
         variables: the ``PSVariables`` holding ``model.trainable_variables`` (in that order).
-        ps_optimizer: the ``jaxdist._src.ps.optimizers`` spec the ps applies.
+        ps_optimizer: the ``jaxdist.ps.optimizers`` spec the ps applies.
         steps: steps this process ran (between-graph) or scheduled (coordinator).
 
     Example:
@@ -629,13 +629,13 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None, name: str = C
     Args:
         model: a built, compiled Keras 3 model (JAX backend).
         strategy: a ``ParameterServerStrategy``.
-        ps_optimizer: a ``jaxdist._src.ps.optimizers`` spec to apply on the ps instead of the
+        ps_optimizer: a ``jaxdist.ps.optimizers`` spec to apply on the ps instead of the
             translation of the Keras optimizer.
         name: the ps collection of the trainable variables (same on every worker).
         sparse_embeddings: names of ``keras.layers.Embedding`` layers whose tables live on the
             ps as row-sharded tables: a step pulls and pushes only its batch's rows
             (see ``jaxdist._src.keras.ps_embedding``).
-        embedding_optimizer: the row-wise ``jaxdist._src.ps.optimizers`` spec of those tables
+        embedding_optimizer: the row-wise ``jaxdist.ps.optimizers`` spec of those tables
             (default: the model's, when row-wise updates equal Keras's: SGD, Adagrad).
 
     Returns:

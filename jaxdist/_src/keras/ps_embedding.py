@@ -38,7 +38,7 @@ def table_optimizer(spec: ps_opt.OptimizerSpec, explicit: Any, layer_names: list
         f"sparse embeddings {layer_names}: the ps updates only the rows a batch touches, which "
         f"equals Keras's dense {spec.name!r} update only for {list(_ROWWISE_EXACT)} (no "
         f"momentum, no clipping); compile with SGD or Adagrad, or pass embedding_optimizer="
-        f"jaxdist._src.ps.optimizers.adam(...) to accept lazy (row-wise) updates explicitly"
+        f"jaxdist.ps.optimizers.adam(...) to accept lazy (row-wise) updates explicitly"
     )
 
 

@@ -1,4 +1,4 @@
-"""Keras optimizers as ``jaxdist._src.ps.optimizers`` specs: the update a parameter server applies.
+"""Keras optimizers as ``jaxdist.ps.optimizers`` specs: the update a parameter server applies.
 
 Under ``ParameterServerStrategy`` the optimizer runs on the ps tasks, shard by shard, so a Keras
 optimizer is translated into the elementwise ps optimizer with the same update rule:
@@ -47,7 +47,7 @@ def _fail(optimizer: Any, what: str) -> ValueError:
     return ValueError(
         f"Keras optimizer {type(optimizer).__name__} with {what} has no parameter-server "
         f"equivalent (the ps applies an elementwise optax update per shard); use one of "
-        f"{_SUPPORTED} without it, or pass a jaxdist._src.ps.optimizers spec as ps_optimizer="
+        f"{_SUPPORTED} without it, or pass a jaxdist.ps.optimizers spec as ps_optimizer="
     )
 
 
@@ -64,7 +64,7 @@ def _learning_rate(optimizer: Any) -> Any:
 
 
 def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
-    """The ``jaxdist._src.ps.optimizers`` spec with ``optimizer``'s update rule (table above).
+    """The ``jaxdist.ps.optimizers`` spec with ``optimizer``'s update rule (table above).
 
     Args:
         optimizer: a compiled model's ``keras.optimizers.Optimizer``.
@@ -122,7 +122,7 @@ def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
     else:
         raise ValueError(
             f"Keras optimizer {name} has no parameter-server equivalent; supported: "
-            f"{_SUPPORTED} (or pass a jaxdist._src.ps.optimizers spec as ps_optimizer=)"
+            f"{_SUPPORTED} (or pass a jaxdist.ps.optimizers spec as ps_optimizer=)"
         )
     parts = []
     if getattr(optimizer, "global_clipnorm", None):

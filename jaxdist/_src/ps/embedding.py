@@ -6,7 +6,7 @@ adam: the state of untouched rows is left alone, "lazy" updates).
 
 Example:
     >>> table = strategy.create_embedding("items", vocab_size=1_000_000, dim=32,
-    ...                                   optimizer=jaxdist._src.ps.optimizers.adagrad(0.1))
+    ...                                   optimizer=jaxdist.ps.optimizers.adagrad(0.1))
     >>> look = table.lookup(ids)                  # ids: int array of any shape
     >>> def loss_fn(rows):
     ...     emb = rows[look.inverse]              # ids.shape + (32,)

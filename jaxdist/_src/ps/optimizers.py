@@ -15,9 +15,9 @@ it on the update count of each shard's optimizer state, which is the global step
 between-graph training (every worker step pushes to every shard once), as TF's ``global_step``.
 
 Example:
-    >>> opt = jaxdist._src.ps.optimizers.chain(
-    ...     jaxdist._src.ps.optimizers.clip_by_global_norm(1.0),   # worker side
-    ...     jaxdist._src.ps.optimizers.adam(1e-3))                  # ps side, per shard
+    >>> opt = jaxdist.ps.optimizers.chain(
+    ...     jaxdist.ps.optimizers.clip_by_global_norm(1.0),   # worker side
+    ...     jaxdist.ps.optimizers.adam(1e-3))                  # ps side, per shard
     >>> opt.worker_part().name, opt.ps_part().name
     ('clip_by_global_norm', 'adam')
 """
@@ -125,7 +125,7 @@ class OptimizerSpec:
             for p in self.parts:
                 if not isinstance(p, OptimizerSpec):
                     raise TypeError(
-                        f"chain parts must be jaxdist._src.ps.optimizers specs, got {p!r}"
+                        f"chain parts must be jaxdist.ps.optimizers specs, got {p!r}"
                     )
             return
         if self.name not in _ELEMENTWISE and self.name not in _WORKER_SIDE:
@@ -138,7 +138,7 @@ class OptimizerSpec:
             if callable(v) and not isinstance(v, ScheduleSpec):
                 raise ValueError(
                     f"{self.name}: {k}={v!r} is a function the ps cannot rebuild without pickle; "
-                    f"use a schedule spec such as jaxdist._src.ps.optimizers.cosine_decay_schedule("
+                    f"use a schedule spec such as jaxdist.ps.optimizers.cosine_decay_schedule("
                     f"...) (one of {sorted(_SCHEDULES)})"
                 )
         try:
@@ -257,9 +257,9 @@ def as_spec(optimizer: Any) -> OptimizerSpec | None:
             "a raw optax GradientTransformation cannot be split across parameter servers (the "
             "ps cannot tell whether it is elementwise, nor rebuild it without pickle); use "
             "jaxdist.ps.optimizers.sgd / momentum / adam / adamw / adagrad / rmsprop / clip, and "
-            "clip_by_global_norm at the front of jaxdist._src.ps.optimizers.chain(...)"
+            "clip_by_global_norm at the front of jaxdist.ps.optimizers.chain(...)"
         )
-    raise TypeError(f"expected a jaxdist._src.ps.optimizers spec, got {type(optimizer).__name__}")
+    raise TypeError(f"expected a jaxdist.ps.optimizers spec, got {type(optimizer).__name__}")
 
 
 def sgd(learning_rate: float | ScheduleSpec, momentum: float | None = None, nesterov: bool = False):

@@ -6,7 +6,7 @@ parallel), reassembles the pytree, and pushes gradients shard by shard, each pus
 version the gradient was computed from.
 
 Example:
-    >>> params = strategy.create_variables(init_fn, optimizer=jaxdist._src.ps.optimizers.sgd(0.1))
+    >>> params = strategy.create_variables(init_fn, optimizer=jaxdist.ps.optimizers.sgd(0.1))
     >>> tree = params.pull()                   # numpy pytree, versions recorded
     >>> params.apply_gradients(grads)          # ps applies sgd to its shards
 """

@@ -158,7 +158,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
         Args:
             init: the initial pytree, or a function returning it (non-chief workers only
                 evaluate its shapes with ``jax.eval_shape``).
-            optimizer: a ``jaxdist._src.ps.optimizers`` spec applied by the ps to every shard
+            optimizer: a ``jaxdist.ps.optimizers`` spec applied by the ps to every shard
                 (``None``: pushes are added to the variables).
             name: the collection name; every worker must use the same names in the same
                 order.
@@ -223,7 +223,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
             name: the table's name (same on every worker).
             vocab_size: rows.
             dim: columns.
-            optimizer: a row-wise ``jaxdist._src.ps.optimizers`` spec (sgd, adagrad, adam, ...).
+            optimizer: a row-wise ``jaxdist.ps.optimizers`` spec (sgd, adagrad, adam, ...).
             initializer: a ``(vocab_size, dim)`` array, a function ``(shape, dtype) -> array``,
                 or ``None`` (normal with std ``1/sqrt(dim)``, seeded by ``seed``).
             dtype: the table's dtype.
@@ -232,7 +232,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
         Example:
             >>> table = strategy.create_embedding("words", 100_000, 64,
-            ...                                   optimizer=jaxdist._src.ps.optimizers.adagrad(0.1))
+            ...                                   optimizer=jaxdist.ps.optimizers.adagrad(0.1))
         """
         spec = ps_optimizers.as_spec(optimizer)
         if spec is not None and spec.worker_part() is not None:

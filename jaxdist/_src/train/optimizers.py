@@ -15,7 +15,7 @@ from jaxdist._src.train.schema import ConfigError
 def learning_rate_from_config(section: Mapping[str, Any]) -> Any:
     """The learning rate of a validated ``optimizer`` section: a float, or a schedule spec.
 
-    A spec (``jaxdist._src.ps.optimizers.ScheduleSpec``) can travel to a ps; ``.build()`` gives the
+    A spec (``jaxdist.ps.optimizers.ScheduleSpec``) can travel to a ps; ``.build()`` gives the
     optax schedule.
 
     Example:

@@ -4,7 +4,7 @@
 training). With it, every worker runs the same ``Trainer.fit``:
 
 * the chief creates the model's parameters and the optimizer state on the ps tasks (the
-  optimizer must be a ``jaxdist._src.ps.optimizers`` spec); other workers wait for them;
+  optimizer must be a ``jaxdist.ps.optimizers`` spec); other workers wait for them;
 * each step pulls the parameters, computes the gradient synchronously across the worker's
   local devices (jit, the strategy's all-reduce), and pushes it; the ps applies the update.
   Workers do not wait for each other (or stay within ``max_staleness`` steps);
@@ -19,7 +19,7 @@ training). With it, every worker runs the same ``Trainer.fit``:
 Example:
     >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG, or local
     >>> with strategy.scope():
-    ...     trainer = jaxdist.Trainer(model, jaxdist._src.ps.optimizers.adam(3e-3),
+    ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
     ...                               global_batch_size=64, strategy=strategy)
     >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))
 """

@@ -94,7 +94,7 @@ def _partitioner(section: Mapping[str, Any]) -> Any:
 
 
 def ps_optimizer_from_config(section: Mapping[str, Any]) -> Any:
-    """The ``jaxdist._src.ps.optimizers`` spec for a validated ``optimizer`` section.
+    """The ``jaxdist.ps.optimizers`` spec for a validated ``optimizer`` section.
 
     ``clipnorm`` becomes ``clip_by_global_norm`` on the worker before the push; the optimizer
     itself runs on the ps tasks, per shard.

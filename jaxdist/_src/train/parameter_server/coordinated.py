@@ -5,7 +5,7 @@
 ``tf.distribute.ParameterServerStrategy``). ``Trainer.fit`` runs on the chief only:
 
 * the chief creates the model's parameters and optimizer state on the ps tasks (the optimizer
-  must be a ``jaxdist._src.ps.optimizers`` spec);
+  must be a ``jaxdist.ps.optimizers`` spec);
 * it creates a per-worker dataset: worker ``i`` of ``n`` iterates its own disjoint,
   deterministic share of every epoch's order (examples ``i, i+n, ...``), batch by batch,
   repeating epoch after epoch; a restarted worker rebuilds it. A grain ``MapDataset`` (a
@@ -30,7 +30,7 @@ Example:
     >>> strategy = jaxdist.ParameterServerStrategy()              # TF_CONFIG: chief:0
     >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
     >>> with strategy.scope():
-    ...     trainer = jaxdist.Trainer(model, jaxdist._src.ps.optimizers.adam(3e-3),
+    ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
     ...                               global_batch_size=32, strategy=strategy)
     >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))   # on the workers
 """
