@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     import numpy as np
 
     import jaxdist
-    import jaxdist._src.keras as jk
+    import jaxdist.keras as jk
     from jaxdist._src.keras.model_strategy import _bounded
 
     devices = jax.devices()[: args.devices]

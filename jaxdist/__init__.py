@@ -10,7 +10,7 @@ Example:
 
 import sys
 
-from jaxdist import cluster_resolver, coordinator, data, tpu
+from jaxdist import cluster_resolver, coordinator, data, ps, tpu
 from jaxdist._src.coordinator.server import Server
 from jaxdist._src.input import (
     AutoShardPolicy,
@@ -156,5 +156,6 @@ __all__ = [
     "in_cross_replica_context",
     "replica_device_setter",
     "scale_regularization_loss",
+    "ps",
     "tpu",
 ]

@@ -27,7 +27,8 @@ def test_no_other_module_imports_jax_private_modules():
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("jax._src")]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                          if n.startswith("jax._src")]
     assert not offenders, offenders
 
 

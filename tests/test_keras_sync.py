@@ -17,7 +17,7 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-import jaxdist._src.keras as jk  # noqa: E402
+import jaxdist.keras as jk  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
 Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
