@@ -64,7 +64,8 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
     assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
     assert float(counter.pull()["n"]) == 12.0
     assert sum(coordinator.functions_run()) == 12
-    # The closures went over the workers' direct ports (jaxdist._src.ps.direct frames), not gRPC.
+    # The closures went over the workers' direct ports (jaxdist._src.transport.direct frames),
+    # not gRPC.
     assert coordinator._client.direct_calls >= 1
     pids = {rv.fetch()["pid"] for rv in rvs}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2

@@ -1,5 +1,5 @@
-"""The workers' direct transport for ``RunClosures`` (``jaxdist._src.ps.direct`` frames on a second
-port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
+"""The workers' direct transport for ``RunClosures`` (``jaxdist._src.transport.direct`` frames on a
+second port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
 cancellation seen by the worker, malformed requests refused, and the switch to turn it off.
 
 The worker runs in this process (a ``WorkerServer`` on 127.0.0.1 with the test PKI), so the
@@ -33,7 +33,7 @@ from jaxdist._src.coordinator.worker_service import (
     answer_value,
     to_bytes_array,
 )
-from jaxdist._src.ps import direct
+from jaxdist._src.transport import direct
 from jaxdist.testing.tls import process_pki
 
 RAN: list[int] = []
@@ -276,7 +276,7 @@ def _authenticated(server, credential) -> ssl.SSLSocket:
 
 
 def test_a_20_gib_request_is_refused_before_allocating(worker, monkeypatch):
-    from jaxdist._src.ps.memory import RECEIVE_POOL
+    from jaxdist._src.transport.memory import RECEIVE_POOL
 
     server, token = worker
     taken = []

@@ -31,8 +31,8 @@ from jaxdist._src.coordinator.signing import (
 )
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
-from jaxdist._src.ps import direct, wire
-from jaxdist._src.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 from jaxdist.testing.tls import process_pki
 
 TOKEN = new_coordinator_token()

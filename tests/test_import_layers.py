@@ -30,13 +30,14 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
 # modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
 # package "" and sit above everything (no private module imports a public one).
-_BELOW_STRATEGIES = {"input", "ps", "cluster", "values"}
+_BELOW_STRATEGIES = {"input", "ps", "transport", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
     "input": {"values", "compat"},
-    "ps": {"cluster", "values", "compat"},
+    "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator
+    "ps": {"transport", "cluster", "values", "compat"},
     "strategies": {*_BELOW_STRATEGIES, "compat"},
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
