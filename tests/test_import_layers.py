@@ -230,6 +230,16 @@ def layer_violations(graph: Mapping[str, Iterable[str]],
     return out
 
 
+def package_graph(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """``{package: {packages it imports}}`` from a module graph (``""``: the public modules)."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        src = package_of(module)
+        out.setdefault(src, set()).update(
+            dst for dst in map(package_of, targets) if dst != src)
+    return out
+
+
 #: The line just above the table of allowed arrows in docs/architecture.md.
 DOC_TABLE_MARKER = "<!-- import-layers:"
 #: The doc's name for the public modules (``ALLOWED``'s package ``""``).
@@ -346,6 +356,8 @@ def test_checker_finds_an_upward_arrow():
         "jaxdist._src.strategies.strategy": {"jaxdist._src.train.job"},          # upward
         "jaxdist.testing.cluster": {"jaxdist._src.train.job"},              # testing: anything
     }
+    assert package_graph(graph) == {"cluster": {"values"}, "input": {"values"},
+                                    "strategies": {"train"}, "": {"train"}}
     bad = layer_violations(graph)
     assert len(bad) == 2, bad
     assert bad[0].startswith("jaxdist._src.cluster.tf_config -> jaxdist._src.values.per_replica")
@@ -501,3 +513,9 @@ def test_every_module_imports_alone():
         f"{k}:\n{v}" for k, v in failed.items())
     assert len(modules) > 50  # the walk found the package
 
+
+if __name__ == "__main__":
+    # The arrows between packages in the code (docs/architecture.md shows them).
+    for package, targets in sorted(package_graph(module_graph()).items(),
+                                   key=lambda kv: (-len(kv[1]), kv[0])):
+        print(f"  {package or 'public modules':<14} -> {', '.join(sorted(targets)) or '-'}")
