@@ -94,7 +94,7 @@ def _reference_tls(side: str):
     if os.environ.get("JAXDIST_INSECURE"):
         return None
     from jaxdist._src.cluster.tls import resolve_tls
-    from jaxdist._src.ps import direct
+    from jaxdist._src.transport import direct
 
     tls = resolve_tls(None, "the reference socket")
     return direct.server_context(tls) if side == "server" else direct.client_context(tls)
@@ -259,8 +259,8 @@ def _update_times(n: int, repeats: int) -> list[tuple[str, float, float]]:
     import optax
 
     from jaxdist._src.ps import optimizers as O
-    from jaxdist._src.ps.memory import aligned_copy
     from jaxdist._src.ps.service import ParameterService
+    from jaxdist._src.transport.memory import aligned_copy
 
     rows = []
     size = n // 4

@@ -33,7 +33,6 @@ from jaxdist._src.ps import (
     optimizers,
     replica_device_setter,
     split_rows,
-    wire,
 )
 
 __all__ = [
@@ -64,5 +63,4 @@ __all__ = [
     "optimizers",
     "replica_device_setter",
     "split_rows",
-    "wire",
 ]

@@ -19,8 +19,8 @@ from jaxdist._src.coordinator import (
     RemoteValue,
     RemoteValueStatus,
     WorkerAuthenticationError,
+    worker_thread,
 )
-from jaxdist._src.coordinator import cluster_coordinator as cc
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.ps import optimizers as O
 
@@ -64,7 +64,8 @@ def test_schedule_join_fetch_and_exact_count(strategy, coordinator):
     assert all(rv.status is RemoteValueStatus.READY for rv in rvs)
     assert float(counter.pull()["n"]) == 12.0
     assert sum(coordinator.functions_run()) == 12
-    # The closures went over the workers' direct ports (jaxdist._src.ps.direct frames), not gRPC.
+    # The closures went over the workers' direct ports (jaxdist._src.transport.direct frames),
+    # not gRPC.
     assert coordinator._client.direct_calls >= 1
     pids = {rv.fetch()["pid"] for rv in rvs}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
@@ -332,7 +333,7 @@ def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator)
     assert max(len(b) for b in batches) > 1, batches  # a queue of 40 went out in batches
     assert all(b == sorted(b) for b in batches), batches  # each in queue order
     assert sorted(i for b in batches for i in b) == sorted(set(i for b in batches for i in b))
-    assert max(len(b) for b in batches) <= cc.MAX_BATCH
+    assert max(len(b) for b in batches) <= worker_thread.MAX_BATCH
     # A batch's answers share messages (a worker holds a finished closure's answer while the
     # next one ends soon): fewer messages than answers, every answer delivered once.
     assert sum(messages) == 42 and len(messages) < 42 and max(messages) > 1, messages

@@ -1,5 +1,5 @@
-"""The workers' direct transport for ``RunClosures`` (``jaxdist._src.ps.direct`` frames on a second
-port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
+"""The workers' direct transport for ``RunClosures`` (``jaxdist._src.transport.direct`` frames on a
+second port): the same answers and MACs as gRPC, the chief's signed credential checked on connect,
 cancellation seen by the worker, malformed requests refused, and the switch to turn it off.
 
 The worker runs in this process (a ``WorkerServer`` on 127.0.0.1 with the test PKI), so the
@@ -33,7 +33,7 @@ from jaxdist._src.coordinator.worker_service import (
     answer_value,
     to_bytes_array,
 )
-from jaxdist._src.ps import direct
+from jaxdist._src.transport import direct
 from jaxdist.testing.tls import process_pki
 
 RAN: list[int] = []
@@ -276,7 +276,7 @@ def _authenticated(server, credential) -> ssl.SSLSocket:
 
 
 def test_a_20_gib_request_is_refused_before_allocating(worker, monkeypatch):
-    from jaxdist._src.ps.memory import RECEIVE_POOL
+    from jaxdist._src.transport.memory import RECEIVE_POOL
 
     server, token = worker
     taken = []
@@ -450,18 +450,21 @@ class _Call:
 def test_a_call_that_starts_on_a_worker_already_down_is_cancelled(up):
     # Heartbeats cancel the calls in flight once, when the worker goes down; a call whose
     # start came later (its connection hung) must not wait for the whole closure timeout.
-    from jaxdist._src.coordinator.cluster_coordinator import _Slot, _WorkerThread
+    from jaxdist._src.coordinator.closure_queue import ClosureQueue
     from jaxdist._src.coordinator.health import WorkerState
+    from jaxdist._src.coordinator.resources import PerWorkerResources
+    from jaxdist._src.coordinator.worker_thread import SenderSettings, WorkerThread, _Slot
 
-    sender = object.__new__(_WorkerThread)
-    sender.state = WorkerState(0, "worker:0")
-    sender._current_lock = threading.Lock()
+    settings = SenderSettings(num_workers=1, rpc_timeout=1.0, closure_timeout=1.0,
+                              ps_rpc_timeout=1.0, join_timeout=1.0)
+    sender = WorkerThread(WorkerState(0, "worker:0"), ClosureQueue(), None,
+                          PerWorkerResources(), settings, threading.Event())  # not started
     if up:
         sender.state.up.set()
     call = _Call()
     sender._on_start(_Slot(0), call)
     assert call.cancelled is (not up)
-    assert sender.state._call is call  # registered either way (heartbeats see it)
+    assert sender.state.current_call is call  # registered either way (heartbeats see it)
 
 
 def test_plaintext_on_loopback_uses_the_direct_port_too():

@@ -218,13 +218,11 @@ def test_worker_killed_mid_batch_reruns_only_the_closures_without_an_answer(
     rvs = [coordinator.schedule(step, args=(0.2,)) for _ in range(24)]
 
     def batch_on_worker0() -> bool:
-        with w0._current_lock:
-            return any(len(s.batch) > 1 for s in w0._slots)
+        return any(len(batch) > 1 for batch in w0.batches())
 
     wait_until(batch_on_worker0, 20, "worker:0 to hold a batch of several closures")
     busy_worker(cluster, 0)
-    with w0._current_lock:
-        lost = [c.closure_id for s in w0._slots for c in s.batch]
+    lost = [c.closure_id for batch in w0.batches() for c in batch]
     cluster.kill("worker:0")
     coordinator.join()
     assert all(isinstance(rv.fetch(), int) for rv in rvs)

@@ -31,8 +31,8 @@ from jaxdist._src.coordinator.signing import (
 )
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
-from jaxdist._src.ps import direct, wire
-from jaxdist._src.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 from jaxdist.testing.tls import process_pki
 
 TOKEN = new_coordinator_token()
@@ -292,15 +292,15 @@ def test_an_exception_from_a_worker_is_built_only_from_data(monkeypatch):
     import pickle
 
     from jaxdist._src.coordinator.answer_pickle import TRUST_ENV
-    from jaxdist._src.coordinator.cluster_coordinator import _remote_exception
     from jaxdist._src.coordinator.errors import RemoteError
+    from jaxdist._src.coordinator.worker_thread import remote_exception
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     CALLS.clear()
     meta = {"task": "worker:1", "type": "ValueError", "message": "m", "traceback": "tb"}
-    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(_Evil()))})
+    error = remote_exception(meta, {"error": to_bytes_array(pickle.dumps(_Evil()))})
     assert isinstance(error, RemoteError) and CALLS == []
-    error = _remote_exception(meta, {"error": to_bytes_array(pickle.dumps(KeyError("k")))})
+    error = remote_exception(meta, {"error": to_bytes_array(pickle.dumps(KeyError("k")))})
     assert type(error) is KeyError and error.args == ("k",)
 
 

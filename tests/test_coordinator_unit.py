@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxdist
+import jaxdist.ps
 from jaxdist._src.cluster.task_info import TaskInfo
 from jaxdist._src.coordinator import (
     CancelledError,
@@ -182,7 +183,7 @@ GLOBAL_SCALE = 2.0
 
 
 def test_function_fingerprints_change_when_what_they_refer_to_is_rebound():
-    from jaxdist._src.coordinator.cluster_coordinator import _fingerprint, _same
+    from jaxdist._src.coordinator.worker_thread import _fingerprint, _same
 
     global GLOBAL_SCALE
     lr = 0.1
@@ -411,15 +412,17 @@ def test_a_malformed_group_of_answers_is_refused(meta, arrays):
 
 def test_arguments_of_per_worker_resources_go_as_ids_and_are_never_pickled(monkeypatch):
     import threading
-    import types
 
-    from jaxdist._src.coordinator import cluster_coordinator as cc
-    from jaxdist._src.coordinator.closure_queue import Closure
+    from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
+    from jaxdist._src.coordinator.health import WorkerState
     from jaxdist._src.coordinator.remote_value import PerWorkerValues
+    from jaxdist._src.coordinator.resources import PerWorkerResources
+    from jaxdist._src.coordinator.worker_thread import SenderSettings, WorkerThread
 
-    w = object.__new__(cc._WorkerThread)
-    w._c = types.SimpleNamespace(_ps_rpc_timeout=1.0, _join_timeout=1.0)
-    w.index, w._fn_lock = 1, threading.Lock()
+    settings = SenderSettings(num_workers=2, rpc_timeout=1.0, closure_timeout=1.0,
+                              ps_rpc_timeout=1.0, join_timeout=1.0)
+    w = WorkerThread(WorkerState(1, "worker:1"), ClosureQueue(), None, PerWorkerResources(),
+                     settings, threading.Event())   # built, not started: no thread runs
     real, pickled = closure_pickle.dumps, []
     monkeypatch.setattr(closure_pickle, "dumps",
                         lambda obj, *a, **k: pickled.append(obj) or real(obj, *a, **k))

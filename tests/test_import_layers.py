@@ -3,14 +3,18 @@
 The layers (docs/architecture.md), read from the imports of every file (imports inside functions
 included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out):
 
-    train -> coordinator -> strategies -> (input, ps) -> cluster, values -> jax
-    keras -> strategies (and what strategies may import)
+    job -> train -> coordinator -> strategies -> (input, ps) -> transport -> cluster -> compat
+    keras -> strategies (and what strategies may import); input -> values
 
-``cluster`` and ``values`` import nothing of jaxdist; ``testing`` and the top-level modules
-(``jaxdist/*.py``) may import anything. Between files there is no circle at all.
+The public modules (``jaxdist/*.py``, ``jaxdist/train/``, ``jaxdist/testing/``) may import
+anything; nothing under ``jaxdist/_src`` imports them. Between files there is no circle at all.
 
-The checker (``module_graph``, ``find_cycles``, ``layer_violations``) is tested on small
-synthetic graphs first, so a circle or an upward arrow is known to fail the test.
+docs/architecture.md's table of allowed arrows is read here (``read_doc_table``): an arrow in the
+code that it does not allow fails, and so does a table that differs from ``ALLOWED``.
+
+The checker (``module_graph``, ``find_cycles``, ``layer_violations``, ``read_doc_table``,
+``table_differences``) is tested on small synthetic graphs and documents first, so a circle, an
+upward arrow, an arrow the doc does not allow and a doc out of step are known to fail the test.
 """
 
 from __future__ import annotations
@@ -18,29 +22,36 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import warnings
 from collections.abc import Iterable, Mapping
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxdist")
+ARCHITECTURE_MD = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
 
 # Package -> the jaxdist packages it may import (a package may always import its own modules).
 # "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
 # modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
 # package "" and sit above everything (no private module imports a public one).
-_BELOW_STRATEGIES = {"input", "ps", "cluster", "values"}
+_BELOW_STRATEGIES = {"input", "ps", "transport", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
     "input": {"values", "compat"},
-    "ps": {"cluster", "values", "compat"},
+    "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator
+    "ps": {"transport", "cluster", "values", "compat"},
     "strategies": {*_BELOW_STRATEGIES, "compat"},
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "train": {"coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
+    # The CLI and its job config (python -m jaxdist.train) over the Trainer library.
+    "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
 }
@@ -219,6 +230,96 @@ def layer_violations(graph: Mapping[str, Iterable[str]],
     return out
 
 
+def package_graph(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """``{package: {packages it imports}}`` from a module graph (``""``: the public modules)."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        src = package_of(module)
+        out.setdefault(src, set()).update(
+            dst for dst in map(package_of, targets) if dst != src)
+    return out
+
+
+#: The line just above the table of allowed arrows in docs/architecture.md.
+DOC_TABLE_MARKER = "<!-- import-layers:"
+#: The doc's name for the public modules (``ALLOWED``'s package ``""``).
+DOC_PUBLIC = "jaxdist"
+
+
+def read_doc_table(text: str) -> dict[str, set[str] | str]:
+    """The allowed arrows of docs/architecture.md: ``{package: {packages} or "*"}``.
+
+    The table follows the line starting with ``DOC_TABLE_MARKER``; each row's first cell is a
+    package in backticks (``jaxdist`` for the public modules: ``""``), its second cell names
+    every package it may import in backticks, or says ``anything`` (``"*"``) or ``nothing``.
+
+    Raises:
+        ValueError: no marker, no rows, a row without one package in backticks, a second cell
+            that names nothing and is not ``nothing``, or a package listed twice.
+    """
+    lines = text.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith(DOC_TABLE_MARKER))
+    except StopIteration:
+        raise ValueError(f"no line starting with {DOC_TABLE_MARKER!r} above the table of "
+                         f"allowed arrows") from None
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("|"):
+            break
+        rows.append(line)
+    table: dict[str, set[str] | str] = {}
+    for row in rows[2:]:  # after the header and the |---| line
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        names = re.findall(r"`([^`]+)`", cells[0])
+        if len(cells) < 2 or len(names) != 1 or cells[0] != f"`{names[0]}`":
+            raise ValueError(f"row {row!r}: expected `package` | `a`, `b` ... (or anything / "
+                             f"nothing) | why")
+        package = "" if names[0] == DOC_PUBLIC else names[0]
+        if package in table:
+            raise ValueError(f"row {row!r}: package {names[0]!r} is listed twice")
+        allowed = re.findall(r"`([^`]+)`", cells[1])
+        if cells[1] == "anything":
+            table[package] = "*"
+        elif allowed:
+            table[package] = set(allowed)
+        elif cells[1] == "nothing":
+            table[package] = set()
+        else:
+            raise ValueError(f"row {row!r}: the second cell {cells[1]!r} names no package in "
+                             f"backticks and is not 'anything' or 'nothing'")
+    if not table:
+        raise ValueError(f"no table rows below {DOC_TABLE_MARKER!r}")
+    return table
+
+
+def table_differences(doc: Mapping[str, set[str] | str],
+                      allowed: Mapping[str, set[str] | str] = ALLOWED) -> list[str]:
+    """Where the doc's table and ``allowed`` differ, one line per package."""
+
+    def show(rule: set[str] | str) -> str:
+        return "anything" if rule == "*" else str(sorted(rule))
+
+    out = []
+    for package in sorted(set(doc) | set(allowed)):
+        name = package or DOC_PUBLIC
+        if package not in doc:
+            out.append(f"{name}: ALLOWED has it ({show(allowed[package])}), the doc's table "
+                       f"does not")
+        elif package not in allowed:
+            out.append(f"{name}: the doc's table has it ({show(doc[package])}), ALLOWED does "
+                       f"not")
+        elif doc[package] != allowed[package]:
+            out.append(f"{name}: the doc's table allows {show(doc[package])}, ALLOWED allows "
+                       f"{show(allowed[package])}")
+    return out
+
+
+def _doc_table() -> dict[str, set[str] | str]:
+    with open(ARCHITECTURE_MD, encoding="utf-8") as f:
+        return read_doc_table(f.read())
+
+
 # ---------------------------------------------------------------------- the checker's own tests
 def _write(root: str, files: Mapping[str, str]) -> None:
     for rel, text in files.items():
@@ -255,6 +356,8 @@ def test_checker_finds_an_upward_arrow():
         "jaxdist._src.strategies.strategy": {"jaxdist._src.train.job"},          # upward
         "jaxdist.testing.cluster": {"jaxdist._src.train.job"},              # testing: anything
     }
+    assert package_graph(graph) == {"cluster": {"values"}, "input": {"values"},
+                                    "strategies": {"train"}, "": {"train"}}
     bad = layer_violations(graph)
     assert len(bad) == 2, bad
     assert bad[0].startswith("jaxdist._src.cluster.tf_config -> jaxdist._src.values.per_replica")
@@ -277,6 +380,69 @@ def test_checker_resolves_relative_and_attribute_imports(tmp_path):
     assert graph["jaxdist.b"] == {"jaxdist.b.c", "jaxdist.b.d"}
     assert graph["jaxdist.b.d"] == {"jaxdist.b.c"}
     assert find_cycles(graph) == [["jaxdist.b", "jaxdist.b.c", "jaxdist.b.d"]]  # b->d->c->b
+
+
+_SYNTHETIC_DOC = """
+# Layers
+
+| not | this table |
+|-----|------------|
+| `x` | `y` |
+
+<!-- import-layers: read by the test -->
+| package | may import (of jaxdist) | why |
+|---------|-------------------------|-----|
+| `compat` | nothing | bottom |
+| `cluster` | `compat` | TLS (`tls.py`) is not a package: the third column is free text |
+| `input` | `values`, `compat` | |
+| `jaxdist` | anything | the public modules |
+
+After the table.
+"""
+
+
+def test_checker_reads_the_doc_table_and_finds_an_arrow_it_does_not_allow():
+    doc = read_doc_table(_SYNTHETIC_DOC)
+    assert doc == {"compat": set(), "cluster": {"compat"}, "input": {"values", "compat"},
+                   "": "*"}
+    graph = {
+        "jaxdist._src.cluster.tls": {"jaxdist._src.compat.jax_internals"},   # allowed
+        "jaxdist._src.input.dataset": {"jaxdist._src.values.per_replica"},   # allowed
+        "jaxdist._src.compat.jax_internals": {"jaxdist._src.cluster.tls"},   # not in the doc
+        "jaxdist._src.values.per_replica": set(),                            # no row: reported
+        "jaxdist.launch": {"jaxdist._src.input.dataset"},                    # public: anything
+    }
+    bad = layer_violations(graph, doc)
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("jaxdist._src.compat.jax_internals -> jaxdist._src.cluster.tls")
+    assert bad[1] == ("jaxdist._src.values.per_replica: package 'values' is not in the layer "
+                      "table; add it")
+
+
+def test_checker_finds_a_doc_table_out_of_step_with_allowed():
+    doc = read_doc_table(_SYNTHETIC_DOC)
+    assert table_differences(doc, dict(doc)) == []
+    allowed = {"compat": set(), "cluster": {"compat", "values"}, "input": {"values", "compat"},
+               "ps": {"cluster"}, "": "*"}
+    assert table_differences(doc, allowed) == [
+        "cluster: the doc's table allows ['compat'], ALLOWED allows ['compat', 'values']",
+        "ps: ALLOWED has it (['cluster']), the doc's table does not"]
+    assert table_differences({**doc, "input": "*", "keras": set()}, doc) == [
+        "input: the doc's table allows anything, ALLOWED allows ['compat', 'values']",
+        "keras: the doc's table has it ([]), ALLOWED does not"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("| `a` | `b` |\n", "no line starting with"),
+    ("<!-- import-layers: -->\nno table\n", "no table rows"),
+    ("<!-- import-layers: -->\n| p | i |\n|-|-|\n| a | `b` |\n", "expected `package`"),
+    ("<!-- import-layers: -->\n| p | i |\n|-|-|\n| `a` | b, c |\n", "names no package"),
+    ("<!-- import-layers: -->\n| p | i |\n|-|-|\n| `a` | nothing |\n| `a` | `b` |\n",
+     "listed twice"),
+])
+def test_checker_refuses_a_doc_table_it_cannot_read(text, message):
+    with pytest.raises(ValueError, match=message):
+        read_doc_table(text)
 
 
 # ---------------------------------------------------------------------- the package itself
@@ -303,6 +469,21 @@ def test_only_allowed_arrows_between_packages():
     assert not missing, f"packages without a layer in ALLOWED: {sorted(missing)}"
     bad = layer_violations(module_graph(), exceptions=KNOWN_EXCEPTIONS)
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_doc_table_is_allowed():
+    """docs/architecture.md's table and ``ALLOWED`` are the same rules."""
+    diff = table_differences(_doc_table(), ALLOWED)
+    assert not diff, ("docs/architecture.md's table of allowed arrows and ALLOWED in "
+                      "tests/test_import_layers.py differ (change both):\n" + "\n".join(diff))
+
+
+def test_only_arrows_the_doc_table_allows():
+    doc = _doc_table()
+    missing = _PACKAGES - set(doc)
+    assert not missing, f"packages without a row in docs/architecture.md: {sorted(missing)}"
+    bad = layer_violations(module_graph(), doc, exceptions=KNOWN_EXCEPTIONS)
+    assert not bad, "imports that docs/architecture.md's table does not allow:\n" + "\n".join(bad)
 
 
 _IMPORT_EACH = """
@@ -332,3 +513,9 @@ def test_every_module_imports_alone():
         f"{k}:\n{v}" for k, v in failed.items())
     assert len(modules) > 50  # the walk found the package
 
+
+if __name__ == "__main__":
+    # The arrows between packages in the code (docs/architecture.md shows them).
+    for package, targets in sorted(package_graph(module_graph()).items(),
+                                   key=lambda kv: (-len(kv[1]), kv[0])):
+        print(f"  {package or 'public modules':<14} -> {', '.join(sorted(targets)) or '-'}")

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxdist._src.ps import direct, direct_server
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSAuthenticationError, PSInvalidArgumentError, PSNotFoundError
-from jaxdist._src.ps.limits import ServerLimits
-from jaxdist._src.ps.memory import RECEIVE_POOL
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import direct, direct_server
+from jaxdist._src.transport.limits import ServerLimits
+from jaxdist._src.transport.memory import RECEIVE_POOL
 
 TOKEN = "direct-Secret-91b2"
 MiB = 1 << 20

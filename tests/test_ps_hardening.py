@@ -13,14 +13,15 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist._src.ps import protocol, wire
+from jaxdist._src.ps import protocol
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSError, PSInvalidArgumentError
-from jaxdist._src.ps.grpc_util import method_path
-from jaxdist._src.ps.limits import ServerLimits, default_max_request_bytes
-from jaxdist._src.ps.memory import RECEIVE_POOL
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, method_path
+from jaxdist._src.transport.limits import ServerLimits, default_max_request_bytes
+from jaxdist._src.transport.memory import RECEIVE_POOL
 
 TOKEN = "hardening-Secret-7f3a9c"
 MiB = 1 << 20
@@ -55,7 +56,7 @@ def _raw_call(address, method, frame, timeout=10.0, token=TOKEN):
     with grpc.insecure_channel(address) as ch:
         call = ch.unary_stream(method_path(protocol.SERVICE_NAME, method, unary=True))
         try:
-            list(call(frame, timeout=timeout, metadata=[(protocol.TOKEN_METADATA_KEY, token)]))
+            list(call(frame, timeout=timeout, metadata=[(TOKEN_METADATA_KEY, token)]))
         except grpc.RpcError as e:
             return e.code(), e.details()
     return grpc.StatusCode.OK, ""
@@ -209,7 +210,7 @@ def test_stalled_streams_from_one_client_cannot_starve_another():
 
         attacker = grpc.insecure_channel(server.address)
         push = attacker.stream_stream(method_path(protocol.SERVICE_NAME, "Push"))
-        md = [(protocol.TOKEN_METADATA_KEY, TOKEN)]
+        md = [(TOKEN_METADATA_KEY, TOKEN)]
         calls = [push(stalled(), timeout=60, metadata=md) for _ in range(20)]
         time.sleep(1.0)  # every stalled stream is admitted or refused by now
         other = PSClient([server.address], TOKEN, timeout=2.0)

@@ -17,13 +17,14 @@ import pytest
 
 from jaxdist._src.cluster.pki import local_pki
 from jaxdist._src.cluster.tls import open_channel
-from jaxdist._src.ps import direct, direct_server, protocol, wire
+from jaxdist._src.ps import protocol
 from jaxdist._src.ps.client import PSClient
-from jaxdist._src.ps.direct_server import DirectServer
-from jaxdist._src.ps.grpc_util import method_path
-from jaxdist._src.ps.limits import ServerLimits
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import direct, direct_server, wire
+from jaxdist._src.transport.direct_server import DirectServer
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, method_path
+from jaxdist._src.transport.limits import ServerLimits
 
 TOKEN = "starvation-Secret-9d1e"
 
@@ -57,7 +58,7 @@ def _stalled_pushes(pki, address, connections, per_connection, release):
                           [("grpc.use_local_subchannel_pool", 1), ("jaxdist.test.conn", i)])
         channels.append(ch)
         push = ch.stream_stream(method_path(protocol.SERVICE_NAME, "Push"))
-        md = [(protocol.TOKEN_METADATA_KEY, TOKEN)]
+        md = [(TOKEN_METADATA_KEY, TOKEN)]
         calls += [push(stalled(), timeout=120, metadata=md) for _ in range(per_connection)]
     return channels, calls
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from devutil import cpu_devices
 
-from jaxdist._src.ps import wire
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSAuthenticationError, PSInvalidArgumentError
-from jaxdist._src.ps.memory import BufferPool
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.memory import BufferPool
 from jaxdist.testing.tls import process_pki
 
 MiB = 1 << 20
@@ -178,9 +178,9 @@ def test_large_calls_still_check_the_token(served):
 
 
 def test_servers_refuse_to_start_without_a_token():
-    from jaxdist._src.ps.grpc_util import require_token
     from jaxdist._src.ps.server import ParameterServer
     from jaxdist._src.ps.service import ParameterService
+    from jaxdist._src.transport.grpc_util import require_token
 
     with pytest.raises(ValueError, match="ps:3: needs the cluster token"):
         ParameterServer(ParameterService("ps:3"), "127.0.0.1:0", token=None)

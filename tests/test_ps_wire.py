@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxdist._src.ps import wire
+from jaxdist._src.transport import wire
 
 DTYPES = [
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,

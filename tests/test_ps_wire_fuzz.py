@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxdist._src.ps import wire
+from jaxdist._src.transport import wire
 
 MAX_BYTES = 1 << 16
 FUZZ = settings(max_examples=300, deadline=None, database=None,

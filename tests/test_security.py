@@ -29,13 +29,13 @@ from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime
 from jaxdist._src.coordinator.worker_service import SERVICE_NAME as WORKER_SERVICE
 from jaxdist._src.coordinator.worker_service import WorkerServer, to_bytes_array
-from jaxdist._src.ps import wire
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSUnavailableError
 from jaxdist._src.ps.protocol import SERVICE_NAME as PS_SERVICE
-from jaxdist._src.ps.protocol import TOKEN_METADATA_KEY
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY
 from jaxdist.testing.tls import process_pki
 
 _NO_ENV = {"JAXDIST_INSECURE": "", "JAXDIST_TLS_CA": "", "JAXDIST_TLS_CERT": "",

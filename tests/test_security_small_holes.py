@@ -14,12 +14,13 @@ import pytest
 from jaxdist._src.cluster import TFConfigClusterResolver
 from jaxdist._src.cluster.errors import TFConfigError
 from jaxdist._src.cluster.tf_config import canonical_address
-from jaxdist._src.ps import protocol, wire
+from jaxdist._src.ps import protocol
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist._src.ps.grpc_util import method_path
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, method_path
 
 TOKEN = "small-holes-Secret-41c2"
 
@@ -49,7 +50,7 @@ def _raw_call(address, method, frame, timeout=10.0):
     with grpc.insecure_channel(address) as ch:
         call = ch.unary_stream(method_path(protocol.SERVICE_NAME, method, unary=True))
         try:
-            list(call(frame, timeout=timeout, metadata=[(protocol.TOKEN_METADATA_KEY, TOKEN)]))
+            list(call(frame, timeout=timeout, metadata=[(TOKEN_METADATA_KEY, TOKEN)]))
         except grpc.RpcError as e:
             return e.code(), e.details()
     return grpc.StatusCode.OK, ""

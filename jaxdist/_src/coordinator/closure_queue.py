@@ -53,6 +53,14 @@ class Closure:
     cancel_requested: bool = False
     tag: Any = None  # put(tag=...): only get(tag=tag) returns it, put_back keeps it there
 
+    def set_value(self, value: Any, worker: str | None = None) -> None:
+        """Its ``fetch()`` returns ``value`` (computed on ``worker``)."""
+        self.remote_value._set_value(value, worker)
+
+    def set_error(self, error: BaseException, worker: str | None = None) -> None:
+        """Its ``fetch()`` raises ``error`` (raised on ``worker``, or on the coordinator)."""
+        self.remote_value._set_error(error, worker)
+
     def mark_cancelled(self) -> None:
         """Its ``fetch()`` raises ``CancelledError`` (TF's message, then which function)."""
         self.remote_value._set_error(CancelledError(

@@ -53,7 +53,7 @@ class WorkerState:
         self._calls: dict[int, Any] = {}  # sender slot -> its call in flight
 
     @property
-    def _call(self) -> Any:
+    def current_call(self) -> Any:
         """A call in flight to this worker (``None``: none)."""
         with self._lock:
             return next(iter(self._calls.values()), None)

@@ -117,7 +117,7 @@ class Server:
         checkpoint_root: (ps) the only directory ``Save`` / ``Restore`` requests may use
             (and its subdirectories); default ``checkpoint_dir``.
         limits: (ps) request size, call duration and calls per client
-            (``jaxdist._src.ps.limits.ServerLimits``; default: from the environment).
+            (``jaxdist._src.transport.limits.ServerLimits``; default: from the environment).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        from jaxdist._src.ps.limits import ServerLimits
+        from jaxdist._src.transport.limits import ServerLimits
 
         limits = ServerLimits.from_env(args.max_request_bytes, args.max_call_seconds,
                                        args.max_calls_per_client,

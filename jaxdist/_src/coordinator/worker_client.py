@@ -57,10 +57,10 @@ from jaxdist._src.coordinator.worker_service import (
     item_nonce,
     split_answers,
 )
-from jaxdist._src.ps import wire
-from jaxdist._src.ps.direct import DirectPool
-from jaxdist._src.ps.direct import Unavailable as DirectUnavailable
-from jaxdist._src.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.direct import DirectPool
+from jaxdist._src.transport.direct import Unavailable as DirectUnavailable
+from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
@@ -75,7 +75,7 @@ _OPTIONS = CHANNEL_OPTIONS + [
 #: Methods sent over a worker's direct port when it has one (the rest stay on gRPC).
 DIRECT_METHODS = frozenset({"RunClosures"})
 
-#: The prefix of a message's first chunk (``_src.ps.wire``): magic, header and payload bytes.
+#: The prefix of a message's first chunk (``_src.transport.wire``): magic, header and payload bytes.
 _FRAME_PREFIX = struct.Struct("<4sQQ")
 
 

@@ -1,6 +1,6 @@
 """The worker task's service: runs the functions the coordinator sends (gRPC, token checked).
 
-Methods (bidirectional streams of ``jaxdist._src.ps.wire`` chunks, like the ps service):
+Methods (bidirectional streams of ``jaxdist._src.transport.wire`` chunks, like the ps service):
 
 * ``Ping`` -> ``{"task", "incarnation", "busy"}``: the coordinator's heartbeat.
 * ``RunClosure`` (meta ``closure_id`` and ``fn_digest``, arrays ``fn`` and ``args``:
@@ -37,11 +37,11 @@ message, so the coordinator accepts only what this worker sent. The transport is
 unless plaintext on loopback was asked for (``jaxdist._src.cluster.tls``).
 
 ``RunClosures`` is also served on a second port (``WorkerServer.direct``, named in the ``Ping``
-answer as ``direct_port``): the frames of ``jaxdist._src.ps.direct`` over one mutual-TLS socket per
-caller, a signed connection credential presented once per connection (``Connect``, for this
-worker and incarnation), every request signed as on gRPC, the same MAC'd answer messages, one
-frame each. It spares gRPC Python's fixed per-message cost (about half the CPU of a small
-closure). ``JAXDIST_COORDINATOR_DIRECT=0`` turns it off.
+answer as ``direct_port``): the frames of ``jaxdist._src.transport.direct`` over one
+mutual-TLS socket per caller, a signed connection credential presented once per connection
+(``Connect``, for this worker and incarnation), every request signed as on gRPC, the same
+MAC'd answer messages, one frame each. It spares gRPC Python's fixed per-message cost (about
+half the CPU of a small closure). ``JAXDIST_COORDINATOR_DIRECT=0`` turns it off.
 
 Example:
     >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224",
@@ -80,11 +80,10 @@ from jaxdist._src.coordinator.signing import (
     body_digest,
 )
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, lookup_resource, set_current
-from jaxdist._src.ps import direct, wire
-from jaxdist._src.ps.direct_server import CallFailed, DirectServer
-from jaxdist._src.ps.grpc_util import GrpcTaskServer, bind_server
-from jaxdist._src.ps.limits import ServerLimits
-from jaxdist._src.ps.protocol import TOKEN_METADATA_KEY
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.direct_server import CallFailed, DirectServer
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, GrpcTaskServer, bind_server
+from jaxdist._src.transport.limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -570,7 +569,7 @@ class WorkerServer(GrpcTaskServer):
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext on loopback; ``None`` reads
             TF_CONFIG / the environment.
         direct_transport: also serve ``RunClosures`` on a second port over one authenticated
-            socket per caller, no gRPC per call (``jaxdist._src.ps.direct``: the same TLS
+            socket per caller, no gRPC per call (``jaxdist._src.transport.direct``: the same TLS
             identity, a connection credential signed by the chief, every request signed);
             its port is in the ``Ping`` answer. ``None``: unless
             ``JAXDIST_COORDINATOR_DIRECT=0``. Its limits are the ps direct port's

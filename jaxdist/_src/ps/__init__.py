@@ -1,11 +1,11 @@
-"""``jaxdist.ps``: parameter servers: wire format, services, clients, placement, partitioners.
+"""``jaxdist.ps``: parameter servers: services, clients, variables, placement, partitioners.
 
 Example:
     >>> setter = jaxdist.ps.replica_device_setter(ps_tasks=2)
     >>> opt = jaxdist.ps.optimizers.adam(1e-3)
 """
 
-from jaxdist._src.ps import optimizers, wire
+from jaxdist._src.ps import optimizers
 from jaxdist._src.ps.checkpoints import PSCheckpointReader
 from jaxdist._src.ps.client import LocalClient, PSClient
 from jaxdist._src.ps.embedding import EmbeddingLookup, EmbeddingTable
@@ -64,5 +64,4 @@ __all__ = [
     "optimizers",
     "replica_device_setter",
     "split_rows",
-    "wire",
 ]

@@ -29,9 +29,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src.ps import wire
 from jaxdist._src.ps.errors import PSError, PSInvalidArgumentError, PSNotFoundError
 from jaxdist._src.ps.variables import leaf_names
+from jaxdist._src.transport import wire
 
 CHECKPOINT_POINTER = "checkpoint"  # written by the chief under the checkpoint directory
 _TASK_DIR = re.compile(r"ps-\d+|local")

@@ -24,9 +24,7 @@ import grpc
 import numpy as np
 
 from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
-from jaxdist._src.ps import direct, protocol, wire
-from jaxdist._src.ps.direct import DirectPool
-from jaxdist._src.ps.direct import Unavailable as DirectUnavailable
+from jaxdist._src.ps import protocol
 from jaxdist._src.ps.errors import (
     PSAuthenticationError,
     PSError,
@@ -34,9 +32,17 @@ from jaxdist._src.ps.errors import (
     PSNotFoundError,
     PSUnavailableError,
 )
-from jaxdist._src.ps.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
-from jaxdist._src.ps.memory import RECEIVE_POOL, tune_malloc
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.direct import DirectPool
+from jaxdist._src.transport.direct import Unavailable as DirectUnavailable
+from jaxdist._src.transport.grpc_util import (
+    CHANNEL_OPTIONS,
+    TOKEN_METADATA_KEY,
+    ChunkStubs,
+    open_channels,
+)
+from jaxdist._src.transport.memory import RECEIVE_POOL, tune_malloc
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 Call = tuple[int, str, dict[str, Any], dict[str, Any]]
@@ -94,8 +100,8 @@ class PSClient(_Base):
         tls: this client's mutual-TLS identity; ``"insecure"`` for plaintext (loopback only);
             ``None`` reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
         direct_transport: send calls over the ps tasks' direct socket port
-            (``jaxdist._src.ps.direct``: same TLS and token, no gRPC per call) when they have one;
-            gRPC otherwise (default: on unless ``JAXDIST_PS_DIRECT=0``).
+            (``jaxdist._src.transport.direct``: same TLS and token, no gRPC per call) when
+            they have one; gRPC otherwise (default: on unless ``JAXDIST_PS_DIRECT=0``).
 
     Raises:
         TLSConfigError: no TLS material and plaintext not asked for.
@@ -113,7 +119,7 @@ class PSClient(_Base):
         self.timeout = float(timeout)
         self.chunk_bytes = chunk_bytes
         self.job = job
-        self._metadata = ((protocol.TOKEN_METADATA_KEY, token),) if token else ()
+        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         tune_malloc()
         self.tls = resolve_tls(tls, f"the client of the {job} job")
         self._channels = open_channels(self.addresses, self.tls, job, _CLIENT_OPTIONS)
@@ -127,7 +133,7 @@ class PSClient(_Base):
 
     @property
     def direct_calls(self) -> int:
-        """Calls answered over the direct transport (``jaxdist._src.ps.direct``) so far."""
+        """Calls answered over the direct transport (``jaxdist._src.transport.direct``) so far."""
         return self._direct.calls if self._direct is not None else 0
 
     def _grpc_ping(self, task: int, timeout: float) -> dict:

@@ -57,7 +57,7 @@ def _itemsize(dtype: Any) -> int:
     try:
         return np.dtype(dtype).itemsize
     except TypeError:
-        from jaxdist._src.ps.wire import dtype_from_name
+        from jaxdist._src.transport.wire import dtype_from_name
 
         return dtype_from_name(str(dtype)).itemsize
 

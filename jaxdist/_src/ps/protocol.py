@@ -2,7 +2,8 @@
 
 One table serves both transports: ``jaxdist._src.ps.server`` decodes gRPC chunks into
 ``(meta, arrays)`` and calls ``handle``; ``jaxdist._src.ps.client.LocalClient`` calls ``handle``
-directly. Requests and responses are JSON metadata plus named arrays (see ``jaxdist._src.ps.wire``).
+directly. Requests and responses are JSON metadata plus named arrays (see
+``jaxdist._src.transport.wire``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from jaxdist._src.ps.errors import PSInvalidArgumentError
 from jaxdist._src.ps.service import ParameterService
 
 SERVICE_NAME = "jaxdist.ps.ParameterService"
-TOKEN_METADATA_KEY = "x-jaxdist-token"
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
@@ -188,4 +188,4 @@ def handle(svc: ParameterService, method: str, meta: dict, arrays: dict) -> Mess
     return METHODS[method](svc, meta, arrays)
 
 
-__all__ = ["IDEMPOTENT", "METHODS", "SERVICE_NAME", "TOKEN_METADATA_KEY", "handle"]
+__all__ = ["IDEMPOTENT", "METHODS", "SERVICE_NAME", "handle"]

@@ -1,11 +1,12 @@
 """``ParameterServer``: a ``ParameterService`` behind gRPC (generic handlers, byte streams).
 
-Every method is a bidirectional stream of ``jaxdist._src.ps.wire`` chunks: the request streams in,
-the response streams out, so tensors of any size pass without gRPC message-size limits. Every
-call must carry the cluster token in the ``x-jaxdist-token`` metadata; a call without it, or
-with another token, is refused with ``UNAUTHENTICATED``. The server speaks mutual TLS (the
-certificates from ``tls=``, TF_CONFIG ``"tls"`` or ``JAXDIST_TLS_*``); it refuses to start
-without them unless plaintext on loopback was asked for (``JAXDIST_INSECURE=1``).
+Every method is a bidirectional stream of ``jaxdist._src.transport.wire`` chunks: the request
+streams in, the response streams out, so tensors of any size pass without gRPC message-size
+limits. Every call must carry the cluster token in the ``x-jaxdist-token`` metadata; a call
+without it, or with another token, is refused with ``UNAUTHENTICATED``. The server speaks
+mutual TLS (the certificates from ``tls=``, TF_CONFIG ``"tls"`` or ``JAXDIST_TLS_*``); it
+refuses to start without them unless plaintext on loopback was asked for
+(``JAXDIST_INSECURE=1``).
 
 Example:
     >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:2222", token="s3cret")
@@ -21,19 +22,20 @@ import threading
 import grpc
 
 from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
-from jaxdist._src.ps import direct, protocol, wire
-from jaxdist._src.ps.direct_server import CallFailed, DirectServer
+from jaxdist._src.ps import protocol
 from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
-from jaxdist._src.ps.grpc_util import (
+from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.direct_server import CallFailed, DirectServer
+from jaxdist._src.transport.grpc_util import (
     CHANNEL_OPTIONS,
     GrpcTaskServer,
     bind_server,
     check_token,
     require_token,
 )
-from jaxdist._src.ps.limits import CallGuard, ServerLimits
-from jaxdist._src.ps.memory import RECEIVE_POOL, tune_malloc
-from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.transport.limits import CallGuard, ServerLimits
+from jaxdist._src.transport.memory import RECEIVE_POOL, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,10 @@ class ParameterServer(GrpcTaskServer):
         tls: the mutual-TLS identity; ``"insecure"`` for plaintext (loopback only); ``None``
             reads TF_CONFIG ``"tls"`` / ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
         limits: request size, call duration and calls per client (default:
-            ``ServerLimits.from_env()``, see ``jaxdist._src.ps.limits``).
-        direct_transport: also serve the direct socket transport (``jaxdist._src.ps.direct``) on
-            a second port of the same host, with the same TLS, token and limits (default:
-            on unless ``JAXDIST_PS_DIRECT=0``).
+            ``ServerLimits.from_env()``, see ``jaxdist._src.transport.limits``).
+        direct_transport: also serve the direct socket transport
+            (``jaxdist._src.transport.direct``) on a second port of the same host, with the
+            same TLS, token and limits (default: on unless ``JAXDIST_PS_DIRECT=0``).
 
     The server confines ``Save`` / ``Restore`` to the service's checkpoint root (see
     ``ParameterService``): a request naming a directory outside it is refused.

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxdist._src.ps import wire
 from jaxdist._src.ps.checkpoints import (
     check_keep,
     checkpoint_directory,
@@ -40,8 +39,9 @@ from jaxdist._src.ps.checkpoints import (
 )
 from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
 from jaxdist._src.ps.host_update import HOST_ADD_MAX_BYTES, host_add, host_add_mode
-from jaxdist._src.ps.memory import aligned_copy, aligned_empty
 from jaxdist._src.ps.optimizers import OptimizerSpec
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.memory import aligned_copy, aligned_empty
 
 # Least recently used first. Bounded: every learning-rate change (ReduceLROnPlateau, the
 # LearningRate RPC) is a new spec, and a job that changes its rate often must not grow the ps

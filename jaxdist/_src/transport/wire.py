@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxdist._src.ps.memory import ALIGNMENT, BufferPool, aligned_empty
+from jaxdist._src.transport.memory import ALIGNMENT, BufferPool, aligned_empty
 
 MAGIC = b"JDW1"
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -167,9 +167,9 @@ def decode(
     """Reassembles one message from its chunks: returns ``(meta, arrays)``.
 
     The arrays are writable views of one payload buffer, taken from ``pool`` when given
-    (``jaxdist._src.ps.memory.RECEIVE_POOL`` recycles buffers that earlier messages' arrays no
-    longer use). Each starts on a 64-byte boundary (the encoder pads between arrays), so JAX
-    on CPU takes it without a copy.
+    (``jaxdist._src.transport.memory.RECEIVE_POOL`` recycles buffers that earlier messages'
+    arrays no longer use). Each starts on a 64-byte boundary (the encoder pads between
+    arrays), so JAX on CPU takes it without a copy.
 
     Every field of the frame is checked before it is used: the declared payload size against
     ``max_bytes`` (before the payload buffer is allocated), the header length against the first

@@ -1,4 +1,4 @@
-"""The server side of the ps direct transport (``jaxdist._src.ps.direct``): the second port.
+"""The server side of the direct transport (``jaxdist._src.transport.direct``): the second port.
 
 One thread accepts connections; each connection gets its own thread. A connection must
 finish its TLS handshake and present the credential within ``HANDSHAKE_SECONDS``; at most
@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxdist._src.cluster.tls import TLSConfig, check_plaintext_allowed
-from jaxdist._src.ps import direct, wire
-from jaxdist._src.ps.limits import ServerLimits, certificate_identity
-from jaxdist._src.ps.protocol import TOKEN_METADATA_KEY
+from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY
+from jaxdist._src.transport.limits import ServerLimits, certificate_identity
 
 log = logging.getLogger(__name__)
 

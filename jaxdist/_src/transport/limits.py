@@ -1,4 +1,4 @@
-"""Per-server limits of a parameter server: request size, call duration, calls per client.
+"""Per-server limits of a ps or worker server: request size, call duration, calls per client.
 
 A ps serves every holder of the cluster token, and a holder that is buggy, frozen or hostile
 must not be able to take the server down for the others. ``ServerLimits`` says how much one

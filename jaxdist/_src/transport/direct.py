@@ -1,4 +1,4 @@
-"""The ps direct transport: pulls and pushes over one authenticated socket, no gRPC per call.
+"""The direct transport: calls over one authenticated socket, no gRPC per call (ps and workers).
 
 gRPC Python costs a fixed ~0.6-1 ms per call and copies every received byte twice before our
 code sees it (see docs/parameter_server.md). Each ``ParameterServer`` therefore also listens on
@@ -10,7 +10,7 @@ numpy buffer to the socket and from the socket into a ``RECEIVE_POOL`` buffer wi
 in between; on a plaintext socket a frame's header and arrays leave in one ``sendmsg``.
 
 Frames: a 16-byte prefix ``<4sIQ`` (magic, JSON header length, payload length), the JSON
-header, then the payload (arrays at 64-byte aligned offsets, as ``jaxdist._src.ps.wire``).
+header, then the payload (arrays at 64-byte aligned offsets, as ``jaxdist._src.transport.wire``).
 
 * server -> client on connect: ``JDH1`` ``{"task", "incarnation"}``;
 * client -> server: ``JDA1`` ``{"token"}`` (the cluster token; on a worker's direct port the
@@ -22,7 +22,8 @@ header, then the payload (arrays at 64-byte aligned offsets, as ``jaxdist._src.p
 
 Every length is checked before anything is allocated (header at most ``MAX_HEADER_BYTES``,
 payload at most the server's ``max_request_bytes``); every array spec goes through the checks
-of ``jaxdist._src.ps.wire``. ``JAXDIST_PS_DIRECT=0`` turns the transport off (server and client).
+of ``jaxdist._src.transport.wire``. ``JAXDIST_PS_DIRECT=0`` turns the transport off (server and
+client).
 
 Example:
     >>> pool = DirectPool(["127.0.0.1:2222"], token, tls, ping, translate)
@@ -45,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from jaxdist._src.cluster.tls import TLSConfig, check_plaintext_allowed
-from jaxdist._src.ps import wire
-from jaxdist._src.ps.memory import ALIGNMENT, RECEIVE_POOL, BufferPool, aligned_empty
+from jaxdist._src.transport import wire
+from jaxdist._src.transport.memory import ALIGNMENT, RECEIVE_POOL, BufferPool, aligned_empty
 
 ENV_DIRECT = "JAXDIST_PS_DIRECT"
 PREFIX = struct.Struct("<4sIQ")

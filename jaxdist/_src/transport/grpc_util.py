@@ -18,13 +18,16 @@ from typing import Any
 import grpc
 
 from jaxdist._src.cluster.tls import TLSConfig, add_port, open_channel
-from jaxdist._src.ps.protocol import TOKEN_METADATA_KEY
 
 # Each method is served twice: under ``service_name`` as a bidirectional stream of chunks, and
 # under ``service_name + UNARY_SUFFIX`` taking a request of one chunk (most requests: pulls,
 # clocks, pings, small pushes). A unary request saves gRPC Python's request-sending thread and
 # a round trip: 0.6 ms instead of 1.1 ms per call on the 2-core test machine.
 UNARY_SUFFIX = ".Unary"
+
+#: The gRPC metadata key (and the direct transport's auth field name in messages) that carries
+#: the cluster token.
+TOKEN_METADATA_KEY = "x-jaxdist-token"
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
