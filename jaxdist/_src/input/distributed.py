@@ -211,9 +211,10 @@ class _Sharder:
     def _place_all(self, locals_: list[np.ndarray]) -> list[Any]:
         """``_place`` of several full batches: one ``device_put`` for all of them (a
         transfer call per array costs more than the arrays of a small batch)."""
-        if (self.num_replicas == 1 or self.multi_process
-                or not self.options.experimental_fetch_to_device or len(locals_) < 2):
+        if self.multi_process or not self.options.experimental_fetch_to_device or len(locals_) < 2:
             return [self._place(x) for x in locals_]
+        if self.num_replicas == 1:  # one replica: plain arrays (as _place), one transfer call
+            return jax.device_put([x[0] for x in locals_], self.ext.replicated_sharding)
         return [PerReplica(a) for a in jax.device_put(locals_, self.sharding)]
 
     def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> Any:
