@@ -725,13 +725,16 @@ class _FastEntry:
     value), else ``None`` (the full path then checks, places and compiles as usual).
     """
 
-    __slots__ = ("compiled", "checks", "statics", "positions")
+    __slots__ = ("compiled", "checks", "statics", "positions", "seen")
 
     def __init__(self, compiled, checks, statics, positions):
         self.compiled = compiled
         self.checks = checks  # per dynamic leaf: (position, type, sharding or None, replicas)
         self.statics = statics  # (position, value) of static leaves
         self.positions = positions
+        # Per check, the last sharding object found equal to the recorded one: a step's outputs
+        # carry the same sharding objects call after call, so identity settles most checks.
+        self.seen = [c[2] for c in checks]
 
     @classmethod
     def build(cls, compiled, kinds, statics, leaves, dyn, num_replicas):
@@ -760,12 +763,18 @@ class _FastEntry:
             if leaves[i] != value:
                 return None
         dyn = []
-        for i, typ, sharding, replicas in self.checks:
+        seen = self.seen
+        for k, (i, typ, sharding, replicas) in enumerate(self.checks):
             x = leaves[i]
             if type(x) is not typ:
                 return None
             if sharding is not None:
-                if x.sharding != sharding or (replicas is not None and x.shape[0] != replicas):
+                xs = x.sharding
+                if xs is not seen[k]:
+                    if xs != sharding:
+                        return None
+                    seen[k] = xs
+                if replicas is not None and x.shape[0] != replicas:
                     return None
             dyn.append(x)
         return dyn
