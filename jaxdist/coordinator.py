@@ -5,6 +5,8 @@ Example:
     >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
 """
 
+from jaxdist._src import publish as _publish
+from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_token
 from jaxdist._src.coordinator import (
     CancelledError,
     ClosureInputError,
@@ -30,6 +32,7 @@ __all__ = [
     "ClosureInputError",
     "ClusterCoordinator",
     "CoordinatorError",
+    "CoordinatorKeys",
     "CoordinatorShutdownError",
     "JoinTimeoutError",
     "PSUnavailableError",
@@ -43,4 +46,9 @@ __all__ = [
     "WorkerAuthenticationError",
     "WorkerUnavailableError",
     "get_current_worker_index",
+    "new_coordinator_token",
 ]
+
+_publish(__name__, CancelledError, ClosureInputError, CoordinatorError, CoordinatorShutdownError,
+         JoinTimeoutError, RemoteError, UntrustedPickleError, WorkerAuthenticationError,
+         WorkerUnavailableError)

@@ -5,6 +5,7 @@ Example:
     >>> partitioner = jaxdist.ps.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
 """
 
+from jaxdist._src import publish as _publish
 from jaxdist._src.ps import (
     EmbeddingLookup,
     EmbeddingTable,
@@ -33,8 +34,8 @@ from jaxdist._src.ps import (
     optimizers,
     replica_device_setter,
     split_rows,
-    wire,
 )
+from jaxdist._src.ps.limits import ServerLimits
 
 __all__ = [
     "EmbeddingLookup",
@@ -57,6 +58,7 @@ __all__ = [
     "ParameterService",
     "Partitioner",
     "ReplicaDeviceSetter",
+    "ServerLimits",
     "StalenessTimeoutError",
     "VariableSpec",
     "VariablesNotReadyError",
@@ -64,5 +66,7 @@ __all__ = [
     "optimizers",
     "replica_device_setter",
     "split_rows",
-    "wire",
 ]
+
+_publish(__name__, PSAuthenticationError, PSError, PSInvalidArgumentError, PSNotFoundError,
+         PSUnavailableError, StalenessTimeoutError, VariablesNotReadyError)

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from jaxdist._src.cluster.handshake import ClusterAuthenticationError
+    from jaxdist import ClusterAuthenticationError
 
     try:
         return run_linreg(args)
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist.testing.workloads: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
+
+__all__ = ["global_batches", "main", "make_train_step", "run_linreg"]
 
 if __name__ == "__main__":
     sys.exit(main())
