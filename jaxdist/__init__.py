@@ -22,7 +22,7 @@ from jaxdist._src.cluster.errors import (
     TFConfigError,
 )
 from jaxdist._src.cluster.handshake import ClusterAuthenticationError
-from jaxdist._src.cluster.tls import TLSConfigError
+from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.coordinator.server import Server
 from jaxdist._src.input import (
     AutoShardPolicy,
@@ -165,6 +165,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "TFConfigError",
+    "TLSConfig",
     "TLSConfigError",
     "TPUStrategy",
     "Trainer",

@@ -6,7 +6,11 @@ Example:
 """
 
 from jaxdist._src import publish as _publish
-from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_token
+from jaxdist._src.cluster.credentials import (
+    CoordinatorKeys,
+    WorkerCredential,
+    new_coordinator_token,
+)
 from jaxdist._src.coordinator import (
     CancelledError,
     ClosureInputError,
@@ -44,6 +48,7 @@ __all__ = [
     "RemoteValueStatus",
     "UntrustedPickleError",
     "WorkerAuthenticationError",
+    "WorkerCredential",
     "WorkerUnavailableError",
     "get_current_worker_index",
     "new_coordinator_token",
