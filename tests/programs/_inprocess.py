@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from jaxdist._src.input.options import InputContext
+from jaxdist import InputContext
 
 
 class _Done:

@@ -15,7 +15,7 @@ anew after the tutorial: same data, model, loss, schedule/join loop and evaluati
 Edits beyond API renames:
 - the Keras model and optimizer become a parameter pytree with the same layers' math and
   initialisers (Embedding ``uniform(-0.05, 0.05)``, Dense glorot-uniform kernel and zero
-  bias) created by ``strategy.create_variables(..., jaxdist._src.ps.optimizers.rmsprop(0.1))``,
+  bias) created by ``strategy.create_variables(..., jaxdist.ps.optimizers.rmsprop(0.1))``,
   and ``replica_fn`` returns the gradients, pushed with ``params.apply_gradients``: a Keras
   model's variables on ps tasks in a custom loop need the pending ``jaxdist.keras`` helper.
   RMSprop is optax's (epsilon inside the square root) rather than Keras's.
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist._src.ps import optimizers
+from jaxdist.ps import optimizers
 
 FEATURE_VOCAB = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong",
                  "wonder_woman"]
