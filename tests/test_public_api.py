@@ -31,7 +31,11 @@ TESTS = ROOT / "tests"
 
 # Test files outside tests/internal/ that may still import jaxdist._src, each with its reason.
 # Every entry is a file to move to tests/internal/ or to rewrite on public names.
-SRC_IMPORT_ALLOWED: dict[str, str] = {}
+SRC_IMPORT_ALLOWED: dict[str, str] = {
+    "coordinator_util.py": "helper of the coordinator tests: in_process_worker runs a worker task "
+                           "inside the test process (WorkerServer, WorkerRuntime, TaskInfo have "
+                           "no public face; a real worker is `python -m jaxdist.server`)",
+}
 
 # Test files that import jaxdist._src and belong to parallel work on the same modules (the
 # Trainer, the Keras adapter, the transport, the import layers, the docstrings): they move to
@@ -250,9 +254,9 @@ def test_undeclared_names_flags_jaxdist_names_outside_all():
     exec("import os\nfrom typing import Any\n__all__ = ['f']\n"
          "def f(): pass\ndef g(): pass\nCONSTANT = 3\n", fake.__dict__)
     fake.helper = importlib.import_module("jaxdist").get_strategy  # imported, undeclared
-    fake.internal = importlib.import_module("jaxdist._src.values")
+    fake.internal = types.ModuleType("jaxdist._src.fake")  # a private module, exposed
     assert undeclared_names(fake, {"jaxdist"}) == [
-        "CONSTANT", "g", "helper", "internal (module jaxdist._src.values)"]
+        "CONSTANT", "g", "helper", "internal (module jaxdist._src.fake)"]
 
 
 def test_private_references_flags_private_and_unknown_names():
