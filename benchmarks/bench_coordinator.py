@@ -28,6 +28,8 @@ import numpy as np  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 64
+# The documented switch of the coordinator's direct transport (docs/coordinator.md).
+ENV_DIRECT = "JAXDIST_COORDINATOR_DIRECT"
 
 
 def _model():
@@ -72,7 +74,7 @@ def _between_graph_worker(warmup: int) -> None:
     ``ready``, then for each line ``N`` on stdin it runs N timed steps and prints their
     window (an empty line or end of input: exit)."""
     import jaxdist
-    from jaxdist._src.ps import optimizers as O
+    from jaxdist.ps import optimizers as O
 
     strategy = jaxdist.ParameterServerStrategy(timeout=60)
     init, grad_fn = _model()
@@ -202,8 +204,8 @@ class Coordinator:
 
     def __init__(self, warmup: int):
         import jaxdist
-        from jaxdist._src.coordinator import ClusterCoordinator
-        from jaxdist._src.ps import optimizers as O
+        from jaxdist.coordinator import ClusterCoordinator
+        from jaxdist.ps import optimizers as O
 
         self.cluster = c = _cluster(2, chief=True)
         self.coordinator = None
@@ -252,8 +254,7 @@ def noop_closures_per_s(n: int, direct: bool) -> float:
     """Closures/s of ``n`` functions that do nothing, on 2 workers: the coordinator's own cost
     per closure, over the workers' direct ports or over gRPC only."""
     import jaxdist
-    from jaxdist._src.coordinator import ClusterCoordinator
-    from jaxdist._src.coordinator.worker_service import ENV_DIRECT
+    from jaxdist.coordinator import ClusterCoordinator
 
     c = _cluster(2, chief=True)
     saved = os.environ.get(ENV_DIRECT)

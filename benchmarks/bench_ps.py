@@ -198,7 +198,7 @@ def _transfer_times(sizes: list[int], repeats: int
     transfers alternate in rounds of their own (``OPS``). Each sample times
     ``SAMPLE_BYTES // size`` transfers back to back (at least one).
     """
-    from jaxdist._src.ps import PSClient
+    from jaxdist.ps import PSClient
 
     cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
     proc = _start_ps(cluster, 0)
@@ -258,9 +258,9 @@ def _update_times(n: int, repeats: int) -> list[tuple[str, float, float]]:
     import jax.numpy as jnp
     import optax
 
-    from jaxdist._src.ps import optimizers as O
-    from jaxdist._src.ps.service import ParameterService
     from jaxdist._src.transport.memory import aligned_copy
+    from jaxdist.ps import ParameterService
+    from jaxdist.ps import optimizers as O
 
     rows = []
     size = n // 4
@@ -305,7 +305,7 @@ def _worker(steps: int, hidden: int, local: bool) -> None:
     import optax
 
     import jaxdist
-    from jaxdist._src.ps import optimizers as O
+    from jaxdist.ps import optimizers as O
 
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(index)

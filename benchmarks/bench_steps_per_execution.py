@@ -51,9 +51,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     from flax import nnx
 
     import jaxdist
-    from jaxdist._src.train.data import make_synthetic
-    from jaxdist._src.train.models import MLP
-    from jaxdist._src.train.trainer import Trainer
+    from jaxdist.train import Trainer
+    from jaxdist.train.data import make_synthetic
+    from jaxdist.train.models import MLP
 
     print_machine()
     n_examples = GLOBAL_BATCH * 128  # one epoch = 128 steps, divisible by every default k

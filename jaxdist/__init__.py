@@ -11,6 +11,18 @@ Example:
 import sys
 
 from jaxdist import cluster_resolver, coordinator, data, ps, tpu
+from jaxdist._src import publish as _publish
+from jaxdist._src.cluster.errors import (
+    ClusterConfigError,
+    ClusterError,
+    ClusterMergeError,
+    ClusterTimeoutError,
+    PeerLostError,
+    ProcessFrozenError,
+    TFConfigError,
+)
+from jaxdist._src.cluster.handshake import ClusterAuthenticationError
+from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.coordinator.server import Server
 from jaxdist._src.input import (
     AutoShardPolicy,
@@ -57,15 +69,20 @@ from jaxdist._src.strategies import (
 from jaxdist._src.strategies.context import (
     experimental_set_strategy,
     get_cross_replica_context,
-    register_scope_hook,
 )
+from jaxdist._src.strategies.context import register_scope_hook as _register_scope_hook
+from jaxdist._src.strategies.nnx_state import NnxStateError
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 from jaxdist._src.strategies.replica_reduce import DoubleReductionError
-from jaxdist._src.strategies.strategy import register_run_state_hook
+from jaxdist._src.strategies.strategy import register_run_state_hook as _register_run_state_hook
 from jaxdist._src.strategies.tpu import experimental_connect_to_cluster
 from jaxdist._src.values import PerReplicaSpec
 
 __version__ = "0.1.0"
+
+_publish(__name__, ClusterAuthenticationError, ClusterConfigError, ClusterError, ClusterMergeError,
+         ClusterTimeoutError, DoubleReductionError, NnxStateError, PeerLostError,
+         ProcessFrozenError, TFConfigError, TLSConfigError)
 
 from jaxdist._src.compat import jax_internals as _jax_internals  # noqa: E402
 
@@ -83,7 +100,7 @@ def _keras_scope_hook(strategy):
     return strategy_scope_hook(strategy)
 
 
-register_scope_hook(_keras_scope_hook)
+_register_scope_hook(_keras_scope_hook)
 
 
 def _keras_run_state_hook(fn, args, kwargs):
@@ -96,7 +113,7 @@ def _keras_run_state_hook(fn, args, kwargs):
     return run_state_hook(fn, args, kwargs)
 
 
-register_run_state_hook(_keras_run_state_hook)
+_register_run_state_hook(_keras_run_state_hook)
 
 
 def __getattr__(name: str):
@@ -111,12 +128,18 @@ def __getattr__(name: str):
 __all__ = [
     "AutoShardPolicy",
     "CentralStorageStrategy",
+    "ClusterAuthenticationError",
+    "ClusterConfigError",
+    "ClusterError",
+    "ClusterMergeError",
+    "ClusterTimeoutError",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
     "Dataset",
     "DistributedDataset",
     "DistributedIterator",
+    "DoubleReductionError",
     "FixedShardsPartitioner",
     "GreedyLoadBalancingStrategy",
     "HierarchicalCopyAllReduce",
@@ -127,11 +150,13 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
+    "NnxStateError",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "PeerLostError",
     "PerReplica",
     "PerReplicaSpec",
-    "DoubleReductionError",
+    "ProcessFrozenError",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
@@ -139,14 +164,17 @@ __all__ = [
     "Server",
     "Strategy",
     "StrategyExtended",
+    "TFConfigError",
+    "TLSConfig",
+    "TLSConfigError",
     "TPUStrategy",
     "Trainer",
     "ValueContext",
     "byte_size_load_fn",
     "cluster_resolver",
+    "compute_average_loss",
     "coordinator",
     "data",
-    "compute_average_loss",
     "experimental_connect_to_cluster",
     "experimental_set_strategy",
     "get_cross_replica_context",
@@ -154,8 +182,8 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "ps",
     "replica_device_setter",
     "scale_regularization_loss",
-    "ps",
     "tpu",
 ]

@@ -1,10 +1,10 @@
 """``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver`` names."""
 
+from jaxdist._src import publish as _publish
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.resolver import (
     ClusterResolver,
     SimpleClusterResolver,
-    UnionClusterResolver,
     UnionResolver,
 )
 from jaxdist._src.cluster.slurm import SlurmClusterResolver
@@ -19,6 +19,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TPUClusterResolver",
     "TPUNotFoundError",
-    "UnionClusterResolver",
     "UnionResolver",
 ]
+
+_publish(__name__, TPUNotFoundError)

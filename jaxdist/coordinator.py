@@ -5,6 +5,12 @@ Example:
     >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
 """
 
+from jaxdist._src import publish as _publish
+from jaxdist._src.cluster.credentials import (
+    CoordinatorKeys,
+    WorkerCredential,
+    new_coordinator_token,
+)
 from jaxdist._src.coordinator import (
     CancelledError,
     ClosureInputError,
@@ -30,6 +36,7 @@ __all__ = [
     "ClosureInputError",
     "ClusterCoordinator",
     "CoordinatorError",
+    "CoordinatorKeys",
     "CoordinatorShutdownError",
     "JoinTimeoutError",
     "PSUnavailableError",
@@ -41,6 +48,12 @@ __all__ = [
     "RemoteValueStatus",
     "UntrustedPickleError",
     "WorkerAuthenticationError",
+    "WorkerCredential",
     "WorkerUnavailableError",
     "get_current_worker_index",
+    "new_coordinator_token",
 ]
+
+_publish(__name__, CancelledError, ClosureInputError, CoordinatorError, CoordinatorShutdownError,
+         JoinTimeoutError, RemoteError, UntrustedPickleError, WorkerAuthenticationError,
+         WorkerUnavailableError)

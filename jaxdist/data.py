@@ -10,6 +10,7 @@ Example:
 
 from types import SimpleNamespace
 
+from jaxdist._src.input.autoshard import FileListDataset, with_auto_shard_policy
 from jaxdist._src.input.dataset import (
     AUTOTUNE,
     INFINITE_CARDINALITY,
@@ -30,12 +31,14 @@ experimental = SimpleNamespace(
 
 __all__ = [
     "AUTOTUNE",
-    "INFINITE_CARDINALITY",
-    "UNKNOWN_CARDINALITY",
     "AutoShardPolicy",
     "Dataset",
     "DistributeOptions",
+    "FileListDataset",
+    "INFINITE_CARDINALITY",
     "Options",
     "TensorSpec",
+    "UNKNOWN_CARDINALITY",
     "experimental",
+    "with_auto_shard_policy",
 ]

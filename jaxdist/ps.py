@@ -5,6 +5,7 @@ Example:
     >>> partitioner = jaxdist.ps.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
 """
 
+from jaxdist._src import publish as _publish
 from jaxdist._src.ps import (
     EmbeddingLookup,
     EmbeddingTable,
@@ -34,6 +35,7 @@ from jaxdist._src.ps import (
     replica_device_setter,
     split_rows,
 )
+from jaxdist._src.transport.limits import ServerLimits
 
 __all__ = [
     "EmbeddingLookup",
@@ -56,6 +58,7 @@ __all__ = [
     "ParameterService",
     "Partitioner",
     "ReplicaDeviceSetter",
+    "ServerLimits",
     "StalenessTimeoutError",
     "VariableSpec",
     "VariablesNotReadyError",
@@ -64,3 +67,6 @@ __all__ = [
     "replica_device_setter",
     "split_rows",
 ]
+
+_publish(__name__, PSAuthenticationError, PSError, PSInvalidArgumentError, PSNotFoundError,
+         PSUnavailableError, StalenessTimeoutError, VariablesNotReadyError)

@@ -3,7 +3,7 @@
 The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``, or ``worker`` for
 a worker that runs the functions a ``jaxdist.coordinator.ClusterCoordinator`` sends), the
 token from ``TF_CONFIG["token"]`` or ``$JAXDIST_CLUSTER_TOKEN``. SIGTERM or SIGINT stop it
-cleanly. The code lives in ``jaxdist._src.coordinator.server``.
+cleanly.
 
 Example:
     $ python -m jaxdist.server --checkpoint_dir /tmp/ckpt

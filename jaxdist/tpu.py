@@ -11,6 +11,7 @@ Example:
 
 import sys
 
+from jaxdist._src import publish as _publish
 from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileReport
 from jaxdist._src.strategies.tpu import (
     DeviceAssignment,
@@ -33,3 +34,5 @@ __all__ = [
     "libtpu_available",
     "shutdown_tpu_system",
 ]
+
+_publish(__name__, CompileOnlyError)

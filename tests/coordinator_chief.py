@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 import jaxdist
-from jaxdist._src.coordinator import ClusterCoordinator
-from jaxdist._src.ps import optimizers as O
+from jaxdist.coordinator import ClusterCoordinator
+from jaxdist.ps import optimizers as O
 
 
 def main(mode: str, ckpt: str) -> None:

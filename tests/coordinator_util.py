@@ -14,7 +14,7 @@ import time
 import cloudpickle
 
 import jaxdist
-from jaxdist._src.coordinator import ClusterCoordinator
+from jaxdist.coordinator import ClusterCoordinator
 from jaxdist.testing import LocalCluster
 
 SERVER = [sys.executable, "-m", "jaxdist.server"]
@@ -90,10 +90,10 @@ def in_process_worker(tls="task", index: int = 0, token: str | None = None,
     """A ``WorkerServer`` for ``worker:<index>`` in this process on ``address`` (test PKI
     identity ``tls``, or ``"insecure"``) holding what the launcher gives that worker for
     ``token`` (default: a fresh coordinator token): ``(server, token)``, started."""
-    from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_token
     from jaxdist._src.cluster.task_info import TaskInfo
     from jaxdist._src.coordinator.worker_runtime import WorkerRuntime
     from jaxdist._src.coordinator.worker_service import WorkerServer
+    from jaxdist.coordinator import CoordinatorKeys, new_coordinator_token
     from jaxdist.testing.tls import process_pki
 
     token = token or new_coordinator_token()

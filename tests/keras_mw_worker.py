@@ -48,7 +48,7 @@ class _KillAfter(keras.callbacks.Callback):
 
 
 def main(out, workdir, epochs, kill_after):
-    import jaxdist._src.keras as jk
+    import jaxdist.keras as jk
 
     strategy = jaxdist.MultiWorkerMirroredStrategy()
     n, i = jax.process_count(), jax.process_index()

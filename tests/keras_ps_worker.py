@@ -14,7 +14,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
-import jaxdist._src.keras as jk  # noqa: E402
+import jaxdist.keras as jk  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
 Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")

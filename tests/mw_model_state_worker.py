@@ -13,7 +13,7 @@ def main(out: str) -> int:
     from flax import nnx
 
     import jaxdist
-    from jaxdist._src.train.trainer import Trainer
+    from jaxdist.train import Trainer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_train_model_state import GBS, Net, make_data

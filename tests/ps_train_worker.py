@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxdist
-from jaxdist._src.ps import optimizers as O
+from jaxdist.ps import optimizers as O
 
 
 def main():

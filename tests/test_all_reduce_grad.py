@@ -11,7 +11,7 @@ import pytest
 from devutil import first_devices
 
 import jaxdist
-from jaxdist._src.strategies.replica_reduce import DoubleReductionError
+from jaxdist import DoubleReductionError
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ import jax.numpy as jnp
 import pytest
 
 import jaxdist
-from jaxdist._src.strategies.default import DefaultStrategy
 
 
 def test_default_strategy_outside_scope():
     s = jaxdist.get_strategy()
-    assert isinstance(s, DefaultStrategy)
+    assert isinstance(s, jaxdist.Strategy) and type(s).__name__ == "DefaultStrategy"
     assert s is jaxdist.get_strategy(), "default strategy must be a singleton"
     assert not jaxdist.has_strategy()
     assert not jaxdist.in_cross_replica_context()

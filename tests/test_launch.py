@@ -182,7 +182,7 @@ BETWEEN_GRAPH = textwrap.dedent("""
     import json, os
     import numpy as np
     import jaxdist
-    from jaxdist._src.ps import optimizers as O
+    from jaxdist.ps import optimizers as O
     s = jaxdist.ParameterServerStrategy(timeout=60.0)
     with s.scope():
         v = s.create_variables({"w": np.zeros(3, np.float32)}, O.sgd(-1.0), name="m")

@@ -24,7 +24,7 @@ def test_killing_the_chief_makes_the_survivor_name_it_and_exit_1():
         code = c.wait("worker:0", 30)
         out = c.output("worker:0")
     assert code == 1, out  # not 134 (JAX's "distributed service detected fatal errors")
-    assert "jaxdist._src.cluster.errors.PeerLostError: worker:0: lost peer task(s) chief:0" in out
+    assert "jaxdist.PeerLostError: worker:0: lost peer task(s) chief:0" in out
     assert "detected fatal errors" not in out
     assert detected <= TIMEOUT + 2, f"took {detected:.1f}s"
 

@@ -32,7 +32,7 @@ def test_a_frozen_peer_is_a_typed_error_naming_it_on_the_other_process(frozen):
             c.kill(frozen, signal.SIGCONT)
             c.kill(frozen)
     assert code == 1, out  # not 134 (an abort) and not a hang
-    assert (f"jaxdist._src.cluster.errors.PeerLostError: {survivor}: lost peer task(s) {frozen}"
+    assert (f"jaxdist.PeerLostError: {survivor}: lost peer task(s) {frozen}"
             in out), out
     for abort in ("detected fatal errors", "Check failed", "terminate called", "*** "):
         assert abort not in out, out

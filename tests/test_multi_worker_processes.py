@@ -58,7 +58,7 @@ def test_killing_a_worker_makes_the_survivor_name_it():
         code = c.wait("worker:0", 30)
         out = c.output("worker:0")
     assert code == 1, out  # the typed error, then exit status 1 (no SIGABRT at exit)
-    assert "jaxdist._src.cluster.errors.PeerLostError: worker:0: lost peer task(s) worker:1" in out
+    assert "jaxdist.PeerLostError: worker:0: lost peer task(s) worker:1" in out
     assert "exception not rethrown" not in out
     assert detected <= timeout, f"took {detected:.1f}s"
 

@@ -5,25 +5,19 @@ chief writes metrics and checkpoints); a killed worker makes the chief raise ``P
 naming it, and a relaunched job resumes from the chief's last checkpoint.
 """
 
-import json
 import os
 import sys
 import time
 
 import pytest
 
-from jaxdist._src.train.runs import latest_run
 from jaxdist.testing import LocalCluster, python_command
+from jaxdist.train import read_metrics
 
 pytestmark = pytest.mark.slow
 
 CONFIG = "configs/multi_worker.yaml"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _records(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _train(*sets):
@@ -49,7 +43,7 @@ def test_launcher_trains_digits_and_only_the_chief_writes(tmp_path):
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    records = _records(latest_run(logs) + "/metrics.jsonl")
+    records = read_metrics(logs)
     end = [r for r in records if r["event"] == "end"]
     assert len(end) == 1, records  # one writer: a second one would duplicate every record
     assert end[0]["step"] == 5 * 22
@@ -107,7 +101,7 @@ def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path):
         out = c.output("worker:0")
     assert f"Resumed from checkpoint at step {last} " in out, out
     assert not (tmp_path / "logs_worker1").exists()  # the worker wrote nothing
-    records = _records(latest_run(tmp_path / "logs_worker0") + "/metrics.jsonl")
+    records = read_metrics(tmp_path / "logs_worker0")
     ends = [r for r in records if r["event"] == "end"]
     assert len(ends) == 1 and ends[0]["step"] == 3 * 22, ends
     assert max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == 66

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist._src.strategies.nnx_state import NnxStateError
+from jaxdist import NnxStateError
 
 ROWS, BATCH = 70, 16  # a last batch of 6 rows: it does not divide over 4 replicas
 

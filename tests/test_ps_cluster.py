@@ -12,14 +12,14 @@ import pytest
 from ps_cluster_util import TOKEN, free_ports, make_cluster, run_workers, start_ps, stop
 
 import jaxdist
-from jaxdist._src.ps import PSAuthenticationError, PSClient, PSUnavailableError
-from jaxdist._src.ps import optimizers as O
+from jaxdist.ps import PSAuthenticationError, PSClient, PSUnavailableError
+from jaxdist.ps import optimizers as O
 
 pytestmark = pytest.mark.slow
 
 
 class _Resolver:
-    """A duck-typed cluster resolver (jaxdist._src.cluster's resolvers have the same surface)."""
+    """A duck-typed cluster resolver (those of jaxdist.cluster_resolver have the same surface)."""
 
     def __init__(self, cluster, task_type="worker", task_id=0, token=TOKEN):
         self._cluster, self.task_type, self.task_id, self.cluster_token = (

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist._src.ps import (
+from jaxdist.ps import (
     FixedShardsPartitioner,
     GreedyLoadBalancingStrategy,
     Layout,

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxdist
-from jaxdist._src.ps import optimizers as O
+from jaxdist.ps import optimizers as O
 
 
 def _data():

@@ -18,8 +18,8 @@ from conftest import require_devices
 from flax import nnx
 
 import jaxdist
-from jaxdist._src.train.models import CNN
 from jaxdist.tpu import CompileOnlyError, DeviceAssignment, Topology
+from jaxdist.train.models import CNN
 
 needs_libtpu = pytest.mark.skipif(
     not jaxdist.tpu.libtpu_available(),
@@ -266,7 +266,7 @@ def test_keras_fit_step_compiles_for_topology(name):
 
 @needs_libtpu
 def test_cli_compile_only_prints_memory_and_flops(capsys):
-    from jaxdist._src.train.__main__ import main
+    from jaxdist.train.__main__ import main
 
     assert main(["--config", "configs/tpu.yaml", "--compile-only", "--topology",
                  "v5e:2x2"]) == 0

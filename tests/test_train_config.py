@@ -86,7 +86,7 @@ def test_register_strategy_plugs_in_a_new_name():
         {"workers": Field(int, 2, "how many", minimum=1)}, help="a test strategy")
     try:
         cfg = load_config(raw={"strategy": {"name": "test_plugin", "workers": 3}})
-        assert strategy_registry.build_strategy(cfg["strategy"]) == "strategy"
+        assert strategy_registry.config_for("test_plugin").build(cfg["strategy"]) == "strategy"
         assert built == [{"name": "test_plugin", "workers": 3}]
         assert "test_plugin" in schema_help()
         assert strategy_registry.config_for("test_plugin").strategy_class is \
@@ -142,7 +142,7 @@ def test_schedules_give_the_same_rates_locally_and_on_the_ps(schedule, extra, ra
     import jax.numpy as jnp
     import optax
 
-    from jaxdist._src.train.job import optimizer_from_config
+    from jaxdist._src.train.optimizers import optimizer_from_config
     from jaxdist._src.train.parameter_server.config import ps_optimizer_from_config
 
     cfg = load_config(raw={}, overrides=["optimizer.name=sgd", "optimizer.learning_rate=0.1",

@@ -1,5 +1,15 @@
-"""jaxdist.testing: a multi-process cluster harness for tests (``LocalCluster``)."""
+"""``jaxdist.testing``: a multi-process cluster harness for tests (``LocalCluster``).
 
-from jaxdist.testing.cluster import LocalCluster, python_command
+Submodules: ``jaxdist.testing.tls`` (one throwaway PKI per test process) and
+``jaxdist.testing.workloads`` (``python -m jaxdist.testing.workloads``: small deterministic
+training jobs run as cluster tasks). A wait that runs out raises ``jaxdist.ClusterTimeoutError``.
+
+Example:
+    >>> with LocalCluster(workers=2, devices_per_process=1) as c:  # doctest: +SKIP
+    ...     c.start(python_command("jaxdist.testing.workloads", "linreg", "--steps", "4"))
+    ...     codes = c.join(timeout=120)              # {"worker:0": 0, "worker:1": 0}
+"""
+
+from jaxdist._src.cluster.harness import LocalCluster, python_command
 
 __all__ = ["LocalCluster", "python_command"]

@@ -2,7 +2,9 @@
 
 ``LocalCluster`` makes its own CA per cluster; tests and benchmarks that start
 ``python -m jaxdist.server`` or a ``ParameterServer`` themselves use this one: an identity
-``"task"`` for the processes they start and ``"client"`` for themselves.
+``"task"`` for the processes they start and ``"client"`` for themselves. ``local_pki(names,
+hosts=[...])`` issues a throwaway CA and one certificate per name (``LocalPKI``), for tests and
+small clusters; use your own PKI in production.
 
 Example:
     >>> client_tls = install_process_tls()      # this process now speaks mutual TLS
@@ -15,8 +17,8 @@ import atexit
 import os
 import threading
 
+from jaxdist._src.cluster import tls as _tls
 from jaxdist._src.cluster.pki import LocalPKI, local_pki
-from jaxdist._src.cluster.tls import INSECURE_ENV, TLSConfig
 
 _lock = threading.Lock()
 _pki: list[LocalPKI] = []
@@ -35,7 +37,7 @@ def process_pki() -> LocalPKI:
         return _pki[0]
 
 
-def task_tls() -> TLSConfig:
+def task_tls() -> _tls.TLSConfig:
     """The identity for server processes a test starts.
 
     Example:
@@ -44,16 +46,16 @@ def task_tls() -> TLSConfig:
     return process_pki().identities["task"]
 
 
-def install_process_tls() -> TLSConfig:
+def install_process_tls() -> _tls.TLSConfig:
     """Makes this process use the ``"client"`` identity (``JAXDIST_TLS_*`` in ``os.environ``).
 
     Example:
         >>> tls = install_process_tls()
     """
     tls = process_pki().identities["client"]
-    os.environ.pop(INSECURE_ENV, None)
+    os.environ.pop(_tls.INSECURE_ENV, None)
     os.environ.update(tls.env())
     return tls
 
 
-__all__ = ["install_process_tls", "process_pki", "task_tls"]
+__all__ = ["LocalPKI", "install_process_tls", "local_pki", "process_pki", "task_tls"]

@@ -55,7 +55,7 @@ def make_train_step(global_batch: int, learning_rate: float = 0.1):
     return tx, step
 
 
-def run_linreg(args: argparse.Namespace) -> int:
+def _run_linreg(args: argparse.Namespace) -> int:
     if args.strategy == "multi_worker":
         import jaxdist
 
@@ -124,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from jaxdist._src.cluster.handshake import ClusterAuthenticationError
+    from jaxdist import ClusterAuthenticationError
 
     try:
-        return run_linreg(args)
+        return _run_linreg(args)
     except ClusterAuthenticationError as e:  # refused by the cluster: a message, no traceback
         print(f"jaxdist.testing.workloads: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
+
+__all__ = ["global_batches", "main", "make_train_step"]
 
 if __name__ == "__main__":
     sys.exit(main())

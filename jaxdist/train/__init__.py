@@ -1,6 +1,9 @@
 """``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job.
 
 Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
+Submodules: ``jaxdist.train.callbacks`` (Keras' callbacks), ``jaxdist.train.metrics`` (Keras'
+metrics), ``jaxdist.train.models`` (``MLP``, ``CNN``), ``jaxdist.train.data`` (the configs'
+datasets).
 
 Example:
     >>> from jaxdist.train import Trainer, load_config
@@ -23,6 +26,11 @@ _LAZY = {
     "MetricsLogger": "jaxdist._src.train.metrics",
     "ArrayData": "jaxdist._src.train.data",
     "DataError": "jaxdist._src.train.data",
+    "EvaluatorTimeoutError": "jaxdist._src.train.evaluator",
+    "Field": "jaxdist._src.train.schema",
+    "PSCheckpointState": "jaxdist._src.train.evaluator",
+    "SidecarEvaluator": "jaxdist._src.train.evaluator",
+    "read_metrics": "jaxdist._src.train.metrics",
 }
 
 __all__ = sorted(_LAZY)

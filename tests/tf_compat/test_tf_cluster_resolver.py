@@ -1,7 +1,8 @@
 """Port of TensorFlow's tensorflow/python/distribute/cluster_resolver/cluster_resolver_test.py.
 
 TF's inputs and expected values, jaxdist's API: ``server_lib.ClusterSpec`` ->
-``jaxdist.cluster_resolver.ClusterSpec``; a ``ClusterDef`` proto -> the dict
+``jaxdist.cluster_resolver.ClusterSpec``; ``UnionClusterResolver`` -> ``UnionResolver`` (the name TF
+exports it under); a ``ClusterDef`` proto -> the dict
 ``as_cluster_def()`` returns (job -> {task index: address}, jobs sorted by name, as TF's proto).
 TF lists devices through a mocked session; jaxdist counts ``jax.local_devices()``, which the
 ported accelerator tests replace the same way.
@@ -12,12 +13,12 @@ from unittest import mock
 import jax
 import pytest
 
-from jaxdist._src.cluster import ClusterMergeError
+from jaxdist import ClusterMergeError
 from jaxdist.cluster_resolver import (
     ClusterResolver,
     ClusterSpec,
     SimpleClusterResolver,
-    UnionClusterResolver,
+    UnionResolver,
 )
 
 
@@ -84,7 +85,7 @@ PS_WORKER_PROTO = [("ps", {0: "ps0:2222", 1: "ps1:2222"}),
 def testSingleClusterResolver():
     base_cluster_spec = ClusterSpec(PS_WORKER)
     simple_resolver = SimpleClusterResolver(base_cluster_spec)
-    union_resolver = UnionClusterResolver(simple_resolver)
+    union_resolver = UnionResolver(simple_resolver)
     verify_cluster_spec_equality(union_resolver.cluster_spec(), PS_WORKER_PROTO)
 
 
@@ -135,7 +136,7 @@ def testUnionClusterResolverGetProperties():
     resolver2 = SimpleClusterResolver(cluster_spec_2, task_type="worker", task_id=2,
                                       environment="local", num_accelerators={"GPU": 16},
                                       rpc_layer="http")
-    union_resolver = UnionClusterResolver(resolver1, resolver2)
+    union_resolver = UnionResolver(resolver1, resolver2)
     assert union_resolver.task_type == "ps"
     assert union_resolver.task_id == 1
     assert union_resolver.environment == "cloud"
@@ -151,7 +152,7 @@ def testUnionClusterResolverGetProperties():
 
 
 def _two(spec1, spec2):
-    return UnionClusterResolver(SimpleClusterResolver(ClusterSpec(spec1)),
+    return UnionResolver(SimpleClusterResolver(ClusterSpec(spec1)),
                                 SimpleClusterResolver(ClusterSpec(spec2)))
 
 
@@ -212,6 +213,6 @@ def testMixedModeNonOverlappingKey():
 def testRetainSparseJobWithNoMerging():
     base_cluster_spec = ClusterSpec({"worker": {1: "worker0:2222", 3: "worker1:2222",
                                                 5: "worker2:2222"}})
-    union_cluster = UnionClusterResolver(SimpleClusterResolver(base_cluster_spec))
+    union_cluster = UnionResolver(SimpleClusterResolver(base_cluster_spec))
     verify_cluster_spec_equality(union_cluster.cluster_spec(), [
         ("worker", {1: "worker0:2222", 3: "worker1:2222", 5: "worker2:2222"})])

@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from jaxdist._src.cluster import ClusterSpec
-from jaxdist._src.ps.placement import VariableSpec, replica_device_setter
+from jaxdist.cluster_resolver import ClusterSpec
+from jaxdist.ps import VariableSpec, replica_device_setter
 
 _CLUSTER_SPEC = ClusterSpec({
     "ps": ["ps0:2222", "ps1:2222"],

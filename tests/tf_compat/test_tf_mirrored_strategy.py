@@ -23,8 +23,7 @@ import pytest
 from devutil import tf_test_devices
 
 import jaxdist
-from jaxdist import ReduceOp
-from jaxdist._src.input.dataset import Dataset
+from jaxdist import Dataset, ReduceOp
 
 _DISTRIBUTIONS = {
     "GPUAndCPU": ["/cpu:0", "/cpu:1"],

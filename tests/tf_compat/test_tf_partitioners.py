@@ -9,11 +9,10 @@ that do not exist on JAX (jaxdist's sharded leaves are covered by tests/test_ps_
 
 import pytest
 
-from jaxdist._src.ps.partitioners import (
+from jaxdist.ps import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,
-    num_shards_for,
     split_rows,
 )
 
@@ -71,6 +70,7 @@ def test_string_variables_use_bytes_per_string():
 
 def test_shards_split_rows_as_tf():
     """TF's ParameterServerStrategyV2 gives the first ``rows % n`` shards one more row."""
-    n = num_shards_for(FixedShardsPartitioner(3), (10, 2), "float32")
+    n, rest = FixedShardsPartitioner(3)((10, 2), "float32")   # TF: [num_shards, 1]
+    assert rest == 1
     assert n == 3
     assert [b - a for a, b in split_rows(10, n)] == [4, 3, 3]

@@ -7,8 +7,8 @@ TF's inputs and expected values, jaxdist's API: ``server_lib.ClusterSpec`` ->
 
 Not ported: ``GrpcServerTest`` and the other in-process ``tf.train.Server`` / ``Session``
 cases (graph sessions, queues, isolate_session_state) - jaxdist has no in-process TF server;
-its gRPC services are tested in tests/test_ps_service.py. ``ServerDefTest`` is ported for its
-``ClusterSpec`` <-> ``ClusterDef`` round trips; the ``ServerDef`` proto itself (job_name,
+its gRPC services are tested in tests/internal/test_ps_service.py. ``ServerDefTest`` is ported
+for its ``ClusterSpec`` <-> ``ClusterDef`` round trips; the ``ServerDef`` proto itself (job_name,
 task_index, protocol) does not exist in jaxdist.
 """
 

@@ -19,10 +19,9 @@ from devutil import tf_test_device, tf_test_devices
 
 import jaxdist
 from jaxdist import ReduceOp
-from jaxdist._src.strategies import get_default_strategy
 
 _STRATEGIES = {
-    "Default": lambda: get_default_strategy(),
+    "Default": lambda: jaxdist.get_strategy(),  # outside any scope: the default
     "OneDeviceCPU": lambda: jaxdist.OneDeviceStrategy(tf_test_device("/cpu:0")),
     "Mirrored1CPU": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:0"])),
     "MirroredCPUAndGPU": lambda: jaxdist.MirroredStrategy(tf_test_devices(["/cpu:0", "/cpu:1"])),

@@ -34,7 +34,6 @@ from jaxdist._src.cluster.resolver import (
     TOKEN_ENV,
     ClusterResolver,
     SimpleClusterResolver,
-    UnionClusterResolver,
     UnionResolver,
 )
 from jaxdist._src.cluster.slurm import SlurmClusterResolver
@@ -74,7 +73,6 @@ __all__ = [
     "TFConfigError",
     "TPUClusterResolver",
     "TPUNotFoundError",
-    "UnionClusterResolver",
     "UnionResolver",
     "collective_leader",
     "current_group",

@@ -85,7 +85,7 @@ class ProcessFrozenError(PeerLostError):
     timeout, so the coordination service declared it lost.
 
     It is reported, not raised: when the process continues, a guard thread writes
-    ``jaxdist._src.cluster.errors.ProcessFrozenError: <task>: ...`` to stderr and ends the process
+    ``jaxdist.ProcessFrozenError: <task>: ...`` to stderr and ends the process
     with status 1 (XLA would otherwise abort it with a C++ stack trace on its next heartbeat).
     ``tasks`` names this task.
     """

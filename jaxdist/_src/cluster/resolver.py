@@ -154,7 +154,7 @@ class SimpleClusterResolver(ClusterResolver):
 
 
 class UnionResolver(ClusterResolver):
-    """Merges the clusters of several resolvers (``UnionClusterResolver``).
+    """Merges the clusters of several resolvers (TF's ``UnionResolver``).
 
     A job that several resolvers define is merged as TF merges it (see ``cluster_spec``).
     ``task_type``, ``task_id``, ``rpc_layer``, ``environment`` and the token come from the
@@ -233,13 +233,10 @@ class UnionResolver(ClusterResolver):
         return self._resolvers[0].num_accelerators(task_type, task_id, config_proto)
 
 
-UnionClusterResolver = UnionResolver
-
 __all__ = [
     "ClusterResolver",
     "SimpleClusterResolver",
     "TOKEN_ENV",
-    "UnionClusterResolver",
     "UnionResolver",
     "format_master_url",
     "local_accelerators",

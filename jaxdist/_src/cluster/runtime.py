@@ -123,7 +123,7 @@ class FreezeGuard:
     that long would have used it) means the whole process was stopped. Stopped for less than
     twice the timeout, it asks the service (for at most 0.25 s) whether this task still
     counts alive, and carries on if so; otherwise it writes one line,
-    ``jaxdist._src.cluster.errors.ProcessFrozenError: ...``, to stderr and ends the process with
+    ``jaxdist.ProcessFrozenError: ...``, to stderr and ends the process with
     status 1 before the heartbeat thread aborts it. A wait whose deadline passed while the
     process was stopped returns as soon as it continues, so the guard wakes first.
 
@@ -181,7 +181,7 @@ class FreezeGuard:
                         "alive", self.name, gap)
             return False
         self._exit(
-            f"jaxdist._src.cluster.errors.ProcessFrozenError: {self.name}: this process was "
+            f"jaxdist.ProcessFrozenError: {self.name}: this process was "
             f"stopped for {gap:.1f} s (SIGSTOP, a debugger or a paused host), longer than "
             f"the {self.heartbeat_timeout:g} s heartbeat timeout: the coordination service "
             f"declared {self.name} lost and the training cluster is broken; exiting. "

@@ -3,7 +3,7 @@
 jaxdist is written against JAX's public API; where that API has no equivalent yet, the private
 object is reached here, and only here, each with a comment naming the public API that would
 replace it. ``check_version()`` says whether the installed JAX is one these adapters were
-written and tested for (``SUPPORTED``); ``tests/test_jax_internals.py`` checks each adapter
+written and tested for (``SUPPORTED``); ``tests/internal/test_jax_internals.py`` checks each adapter
 still finds what it needs, so a JAX that moves an internal fails there, by name.
 
 Example:

@@ -84,8 +84,8 @@ def _allowed(module: str, name: str) -> Any:
                                         or issubclass(value, np.dtype)):
             return value
         return None
-    if module.startswith("jaxdist.") and module in sys.modules:  # jaxdist's own errors
-        value = getattr(sys.modules[module], name, None)
+    if (module == "jaxdist" or module.startswith("jaxdist.")) and module in sys.modules:
+        value = getattr(sys.modules[module], name, None)  # jaxdist's own errors
         if isinstance(value, type) and issubclass(value, BaseException):
             return value
     return None

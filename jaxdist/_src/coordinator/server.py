@@ -107,24 +107,24 @@ class Server:
             directory.
         strategy_factory: (worker) ``(task_info, timeout) -> strategy`` used to run the
             functions (default: a ``ParameterServerStrategy`` over the local devices).
-        tls: the mutual-TLS identity (``jaxdist._src.cluster.tls.TLSConfig``), ``"insecure"``
+        tls: the mutual-TLS identity (``jaxdist.TLSConfig``), ``"insecure"``
             for plaintext on loopback, or ``None`` to read TF_CONFIG ``"tls"`` /
             ``JAXDIST_TLS_*`` / ``JAXDIST_INSECURE``.
-        coordinator: (worker) a ``jaxdist._src.cluster.credentials.WorkerCredential`` (the chief's
+        coordinator: (worker) a ``jaxdist.coordinator.WorkerCredential`` (the chief's
             public key and this worker's answer key) or the coordinator token (``None``:
             TF_CONFIG ``"coordinator_public_key"`` and ``"coordinator_answer_key"`` /
             ``JAXDIST_COORDINATOR_PUBLIC_KEY`` and ``JAXDIST_COORDINATOR_ANSWER_KEY``).
         checkpoint_root: (ps) the only directory ``Save`` / ``Restore`` requests may use
             (and its subdirectories); default ``checkpoint_dir``.
         limits: (ps) request size, call duration and calls per client
-            (``jaxdist._src.transport.limits.ServerLimits``; default: from the environment).
+            (``jaxdist.ps.ServerLimits``; default: from the environment).
 
     Raises:
         ValueError: not a ps task, no token, or the cluster has no such task.
         TLSConfigError: no TLS material and plaintext on loopback not asked for.
 
     Example:
-        >>> server = jaxdist.Server(jaxdist._src.cluster.TFConfigClusterResolver())
+        >>> server = jaxdist.Server(jaxdist.cluster_resolver.TFConfigClusterResolver())
         >>> server.join()          # until stopped
     """
 

@@ -10,7 +10,7 @@ class AutoShardPolicy(enum.Enum):
     """How a multi-worker dataset is split across input pipelines (``tf.data``'s names).
 
     Example:
-        >>> from jaxdist._src.input.autoshard import with_auto_shard_policy
+        >>> from jaxdist.data import with_auto_shard_policy
         >>> ds = with_auto_shard_policy(batches, jaxdist.AutoShardPolicy.DATA)
         >>> dist = strategy.experimental_distribute_dataset(ds)
     """

@@ -426,10 +426,10 @@ SCHEDULES = tuple(sorted(_SCHEDULES))
 
 __all__ = [
     "ELEMENTWISE",
-    "SCHEDULES",
-    "WORKER_SIDE",
     "OptimizerSpec",
+    "SCHEDULES",
     "ScheduleSpec",
+    "WORKER_SIDE",
     "adagrad",
     "adam",
     "adamw",

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -321,21 +320,6 @@ def replica_device_setter(
                                merge_devices=merge_devices, ps_ops=ps_ops)
 
 
-_TASK_RE = re.compile(r"/job:(?P<job>[^/]+)/(?:replica:\d+/)?task:(?P<task>\d+)")
-
-
-def parse_task(device: str) -> int:
-    """``"/job:ps/task:3"`` -> 3.
-
-    Raises:
-        ValueError: not a ps device string.
-    """
-    m = _TASK_RE.search(device)
-    if not m:
-        raise ValueError(f"device {device!r} names no task: expected '/job:ps/task:<i>'")
-    return int(m.group("task"))
-
-
 __all__ = [
     "STANDARD_PS_OPS",
     "GreedyLoadBalancingStrategy",
@@ -343,6 +327,5 @@ __all__ = [
     "VariableSpec",
     "byte_size_load_fn",
     "canonical_device",
-    "parse_task",
     "replica_device_setter",
 ]

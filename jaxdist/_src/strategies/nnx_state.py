@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdist._src.strategies.cross_device_ops import varying_axes
-from jaxdist._src.values import PerReplica
 
 #: What replica-view ``run`` does with NNX state that differs across replicas, by variable type
 #: name (the first match along the type's MRO wins; anything else that differs is an error).
@@ -57,12 +56,6 @@ class NnxStateError(ValueError):
 def _nnx() -> Any:
     """``flax.nnx`` if it has been imported (no NNX object can exist before), else ``None``."""
     return sys.modules.get("flax.nnx")
-
-
-def is_graph_node(x: Any) -> bool:
-    """Whether ``x`` is a flax NNX object (module, optimizer, metric, ``Rngs`` ...)."""
-    nnx = _nnx()
-    return nnx is not None and isinstance(x, nnx.Pytree)
 
 
 def is_global_view(fn: Callable) -> bool:
@@ -261,16 +254,11 @@ def globalize(x: Any, lengths: tuple[int, ...] | None) -> Any:
     return jnp.concatenate(parts, axis=0)
 
 
-def is_stacked(x: Any) -> bool:
-    return isinstance(x, PerReplica)
-
-
 __all__ = [
     "VARIABLE_RULES",
     "NnxStateError",
     "globalize",
     "is_global_view",
-    "is_graph_node",
     "split_args",
     "update",
 ]

@@ -34,8 +34,6 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 Logs = Mapping[str, Any]
 
 
@@ -732,11 +730,6 @@ def needs_batch_logs(callbacks: Iterable[Callback]) -> bool:
         if any(_overrides(cb, h) or _lambda_overrides(cb, h) for h in _BATCH_HOOKS):
             return True
     return False
-
-
-def mean_logs(values: Mapping[str, list[float]]) -> dict[str, float]:
-    """Means of lists of per-step values (the running epoch means of batch logs)."""
-    return {k: float(np.mean(v)) for k, v in values.items() if len(v)}
 
 
 __all__ = ["CALLBACKS", "BackupAndRestore", "CSVLogger", "Callback", "CallbackList",

@@ -104,19 +104,6 @@ def _features(x: Any, name: str, float_only: bool) -> np.ndarray:
     return x
 
 
-def as_array_data(data: Any, what: str = "data") -> ArrayData:
-    """Accepts ``ArrayData``, an ``(x, y)`` or ``(x, y, sample_weight)`` tuple, or a mapping
-    with ``"x"`` and ``"y"`` (and optionally ``"sample_weight"``)."""
-    if isinstance(data, ArrayData):
-        return data
-    if isinstance(data, Mapping) and "x" in data and "y" in data:
-        return ArrayData(data["x"], data["y"], data.get("sample_weight"))
-    if isinstance(data, (tuple, list)) and len(data) in (2, 3):
-        return ArrayData(*data)
-    raise DataError(f"{what}: expected an (x, y) pair of arrays or ArrayData, got "
-                    f"{type(data).__name__}")
-
-
 def split(data: ArrayData, validation_split: float, seed: int = 0
           ) -> tuple[ArrayData, ArrayData | None]:
     """Splits off a shuffled ``validation_split`` fraction (stratified by label)."""
@@ -217,11 +204,6 @@ def epoch_order(num_examples: int, epoch: int, seed: int, shuffle: bool = True) 
     if not shuffle:
         return np.arange(num_examples)
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
-
-
-def batch_index(order: np.ndarray, step: int, global_batch_size: int) -> np.ndarray:
-    """The example indices of global batch ``step`` of an epoch with ``order``."""
-    return order[step * global_batch_size:(step + 1) * global_batch_size]
 
 
 def eval_batches(data: ArrayData, global_batch_size: int

@@ -13,10 +13,6 @@ from typing import Any
 
 from jaxdist._src.train import strategy_registry
 from jaxdist._src.train.config import ConfigError, check_replicas, fit_kwargs, trainer_kwargs
-from jaxdist._src.train.optimizers import (  # noqa: F401 - also public here
-    learning_rate_from_config,
-    optimizer_from_config,
-)
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Any:

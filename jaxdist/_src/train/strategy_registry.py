@@ -229,11 +229,6 @@ def uses_tf_config(name: str) -> bool:
     return bool(spec is not None and spec.uses_tf_config)
 
 
-def build_strategy(section: Mapping[str, Any]) -> Any:
-    """Builds the strategy a validated ``strategy`` section describes."""
-    return config_for(section["name"]).build(section)
-
-
 def help_text() -> str:
     lines = [f"  strategy:  name: one of {', '.join(registered_strategies())} "
              f"(default 'mirrored')"]
@@ -340,6 +335,6 @@ register_strategy(ParameterServerStrategy, ps_config.COORDINATOR_NAME,
 # Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
 register_trainer_hook(ParameterServerStrategy, parameter_server_hook)
 
-__all__ = ["StrategyConfig", "build_strategy", "config_for", "drop_foreign_keys", "hook_for",
+__all__ = ["StrategyConfig", "config_for", "drop_foreign_keys", "hook_for",
            "register_strategy", "register_trainer_hook", "registered_strategies", "strategy_config",
            "unregister_strategy", "uses_tf_config", "validate_section"]

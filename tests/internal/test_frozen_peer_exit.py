@@ -1,5 +1,5 @@
 """A frozen sync peer that continues exits cleanly (issue 27, point 4): one typed line,
-``jaxdist._src.cluster.errors.ProcessFrozenError``, and status 1, never XLA's C++ ``Check failure
+``jaxdist.ProcessFrozenError``, and status 1, never XLA's C++ ``Check failure
 stack trace`` (SIGABRT). The guard's decisions are unit-tested with a fake clock; the real
 SIGSTOP / SIGCONT runs in processes (slow). CPU only; no accelerator needed."""
 
@@ -48,7 +48,7 @@ def test_a_stop_past_twice_the_heartbeat_timeout_exits_with_one_typed_line():
     assert guard.check() is True
     (line, status), = exits
     assert status == 1 and "\n" not in line
-    assert line.startswith("jaxdist._src.cluster.errors.ProcessFrozenError: worker:1: this process "
+    assert line.startswith("jaxdist.ProcessFrozenError: worker:1: this process "
                            "was stopped for 13.0 s")
     assert "longer than the 3 s heartbeat timeout" in line and "declared worker:1 lost" in line
     assert issubclass(ProcessFrozenError, PeerLostError)
@@ -111,7 +111,7 @@ def test_a_frozen_peer_that_continues_exits_with_one_typed_line(frozen):
     assert code == 1, out  # not -6 (SIGABRT)
     lines = [ln for ln in out.splitlines() if "ProcessFrozenError" in ln]
     assert len(lines) == 1, out
-    assert lines[0].startswith(f"jaxdist._src.cluster.errors.ProcessFrozenError: {frozen}: this "
+    assert lines[0].startswith(f"jaxdist.ProcessFrozenError: {frozen}: this "
                                f"process was stopped for "), out
     assert f"the coordination service declared {frozen} lost" in lines[0]
     for abort in ("Check failure", "detected fatal errors", "terminate called", "*** ",

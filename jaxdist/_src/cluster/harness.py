@@ -1,4 +1,5 @@
-"""A cluster of real processes for tests: ports, TF_CONFIG, start / kill / restart, join.
+"""The implementation of ``jaxdist.testing.LocalCluster``: a cluster of real processes for tests
+(ports, TF_CONFIG, start / kill / restart, join).
 
 Example:
     >>> with LocalCluster(workers=2, devices_per_process=1) as c:

@@ -13,7 +13,7 @@ import pytest
 from jaxdist._src.train.evaluator import EvaluatorTimeoutError, SidecarEvaluator, evaluator_task
 from jaxdist._src.train.runs import latest_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tf_config(task_type, index=0):

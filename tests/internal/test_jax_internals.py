@@ -13,7 +13,7 @@ import pytest
 
 from jaxdist._src.compat import jax_internals
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxdist"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "jaxdist"
 
 
 def test_no_other_module_imports_jax_private_modules():

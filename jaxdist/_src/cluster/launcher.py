@@ -1,0 +1,248 @@
+"""The local launcher behind ``python -m jaxdist.launch`` (its module docstring says what it
+does): one process per task, each with its own ``TF_CONFIG``, TLS identity and credentials.
+
+Example:
+    >>> Launcher(["python", "train.py"], workers=2, ps=1).argv_for("ps")[1:3]
+    ['-m', 'jaxdist.server']
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from jaxdist._src.cluster.credentials import new_coordinator_token
+from jaxdist._src.cluster.local import (
+    TaskProcess,
+    exit_status,
+    local_cluster,
+    new_token,
+    task_env,
+    task_list,
+)
+from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist._src.cluster.validation import task_name
+
+#: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
+CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
+
+
+def serves_its_own_ps_tasks(command: Sequence[str]) -> bool:
+    """Whether ``command`` is ``python -m jaxdist.train ...``, which serves its ps tasks itself
+    (they restore the job's checkpoint at start, under its ``checkpoint.dir``).
+
+    Example:
+        >>> serves_its_own_ps_tasks(["python", "-m", "jaxdist.train", "--config", "c.yaml"])
+        True
+        >>> serves_its_own_ps_tasks(["python", "train.py"])
+        False
+    """
+    args = list(command)
+    for i, a in enumerate(args[:-1]):
+        if a == "-m" and args[i + 1] == "jaxdist.train":
+            return True
+    return False
+
+
+def server_command(job: str, checkpoint_root: str) -> list[str]:
+    """The argv the launcher runs for a ps task (or a coordinator's worker task).
+
+    Example:
+        >>> server_command("ps", "/runs")[1:]
+        ['-m', 'jaxdist.server', '--checkpoint_root', '/runs']
+    """
+    argv = [sys.executable, "-m", "jaxdist.server"]
+    if job == "ps":
+        argv += ["--checkpoint_root", checkpoint_root]
+    return argv
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxdist.launch",
+        description="Run COMMAND as every task of a local cluster (TF_CONFIG set per task).",
+        epilog="Example: python -m jaxdist.launch --workers 2 -- python train.py",
+    )
+    p.add_argument("--workers", type=int, default=1, help="number of worker tasks")
+    p.add_argument("--ps", type=int, default=0, help="number of parameter-server tasks")
+    p.add_argument("--chief", action="store_true", help="add a chief task")
+    p.add_argument("--evaluator", action="store_true", help="add an evaluator task")
+    p.add_argument("--coordinator", action="store_true",
+                   help="TF2 ClusterCoordinator mode: adds a chief that runs COMMAND; ps and "
+                        "worker tasks run `python -m jaxdist.server`")
+    p.add_argument("--checkpoint-root", default=None, metavar="DIR",
+                   help="ps tasks save and restore checkpoints only under DIR (default: "
+                        f"${CHECKPOINT_ROOT_ENV}, else the current directory)")
+    p.add_argument("--ps-runs-command", action="store_true",
+                   help="run COMMAND on the ps tasks too (a program that serves its own ps "
+                        "tasks, as `python -m jaxdist.train` does, which needs no flag); "
+                        "default: ps tasks run `python -m jaxdist.server`")
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                   help="force K CPU devices in each process (JAX_NUM_CPU_DEVICES)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping tasks")
+    p.add_argument("--evaluator-grace", type=float, default=60.0,
+                   help="seconds the evaluator may run after training finished")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC on loopback instead of mutual TLS with a throwaway CA "
+                        "(sets JAXDIST_INSECURE=1 in every task)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return p
+
+
+class Launcher:
+    """Runs a command as every task of a local cluster (see the module docstring).
+
+    Example:
+        >>> code = Launcher(["python", "train.py"], workers=2).run()
+    """
+
+    def __init__(self, command: Sequence[str], workers: int = 1, ps: int = 0,
+                 chief: bool = False, evaluator: bool = False,
+                 devices_per_process: int | None = None, grace: float = 10.0,
+                 evaluator_grace: float = 60.0, out=None, coordinator: bool = False,
+                 insecure: bool = False, checkpoint_root: str | None = None,
+                 ps_runs_command: bool = False):
+        if not command:
+            raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
+        self.command = list(command)
+        self.coordinator = coordinator
+        root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV) or os.getcwd()
+        self.checkpoint_root = os.path.abspath(root)
+        # jaxdist.train's ps tasks restore the job's checkpoint at start; in coordinator mode
+        # the chief restores (the servers only need the root).
+        self.ps_runs_command = ps_runs_command or (
+            not coordinator and serves_its_own_ps_tasks(self.command))
+        self.cluster = local_cluster(workers, ps, chief or coordinator, evaluator)
+        self.token = new_token()
+        self.coordinator_token = new_coordinator_token()
+        self.insecure = insecure
+        self.pki: LocalPKI | None = None
+        self.devices_per_process = devices_per_process
+        self.grace = grace
+        self.evaluator_grace = evaluator_grace
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.tasks: dict[str, TaskProcess] = {}
+        self._interrupted: int | None = None
+
+    def _say(self, msg: str) -> None:
+        with self.lock:
+            self.out.write(f"[launch] {msg}\n")
+            self.out.flush()
+
+    def argv_for(self, job: str) -> list[str]:
+        """What task ``job`` runs: a server (ps; a coordinator's workers) or the command.
+
+        Example:
+            >>> Launcher(["python", "train.py"], workers=2, ps=1).argv_for("ps")[1:3]
+            ['-m', 'jaxdist.server']
+        """
+        if job == "ps":
+            return list(self.command) if self.ps_runs_command else server_command(
+                "ps", self.checkpoint_root)
+        if self.coordinator and job == "worker":
+            return server_command(job, self.checkpoint_root)
+        return list(self.command)
+
+    def start(self) -> None:
+        if not self.insecure and self.pki is None:
+            self.pki = local_pki([task_name(j, i) for j, i in task_list(self.cluster)])
+        if "ps" in self.cluster:
+            os.makedirs(self.checkpoint_root, exist_ok=True)
+        for job, i in task_list(self.cluster):
+            name = task_name(job, i)
+            env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
+            apply_task_security(env, job, i, self.pki, self.coordinator_token)
+            # Every task knows the ps tasks' checkpoint root (a program that serves its own
+            # ps tasks, or checks where it may save, reads it here).
+            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+            self.tasks[name] = TaskProcess(name, self.argv_for(job), env, echo=self.out,
+                                           echo_lock=self.lock)
+        self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
+        if "ps" in self.cluster:
+            self._say(f"ps tasks checkpoint under {self.checkpoint_root}")
+
+    def stop_all(self, except_: Sequence[str] = ()) -> None:
+        live = [t for n, t in self.tasks.items() if n not in except_ and t.running()]
+        for t in live:
+            t.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for t in live:
+            if t.wait(max(0.0, deadline - time.monotonic())) is None:
+                t.kill()
+                t.wait(5.0)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._interrupted = signum
+
+    def run(self) -> int:
+        """Starts the tasks and supervises them; returns the exit status."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
+            self.start()
+            return self._supervise()
+        finally:
+            self.stop_all()
+            if self.pki is not None:
+                self.pki.cleanup()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _supervise(self) -> int:
+        training = [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
+        if self.coordinator:  # workers serve the chief's functions until stopped
+            training = [n for n in self.tasks if n.startswith("chief:")]
+        evaluators = [n for n in self.tasks if n.startswith("evaluator:")]
+        done_at: float | None = None
+        while True:
+            if self._interrupted is not None:
+                self._say(f"interrupted (signal {self._interrupted}): stopping every task")
+                self.stop_all()
+                return 128 + int(self._interrupted)
+            for name, t in self.tasks.items():
+                code = t.returncode
+                if code not in (None, 0):
+                    self._say(f"{name} failed with exit code {exit_status(code)}; stopping the "
+                              f"other tasks")
+                    self.stop_all(except_=[name])
+                    return exit_status(code)
+            if all(self.tasks[n].returncode == 0 for n in training):
+                if done_at is None:
+                    done_at = time.monotonic()
+                eval_running = [n for n in evaluators if self.tasks[n].running()]
+                if not eval_running or time.monotonic() - done_at > self.evaluator_grace:
+                    self.stop_all()
+                    self._say("all training tasks finished")
+                    return 0
+            time.sleep(0.1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        _parser().error("no command given: python -m jaxdist.launch [options] -- COMMAND ...")
+    if shutil.which(command[0]) is None:  # one line, before any task starts
+        print(f"jaxdist.launch: command not found: {command[0]!r} (not an executable file, "
+              f"nor on PATH); expected e.g. -- python -m jaxdist.train --config FILE",
+              file=sys.stderr)
+        return 127
+    if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
+        _parser().error("need --workers >= 1 (or --chief)")
+    launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
+                        args.devices_per_process, args.grace, args.evaluator_grace,
+                        coordinator=args.coordinator, insecure=args.insecure,
+                        checkpoint_root=args.checkpoint_root,
+                        ps_runs_command=args.ps_runs_command)
+    return launcher.run()
