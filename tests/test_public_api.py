@@ -49,7 +49,6 @@ PENDING_MOVE: dict[str, str] = {
     "test_coordinator_signing.py": "the coordinator's worker thread moves (transport work)",
     "test_coordinator_unit.py": "the coordinator's worker thread moves (transport work)",
     "test_docstrings.py": "the doctest runner is being rewritten",
-    "test_keras_custom_loop.py": "the Keras adapter is being rewritten",
     "test_keras_input.py": "the Keras adapter is being rewritten",
     "test_keras_load_weights.py": "the Keras adapter is being rewritten",
     "test_keras_mw.py": "the Keras adapter is being rewritten",
