@@ -12,7 +12,11 @@ does: in a copy of the module's globals, plus ``jax``, ``jnp`` (``jax.numpy``), 
 * ``# doctest: +NEEDS_2_DEVICES`` (also ``_4_`` and ``_8_``) on a line states that the
   example needs that many devices on the default backend: with fewer (e.g. under
   ``JAX_NUM_CPU_DEVICES=1``) the docstring's examples are skipped, and the skip is reported.
-* Output is compared with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE``.
+  ``# doctest: +NEEDS_LIBTPU`` does the same for an example that compiles for a named TPU
+  topology (``pip install 'jaxdist[tpu]'``).
+* Output is compared with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE``; an exception's name is
+  compared without its module path (``DoubleReductionError: ...`` matches
+  ``jaxdist._src.strategies.replica_reduce.DoubleReductionError: ...``), its message in full.
 """
 
 from __future__ import annotations
@@ -57,8 +61,22 @@ def test_public_api_has_docstring_with_example(name, obj):
 # --- every docstring example runs -------------------------------------------------------------
 
 _DEVICE_FLAGS = {n: doctest.register_optionflag(f"NEEDS_{n}_DEVICES") for n in (2, 4, 8)}
+_LIBTPU_FLAG = doctest.register_optionflag("NEEDS_LIBTPU")
 _OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 _GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "jaxdist": jaxdist}
+
+
+# An exception line's qualified name ("pkg.mod.SomeError: msg"): doctest prints the module path.
+_QUALIFIED_ERROR = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*(?:Error|Exception|Exit|Warning|Interrupt)\b)", re.M)
+
+
+class _Checker(doctest.OutputChecker):
+    """doctest's checker, reading exception names without their module path."""
+
+    def check_output(self, want: str, got: str, optionflags: int) -> bool:
+        return super().check_output(_QUALIFIED_ERROR.sub(r"\1", want),
+                                    _QUALIFIED_ERROR.sub(r"\1", got), optionflags)
 
 
 def _modules() -> list[str]:
@@ -94,13 +112,22 @@ def _run_module_examples(module_name: str, workdir) -> tuple[int, list[str], lis
         if need > have:
             skipped.append(f"{_where(test)}: needs {need} devices, {have} available")
             continue
-        runner = doctest.DocTestRunner(optionflags=_OPTIONS | doctest.REPORT_ONLY_FIRST_FAILURE)
+        if (any(ex.options.get(_LIBTPU_FLAG) for ex in test.examples)
+                and not jaxdist.tpu.libtpu_available()):
+            skipped.append(f"{_where(test)}: needs libtpu (pip install 'jaxdist[tpu]')")
+            continue
+        runner = doctest.DocTestRunner(checker=_Checker(),
+                                       optionflags=_OPTIONS | doctest.REPORT_ONLY_FIRST_FAILURE)
         report: list[str] = []
         saved_env, saved_cwd = dict(os.environ), os.getcwd()
+        saved_filtering = jax.config.jax_traceback_filtering
         os.chdir(workdir.mkdir(re.sub(r"\W", "_", test.name)))
+        # JAX's filtered tracebacks end with a note, which doctest would read as the message.
+        jax.config.update("jax_traceback_filtering", "off")
         try:
             result = runner.run(test, out=report.append, clear_globs=True)
         finally:
+            jax.config.update("jax_traceback_filtering", saved_filtering)
             os.chdir(saved_cwd)
             os.environ.clear()
             os.environ.update(saved_env)
