@@ -1,8 +1,9 @@
 """``jaxdist.ps``: parameter servers: wire format, services, clients, placement, partitioners.
 
 Example:
+    >>> import jaxdist.ps
     >>> setter = jaxdist.ps.replica_device_setter(ps_tasks=2)
-    >>> opt = jaxdist._src.ps.optimizers.adam(1e-3)
+    >>> opt = jaxdist.ps.optimizers.adam(1e-3)
 """
 
 from jaxdist._src.ps import optimizers, wire
