@@ -21,6 +21,9 @@ training or inference mode:
   statistics.
 
 Example:
+    >>> from flax import nnx
+    >>> from jaxdist._src.train.models import MLP
+    >>> model, x = MLP(4, [8], 2, rngs=nnx.Rngs(0)), jnp.ones((5, 4))
     >>> ms = ModelState.split(model)
     >>> logits, new_rest = ms.apply(ms.params, ms.rest, x, training=True, step=0,
     ...                             replica_id=0)
@@ -80,6 +83,7 @@ class ModelState:
         """Splits ``model`` (see the module docstring).
 
         Example:
+            >>> from jaxdist._src.train.models import MLP
             >>> ms = ModelState.split(MLP(4, [8], 2, rngs=nnx.Rngs(0)))
         """
         graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)

@@ -10,6 +10,10 @@ is only for float16, which jaxdist does not offer).
 Example:
     >>> compute_dtype("bfloat16")
     dtype(bfloat16)
+    >>> import optax
+    >>> from flax import nnx
+    >>> from jaxdist._src.train.models import MLP
+    >>> model = MLP(4, [8], 2, rngs=nnx.Rngs(0))
     >>> trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64,
     ...                           precision="bfloat16")
 """
