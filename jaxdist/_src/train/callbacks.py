@@ -193,7 +193,8 @@ def with_callbacks(phase: str) -> Callable:
     the method gets the ``CallbackList`` as ``callback_list`` (for the batch hooks).
 
     Example:
-        >>> trainer.evaluate((x, y), callbacks=[LambdaCallback(on_test_end=print)])  # doctest: +SKIP
+        >>> trainer.evaluate(  # doctest: +SKIP
+        ...     (x, y), callbacks=[LambdaCallback(on_test_end=print)])
     """
     import functools
 
