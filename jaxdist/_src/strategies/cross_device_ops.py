@@ -275,7 +275,8 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every device of ``destinations`` (TF's ``broadcast``).
 
         Example:
-            >>> m = jaxdist.NcclAllReduce().broadcast(jnp.ones(()), ["/cpu:0", "/cpu:1"])
+            >>> m = jaxdist.NcclAllReduce().broadcast(  # doctest: +NEEDS_2_DEVICES
+            ...     jnp.ones(()), ["/cpu:0", "/cpu:1"])
         """
         if destinations is None:
             raise ValueError("destinations can not be None")
