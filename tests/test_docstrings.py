@@ -95,6 +95,12 @@ def _devices_needed(test: doctest.DocTest) -> int:
 def _where(test: doctest.DocTest) -> str:
     path = os.path.relpath(test.filename) if test.filename else "?"
     line = "?" if test.lineno is None else test.lineno + 1
+    if test.lineno is None and test.filename and test.docstring:
+        # doctest finds no line for a property's docstring: where its text is in the file
+        with open(test.filename) as f:
+            text = f.read()
+        at = text.find(test.docstring)
+        line = "?" if at < 0 else text.count("\n", 0, at) + 1
     return f"{test.name} ({path}:{line})"
 
 
