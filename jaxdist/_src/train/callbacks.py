@@ -19,10 +19,9 @@ process, which see the same all-reduced metrics and so decide the same.
 Example:
     >>> import optax
     >>> from flax import nnx
-    >>> from jaxdist._src.train.models import MLP
     >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
     >>> xv, yv = x[:32], y[:32]
-    >>> trainer = jaxdist.Trainer(MLP(4, [8], 2, rngs=nnx.Rngs(0)),
+    >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)),
     ...                           optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
     ...                           global_batch_size=32)
     >>> history = trainer.fit((x, y), epochs=3, validation_data=(xv, yv), verbose=0, callbacks=[

@@ -18,8 +18,7 @@ is wrapped in ``MeanMetricWrapper``.
 Example:
     >>> import optax
     >>> from flax import nnx
-    >>> from jaxdist._src.train.models import MLP
-    >>> model = MLP(4, [8], 10, rngs=nnx.Rngs(0))
+    >>> model = nnx.Linear(4, 10, rngs=nnx.Rngs(0))
     >>> trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64,
     ...                           metrics=["accuracy", SparseTopKCategoricalAccuracy(k=3)])
 """

@@ -12,8 +12,7 @@ Example:
     dtype(bfloat16)
     >>> import optax
     >>> from flax import nnx
-    >>> from jaxdist._src.train.models import MLP
-    >>> model = MLP(4, [8], 2, rngs=nnx.Rngs(0))
+    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     >>> trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64,
     ...                           precision="bfloat16")
 """

@@ -9,12 +9,11 @@ whole global batch. ``steps_per_execution=k`` folds ``k`` steps into one compile
 ``lax.scan`` over ``k`` batches inside the replica function).
 
 Example:
-    >>> from jaxdist._src.train.models import MLP
     >>> x, y = np.ones((128, 64), np.float32), np.zeros((128,), np.int32)
     >>> x_val, y_val = x[:64], y[:64]
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with strategy.scope():
-    ...     model = MLP(64, [128], 10, rngs=nnx.Rngs(0))
+    ...     model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
     ...     trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64)
     >>> history = trainer.fit((x, y), epochs=2, validation_data=(x_val, y_val), verbose=0)
     >>> trainer.evaluate((x_val, y_val))["accuracy"]
@@ -145,8 +144,7 @@ class Trainer(TrainerHandle):
 
     Example:
         >>> from flax import nnx
-        >>> from jaxdist._src.train.models import MLP
-        >>> model = MLP(4, [8], 2, rngs=nnx.Rngs(0))
+        >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
         >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
         >>> trainer = jaxdist.Trainer(model, optax.sgd(0.1), global_batch_size=32,
         ...                           strategy=jaxdist.MirroredStrategy())
@@ -599,8 +597,7 @@ class Trainer(TrainerHandle):
                 parameter-server strategy).
 
         Example:
-            >>> from jaxdist._src.train.models import MLP
-            >>> model = MLP(784, [128], 10, rngs=nnx.Rngs(0))
+            >>> model = nnx.Linear(784, 10, rngs=nnx.Rngs(0))
             >>> x_train, y_train = np.zeros((512, 784), np.float32), np.zeros((512,), np.int32)
             >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> with strategy.scope():

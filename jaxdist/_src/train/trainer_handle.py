@@ -7,8 +7,7 @@ directory) and ``describe_run`` (the start-up line). ``Trainer`` inherits them.
 Example:
     >>> import optax
     >>> from flax import nnx
-    >>> from jaxdist._src.train.models import MLP
-    >>> trainer = jaxdist.Trainer(MLP(4, [8], 2, rngs=nnx.Rngs(0)),
+    >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)),
     ...                           optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
     ...                           global_batch_size=32)
     >>> trainer.learning_rate = trainer.learning_rate * 0.5

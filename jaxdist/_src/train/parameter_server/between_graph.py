@@ -19,12 +19,11 @@ training). With it, every worker runs the same ``Trainer.fit``:
 Example:
     >>> import jaxdist.ps
     >>> from flax import nnx
-    >>> from jaxdist._src.train.models import MLP
     >>> x, y = np.ones((128, 4), np.float32), np.zeros((128,), np.int32)
     >>> x_val, y_val = x[:64], y[:64]
     >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG, or local
     >>> with strategy.scope():
-    ...     model = MLP(4, [8], 2, rngs=nnx.Rngs(0))
+    ...     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
     ...                               global_batch_size=64, strategy=strategy)
     >>> history = trainer.fit((x, y), epochs=2, validation_data=(x_val, y_val), verbose=0)
