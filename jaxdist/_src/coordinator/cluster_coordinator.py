@@ -24,7 +24,7 @@ Fault tolerance (TF's ``fault_tolerance_test.py``):
 Example:
     >>> strategy = jaxdist.ParameterServerStrategy(resolver)        # on the chief  # doctest: +SKIP
     >>> with strategy.scope():  # doctest: +SKIP
-    ...     params = strategy.create_variables(init_fn, jaxdist._src.ps.optimizers.adam(1e-3))
+    ...     params = strategy.create_variables(init_fn, jaxdist.ps.optimizers.adam(1e-3))
     >>> coordinator = ClusterCoordinator(strategy)  # doctest: +SKIP
     >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))  # doctest: +SKIP
     >>> def step(it):  # doctest: +SKIP

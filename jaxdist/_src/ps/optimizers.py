@@ -15,9 +15,10 @@ it on the update count of each shard's optimizer state, which is the global step
 between-graph training (every worker step pushes to every shard once), as TF's ``global_step``.
 
 Example:
-    >>> opt = jaxdist._src.ps.optimizers.chain(
-    ...     jaxdist._src.ps.optimizers.clip_by_global_norm(1.0),   # worker side
-    ...     jaxdist._src.ps.optimizers.adam(1e-3))                  # ps side, per shard
+    >>> import jaxdist.ps
+    >>> opt = jaxdist.ps.optimizers.chain(
+    ...     jaxdist.ps.optimizers.clip_by_global_norm(1.0),   # worker side
+    ...     jaxdist.ps.optimizers.adam(1e-3))                  # ps side, per shard
     >>> opt.worker_part().name, opt.ps_part().name
     ('clip_by_global_norm', 'adam')
 """
