@@ -2,9 +2,14 @@
 
 Example:
     >>> import jaxdist
-    >>> strategy = jaxdist.MirroredStrategy()
+    >>> import jax, jax.numpy as jnp
+    >>> strategy = jaxdist.MirroredStrategy()          # every local device
     >>> with strategy.scope():
-    ...     params = init_params()
+    ...     params = {"w": jnp.ones(3)}                # replicated
+    >>> batch = strategy.experimental_distribute_values_from_function(
+    ...     lambda ctx: jnp.full(3, ctx.replica_id_in_sync_group, jnp.float32))
+    >>> def step(params, x):
+    ...     return jaxdist.get_replica_context().all_reduce("SUM", params["w"] @ x)
     >>> out = strategy.run(step, args=(params, batch))
 """
 

@@ -6,8 +6,8 @@ variables and batches over the strategy's own mesh.
 
 Example:
     >>> import keras, jaxdist, jaxdist.keras
-    >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])  # doctest: +SKIP
-    >>> with jaxdist.keras.scope(strategy):  # doctest: +SKIP
+    >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+    >>> with jaxdist.keras.scope(strategy):
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     ...     model.compile(optimizer="sgd", loss="mse")
 """

@@ -8,6 +8,7 @@ small clusters; use your own PKI in production.
 
 Example:
     >>> client_tls = install_process_tls()      # this process now speaks mutual TLS
+    >>> env = dict(os.environ)
     >>> env.update(task_tls().env())            # for a server process it starts
 """
 
@@ -29,6 +30,7 @@ def process_pki() -> LocalPKI:
 
     Example:
         >>> process_pki().identities["client"]
+        TLSConfig(ca='.../ca.pem', cert='.../client.pem', key='.../client.key', server_name=None)
     """
     with _lock:
         if not _pki:
@@ -41,7 +43,10 @@ def task_tls() -> _tls.TLSConfig:
     """The identity for server processes a test starts.
 
     Example:
+        >>> env = {}
         >>> env.update(task_tls().env())
+        >>> sorted(env)
+        ['JAXDIST_TLS_CA', 'JAXDIST_TLS_CERT', 'JAXDIST_TLS_KEY']
     """
     return process_pki().identities["task"]
 

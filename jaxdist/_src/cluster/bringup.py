@@ -181,9 +181,9 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
             token or cluster spec than process 0's).
 
     Example:
-        >>> group = jaxdist._src.cluster.initialize_from_resolver(
+        >>> group = initialize_from_resolver(   # doctest: +SKIP
         ...     jaxdist.cluster_resolver.TFConfigClusterResolver(), timeout_seconds=120)
-        >>> group.process_id, group.num_processes
+        >>> group.process_id, group.num_processes   # worker 1 of 2  # doctest: +SKIP
         (1, 2)
     """
     timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
@@ -373,7 +373,8 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
         ClusterTimeoutError: the step did not finish in time and no member is known dead.
 
     Example:
-        >>> loss = jaxdist._src.cluster.wait_for_step(strategy.run(step, args=(state, batch)))
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> loss = wait_for_step(strategy.run(lambda x: x * 2, args=(jnp.ones(3),)))
     """
     import jax
 

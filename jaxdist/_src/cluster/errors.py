@@ -26,6 +26,7 @@ class TFConfigError(ClusterConfigError):
             for the whole document).
 
     Example:
+        >>> from jaxdist.cluster_resolver import TFConfigClusterResolver
         >>> bad = '{"cluster": {"worker": ["h:+80"]}}'
         >>> try:
         ...     TFConfigClusterResolver(tf_config=bad).cluster_spec()
@@ -43,6 +44,7 @@ class ClusterMergeError(KeyError, ClusterConfigError):
     """Two resolvers of a ``UnionResolver`` define the same task of a job (TF: ``KeyError``).
 
     Example:
+        >>> from jaxdist.cluster_resolver import SimpleClusterResolver, UnionResolver
         >>> UnionResolver(SimpleClusterResolver({"worker": {7: "a:1"}}),
         ...               SimpleClusterResolver({"worker": {7: "b:1"}})).cluster_spec()
         Traceback (most recent call last):

@@ -21,8 +21,8 @@ short TCP exchange (inside mutual TLS when the task has TLS material, see
 another cluster spec is refused too. The token never travels.
 
 Example:
-    >>> serve_handshake(group, token, timeout=60)      # process 0
-    >>> join_handshake(group, token, timeout=60)       # every other process
+    >>> serve_handshake(group, token, timeout=60)      # process 0  # doctest: +SKIP
+    >>> join_handshake(group, token, timeout=60)       # every other process  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ def group_digest(group: Any) -> bytes:
     """A digest of the group's members and coordinator address (both sides compute it).
 
     Example:
+        >>> from jaxdist._src.cluster.process_group import process_group
+        >>> from jaxdist.cluster_resolver import SimpleClusterResolver
+        >>> group = process_group(SimpleClusterResolver(
+        ...     {"worker": ["w:1", "w:2"]}, task_type="worker", task_id=0))
         >>> len(group_digest(group))
         32
     """
@@ -146,7 +150,7 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
         ClusterTimeoutError: not every process proved itself in time (it names them).
 
     Example:
-        >>> serve_handshake(group, token, timeout=60)
+        >>> serve_handshake(group, token, timeout=60)   # doctest: +SKIP
     """
     material = _tls_material() if tls_material == "auto" else tls_material
     ctx = _server_context(material)
@@ -371,7 +375,7 @@ def join_handshake(group: Any, token: str, timeout: float, tls_material: Any = "
         ClusterTimeoutError: process 0 did not answer (or not every process joined) in time.
 
     Example:
-        >>> join_handshake(group, token, timeout=60)
+        >>> join_handshake(group, token, timeout=60)   # doctest: +SKIP
     """
     material = _tls_material() if tls_material == "auto" else tls_material
     ctx = _client_context(material)

@@ -3,9 +3,10 @@
 
 Example:
     >>> with LocalCluster(workers=2, devices_per_process=1) as c:
-    ...     c.start([sys.executable, "-m", "my_worker"])
-    ...     codes = c.join(timeout=60)              # {"worker:0": 0, "worker:1": 0}
-    ...     print(c.output("worker:1"))
+    ...     c.start([sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'][:11])"])
+    ...     codes = c.join(timeout=60)
+    ...     print(codes, c.output("worker:1"))
+    {'worker:0': 0, 'worker:1': 0} {"cluster":
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class LocalCluster:
         ``os.environ.update(c.security_env("chief:0"))``.
 
         Example:
+            >>> import os
+            >>> cluster = LocalCluster(workers=1, chief=True)
             >>> os.environ.update(cluster.security_env("chief:0"))
+            >>> cluster.close()
         """
         self._check(name)
         job, _, idx = name.partition(":")

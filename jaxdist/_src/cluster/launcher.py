@@ -100,7 +100,14 @@ class Launcher:
     """Runs a command as every task of a local cluster (see the module docstring).
 
     Example:
-        >>> code = Launcher(["python", "train.py"], workers=2).run()
+        >>> import sys
+        >>> train_py = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'][:11])"]
+        >>> code = Launcher(train_py, workers=2).run()
+        [launch] started worker:0, worker:1 on {'worker': ['127.0.0.1:...', '127.0.0.1:...']}
+        ...
+        [launch] all training tasks finished
+        >>> code
+        0
     """
 
     def __init__(self, command: Sequence[str], workers: int = 1, ps: int = 0,

@@ -50,8 +50,8 @@ def local_cluster(workers: int = 1, ps: int = 0, chief: bool = False, evaluator:
     """A cluster dict with free ports on ``host``.
 
     Example:
-        >>> local_cluster(workers=2, ps=1)
-        {'worker': ['127.0.0.1:40001', '127.0.0.1:40002'], 'ps': ['127.0.0.1:40003']}
+        >>> local_cluster(workers=2, ps=1)   # free ports of this host
+        {'worker': ['127.0.0.1:...', '127.0.0.1:...'], 'ps': ['127.0.0.1:...']}
     """
     if workers < 0 or ps < 0 or (workers == 0 and not chief):
         raise ClusterConfigError(

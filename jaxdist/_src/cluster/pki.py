@@ -8,7 +8,8 @@ certificate is good for both server and client authentication (tasks are both).
 
 Example:
     >>> pki = local_pki(["chief:0", "worker:0", "ps:0", "client"])
-    >>> pki.identities["ps:0"].cert         # '/tmp/jaxdist-tls-xxxx/ps-0.pem'
+    >>> pki.identities["ps:0"].cert
+    '/tmp/jaxdist-tls-.../ps-0.pem'
     >>> pki.cleanup()
 """
 
@@ -38,7 +39,12 @@ class LocalPKI:
         identities: ``name -> TLSConfig`` (the task's certificate and key).
 
     Example:
+        >>> pki = local_pki(["worker:0", "ps:0"])
+        >>> env = {}
         >>> env.update(pki.identities["worker:0"].env())
+        >>> sorted(env)
+        ['JAXDIST_TLS_CA', 'JAXDIST_TLS_CERT', 'JAXDIST_TLS_KEY']
+        >>> pki.cleanup()
     """
 
     directory: str
@@ -49,6 +55,7 @@ class LocalPKI:
         """Deletes the directory and every key in it.
 
         Example:
+            >>> pki = local_pki(["worker:0"])
             >>> pki.cleanup()
         """
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -158,7 +165,12 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
     request, not to sign one) and its own answer key; other tasks nothing.
 
     Example:
-        >>> apply_task_security(env, "worker", 0, pki, coordinator_token)
+        >>> env = {"JAXDIST_INSECURE": "1"}             # inherited: dropped
+        >>> pki = local_pki(["worker:0"])
+        >>> _ = apply_task_security(env, "worker", 0, pki, coordinator_token=None)
+        >>> sorted(env)
+        ['JAXDIST_TLS_CA', 'JAXDIST_TLS_CERT', 'JAXDIST_TLS_KEY']
+        >>> pki.cleanup()
     """
     from jaxdist._src.cluster.credentials import COORDINATOR_TOKEN_ENV, CoordinatorKeys
     from jaxdist._src.cluster.tls import INSECURE_ENV

@@ -40,7 +40,10 @@ class ProcessGroup:
         is_chief: this task is the chief (TF's rule: chief, or worker 0 without a chief).
 
     Example:
-        >>> g = process_group(resolver)        # TF_CONFIG: chief + 2 workers, this = worker 1
+        >>> from jaxdist.cluster_resolver import SimpleClusterResolver
+        >>> resolver = SimpleClusterResolver(
+        ...     {"chief": ["c:1"], "worker": ["w:1", "w:2"]}, task_type="worker", task_id=1)
+        >>> g = process_group(resolver)        # chief + 2 workers, this = worker 1
         >>> g.process_id, g.num_processes, g.task_name(0)
         (2, 3, 'chief:0')
     """

@@ -41,6 +41,10 @@ class ClusterResolver(abc.ABC):
     ``task_id``, ``rpc_layer``, ``environment`` and ``cluster_token`` are attributes.
 
     Example:
+        >>> import json, os
+        >>> os.environ["TF_CONFIG"] = json.dumps({
+        ...     "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+        ...     "task": {"type": "worker", "index": 0}})
         >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()
         >>> resolver.cluster_spec().as_dict()
         {'worker': ['localhost:12345', 'localhost:23456']}
@@ -161,8 +165,9 @@ class UnionResolver(ClusterResolver):
     first resolver unless given.
 
     Example:
+        >>> from jaxdist.cluster_resolver import TFConfigClusterResolver
         >>> ps = SimpleClusterResolver({"ps": ["h9:2222"]})
-        >>> workers = TFConfigClusterResolver()
+        >>> workers = TFConfigClusterResolver(tf_config={"cluster": {"worker": ["h1:2222"]}})
         >>> UnionResolver(workers, ps).cluster_spec().jobs
         ['worker', 'ps']
     """

@@ -128,8 +128,9 @@ class FreezeGuard:
     process was stopped returns as soon as it continues, so the guard wakes first.
 
     Example:
+        >>> client = None   # the coordination service's client, in a multi-process job
         >>> guard = FreezeGuard("worker:1", 1, 2, heartbeat_timeout=10, client=client)
-        >>> guard.start()
+        >>> guard = guard.start()
         >>> guard.stop()      # at an orderly shutdown
     """
 

@@ -121,8 +121,8 @@ class SlurmClusterResolver(ClusterResolver):
 
     Example:
         >>> # srun -N 2 --ntasks-per-node 2 python train.py
-        >>> resolver = SlurmClusterResolver(jobs={"worker": 4})
-        >>> strategy = jaxdist.MultiWorkerMirroredStrategy(resolver)
+        >>> resolver = SlurmClusterResolver(jobs={"worker": 4})        # doctest: +SKIP
+        >>> strategy = jaxdist.MultiWorkerMirroredStrategy(resolver)   # doctest: +SKIP
     """
 
     def __init__(self, jobs: dict[str, int] | None = None, port_base: int = 8888,

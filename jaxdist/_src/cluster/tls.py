@@ -19,8 +19,12 @@ start and a client refuses to connect, with a message saying how to fix it.
 per-task certificates (``jaxdist._src.cluster.pki``) and set the environment for each task.
 
 Example:
+    >>> from jaxdist._src.cluster.pki import local_pki
+    >>> pki = local_pki(["ps:0", "worker:0"])
+    >>> os.environ.update(pki.identities["worker:0"].env())   # as a task's launcher sets it
     >>> tls = resolve_tls()                 # from TF_CONFIG / the environment
     >>> channel = open_channel("127.0.0.1:2222", tls, "ps:0")
+    >>> channel.close(); pki.cleanup()
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class TLSConfig:
 
     Example:
         >>> tls = TLSConfig("/tls/ca.pem", "/tls/worker-0.pem", "/tls/worker-0.key")
-        >>> creds = tls.channel_credentials()
+        >>> creds = tls.channel_credentials()   # reads the files  # doctest: +SKIP
     """
 
     ca: str
@@ -90,7 +94,14 @@ class TLSConfig:
         """``grpc.ssl_server_credentials`` requiring a client certificate signed by ``ca``.
 
         Example:
-            >>> server.add_secure_port("127.0.0.1:2222", tls.server_credentials())
+            >>> import grpc
+            >>> from concurrent import futures
+            >>> from jaxdist._src.cluster.pki import local_pki
+            >>> pki = local_pki(["ps:0"])
+            >>> tls = pki.identities["ps:0"]
+            >>> server = grpc.server(futures.ThreadPoolExecutor(1))
+            >>> port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+            >>> pki.cleanup()
         """
         import grpc
 
@@ -102,7 +113,12 @@ class TLSConfig:
         """``grpc.ssl_channel_credentials`` presenting this task's certificate.
 
         Example:
-            >>> channel = grpc.secure_channel(address, tls.channel_credentials())
+            >>> import grpc
+            >>> from jaxdist._src.cluster.pki import local_pki
+            >>> pki = local_pki(["worker:0"])
+            >>> tls = pki.identities["worker:0"]
+            >>> channel = grpc.secure_channel("127.0.0.1:2222", tls.channel_credentials())
+            >>> channel.close(); pki.cleanup()
         """
         import grpc
 
@@ -114,7 +130,10 @@ class TLSConfig:
         """The environment variables that make a task read this identity.
 
         Example:
-            >>> env.update(tls.env())
+            >>> tls = TLSConfig("/tls/ca.pem", "/tls/worker-0.pem", "/tls/worker-0.key")
+            >>> env = dict(tls.env())
+            >>> env["JAXDIST_TLS_CA"]
+            '/tls/ca.pem'
         """
         out = {TLS_CA_ENV: self.ca, TLS_CERT_ENV: self.cert, TLS_KEY_ENV: self.key}
         if self.server_name:
@@ -231,6 +250,10 @@ def add_port(server: Any, address: str, tls: TLSConfig | None, who: str) -> int:
     """Binds ``address`` on a ``grpc.Server``: mutual TLS, or plaintext on loopback.
 
     Example:
+        >>> import grpc
+        >>> from concurrent import futures
+        >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
+        >>> server = grpc.server(futures.ThreadPoolExecutor(1))
         >>> port = add_port(server, "127.0.0.1:0", resolve_tls(), "ps:0")
     """
     if tls is None:
@@ -244,7 +267,9 @@ def open_channel(address: str, tls: TLSConfig | None, who: str,
     """A ``grpc.Channel`` to ``address``: mutual TLS, or plaintext on loopback.
 
     Example:
+        >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
         >>> channel = open_channel("127.0.0.1:2222", resolve_tls(), "ps:0")
+        >>> channel.close()
     """
     import grpc
 

@@ -4,11 +4,11 @@
 parameter-server cluster and survives worker failures; see ``docs/coordinator.md``.
 
 Example:
-    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
-    >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    >>> rv = coordinator.schedule(step_fn, args=(it,))
-    >>> coordinator.join()
-    >>> rv.fetch()
+    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+    >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))  # doctest: +SKIP
+    >>> rv = coordinator.schedule(step_fn, args=(it,))  # doctest: +SKIP
+    >>> coordinator.join()  # doctest: +SKIP
+    >>> rv.fetch()  # doctest: +SKIP
 """
 
 from jaxdist._src.coordinator.answer_pickle import UntrustedPickleError

@@ -12,7 +12,10 @@ against its own objects (``jaxdist._src.coordinator.worker_runtime``):
 Only the authenticated coordinator <-> worker channel carries these bytes.
 
 Example:
+    >>> args, kwargs = (np.ones(3),), {"lr": 0.1}
     >>> payload = dumps((args, kwargs), worker_index=1)
+    >>> isinstance(payload, bytes)
+    True
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ error once and clears it: the queue accepts new work again. Errors of the functi
 while being cancelled never surface.
 
 Example:
+    >>> from jaxdist._src.coordinator.remote_value import RemoteValue
+    >>> closure = Closure(0, print, (), {}, RemoteValue())
     >>> q = ClosureQueue()
     >>> q.put(closure)
     >>> c = q.get(timeout=0.1)      # a worker thread
@@ -83,9 +85,16 @@ class ClosureQueue:
             (``put_back`` or ``mark_failed``). ``None``: in-flight functions are waited for.
 
     Example:
+        >>> from jaxdist._src.coordinator.remote_value import RemoteValue
+        >>> closure = Closure(0, print, (), {}, RemoteValue())
         >>> q = ClosureQueue()
         >>> q.put(closure); c = q.get(); q.mark_failed(ValueError("x"))
         >>> q.wait()            # raises ValueError once, then the queue is clean
+        Traceback (most recent call last):
+        ...
+        ValueError: x
+        >>> q.wait()
+        True
     """
 
     def __init__(self, on_cancel: Callable[[], None] | None = None):

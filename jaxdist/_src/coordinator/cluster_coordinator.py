@@ -22,18 +22,18 @@ Fault tolerance (TF's ``fault_tolerance_test.py``):
   ``schedule`` and ``join`` until it answers again.
 
 Example:
-    >>> strategy = jaxdist.ParameterServerStrategy(resolver)        # on the chief
-    >>> with strategy.scope():
+    >>> strategy = jaxdist.ParameterServerStrategy(resolver)        # on the chief  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
     ...     params = strategy.create_variables(init_fn, jaxdist.ps.optimizers.adam(1e-3))
-    >>> coordinator = ClusterCoordinator(strategy)
-    >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    >>> def step(it):
+    >>> coordinator = ClusterCoordinator(strategy)  # doctest: +SKIP
+    >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))  # doctest: +SKIP
+    >>> def step(it):  # doctest: +SKIP
     ...     x, y = next(it)
     ...     loss, grads = strategy.run(grad_fn, args=(params, x, y))
     ...     params.apply_gradients(grads)
     ...     return loss
-    >>> losses = [coordinator.schedule(step, args=(it,)) for _ in range(100)]
-    >>> coordinator.join()
+    >>> losses = [coordinator.schedule(step, args=(it,)) for _ in range(100)]  # doctest: +SKIP
+    >>> coordinator.join()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ class PerWorkerDataset:
     start) and iterators.
 
     Example:
-        >>> per_worker_dataset = coordinator.create_per_worker_dataset(dataset_fn)
-        >>> per_worker_iterator = iter(per_worker_dataset)
-        >>> coordinator.schedule(step_fn, args=(per_worker_iterator,))
+        >>> per_worker_dataset = coordinator.create_per_worker_dataset(dataset_fn)  # doctest: +SKIP
+        >>> per_worker_iterator = iter(per_worker_dataset)  # doctest: +SKIP
+        >>> coordinator.schedule(step_fn, args=(per_worker_iterator,))  # doctest: +SKIP
     """
 
     def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Any):
@@ -131,8 +131,8 @@ class PerWorkerDataset:
         """The per-worker datasets themselves (TF's ``build()``), to pass to ``schedule``.
 
         Example:
-            >>> datasets = coordinator.create_per_worker_dataset(ds).build()
-            >>> coordinator.schedule(lambda d: next(iter(d)), args=(datasets,))
+            >>> datasets = coordinator.create_per_worker_dataset(ds).build()  # doctest: +SKIP
+            >>> coordinator.schedule(lambda d: next(iter(d)), args=(datasets,))  # doctest: +SKIP
         """
         return self._values
 
@@ -153,11 +153,11 @@ class PerWorkerIterator(PerWorkerValues):
     """One iterator per worker (``iter(per_worker_dataset)``); pass it to ``schedule``.
 
     Example:
-        >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        >>> def step_fn(iterator):
+        >>> it = iter(coordinator.create_per_worker_dataset(dataset_fn))  # doctest: +SKIP
+        >>> def step_fn(iterator):  # doctest: +SKIP
         ...     x, y = next(iterator)          # the executing worker's own iterator
         ...     return x.sum()
-        >>> coordinator.schedule(step_fn, args=(it,))
+        >>> coordinator.schedule(step_fn, args=(it,))  # doctest: +SKIP
     """
 
     def __init__(self, values: PerWorkerValues):
@@ -192,11 +192,11 @@ class ClusterCoordinator:
     the same object (until it is shut down; asking for other settings is an error).
 
     Example:
-        >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
-        >>> assert jaxdist.coordinator.ClusterCoordinator(strategy) is coordinator
-        >>> rv = coordinator.schedule(step_fn, args=(per_worker_iterator,))
-        >>> coordinator.join()
-        >>> rv.fetch()
+        >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+        >>> assert jaxdist.coordinator.ClusterCoordinator(strategy) is coordinator  # doctest: +SKIP
+        >>> rv = coordinator.schedule(step_fn, args=(per_worker_iterator,))  # doctest: +SKIP
+        >>> coordinator.join()  # doctest: +SKIP
+        >>> rv.fetch()  # doctest: +SKIP
     """
 
     def __new__(cls, strategy: Any, **settings: Any) -> ClusterCoordinator:
@@ -302,7 +302,7 @@ class ClusterCoordinator:
             WorkerUnavailableError: no worker answered.
 
         Example:
-            >>> coordinator.worker_num_replicas()
+            >>> coordinator.worker_num_replicas()  # doctest: +SKIP
             1
         """
         with self._num_replicas_lock:
@@ -373,7 +373,7 @@ class ClusterCoordinator:
             TypeError: ``fn`` is not callable or ``args``/``kwargs`` have the wrong type.
 
         Example:
-            >>> rv = coordinator.schedule(step_fn, args=(it,))
+            >>> rv = coordinator.schedule(step_fn, args=(it,))  # doctest: +SKIP
         """
         if not callable(fn):
             raise TypeError(f"schedule expects a callable fn, got {type(fn).__name__}")
@@ -419,7 +419,7 @@ class ClusterCoordinator:
         worker, as TF fetches it; it must be picklable (an iterator is not).
 
         Example:
-            >>> coordinator.fetch([rv1, {"b": rv2}, 3])   # -> [v1, {"b": v2}, 3]
+            >>> coordinator.fetch([rv1, {"b": rv2}, 3])   # -> [v1, {"b": v2}, 3]  # doctest: +SKIP
         """
 
         def one(x: Any) -> Any:
@@ -461,11 +461,12 @@ class ClusterCoordinator:
             TypeError: ``dataset_fn`` is neither.
 
         Example:
-            >>> ds = coordinator.create_per_worker_dataset(
+            >>> ds = coordinator.create_per_worker_dataset(  # doctest: +SKIP
             ...     lambda ctx: jaxdist.Dataset.from_tensor_slices(x).shard(
             ...         ctx.num_input_pipelines, ctx.input_pipeline_id).batch(32).repeat())
-            >>> it = iter(ds)
-            >>> same = coordinator.create_per_worker_dataset(jaxdist.Dataset.from_tensor_slices(x))
+            >>> it = iter(ds)  # doctest: +SKIP
+            >>> same = coordinator.create_per_worker_dataset(  # doctest: +SKIP
+            ...     jaxdist.Dataset.from_tensor_slices(x))
         """
         return PerWorkerDataset(self, dataset_fn)
 
@@ -495,10 +496,10 @@ class ClusterCoordinator:
             ``reduce_fn([result of shard 0, shard 1, ...])``.
 
         Example:
-            >>> def eval_fn(it):
+            >>> def eval_fn(it):  # doctest: +SKIP
             ...     return sum(float(jnp.sum(model(x) == y)) for x, y in it), ...
             >>> acc = coordinator.evaluate(eval_fn, lambda i, n: eval_ds.shard(n, i).batch(64),
-            ...                            reduce_fn=lambda parts: ...)
+            ...                            reduce_fn=lambda parts: ...)  # doctest: +SKIP
         """
         n = num_shards or 4 * self.num_workers
         if n < 1:

@@ -19,6 +19,9 @@ class WorkerUnavailableError(CoordinatorError):
     Example:
         >>> raise WorkerUnavailableError("worker:1 at 127.0.0.1:1234 did not answer Ping "
         ...                              "within 2.0 s", task="worker:1")
+        Traceback (most recent call last):
+        ...
+        WorkerUnavailableError: worker:1 at 127.0.0.1:1234 did not answer Ping within 2.0 s
     """
 
 
@@ -35,8 +38,11 @@ class CancelledError(CoordinatorError):
     its updates already.
 
     Example:
-        >>> with pytest.raises(CancelledError, match="Please reschedule"):
-        ...     rv.fetch()
+        >>> try:
+        ...     rv.fetch()      # a function cancelled after an earlier one failed
+        ... except CancelledError as e:  # doctest: +SKIP
+        ...     print(e)
+        The corresponding function is cancelled. Please reschedule the function.
     """
 
 

@@ -8,9 +8,10 @@ resources. A ps task that does not answer for ``ps_timeout`` seconds becomes a c
 (``PSUnavailableError`` naming it) until it answers again.
 
 Example:
-    >>> watcher = HealthWatcher(worker_client, ps_client, interval=1.0, timeout=10.0)
-    >>> watcher.start()
-    >>> watcher.workers[0].up.wait(5.0)
+    >>> watcher = HealthWatcher(worker_client, ps_client,  # doctest: +SKIP
+    ...                         interval=1.0, timeout=10.0)
+    >>> watcher.start()  # doctest: +SKIP
+    >>> watcher.workers[0].up.wait(5.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``RemoteValue`` (the future of a scheduled function) and ``PerWorkerValues``.
 
 Example:
-    >>> rv = coordinator.schedule(step_fn, args=(it,))
-    >>> rv.fetch()          # numpy result, waits for the function
+    >>> rv = coordinator.schedule(step_fn, args=(it,))  # doctest: +SKIP
+    >>> rv.fetch()          # numpy result, waits for the function  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ class RemoteValueStatus(enum.Enum):
     """Where a ``RemoteValue`` stands (TF's ``RemoteValueStatus``).
 
     Example:
-        >>> rv = coordinator.schedule(step_fn)
-        >>> coordinator.join()
-        >>> rv._status is RemoteValueStatus.READY
+        >>> rv = coordinator.schedule(step_fn)  # doctest: +SKIP
+        >>> coordinator.join()  # doctest: +SKIP
+        >>> rv._status is RemoteValueStatus.READY  # doctest: +SKIP
         True
     """
 
@@ -41,9 +41,9 @@ class RemoteValue:
     readable even if the worker that computed it dies: the result is held by the coordinator.
 
     Example:
-        >>> rv = coordinator.schedule(fn)
-        >>> coordinator.join()
-        >>> rv.fetch()
+        >>> rv = coordinator.schedule(fn)  # doctest: +SKIP
+        >>> coordinator.join()  # doctest: +SKIP
+        >>> rv.fetch()  # doctest: +SKIP
     """
 
     def __init__(self, name: str = "function", default_timeout: float | None = None):
@@ -125,7 +125,7 @@ class PerWorkerValues:
 
     Example:
         >>> seeds = PerWorkerValues([0, 1])           # worker:0 gets 0, worker:1 gets 1
-        >>> coordinator.schedule(fn, args=(seeds,))
+        >>> coordinator.schedule(fn, args=(seeds,))  # doctest: +SKIP
     """
 
     def __init__(self, values: Sequence[Any]):

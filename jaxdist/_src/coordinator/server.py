@@ -124,8 +124,9 @@ class Server:
         TLSConfigError: no TLS material and plaintext on loopback not asked for.
 
     Example:
-        >>> server = jaxdist.Server(jaxdist.cluster_resolver.TFConfigClusterResolver())
-        >>> server.join()          # until stopped
+        >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()
+        >>> server = jaxdist.Server(resolver)   # on a ps or worker task  # doctest: +SKIP
+        >>> server.join()          # until stopped  # doctest: +SKIP
     """
 
     def __init__(self, cluster_resolver: Any = None, job_name: str | None = None,

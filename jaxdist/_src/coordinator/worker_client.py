@@ -15,8 +15,8 @@ for its predecessor (``WorkerUnavailableError``; the next call pings it first). 
 mutual TLS unless plaintext on loopback was asked for.
 
 Example:
-    >>> client = WorkerClient(["127.0.0.1:2224"], coordinator_token="c0ffee")
-    >>> meta, _ = client.call(0, "Ping", timeout=2.0)
+    >>> client = WorkerClient(["127.0.0.1:2224"], coordinator_token="c0ffee")  # doctest: +SKIP
+    >>> meta, _ = client.call(0, "Ping", timeout=2.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ MAC'd answer messages, one frame each. It spares gRPC Python's fixed per-message
 half the CPU of a small closure). ``JAXDIST_COORDINATOR_DIRECT=0`` turns it off.
 
 Example:
-    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224",
+    >>> server = WorkerServer(WorkerRuntime(info), "127.0.0.1:2224",  # doctest: +SKIP
     ...                       coordinator=keys.worker_credential("worker:0")).start()
-    >>> server.wait_for_stop()
+    >>> server.wait_for_stop()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def request_refusal(verifier: RequestVerifier, method: str, auth: Any, meta: dic
     worker, its incarnation and ``method``, and it is not a replay).
 
     Example:
-        >>> request_refusal(verifier, "RunClosures", meta.get("auth"), meta, arrays)
+        >>> request_refusal(  # doctest: +SKIP
+        ...     verifier, "RunClosures", meta.get("auth"), meta, arrays)
     """
     if auth is None:
         if metadata and TOKEN_METADATA_KEY in metadata:
@@ -266,7 +267,10 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
     another) does not count as its duration; without it, the time since the previous answer.
 
     Example:
-        >>> frames = list(group_answers(iter(answers), len(answers), 8))
+        >>> answers = [({"ok": True}, {"value": np.float32(i)}) for i in range(3)]  # 3 losses
+        >>> frames = list(group_answers((a for a in answers), len(answers), 8))  # a generator
+        >>> len(frames), sorted(frames[0][1])                     # one message, one stack
+        (1, ['*.value'])
     """
     hold = GROUP_HOLD_SECONDS if hold_seconds is None else hold_seconds
     held: list[tuple[dict, dict]] = []

@@ -37,8 +37,12 @@ class FileListDataset:
             batch axis).
 
     Example:
-        >>> ds = FileListDataset(sorted(glob.glob("data/*.npz")),
+        >>> import glob
+        >>> for i in range(4):
+        ...     np.savez(f"part-{i}.npz", x=np.full((2, 3), i, np.float32))
+        >>> ds = FileListDataset(sorted(glob.glob("part-*.npz")),
         ...                      lambda f: [dict(np.load(f))])
+        >>> strategy = jaxdist.MultiWorkerMirroredStrategy()   # TF_CONFIG unset: one worker
         >>> dist = strategy.experimental_distribute_dataset(ds)   # AUTO -> FILE
     """
 
@@ -71,7 +75,9 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
     """Tags ``dataset`` with a policy (TF: ``options.experimental_distribute.auto_shard_policy``).
 
     Example:
-        >>> ds = with_auto_shard_policy(ds, AutoShardPolicy.DATA)
+        >>> ds = with_auto_shard_policy(jaxdist.Dataset.range(8).batch(2), AutoShardPolicy.DATA)
+        >>> policy_of(ds)
+        <AutoShardPolicy.DATA: 'DATA'>
     """
     return _PolicyDataset(dataset, as_policy(policy))
 
@@ -197,8 +203,11 @@ def shard_files(files: Sequence[str], input_context: Any) -> list[str]:
     """The files one input pipeline reads (for ``distribute_datasets_from_function``).
 
     Example:
+        >>> all_files, read = [f"part-{i}.npz" for i in range(4)], lambda f: [dict(np.load(f))]
         >>> def dataset_fn(ctx):
         ...     return FileListDataset(shard_files(all_files, ctx), read)
+        >>> shard_files(all_files, jaxdist.InputContext(2, 1, 4))  # pipeline 1 of 2
+        ['part-1.npz', 'part-3.npz']
     """
     n, i = input_context.num_input_pipelines, input_context.input_pipeline_id
     if len(files) < n:

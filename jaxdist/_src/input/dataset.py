@@ -254,10 +254,11 @@ class Dataset:
     """An iterable of elements (pytrees of numpy arrays) with ``tf.data``'s methods.
 
     Example:
+        >>> x, y = np.zeros((256, 784), np.float32), np.zeros((256,), np.int32)
         >>> ds = (jaxdist.Dataset.from_tensor_slices((x, y))
         ...       .shuffle(1000, seed=0).map(lambda x, y: (x / 255, y)).batch(64))
         >>> for xb, yb in ds:
-        ...     ...
+        ...     assert xb.shape[1:] == (784,)   # batches of 64 rows
     """
 
     #: Class-level aliases of the module constants (``tf.data.AUTOTUNE`` and friends).
@@ -313,6 +314,7 @@ class Dataset:
         them into the dataset); each element is a read-only view of that copy.
 
         Example:
+            >>> x, y = np.zeros((256, 784), np.float32), np.zeros((256,), np.int32)
             >>> ds = jaxdist.Dataset.from_tensor_slices((x, y)).batch(64)
             >>> xb, yb = next(iter(ds))     # read-only views: xb = xb / 255, not xb /= 255
             >>> [int(v) for v in jaxdist.Dataset.from_tensor_slices([1, 2, 3])]

@@ -389,6 +389,8 @@ class DistributedIterator:
     """Iterator over per-replica batches (``tf.distribute.DistributedIterator``).
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> batches = jaxdist.Dataset.from_tensor_slices(np.ones((16, 3), np.float32)).batch(8)
         >>> it = iter(strategy.experimental_distribute_dataset(batches))
         >>> x = it.get_next()                  # a PerReplica batch
         >>> maybe = it.get_next_as_optional()  # None at the end of the data
@@ -458,10 +460,13 @@ class DistributedDataset:
     Iterating gives pytrees of ``PerReplica`` values to pass to ``strategy.run``.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> x, y = np.ones((128, 3), np.float32), np.zeros((128,), np.float32)
+        >>> step = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)
         >>> dist = strategy.experimental_distribute_dataset(
         ...     jaxdist.Dataset.from_tensor_slices((x, y)).batch(64))
         >>> for xb, yb in dist:
-        ...     strategy.run(step, args=(state, xb, yb))
+        ...     loss = strategy.run(step, args=(jnp.zeros(3), xb, yb))
     """
 
     def __init__(
@@ -494,9 +499,12 @@ class DistributedDataset:
         full batch's share (TF's split of the first batch); the last batch may be shorter.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> x = np.ones((16, 3), np.float32)
             >>> dist = strategy.experimental_distribute_dataset(
             ...     jaxdist.Dataset.from_tensor_slices(x).batch(8))
-            >>> dist.element_spec          # 2 replicas: PerReplicaSpec((4, ...), (4, ...))
+            >>> dist.element_spec          # 2 replicas: 4 rows each
+            PerReplicaSpec(ShapeDtypeStruct(shape=(4, 3), ...), ShapeDtypeStruct(shape=(4, 3), ...))
         """
         if not hasattr(self, "_element_spec"):
             first = _first_element(self._dataset)
@@ -561,8 +569,12 @@ class DistributedDatasetsFromFunction:
         replica's spec is that dataset's element type (``PerReplicaSpec`` with several replicas).
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> def dataset_fn(ctx):
+            ...     return jaxdist.Dataset.from_tensor_slices(np.ones((16, 3), np.float32)).batch(4)
             >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
             >>> dist.element_spec
+            PerReplicaSpec(ShapeDtypeStruct(shape=(4, 3), ...), ShapeDtypeStruct(shape=(4, 3), ...))
         """
         if not hasattr(self, "_element_spec"):
             first = _first_element(self._dataset)

@@ -11,7 +11,9 @@ class AutoShardPolicy(enum.Enum):
 
     Example:
         >>> from jaxdist.data import with_auto_shard_policy
+        >>> batches = jaxdist.Dataset.range(16).batch(4)
         >>> ds = with_auto_shard_policy(batches, jaxdist.AutoShardPolicy.DATA)
+        >>> strategy = jaxdist.MultiWorkerMirroredStrategy()   # TF_CONFIG unset: one worker
         >>> dist = strategy.experimental_distribute_dataset(ds)
     """
 

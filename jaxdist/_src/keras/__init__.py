@@ -7,11 +7,12 @@ train step and jaxdist agree on every placement).
 
 Example:
     >>> import keras, jaxdist, jaxdist.keras
-    >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+    >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with jaxdist.keras.scope(strategy):
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     ...     model.compile(optimizer="sgd", loss="mse")
-    ...     model.fit(x, y, batch_size=8, epochs=2)
+    ...     history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def distribution_for(strategy: Any) -> Any:
         A ``keras.distribution.DataParallel`` over the strategy's own mesh.
 
     Example:
+        >>> import keras
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with jaxdist.keras.distribution_for(strategy).scope():
-        ...     model = keras.Sequential([...])
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     """
     require_keras()
     from jaxdist._src.keras import sharding_check
@@ -88,8 +91,10 @@ def distribution_scope(strategy: Any) -> Iterator[Any]:
     a keras dependency.
 
     Example:
+        >>> import keras
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope(), jaxdist.keras.distribution_scope(strategy):
-        ...     model = keras.Sequential([...])
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     """
     if "keras" not in sys.modules:
         yield None
@@ -107,6 +112,8 @@ def strategy_scope_hook(strategy: Any) -> Any:
     ``jaxdist.keras.attach``).
 
     Example:
+        >>> import keras
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     """
@@ -144,10 +151,12 @@ def scope(strategy: Any) -> Iterator[Any]:
         The strategy.
 
     Example:
+        >>> import keras
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> with jaxdist.keras.scope(jaxdist.MirroredStrategy()) as strategy:
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
-        ...     model.fit(x, y, batch_size=16, epochs=2)
+        ...     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     """
     require_keras()
     dist = distribution_for(strategy)
@@ -164,10 +173,14 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
     machine without a TPU.
 
     Example:
-        >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():
+        >>> import keras
+        >>> x, y = np.zeros((512, 784), np.float32), np.zeros((512, 10), np.float32)
+        >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():  # doctest: +NEEDS_LIBTPU
         ...     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
         ...     model.compile(optimizer="adam", loss="mse")
         >>> print(jaxdist.keras.compile_fit_step(model, x, y, batch_size=128))
+        Keras fit step (128 rows) compiled for TPU v5 lite v5e:2x2 (4 chips, 4 replicas, ...)
+        per chip: memory ...
     """
     require_keras()
     from jaxdist._src.keras.compile_only import compile_fit_step as _compile
@@ -182,8 +195,12 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     See ``jaxdist._src.keras.parameter_server.attach``.
 
     Example:
-        >>> jaxdist.keras.attach(model, jaxdist.ParameterServerStrategy())
-        >>> model.fit(x, y, epochs=2)
+        >>> import keras
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> training = jaxdist.keras.attach(model, jaxdist.ParameterServerStrategy())
+        >>> history = model.fit(x, y, epochs=2, verbose=0)
     """
     require_keras()
     from jaxdist._src.keras.parameter_server import attach as _attach
@@ -196,6 +213,10 @@ def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
     ``variables`` (see ``jaxdist._src.keras.custom_loop.value_and_grad``).
 
     Example:
+        >>> import keras
+        >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> loss_object = keras.losses.MeanSquaredError()
         >>> loss, grads = jaxdist.keras.value_and_grad(
         ...     lambda: loss_object(y, model(x, training=True)), model.trainable_variables)
     """

@@ -34,7 +34,10 @@ class TensorBoard(keras.callbacks.Callback):
         ValueError: ``update_freq`` is neither ``"epoch"`` nor a positive integer.
 
     Example:
-        >>> model.fit(x, y, callbacks=[jaxdist.keras.TensorBoard("logs")])
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(x, y, verbose=0, callbacks=[jaxdist.keras.TensorBoard("logs")])
     """
 
     def __init__(self, log_dir: str | os.PathLike = "logs", update_freq: str | int = "epoch"):
@@ -99,8 +102,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Takes Keras's arguments. On a single process it is Keras's callback.
 
     Example:
-        >>> model.fit(x, y, callbacks=[jaxdist.keras.ModelCheckpoint("ckpt/{epoch}.weights.h5",
-        ...                                                          save_weights_only=True)])
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(x, y, verbose=0, callbacks=[jaxdist.keras.ModelCheckpoint(
+        ...     "ckpt/{epoch}.weights.h5", save_weights_only=True)])
+        >>> os.listdir("ckpt")
+        ['1.weights.h5']
     """
 
     def _save_model(self, epoch: int, batch: Any, logs: dict | None) -> None:
@@ -114,7 +122,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Takes Keras's arguments (``backup_dir`` on storage every process can read).
 
     Example:
-        >>> model.fit(x, y, epochs=10, callbacks=[jaxdist.keras.BackupAndRestore("backup")])
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(x, y, epochs=2, verbose=0,
+        ...                     callbacks=[jaxdist.keras.BackupAndRestore("backup")])
     """
 
     def _save_model(self) -> None:

@@ -13,11 +13,13 @@ distribution is made; models of any other kind are untouched (their step functio
 own).
 
 Example:
+    >>> import keras
+    >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> strategy = jaxdist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], "/cpu:0")
-    >>> with strategy.scope():
+    >>> with strategy.scope():   # doctest: +NEEDS_2_DEVICES
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     ...     model.compile(optimizer="sgd", loss="mse")
-    ...     model.fit(x, y, batch_size=8)   # state on /cpu:0, compute on /cpu:0 and /cpu:1
+    ...     history = model.fit(x, y, batch_size=8, verbose=0)  # state on /cpu:0, compute on both
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def central_strategy_of(model: Any) -> Any:
     """The ``CentralStorageStrategy`` holding ``model``'s variables, or ``None``.
 
     Example:
+        >>> import keras
+        >>> strategy = jaxdist.CentralStorageStrategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
         >>> central_strategy_of(model) is strategy
         True
     """

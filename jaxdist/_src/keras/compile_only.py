@@ -37,11 +37,15 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
             split over the replicas.
 
     Example:
-        >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")
+        >>> import keras, jaxdist.keras
+        >>> x, y = np.zeros((512, 784), np.float32), np.zeros((512, 10), np.float32)
+        >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
         >>> with strategy.scope():
         ...     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
         ...     model.compile(optimizer="adam", loss="mse")
         >>> print(jaxdist.keras.compile_fit_step(model, x, y, batch_size=128))
+        Keras fit step (128 rows) compiled for TPU v5 lite v5e:2x2 (4 chips, 4 replicas, ...)
+        per chip: memory ...
     """
     from jaxdist._src.keras.model_strategy import _current_strategy, strategy_of
     from jaxdist._src.strategies.compile_report import compile_global

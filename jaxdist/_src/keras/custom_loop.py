@@ -18,6 +18,17 @@ optimizer variable that differs is an error naming it (its update used a per-rep
 that was never reduced).
 
 Example:
+    >>> import keras, jaxdist.keras
+    >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    ...     optimizer = keras.optimizers.SGD(0.1)
+    ...     train_accuracy = keras.metrics.SparseCategoricalAccuracy()
+    >>> loss_object = keras.losses.SparseCategoricalCrossentropy(
+    ...     from_logits=True, reduction="none")
+    >>> def compute_loss(labels, predictions):
+    ...     return jaxdist.compute_average_loss(loss_object(labels, predictions),
+    ...                                         global_batch_size=8)
     >>> def train_step(inputs):
     ...     images, labels = inputs
     ...     def forward():
@@ -28,6 +39,9 @@ Example:
     ...     optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     ...     train_accuracy.update_state(labels, predictions)
     ...     return loss
+    >>> batch = next(iter(strategy.experimental_distribute_dataset(
+    ...     jaxdist.Dataset.from_tensor_slices(
+    ...         (np.ones((8, 4), np.float32), np.zeros((8,), np.int32))).batch(8))))
     >>> per_replica_losses = strategy.run(train_step, args=(batch,))
 """
 
@@ -75,7 +89,14 @@ def find_keras_objects(fn: Callable) -> list[Any]:
     included), and the same for every function found there (to a bounded depth).
 
     Example:
-        >>> objs = find_keras_objects(train_step)     # [model, optimizer, train_accuracy]
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> optimizer = keras.optimizers.SGD(0.1)
+        >>> def train_step(x):
+        ...     return model(x), optimizer
+        >>> objs = find_keras_objects(train_step)     # [model, optimizer]
+        >>> len(objs)
+        2
     """
     keras = _keras()
     if keras is None:
@@ -307,9 +328,13 @@ def value_and_grad(
         ``(value, gradients)``: ``value`` is what ``fn`` returned.
 
     Example:
+        >>> import keras, jaxdist.keras
+        >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> optimizer, loss_object = keras.optimizers.SGD(0.1), keras.losses.MeanSquaredError()
         >>> loss, grads = jaxdist.keras.value_and_grad(
         ...     lambda: loss_object(y, model(x, training=True)), model.trainable_variables)
-        >>> optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        >>> _ = optimizer.apply_gradients(zip(grads, model.trainable_variables))
     """
     keras = _keras()
     if keras is None:

@@ -16,10 +16,12 @@ strategy. Two consequences on jaxdist, both wired here on Keras's ``JAXTrainer``
 Installed the first time a strategy scope is entered with Keras (JAX backend) imported.
 
 Example:
+    >>> import keras
+    >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> with jaxdist.MirroredStrategy().scope():
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     ...     model.compile(optimizer="sgd", loss="mse")
-    >>> model.fit(x, y)          # data-parallel over the strategy's replicas, as in TF
+    >>> history = model.fit(x, y, verbose=0)  # data-parallel over the replicas, as in TF
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ def unattached_error(model: Any, strategy: Any) -> RuntimeError:
     """The error for ``fit`` on a model of a ``ParameterServerStrategy`` that was not attached.
 
     Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> strategy = jaxdist.ParameterServerStrategy()
         >>> raise unattached_error(model, strategy)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: Keras model '...' was compiled (or is fit) inside ...
     """
     return RuntimeError(
         f"Keras model {getattr(model, 'name', model)!r} was compiled (or is fit) inside "
@@ -66,6 +74,11 @@ def strategy_of(model: Any) -> Any:
     """The strategy whose scope ``model`` was compiled in (``None``: outside every scope).
 
     Example:
+        >>> import keras
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
         >>> strategy_of(model) is strategy
         True
     """

@@ -33,11 +33,14 @@ Callbacks that cannot work when the state lives on the ps are rejected when ``fi
 optimizer state) and ``EarlyStopping(restore_best_weights=True)``.
 
 Example:
+    >>> import jaxdist.keras
+    >>> x, y = np.ones((64, 4), np.float32), np.ones((64, 1), np.float32)
     >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG names the cluster
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     >>> jaxdist.keras.attach(model, strategy)
-    >>> model.fit(x, y, batch_size=32, epochs=3)               # pulls, pushes, async
+    KerasPSTraining(...)
+    >>> history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)  # pulls, pushes, async
 """
 
 from __future__ import annotations
@@ -218,8 +221,13 @@ class KerasPSTraining:
         steps: steps this process ran (between-graph) or scheduled (coordinator).
 
     Example:
+        >>> import jaxdist.keras
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
         >>> training = jaxdist.keras.attach(model, strategy)
-        >>> model.fit(x, y, epochs=2)
+        >>> history = model.fit(x, y, epochs=2, verbose=0)
         >>> training.pull_weights()      # the ps's current values into the model
     """
 
@@ -646,9 +654,13 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None, name: str = C
         ValueError: the model is not compiled/built, or its optimizer has no ps equivalent.
 
     Example:
+        >>> import jaxdist.keras
+        >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
         >>> model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        >>> jaxdist.keras.attach(model, strategy)
-        >>> model.fit(x, y, epochs=2)
+        >>> training = jaxdist.keras.attach(model, strategy)
+        >>> history = model.fit(x, y, epochs=2, verbose=0)
     """
     return KerasPSTraining(model, strategy, ps_optimizer, name, tuple(sparse_embeddings),
                            embedding_optimizer)

@@ -42,11 +42,13 @@ Keras internals used here (``keras.src``; Keras 3.8 to 3.15): ``JAXTrainer._make
 ``data_adapters.get_data_adapter``, ``array_slicing.train_validation_split``.
 
 Example:
-    >>> with jaxdist.MirroredStrategy(jax.devices()[:4]).scope():
+    >>> import keras
+    >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
+    >>> with jaxdist.MirroredStrategy(jax.devices()[:4]).scope():  # doctest: +NEEDS_4_DEVICES
     ...     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
     ...     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    >>> model.fit(x[:70], y[:70], batch_size=32)     # batches of 32, 32 and 6 rows
-    >>> model.predict(x[:1]).shape                    # one row on 4 replicas
+    >>> history = model.fit(x, y, batch_size=32, verbose=0)  # batches of 32, 32 and 6 rows
+    >>> model.predict(x[:1], verbose=0).shape                # one row on 4 replicas
     (1, 1)
 """
 
@@ -187,7 +189,10 @@ class DatasetAdapter(data_adapter_lib.DataAdapter):
             under several processes (``jaxdist._src.input.autoshard.auto_shard``).
 
     Example:
+        >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
         >>> adapter = DatasetAdapter(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32))
+        >>> adapter.num_batches
+        3
     """
 
     def __init__(self, dataset: Any, class_weight: dict | None = None, source: Any = None):
@@ -287,7 +292,8 @@ class ProcessRowsAdapter(data_adapter_lib.DataAdapter):
         seed: the shuffle seed, the same on every process (``None`` when not shuffling).
 
     Example:
-        >>> ProcessRowsAdapter(inner, jax.process_count(), jax.process_index(), seed=7)
+        >>> ProcessRowsAdapter(  # doctest: +SKIP
+        ...     inner, jax.process_count(), jax.process_index(), seed=7)
     """
 
     def __init__(self, inner: Any, count: int, index: int, seed: int | None):
@@ -361,7 +367,7 @@ class PaddedAdapter(data_adapter_lib.DataAdapter):
             raises), or ``None``.
 
     Example:
-        >>> PaddedAdapter(inner, keras.distribution.distribution(), "test", None)
+        >>> PaddedAdapter(inner, keras.distribution.distribution(), "test", None)  # doctest: +SKIP
     """
 
     def __init__(self, inner: Any, distribution: Any, kind: str, blocker: str | None):
@@ -509,6 +515,9 @@ def blocker(model: Any, kind: str) -> str | None:
     """Why ``kind`` steps of ``model`` cannot mask padded rows, or ``None`` when they can.
 
     Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
         >>> blocker(model, "train") is None
         True
     """
@@ -677,7 +686,7 @@ def masked_train_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[A
     """Keras's ``train_step`` on a padded batch: only the rows where ``mask`` is set count.
 
     Example:
-        >>> logs, state = masked_train_step(model, state, (x, y), mask)
+        >>> logs, state = masked_train_step(model, state, (x, y), mask)  # doctest: +SKIP
     """
     trainable, non_trainable, optimizer_variables, metrics = state
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -699,7 +708,7 @@ def masked_test_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[An
     """Keras's ``test_step`` on a padded batch: only the rows where ``mask`` is set count.
 
     Example:
-        >>> logs, state = masked_test_step(model, state, (x, y), mask)
+        >>> logs, state = masked_test_step(model, state, (x, y), mask)  # doctest: +SKIP
     """
     trainable, non_trainable, metrics = state
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
@@ -831,7 +840,8 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
     entry points and calls outside such a scope are returned unchanged.
 
     Example:
-        >>> args, kwargs = adapt_call("predict", JAXTrainer.predict, model, (x,), {})
+        >>> args, kwargs = adapt_call(  # doctest: +SKIP
+        ...     "predict", JAXTrainer.predict, model, (x,), {})
     """
     dist = distribution_lib.distribution()
     if name not in ("fit", "evaluate", "predict"):

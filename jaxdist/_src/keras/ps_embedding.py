@@ -13,7 +13,14 @@ would update rows a batch does not touch in Keras, so they are refused unless an
 ``embedding_optimizer=`` is given explicitly (TF's lazy-Adam semantics, by choice).
 
 Example:
+    >>> import keras, jaxdist.keras
+    >>> ids = keras.Input((2,), dtype="int32")
+    >>> emb = keras.layers.Embedding(1000, 8, name="items")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb)))
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
     >>> jaxdist.keras.attach(model, strategy, sparse_embeddings=["items"])
+    KerasPSTraining(...)
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ def input_index(model: Any, layer: Any) -> int:
     """The index in ``model.inputs`` of the input ``layer`` takes (``ValueError`` if none).
 
     Example:
+        >>> import keras
+        >>> ids = keras.Input((2,), dtype="int32")
+        >>> emb = keras.layers.Embedding(1000, 8, name="items")(ids)
+        >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb)))
         >>> input_index(model, model.get_layer("items"))
         0
     """

@@ -27,6 +27,7 @@ scaling, gradient accumulation, other optimizers or schedules) raises ``ValueErr
 setting: no silent approximation.
 
 Example:
+    >>> import keras
     >>> spec = keras_optimizer_spec(keras.optimizers.SGD(0.1, momentum=0.9))
     >>> spec.to_json()["name"]
     'momentum'
@@ -77,6 +78,7 @@ def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
             names it and the supported ones).
 
     Example:
+        >>> import keras
         >>> keras_optimizer_spec(keras.optimizers.Adam(1e-3)).to_json()["name"]
         'adam'
     """

@@ -10,9 +10,14 @@ naming the step every ps saved. ``PSCheckpointReader`` reassembles a pytree of v
 those files (shards of a partitioned leaf are concatenated on axis 0) without any ps running.
 
 Example:
-    >>> reader = PSCheckpointReader("runs/parameter_server/ckpt")
+    >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+    >>> with strategy.scope():
+    ...     params = strategy.create_variables(lambda: {"w": jnp.ones(3)})
+    >>> _ = strategy.extended.save("ckpt", 7)
+    >>> reader = PSCheckpointReader("ckpt")
     >>> step = reader.latest_step()
-    >>> params = reader.restore_tree(step, like=params_template, collection="model")
+    >>> reader.restore_tree(step, like={"w": np.zeros(3, np.float32)}, collection="variables")
+    {'w': array([1., 1., 1.], dtype=float32)}
 """
 
 from __future__ import annotations
@@ -368,7 +373,7 @@ def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> 
     (``ckpt-<step>.tmp-*``) older than ``just_saved`` go too.
 
     Example:
-        >>> prune_checkpoints("/ckpt", "ps:0", keep=3, just_saved=900)
+        >>> prune_checkpoints("/ckpt", "ps:0", keep=3, just_saved=900)  # doctest: +SKIP
         ['/ckpt/ps-0/ckpt-500']
     """
     task_dir = os.path.join(directory, task.replace(":", "-"))

@@ -9,8 +9,19 @@ lost connection until the deadline (a restarting ps is waited for, not reported 
 The TF2 ``ClusterCoordinator`` reuses these clients: they know nothing about strategies.
 
 Example:
-    >>> client = PSClient(["127.0.0.1:2222", "127.0.0.1:2223"], token="s3cret", timeout=5.0)
+    >>> import os
+    >>> from jaxdist._src.ps.optimizers import sgd
+    >>> from jaxdist._src.ps.server import ParameterServer
+    >>> from jaxdist._src.ps.service import ParameterService
+    >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
+    >>> service = ParameterService("ps:0")
+    >>> service.create({"model/w": np.zeros(3, np.float32)},
+    ...                {"model/w": {"optimizer": sgd(0.1).to_json()}})
+    {'model/w': 0}
+    >>> server = ParameterServer(service, "127.0.0.1:0", token="s3cret").start()
+    >>> client = PSClient([server.address], token="s3cret", timeout=5.0)
     >>> meta, arrays = client.call(0, "Pull", {"keys": ["model/w"]})
+    >>> server.stop()
 """
 
 from __future__ import annotations

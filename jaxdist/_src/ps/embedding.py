@@ -5,13 +5,17 @@ sends only those rows, duplicates summed; the ps applies a row-wise optimizer (s
 adam: the state of untouched rows is left alone, "lazy" updates).
 
 Example:
-    >>> table = strategy.create_embedding("items", vocab_size=1_000_000, dim=32,
-    ...                                   optimizer=jaxdist.ps.optimizers.adagrad(0.1))
+    >>> import jaxdist.ps
+    >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+    >>> table = strategy.extended.create_embedding(
+    ...     "items", vocab_size=10_000, dim=32, optimizer=jaxdist.ps.optimizers.adagrad(0.1))
+    >>> ids = np.array([[3, 17], [3, 9_999]])
     >>> look = table.lookup(ids)                  # ids: int array of any shape
     >>> def loss_fn(rows):
     ...     emb = rows[look.inverse]              # ids.shape + (32,)
     ...     return jnp.mean(emb ** 2)
     >>> table.apply_gradients(look, jax.grad(loss_fn)(look.rows))
+    {'items': {'version': 1, 'staleness': 0}}
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ class PSUnavailableError(PSError):
 
     Example:
         >>> raise PSUnavailableError("ps:1 at 127.0.0.1:1234 did not answer within 5.0 s")
+        Traceback (most recent call last):
+        ...
+        PSUnavailableError: ps:1 at 127.0.0.1:1234 did not answer within 5.0 s
     """
 
 

@@ -19,8 +19,11 @@ where it gives the very bits XLA gives:
   from the jitted add stays on the jitted add.
 
 Example:
+    >>> jitted_add = jax.jit(lambda value, delta: value + delta)
+    >>> value, grad = np.zeros(3, np.float32), np.ones(3, np.float32)
     >>> mode = host_add_mode(np.dtype(np.float32), jitted_add)   # "flush" on x86-64 glibc
-    >>> host_add(value, grad, out=value, mode=mode)
+    >>> if mode is not None:     # None: no numpy add gives XLA's bits, use jitted_add
+    ...     _ = host_add(value, grad, out=value, mode=mode)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ it on the update count of each shard's optimizer state, which is the global step
 between-graph training (every worker step pushes to every shard once), as TF's ``global_step``.
 
 Example:
+    >>> import jaxdist.ps
     >>> opt = jaxdist.ps.optimizers.chain(
     ...     jaxdist.ps.optimizers.clip_by_global_norm(1.0),   # worker side
     ...     jaxdist.ps.optimizers.adam(1e-3))                  # ps side, per shard
@@ -311,7 +312,7 @@ def clip_by_global_norm(max_norm: float):
     """Global-norm clipping: needs the whole gradient, so it runs on the worker before the push.
 
     Example:
-        >>> chain(clip_by_global_norm(1.0), adam(1e-3))
+        >>> opt = chain(clip_by_global_norm(1.0), adam(1e-3))
     """
     return OptimizerSpec("clip_by_global_norm", dict(max_norm=max_norm))
 
@@ -320,7 +321,7 @@ def chain(*specs: OptimizerSpec) -> OptimizerSpec:
     """``optax.chain`` of specs; whole-gradient transforms must come first.
 
     Example:
-        >>> chain(clip_by_global_norm(1.0), sgd(0.1))
+        >>> opt = chain(clip_by_global_norm(1.0), sgd(0.1))
     """
     spec = OptimizerSpec("chain", {}, tuple(specs))
     spec.split()  # validates the order now
@@ -338,7 +339,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     """``optax.cosine_decay_schedule``: from ``init_value`` to ``alpha * init_value``.
 
     Example:
-        >>> adam(cosine_decay_schedule(1e-3, decay_steps=10_000))
+        >>> opt = adam(cosine_decay_schedule(1e-3, decay_steps=10_000))
     """
     return ScheduleSpec("cosine_decay_schedule", dict(
         init_value=init_value, decay_steps=decay_steps, alpha=alpha, exponent=exponent))
@@ -350,7 +351,7 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     """``optax.warmup_cosine_decay_schedule`` (``decay_steps`` includes the warm-up).
 
     Example:
-        >>> adamw(warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=100, decay_steps=1000))
+        >>> opt = adamw(warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=100, decay_steps=1000))
     """
     return ScheduleSpec("warmup_cosine_decay_schedule", dict(
         init_value=init_value, peak_value=peak_value, warmup_steps=warmup_steps,
@@ -363,7 +364,8 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     """``optax.exponential_decay`` (TF's ``tf.compat.v1.train.exponential_decay``).
 
     Example:
-        >>> sgd(exponential_decay(0.1, transition_steps=1000, decay_rate=0.96, staircase=True))
+        >>> opt = sgd(exponential_decay(0.1, transition_steps=1000, decay_rate=0.96,
+        ...                             staircase=True))
     """
     return ScheduleSpec("exponential_decay", _drop_none(
         init_value=init_value, transition_steps=transition_steps, decay_rate=decay_rate,
@@ -377,7 +379,7 @@ def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warm
     """``optax.warmup_exponential_decay_schedule``.
 
     Example:
-        >>> adam(warmup_exponential_decay_schedule(0.0, 1e-3, 100, 1000, 0.5))
+        >>> opt = adam(warmup_exponential_decay_schedule(0.0, 1e-3, 100, 1000, 0.5))
     """
     return ScheduleSpec("warmup_exponential_decay_schedule", _drop_none(
         init_value=init_value, peak_value=peak_value, warmup_steps=warmup_steps,
@@ -407,7 +409,7 @@ def piecewise_constant_schedule(init_value: float,
     """``optax.piecewise_constant_schedule`` (TF's ``piecewise_constant`` with scales).
 
     Example:
-        >>> momentum(piecewise_constant_schedule(0.1, {3000: 0.1, 6000: 0.1}))
+        >>> opt = momentum(piecewise_constant_schedule(0.1, {3000: 0.1, 6000: 0.1}))
     """
     pairs = None
     if boundaries_and_scales is not None:

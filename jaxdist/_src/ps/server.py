@@ -9,9 +9,13 @@ refuses to start without them unless plaintext on loopback was asked for
 (``JAXDIST_INSECURE=1``).
 
 Example:
-    >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:2222", token="s3cret")
-    >>> server.start()
+    >>> import os
+    >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
+    >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token="s3cret")
+    >>> server = server.start()
+    >>> server.stop()               # or a Stop RPC
     >>> server.wait_for_stop()      # until a Stop RPC or server.stop()
+    True
 """
 
 from __future__ import annotations

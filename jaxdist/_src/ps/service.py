@@ -7,6 +7,7 @@ of updates applied to it. A push says which version its gradient was computed fr
 records the staleness (versions applied since) and applies the optax update.
 
 Example:
+    >>> from jaxdist._src.ps.optimizers import sgd
     >>> svc = ParameterService("ps:0")
     >>> svc.create({"w": np.zeros(3, np.float32)}, {"w": {"optimizer": sgd(0.1).to_json()}})
     {'w': 0}
@@ -533,7 +534,10 @@ class ParameterService:
         Example:
             >>> svc = ParameterService("ps:0", checkpoint_dir="/ckpt")
             >>> svc.confine_checkpoints()
-            >>> svc.save("/etc", step=1)      # PSInvalidArgumentError: outside /ckpt
+            >>> svc.save("/etc", step=1)
+            Traceback (most recent call last):
+            ...
+            PSInvalidArgumentError: ps:0 refuses save to '/etc': it resolves to '/etc', outside ...
         """
         self._confined = True
 

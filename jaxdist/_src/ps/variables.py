@@ -6,9 +6,14 @@ parallel), reassembles the pytree, and pushes gradients shard by shard, each pus
 version the gradient was computed from.
 
 Example:
+    >>> import jaxdist.ps
+    >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+    >>> init_fn = lambda: {"w": jnp.zeros(3)}
     >>> params = strategy.create_variables(init_fn, optimizer=jaxdist.ps.optimizers.sgd(0.1))
     >>> tree = params.pull()                   # numpy pytree, versions recorded
-    >>> params.apply_gradients(grads)          # ps applies sgd to its shards
+    >>> _ = params.apply_gradients({"w": np.ones(3, np.float32)})  # ps applies sgd
+    >>> params.pull()["w"]
+    array([-0.1, -0.1, -0.1], dtype=float32)
 """
 
 from __future__ import annotations
@@ -227,6 +232,8 @@ class PSVariables:
         ``set_weights``). Every shard's version goes up by one.
 
         Example:
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+            >>> params = strategy.create_variables(lambda: {"w": jnp.ones(3)})
             >>> params.assign(jax.tree.map(np.zeros_like, params.pull()))
         """
         parts = self.layout.split(jax.device_get(tree), "value")
@@ -249,6 +256,10 @@ class PSVariables:
             PSInvalidArgumentError: the rate follows a schedule, or is not in [0, 1e6].
 
         Example:
+            >>> import jaxdist.ps
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+            >>> params = strategy.create_variables(lambda: {"w": jnp.ones(3)},
+            ...                                    optimizer=jaxdist.ps.optimizers.sgd(0.1))
             >>> params.set_learning_rate(1e-4)      # e.g. from ReduceLROnPlateau
         """
         tasks = sorted(self.layout.keys_by_task())

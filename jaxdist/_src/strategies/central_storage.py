@@ -98,7 +98,8 @@ class CentralStorageStrategy(Strategy):
             if there is one).
 
     Example:
-        >>> strategy = jaxdist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], "/cpu:0")
+        >>> strategy = jaxdist.CentralStorageStrategy(  # doctest: +NEEDS_2_DEVICES
+        ...     ["/cpu:0", "/cpu:1"], "/cpu:0")
         >>> with strategy.scope():
         ...     w = jnp.zeros((4,))      # one copy, on /cpu:0
     """

@@ -85,9 +85,16 @@ class CompileReport:
         what: the compiled program, in words.
 
     Example:
-        >>> report = strategy.experimental_compile(step, args=(params, batch))
-        >>> report.total_bytes, report.flops
+        >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
+        >>> batch = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jax.ShapeDtypeStruct((32, 784), jnp.float32))
+        >>> step = lambda params, x: jnp.sum(x @ params)
+        >>> report = strategy.experimental_compile(step, args=(jnp.zeros((784, 10)), batch))
+        >>> report.num_replicas, report.total_bytes > 0, report.flops > 0
+        (4, True, True)
         >>> print(report)
+        strategy.run(<lambda>) compiled for TPU v5 lite v5e:2x2 (4 chips, 4 replicas, compile only)
+        per chip: memory ...
     """
 
     def __init__(self, compiled: Any, devices: Sequence[Any], num_replicas: int,
@@ -186,7 +193,10 @@ class CompileReport:
         """The report as plain values (for JSON or logs).
 
         Example:
-            >>> report.as_dict()["total_bytes"]
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> report = compile_run(strategy, lambda x: x * 2, args=(jnp.ones(4),))
+            >>> report.as_dict()["num_replicas"] == strategy.num_replicas_in_sync
+            True
         """
         return {
             "what": self.what, "topology": self.topology, "device_kind": self.device_kind,
@@ -264,7 +274,13 @@ def compile_run(strategy: Any, fn: Callable, args: Sequence[Any] = (),
         ValueError: a ``PerReplica`` argument does not have one entry per replica.
 
     Example:
-        >>> report = compile_run(strategy, step, args=(params, dist_batch))
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> dist_batch = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jnp.ones((8, 3)))
+        >>> step = lambda params, x: jnp.sum(x @ params)
+        >>> report = compile_run(strategy, step, args=(jnp.ones((3, 2)), dist_batch))
+        >>> report.flops > 0
+        True
     """
     ext = strategy.extended
     n = strategy.extended.num_replicas_in_mesh
@@ -324,7 +340,10 @@ def compile_global(strategy: Any, fn: Callable, state: Any, batch: Any,
     ``state`` and ``batch`` are read.
 
     Example:
-        >>> report = compile_global(strategy, model.train_step, state, (x, y))
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> train_step = lambda w, batch: w - 0.1 * jnp.mean(batch[0] * batch[1])
+        >>> x, y = jnp.ones((8, 3)), jnp.ones((8, 1))
+        >>> report = compile_global(strategy, train_step, jnp.ones(3), (x, y))
     """
     ext = strategy.extended
 

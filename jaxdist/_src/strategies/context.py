@@ -78,10 +78,12 @@ def in_cross_replica_context() -> bool:
     """True inside ``strategy.scope()`` but not inside a function run by ``strategy.run``.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:1])
         >>> with strategy.scope():
         ...     jaxdist.in_cross_replica_context()
         True
-        >>> strategy.run(lambda: print(jaxdist.in_cross_replica_context()))  # False
+        >>> _ = strategy.run(lambda: print(jaxdist.in_cross_replica_context()))
+        False
     """
     frame = _top()
     return frame is not None and frame.replica_context is None
@@ -97,6 +99,7 @@ def get_cross_replica_context() -> Strategy | None:
     Example:
         >>> jaxdist.get_cross_replica_context() is None
         True
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope():
         ...     jaxdist.get_cross_replica_context() is strategy
         True
@@ -127,6 +130,7 @@ def require_cross_replica_or_default_context(strategy: Strategy) -> None:
             ("Method requires being in cross-replica context").
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> require_cross_replica_or_default_context(strategy)   # outside any scope: fine
     """
     frame = _top()
@@ -157,7 +161,7 @@ class StrategyScope:
     function raises TF's cross-replica error.
 
     Example:
-        >>> scope = strategy.scope()
+        >>> scope = jaxdist.MirroredStrategy(jax.devices()[:2]).scope()
         >>> with scope:
         ...     with scope:          # nested re-entry of the same object is allowed
         ...         pass
@@ -217,7 +221,9 @@ def register_scope_hook(hook: Callable[[Any], Any]) -> None:
     """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
 
     Example:
-        >>> register_scope_hook(lambda strategy: None)   # a hook that never adds a context
+        >>> hook = lambda strategy: None          # a hook that never adds a context
+        >>> register_scope_hook(hook)
+        >>> _SCOPE_HOOKS.remove(hook)             # (a hook stays for the process otherwise)
     """
     if hook not in _SCOPE_HOOKS:
         _SCOPE_HOOKS.append(hook)

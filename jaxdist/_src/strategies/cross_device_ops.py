@@ -51,8 +51,9 @@ def outside_context_mesh() -> Iterator[None]:
     Inside a trace there is no context to leave, and nothing changes.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[1:3])  # doctest: +NEEDS_4_DEVICES
         >>> with strategy.scope(), outside_context_mesh():
-        ...     y = jax.device_put(x, jax.devices("cpu")[0]) * 2   # on a device not in the mesh
+        ...     y = jax.device_put(jnp.ones(2), jax.devices()[0]) * 2  # a device not in the mesh
     """
     try:
         ctx = jax.set_mesh(None)
@@ -122,8 +123,9 @@ def destination_sharding(destinations: Any) -> jax.sharding.Sharding | None:
         ValueError: an empty list, or a value that names no device.
 
     Example:
-        >>> destination_sharding(["/cpu:0", "/cpu:1"]).device_set
-        {CpuDevice(id=0), CpuDevice(id=1)}
+        >>> sharding = destination_sharding(["/cpu:0", "/cpu:1"])  # doctest: +NEEDS_2_DEVICES
+        >>> sorted(d.id for d in sharding.device_set)
+        [0, 1]
     """
     from jaxdist._src.strategies.devices import resolve_device
 
@@ -236,7 +238,11 @@ class CrossDeviceOps:
             ValueError: ``destinations`` is ``None`` or empty or names no device.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> per_replica = strategy.run(lambda: jnp.ones(()))
             >>> total = jaxdist.NcclAllReduce().reduce("SUM", per_replica, ["/cpu:0", "/cpu:1"])
+            >>> float(total)
+            2.0
         """
         del options
         op = ReduceOp.from_value(reduce_op)
@@ -256,7 +262,8 @@ class CrossDeviceOps:
         """``reduce`` for a list of ``(value, destinations)`` pairs.
 
         Example:
-            >>> a, b = jaxdist.NcclAllReduce().batch_reduce("MEAN", [(x, x), (y, "/cpu:0")])
+            >>> x, y = jnp.ones(2), jnp.zeros(())
+            >>> a, b = jaxdist.NcclAllReduce().batch_reduce("MEAN", [(x, "/cpu:0"), (y, "/cpu:0")])
         """
         pairs = list(value_destination_pairs)
         for pair in pairs:
@@ -268,7 +275,8 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every device of ``destinations`` (TF's ``broadcast``).
 
         Example:
-            >>> m = jaxdist.NcclAllReduce().broadcast(jnp.ones(()), ["/cpu:0", "/cpu:1"])
+            >>> m = jaxdist.NcclAllReduce().broadcast(  # doctest: +NEEDS_2_DEVICES
+            ...     jnp.ones(()), ["/cpu:0", "/cpu:1"])
         """
         if destinations is None:
             raise ValueError("destinations can not be None")

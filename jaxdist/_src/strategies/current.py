@@ -23,9 +23,9 @@ def get_strategy() -> Strategy:
     """Returns the current strategy: the innermost ``scope()``, else the default strategy.
 
     Example:
-        >>> with jaxdist.MirroredStrategy().scope():
+        >>> with jaxdist.MirroredStrategy(jax.devices()[:2]).scope():  # doctest: +NEEDS_2_DEVICES
         ...     jaxdist.get_strategy().num_replicas_in_sync
-        8
+        2
     """
     frame = _top()
     if frame is None:
@@ -42,7 +42,10 @@ def get_replica_context() -> ReplicaContext | None:
         >>> def step(x):
         ...     ctx = jaxdist.get_replica_context()
         ...     return ctx.all_reduce("SUM", x) / ctx.num_replicas_in_sync
-        >>> strategy.run(step, args=(per_replica_x,))
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> per_replica_x = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jnp.float32(ctx.replica_id_in_sync_group))
+        >>> mean = strategy.run(step, args=(per_replica_x,))
     """
     frame = _top()
     if frame is None:

@@ -50,7 +50,7 @@ def resolve_device(spec: Any) -> Any:
             lists the devices that do.
 
     Example:
-        >>> resolve_device("/cpu:1")
+        >>> resolve_device("/cpu:1")  # doctest: +NEEDS_2_DEVICES
         CpuDevice(id=1)
     """
     if isinstance(spec, jax.Device):

@@ -54,6 +54,7 @@ class StepThrottle:
     """Keeps at most ``max_in_flight`` steps dispatched and not finished.
 
     Example:
+        >>> step, data = jax.jit(lambda x: x * 2), [jnp.ones(3)] * 4
         >>> throttle = StepThrottle(2)
         >>> for batch in data:
         ...     throttle.before_dispatch()

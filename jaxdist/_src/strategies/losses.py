@@ -104,7 +104,10 @@ def compute_average_loss(
         TypeError: ``global_batch_size`` is not an int.
 
     Example:
-        >>> loss = jaxdist.compute_average_loss(per_example, global_batch_size=64)
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> def step(per_example):     # each replica's per-example losses
+        ...     return jaxdist.compute_average_loss(per_example, global_batch_size=64)
+        >>> loss = strategy.run(step, args=(jnp.ones(32),))
     """
     _check_replica_context("compute_average_loss")
     per_example_loss = jnp.asarray(per_example_loss)
@@ -145,7 +148,10 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
         RuntimeError: called in the cross-replica context (inside ``scope()``, outside ``run``).
 
     Example:
-        >>> loss = loss + jaxdist.scale_regularization_loss(1e-4 * l2)
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> def step(loss, l2):
+        ...     return loss + jaxdist.scale_regularization_loss(1e-4 * l2)
+        >>> loss = strategy.run(step, args=(jnp.float32(0.5), jnp.float32(3.0)))
     """
     _check_replica_context("scale_regularization_loss")
     total = jnp.sum(jnp.asarray(regularization_loss))

@@ -331,10 +331,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         ClusterTimeoutError: the other tasks did not join within the timeout.
 
     Example:
-        >>> strategy = jaxdist.MultiWorkerMirroredStrategy(
+        >>> strategy = jaxdist.MultiWorkerMirroredStrategy(   # TF_CONFIG unset: one worker
         ...     communication_options=jaxdist.CommunicationOptions(timeout_seconds=60))
         >>> with strategy.scope():
-        ...     params = init_params()
+        ...     params = jnp.zeros(3)
+        >>> def train_step(params, x):
+        ...     grads = jaxdist.get_replica_context().all_reduce("MEAN", x.mean(axis=0))
+        ...     return params - 0.1 * grads, jnp.sum(grads)
+        >>> dataset = jaxdist.Dataset.from_tensor_slices(np.ones((64, 3), np.float32)).batch(16)
         >>> dist = strategy.experimental_distribute_dataset(dataset)   # global batches
         >>> for batch in dist:
         ...     params, loss = strategy.run(train_step, args=(params, batch))

@@ -231,8 +231,11 @@ class ParameterServerStrategyExtended(StrategyExtended):
             seed: seed of the default initializer.
 
         Example:
-            >>> table = strategy.create_embedding("words", 100_000, 64,
-            ...                                   optimizer=jaxdist.ps.optimizers.adagrad(0.1))
+            >>> import jaxdist.ps
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+            >>> strategy.extended.create_embedding(
+            ...     "words", 100_000, 64, optimizer=jaxdist.ps.optimizers.adagrad(0.1))
+            EmbeddingTable('words', vocab_size=100000, dim=64, shards=1)
         """
         spec = ps_optimizers.as_spec(optimizer)
         if spec is not None and spec.worker_part() is not None:
@@ -350,8 +353,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 last complete one); ``None`` keeps all.
 
         Example:
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+            >>> with strategy.scope():
+            ...     params = strategy.create_variables(lambda: {"w": jnp.zeros(3)})
             >>> if strategy.extended.should_checkpoint:
-            ...     strategy.extended.save("/tmp/ckpt", step)
+            ...     strategy.extended.save("ckpt", 100)
+            ['.../ckpt/local/ckpt-100']
         """
         # A relative directory is this process's (where the pointer goes), not each ps's.
         directory = os.path.abspath(directory)
@@ -381,7 +388,12 @@ class ParameterServerStrategyExtended(StrategyExtended):
         complete-checkpoint pointer, else that task's latest), or ``None``.
 
         Example:
-            >>> strategy.extended.latest_checkpoint_step("/tmp/ckpt")
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
+            >>> with strategy.scope():
+            ...     params = strategy.create_variables(lambda: {"w": jnp.zeros(3)})
+            >>> strategy.extended.save("ckpt", 200)
+            ['.../ckpt/local/ckpt-200']
+            >>> strategy.extended.latest_checkpoint_step("ckpt")
             200
         """
         return latest_step(directory, "local" if self._local and task == "ps:0" else task)
@@ -409,7 +421,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
             The workers that did not finish (empty when all did).
 
         Example:
-            >>> missing = strategy.extended.wait_for_workers(2)   # on the chief
+            >>> missing = strategy.extended.wait_for_workers(2)   # doctest: +SKIP
         """
         timeout = self._timeout if timeout is None else float(timeout)
         client = self._client
@@ -473,13 +485,17 @@ class ParameterServerStrategy(Strategy):
         compute_devices: this worker's devices (default: all local devices).
 
     Example:
-        >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()
+        >>> import jaxdist.ps
+        >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()  # no TF_CONFIG: local
         >>> strategy = jaxdist.ParameterServerStrategy(resolver)
+        >>> init_fn = lambda: {"w": jnp.zeros(3)}
         >>> with strategy.scope():
         ...     params = strategy.create_variables(init_fn, jaxdist.ps.optimizers.adam(1e-2))
+        >>> ds = jaxdist.Dataset.from_tensor_slices(np.ones((32, 3), np.float32)).batch(8)
+        >>> grad_fn = lambda p, x: jax.value_and_grad(lambda p: jnp.sum(p["w"] * x))(p)
         >>> for batch in strategy.experimental_distribute_dataset(ds):
         ...     loss, grads = strategy.run(grad_fn, args=(params, batch))
-        ...     params.apply_gradients(grads)
+        ...     _ = params.apply_gradients(grads)
     """
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *,
@@ -520,8 +536,8 @@ class ParameterServerStrategy(Strategy):
         inside a scheduled function, as in TF.
 
         Example:
-            >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
-            >>> strategy.num_replicas_in_sync   # the workers', e.g. 1 for CPU workers
+            >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+            >>> strategy.num_replicas_in_sync   # doctest: +SKIP
             1
         """
         coordinator = getattr(self, "_jaxdist_coordinator", None)

@@ -92,7 +92,9 @@ def wrap_outputs(flat: Sequence[Any], varying: Sequence[bool],
     partial step carry its ``lengths``), the replicated arrays as they are.
 
     Example:
-        >>> out = wrap_outputs([stacked_preds, total], [True, False], [(4, 1), None])
+        >>> stacked_preds, total = jnp.ones((2, 4)), jnp.float32(5.0)   # 2 replicas, 4 rows
+        >>> wrap_outputs([stacked_preds, total], [True, False], [(4, 1), None])
+        [PerReplica(num_replicas=2, shape=(4,), dtype=float32, lengths=(4, 1)), Array(5., ...)]
     """
     return [PerReplica(x, n) if v else x for x, v, n in zip(flat, varying, lengths)]
 
@@ -111,7 +113,9 @@ def gather_rows(v: PerReplica, axis: int, sharding: Any) -> Any:
         ValueError: ``axis`` is not the row axis (replicas have different row counts).
 
     Example:
-        >>> gather_rows(per_row_predictions, 0, strategy.extended.replicated_sharding)
+        >>> per_row_predictions = PerReplica(jnp.ones((2, 3)), (3, 1))  # replica 1 has 1 row
+        >>> gather_rows(per_row_predictions, 0, None)
+        Array([1., 1., 1., 1.], dtype=float32)
     """
     parts, traced = _parts(v)
     ndim = max(len(v.shape), 1)
@@ -134,7 +138,9 @@ def reduce_rows(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
             not the row axis.
 
     Example:
+        >>> per_row_losses = PerReplica(jnp.ones((2, 3)), (3, 1))   # replica 1 has 1 row
         >>> reduce_rows(ReduceOp.SUM, per_row_losses, 0)     # the sum over the real rows
+        Array(4., dtype=float32)
     """
     parts, traced = _parts(v)
     xp = jnp if traced else np

@@ -23,7 +23,10 @@ class ReplicaContext:
         >>> def step(x):
         ...     ctx = jaxdist.get_replica_context()
         ...     return ctx.all_reduce("SUM", x)
-        >>> strategy.run(step, args=(per_replica_x,))
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> per_replica_x = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jnp.float32(1.0))
+        >>> total = strategy.run(step, args=(per_replica_x,))   # the replica count, everywhere
     """
 
     def __init__(self, strategy: Strategy, axes: tuple[str, ...] | None):
@@ -47,6 +50,7 @@ class ReplicaContext:
         ``jnp.arange(padded_rows) < ctx.valid_rows``.
 
         Example:
+            >>> x = jnp.ones((4, 3))
             >>> ctx = jaxdist.get_replica_context()
             >>> if ctx.valid_rows is not None:
             ...     mask = jnp.arange(x.shape[0]) < ctx.valid_rows
@@ -65,7 +69,9 @@ class ReplicaContext:
         """A bool mask of the real rows among ``rows`` (all True outside a partial step).
 
         Example:
-            >>> mask = jaxdist.get_replica_context().row_mask(x.shape[0])
+            >>> x = jnp.ones((4, 3))
+            >>> jaxdist.get_replica_context().row_mask(x.shape[0])   # a full batch: all True
+            Array([ True,  True,  True,  True], dtype=bool)
         """
         if self._partial is None or rows != self._partial[1]:
             return jnp.ones((rows,), bool)
@@ -101,9 +107,13 @@ class ReplicaContext:
         and call ``all_reduce``:
 
         Example:
-            >>> ctx = jaxdist.get_replica_context()
-            >>> grads = jax.grad(loss_fn)(ctx.local(params), batch)   # per replica
-            >>> grads = ctx.all_reduce("SUM", grads)                  # NcclAllReduce, ...
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> loss_fn = lambda w, x: jnp.sum(w * x)
+            >>> def step(params, batch):
+            ...     ctx = jaxdist.get_replica_context()
+            ...     grads = jax.grad(loss_fn)(ctx.local(params), batch)   # per replica
+            ...     return ctx.all_reduce("SUM", grads)                  # NcclAllReduce, ...
+            >>> grads = strategy.run(step, args=(jnp.ones(3), jnp.ones(3)))
         """
         if self._axes is None:
             return value
@@ -132,8 +142,12 @@ class ReplicaContext:
                 Drop the ``all_reduce``, or differentiate w.r.t. ``ctx.local(params)``.
 
         Example:
-            >>> ctx = jaxdist.get_replica_context()
-            >>> total = ctx.all_reduce("SUM", per_replica_loss)
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> def step(per_replica_loss):
+            ...     ctx = jaxdist.get_replica_context()
+            ...     return ctx.all_reduce("SUM", per_replica_loss)
+            >>> strategy.experimental_local_results(strategy.run(step, args=(jnp.float32(0.5),)))
+            (Array(1., dtype=float32), Array(1., dtype=float32))
         """
         del options
         op = ReduceOp.from_value(reduce_op)
@@ -175,7 +189,10 @@ class ReplicaContext:
         Example:
             >>> def merge_fn(strategy, x):
             ...     return strategy.reduce("SUM", x, axis=None)
-            >>> total = jaxdist.get_replica_context().merge_call(merge_fn, args=(x,))
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> def step(x):
+            ...     return jaxdist.get_replica_context().merge_call(merge_fn, args=(x,))
+            >>> total = strategy.run(step, args=(jnp.float32(1.0),))
         """
         from jaxdist._src.strategies import context as ctx_lib
 

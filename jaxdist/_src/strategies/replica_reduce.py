@@ -39,8 +39,16 @@ class DoubleReductionError(ValueError):
     """``all_reduce`` got a value that was already summed over the replicas.
 
     Example:
-        >>> grads = jax.grad(loss_fn)(params)          # already summed over replicas
-        >>> ctx.all_reduce("SUM", grads)                # raises DoubleReductionError
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+        >>> def step(params):
+        ...     ctx = jaxdist.get_replica_context()
+        ...     loss_fn = lambda w: ctx.all_reduce("SUM", jnp.sum(w))
+        ...     grads = jax.grad(loss_fn)(params)          # already summed over replicas
+        ...     return ctx.all_reduce("SUM", grads)
+        >>> strategy.run(step, args=(jnp.ones(2),))
+        Traceback (most recent call last):
+        ...
+        DoubleReductionError: all_reduce(SUM) got a value that is already summed over the 2 ...
     """
 
 

@@ -22,6 +22,10 @@ class RunOptions:
         experimental_xla_options: accepted for TF compatibility.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+        >>> def train_step(params, opt_state, batch):
+        ...     return params - 0.1 * batch, opt_state + 1, jnp.sum(batch)
+        >>> params, opt_state, batch = jnp.ones(3), jnp.zeros(()), jnp.ones(3)
         >>> donate = jaxdist.RunOptions(donate_argnums=(0, 1))
         >>> params, opt_state, loss = strategy.run(
         ...     train_step, args=(params, opt_state, batch), options=donate)

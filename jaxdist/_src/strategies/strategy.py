@@ -60,8 +60,11 @@ class ValueContext:
         num_replicas_in_sync: the total number of replicas.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> v = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: np.full(2, ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync))
+        >>> strategy.experimental_local_results(v)[1]
+        Array([0.5, 0.5], dtype=float32)
     """
 
     def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
@@ -85,10 +88,17 @@ class StrategyExtended:
     """Strategy internals with TF's ``extended`` names (``reduce_to``, ``update``, ...).
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> ext = strategy.extended
-        >>> ext.worker_devices, ext.parameter_devices
-        >>> total = ext.reduce_to("SUM", per_replica_value, destinations="/cpu:0")
-        >>> new_state = ext.update(state, lambda s, g: s - 0.1 * g, args=(total,))
+        >>> len(ext.worker_devices)
+        2
+        >>> per_replica_value = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jnp.ones(3) * (ctx.replica_id_in_sync_group + 1))
+        >>> total = ext.reduce_to("SUM", per_replica_value, destinations=None)
+        >>> total
+        Array([3., 3., 3.], dtype=float32)
+        >>> ext.update(jnp.zeros(3), lambda s, g: s - 0.1 * g, args=(total,))
+        Array([-0.3, -0.3, -0.3], dtype=float32)
 
     Args:
         strategy: the owning strategy.
@@ -245,7 +255,9 @@ class StrategyExtended:
         """compat.v1 name for ``Strategy.run``.
 
         Example:
-            >>> strategy.extended.call_for_each_replica(step, args=(batch,))
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> strategy.extended.call_for_each_replica(lambda: jnp.ones(()))  # same everywhere
+            Array(1., dtype=float32)
         """
         return self._container_strategy.run(fn, args, kwargs)
 
@@ -542,7 +554,10 @@ class StrategyExtended:
             RuntimeError: called inside another strategy's scope or in a replica context.
 
         Example:
-            >>> total = strategy.extended.reduce_to("SUM", per_replica, "/cpu:0")
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> per_replica = strategy.run(lambda: jnp.ones(()))
+            >>> strategy.extended.reduce_to("SUM", per_replica, None)
+            Array(2., dtype=float32)
         """
         del options
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
@@ -562,7 +577,12 @@ class StrategyExtended:
         """``reduce_to`` for a list of ``(value, destinations)`` pairs.
 
         Example:
-            >>> a, b = strategy.extended.batch_reduce_to("MEAN", [(x, x), (y, "/cpu:0")])
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> x = strategy.run(lambda: jnp.ones(2))
+            >>> y = strategy.run(lambda: jnp.zeros(()))
+            >>> a, b = strategy.extended.batch_reduce_to("MEAN", [(x, x), (y, None)])
+            >>> a, b
+            (Array([1., 1.], dtype=float32), Array(0., dtype=float32))
         """
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         pairs = list(value_destination_pairs)
@@ -580,6 +600,7 @@ class StrategyExtended:
         means every replica's device (a replicated array).
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> w = strategy.extended.broadcast_to(jnp.ones(3), strategy.extended.worker_devices)
         """
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
@@ -691,7 +712,11 @@ class StrategyExtended:
             RuntimeError: called inside another strategy's scope or in a replica context.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> step = jnp.zeros((), jnp.int32)
             >>> step = strategy.extended.update_non_slot(step, lambda: step + 1)
+            >>> int(step)
+            1
         """
         del colocate_with, group
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
@@ -706,7 +731,8 @@ class StrategyExtended:
         """A ``jaxdist.Dataset`` of the slices of ``numpy_input``.
 
         Example:
-            >>> strategy.extended.experimental_make_numpy_dataset(np.ones([10]))
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> ds = strategy.extended.experimental_make_numpy_dataset(np.ones([10]))
         """
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         from jaxdist._src.input.dataset import Dataset
@@ -936,12 +962,16 @@ class Strategy:
     """The API shared by every distribution strategy (``tf.distribute.Strategy``).
 
     Example:
-        >>> strategy = jaxdist.MirroredStrategy()
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> with strategy.scope():
         ...     params = {"w": jnp.zeros((3,))}          # replicated on every device
+        >>> dist_x = strategy.experimental_distribute_values_from_function(
+        ...     lambda ctx: jnp.full((3,), ctx.replica_id_in_sync_group + 1.0))
         >>> def step(params, x):
-        ...     return jaxdist.get_replica_context().all_reduce("SUM", x.sum())
+        ...     return jaxdist.get_replica_context().all_reduce("SUM", (params["w"] + x).sum())
         >>> total = strategy.run(step, args=(params, dist_x))
+        >>> strategy.experimental_local_results(total)   # 3*1 + 3*2 on both replicas
+        (Array(9., dtype=float32), Array(9., dtype=float32))
     """
 
     #: True only for the default strategy (in effect outside every scope).
@@ -978,6 +1008,7 @@ class Strategy:
                 replica function.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> with strategy.scope():
             ...     params = {"w": jnp.zeros((3,))}   # replicated on every device
         """
@@ -1015,9 +1046,16 @@ class Strategy:
             that varies is a ``PerReplica``.
 
         Example:
-            >>> params, opt_state, loss = strategy.run(
-            ...     train_step, args=(params, opt_state, batch),
-            ...     options=jaxdist.RunOptions(donate_argnums=(0, 1)))
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> def train_step(params, batch):
+            ...     loss = jnp.mean((params * batch) ** 2)
+            ...     return params - 0.1 * batch, loss
+            >>> params = jnp.ones(4)
+            >>> batch = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: jnp.ones(4))
+            >>> params, loss = strategy.run(
+            ...     train_step, args=(params, batch),
+            ...     options=jaxdist.RunOptions(donate_argnums=(0,)))
         """
         donate: tuple[int, ...] = ()
         if options is not None:
@@ -1053,7 +1091,10 @@ class Strategy:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+            >>> per_replica_losses = strategy.run(lambda: jnp.float32(0.5))
             >>> strategy.reduce("SUM", per_replica_losses, axis=None)
+            Array(1., dtype=float32)
         """
         op = ReduceOp.from_value(reduce_op)
         ctx_lib.require_cross_replica_or_default_context(self)
@@ -1115,8 +1156,11 @@ class Strategy:
         """Calls ``value_fn(ValueContext)`` for each replica; returns the values as ``PerReplica``.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> v = strategy.experimental_distribute_values_from_function(
             ...     lambda ctx: jnp.array([ctx.replica_id_in_sync_group]))
+            >>> strategy.experimental_local_results(v)
+            (Array([0], dtype=int32), Array([1], dtype=int32))
         """
         ext = self._extended
         n = ext._num_replicas
@@ -1147,6 +1191,10 @@ class Strategy:
         """Deprecated TF alias of ``distribute_datasets_from_function``.
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
+            >>> def dataset_fn(ctx):
+            ...     return jaxdist.Dataset.from_tensor_slices(np.arange(8.0)).batch(
+            ...         ctx.get_per_replica_batch_size(4))
             >>> dist = strategy.experimental_distribute_datasets_from_function(dataset_fn)
         """
         warnings.warn(
@@ -1161,6 +1209,7 @@ class Strategy:
         """A ``jaxdist.Dataset`` of the slices of ``numpy_input`` (batch it yourself).
 
         Example:
+            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> ds = strategy.experimental_make_numpy_dataset(np.ones([10], np.float32))
         """
         ctx_lib.require_cross_replica_or_default_context(self)
@@ -1226,7 +1275,9 @@ def register_run_state_hook(hook: Callable[[Callable, tuple, dict], Any]) -> Non
     """Makes every ``strategy.run`` ask ``hook`` for state its function reaches.
 
     Example:
-        >>> register_run_state_hook(lambda fn, args, kwargs: None)  # carries nothing
+        >>> hook = lambda fn, args, kwargs: None   # carries nothing
+        >>> register_run_state_hook(hook)
+        >>> _RUN_STATE_HOOKS.remove(hook)          # (a hook stays for the process otherwise)
     """
     if hook not in _RUN_STATE_HOOKS:
         _RUN_STATE_HOOKS.append(hook)

@@ -70,7 +70,7 @@ class WatchedSteps(StepThrottle):
     Example:
         >>> steps = WatchedSteps(2, 60.0, on_overrun=lambda elapsed: False)
         >>> steps.before_dispatch()
-        >>> out = step(batch)
+        >>> out = jax.jit(lambda x: x * 2)(jnp.ones(3))
         >>> steps.after_dispatch(out)
     """
 

@@ -6,7 +6,8 @@ a small JSON record of where training was: the global step, the epoch and the st
 renames it when complete, so a process killed mid-save leaves the previous checkpoint intact.
 
 Example:
-    >>> ckpt = Checkpointer("/tmp/run/ckpt", keep=3)
+    >>> ckpt = Checkpointer("run/ckpt", keep=3)
+    >>> state = {"params": {"w": jnp.ones(3)}, "step": jnp.int32(100)}
     >>> ckpt.save(100, state, {"epoch": 1, "step_in_epoch": 78})
     >>> state, meta = ckpt.restore_latest(like=state)
 """
@@ -119,7 +120,10 @@ class Checkpointer:
         shapes (or other arrays) than ``like``: one line naming the first difference.
 
         Example:
-            >>> ckpt.check_compatible(ckpt.latest_step(), trainer.state)
+            >>> ckpt = Checkpointer("run/ckpt")
+            >>> state = {"w": jnp.ones(3)}
+            >>> ckpt.save(1, state, {})
+            >>> ckpt.check_compatible(ckpt.latest_step(), state)   # raises if they differ
         """
         from pathlib import Path
 

@@ -11,7 +11,8 @@ of the ``strategy`` section depend on ``strategy.name``: each strategy registere
 ``jaxdist._src.train.strategy_registry.register_strategy`` declares its own keys.
 
 Example:
-    >>> cfg = load_config("configs/default.yaml", overrides=["train.epochs=3"])
+    >>> _ = open("job.yaml", "w").write("train: {epochs: 10}")
+    >>> cfg = load_config("job.yaml", overrides=["train.epochs=3"])
     >>> cfg["train"]["epochs"]
     3
 """

@@ -58,8 +58,8 @@ class PackedStepStats(LazyStats):
     device array (``PACKED``), so reading them is one device-to-host transfer, not three.
 
     Example:
-        >>> stats = PackedStepStats({"packed": packed})
-        >>> stats["loss"]          # waits for the step
+        >>> stats = PackedStepStats({"packed": packed})  # a step's outputs  # doctest: +SKIP
+        >>> stats["loss"]          # waits for the step  # doctest: +SKIP
     """
 
     __slots__ = ("_device", "_host")

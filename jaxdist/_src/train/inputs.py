@@ -22,9 +22,11 @@ grain is optional (``pip install 'jaxdist[grain]'``) and imported only when used
 
 Example:
     >>> import grain
+    >>> examples = [(np.ones(4, np.float32), np.int32(i % 2)) for i in range(256)]
     >>> ds = grain.MapDataset.source(examples).shuffle(seed=0).batch(64)
-    >>> trainer.fit(ds, epochs=3)
-    >>> trainer.fit(({"image": x, "mask": m}, y), sample_weight=w, validation_split=0.1)
+    >>> trainer.fit(ds, epochs=3)  # doctest: +SKIP
+    >>> trainer.fit(({"image": x, "mask": m}, y), sample_weight=w,  # doctest: +SKIP
+    ...             validation_split=0.1)
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def array_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = "da
         DataError: arrays without labels, or mismatched rows.
 
     Example:
+        >>> x, y = np.ones((100, 4), np.float32), np.zeros((100,), np.int32)
         >>> array_data(x, y).x.shape
         (100, 4)
     """
@@ -131,7 +134,10 @@ def split_last(data: ArrayData, validation_split: float) -> tuple[ArrayData, Arr
     """Keras' ``validation_split``: the last fraction of the rows, before any shuffling.
 
     Example:
+        >>> data = array_data(np.ones((100, 4), np.float32), np.zeros((100,), np.int32))
         >>> train, val = split_last(data, 0.2)
+        >>> len(train), len(val)
+        (80, 20)
     """
     if not 0.0 < validation_split < 1.0:
         raise DataError(f"validation_split={validation_split} is not valid; expected a "
@@ -179,6 +185,7 @@ class StreamSource:
         class_weight: Keras' ``class_weight`` (multiplies the sample weights).
 
     Example:
+        >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
         >>> src = StreamSource(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32), "data")
         >>> xb, yb, wb = next(src.batches(32, epoch=0))
     """
@@ -340,6 +347,7 @@ def source(data: Any, y: Any = None, sample_weight: Any = None,
     """``ArrayData`` for in-memory arrays (class weights applied), else a ``StreamSource``.
 
     Example:
+        >>> x, y = np.ones((100, 4), np.float32), np.zeros((100,), np.int32)
         >>> source((x, y), what="train_data")
         ArrayData(...)
     """

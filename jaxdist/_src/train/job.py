@@ -2,7 +2,7 @@
 
 Example:
     >>> from jaxdist._src.train.config import load_config
-    >>> history = run_job(load_config("configs/default.yaml"))
+    >>> history = run_job(load_config("configs/default.yaml"))  # a training run  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
 
     Example:
         >>> from jaxdist._src.train.config import load_config
-        >>> cfg = load_config("configs/tpu.yaml", ["strategy.topology=v5e:2x2"])
-        >>> print(compile_job(cfg))
+        >>> cfg = load_config("configs/tpu.yaml", ["strategy.topology=v5e:2x2"])  # doctest: +SKIP
+        >>> print(compile_job(cfg))  # doctest: +SKIP
     """
     from jaxdist._src.train import data as data_lib
     from jaxdist._src.train import models

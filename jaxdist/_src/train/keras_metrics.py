@@ -16,6 +16,9 @@ or a subclass of ``Metric``; a plain function ``fn(logits, labels) -> per-exampl
 is wrapped in ``MeanMetricWrapper``.
 
 Example:
+    >>> import optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 10, rngs=nnx.Rngs(0))
     >>> trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64,
     ...                           metrics=["accuracy", SparseTopKCategoricalAccuracy(k=3)])
 """
@@ -69,6 +72,7 @@ class MeanMetricWrapper(Metric):
 
     Example:
         >>> MeanMetricWrapper(lambda logits, y: (logits.argmax(-1) == y), name="hit")
+        MeanMetricWrapper(name='hit')
     """
 
     def __init__(self, fn: Callable[[jax.Array, jax.Array], jax.Array], name: str | None = None):
@@ -210,8 +214,12 @@ def metric_sums(specs: Sequence[tuple[str, Any, bool]], logits: jax.Array, y: ja
     row by ``w`` (times ``mask``). Used inside replica functions (jax).
 
     Example:
-        >>> metric_sums([("auc", AUC(), False), ("weighted_auc", AUC(), True)],
-        ...             logits, labels, None, sample_weight)["metrics"]["auc"]["tp"]
+        >>> logits, labels = jnp.array([[2.0], [-1.0]]), jnp.array([[1.0], [0.0]])
+        >>> sample_weight = jnp.array([1.0, 2.0])
+        >>> sums = metric_sums([("auc", AUC(), False), ("weighted_auc", AUC(), True)],
+        ...                    logits, labels, None, sample_weight)
+        >>> sorted(sums["metrics"]), sorted(sums["metrics"]["auc"])
+        (['auc', 'weighted_auc'], ['fn', 'fp', 'tn', 'tp'])
     """
     if not specs:
         return {}

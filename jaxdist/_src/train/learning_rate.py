@@ -7,9 +7,11 @@ sharding). Job configs build every optimizer this way; wrap your own as
 ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``.
 
 Example:
+    >>> import optax
+    >>> params = {"w": jnp.zeros(3)}
     >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     >>> state = tx.init(params)
-    >>> float(get_learning_rate(state))
+    >>> round(float(get_learning_rate(state)), 6)
     0.1
     >>> state = set_learning_rate(state, 0.01)
 """
@@ -39,6 +41,8 @@ def has_learning_rate(opt_state: Any) -> bool:
     """Whether ``opt_state`` holds an injected ``learning_rate``.
 
     Example:
+        >>> import optax
+        >>> params = {"w": jnp.zeros(3)}
         >>> has_learning_rate(optax.adam(1e-3).init(params))
         False
     """
@@ -49,6 +53,8 @@ def is_scheduled(opt_state: Any) -> bool:
     """Whether the injected learning rate follows a schedule (recomputed every update).
 
     Example:
+        >>> import optax
+        >>> params = {"w": jnp.zeros(3)}
         >>> is_scheduled(optax.inject_hyperparams(optax.sgd)(
         ...     learning_rate=optax.cosine_decay_schedule(0.1, 100)).init(params))
         True
@@ -61,6 +67,8 @@ def get_learning_rate(opt_state: Any) -> float | None:
     """The learning rate of the last update (or the initial one); ``None`` if not injected.
 
     Example:
+        >>> import optax
+        >>> p = {"w": jnp.zeros(3)}
         >>> get_learning_rate(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5).init(p))
         0.5
     """
@@ -80,6 +88,8 @@ def set_learning_rate(opt_state: Any, value: float) -> Any:
             would overwrite the value at the next update).
 
     Example:
+        >>> import optax
+        >>> state = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).init(jnp.zeros(3))
         >>> state = set_learning_rate(state, 1e-4)
     """
     if not has_learning_rate(opt_state):

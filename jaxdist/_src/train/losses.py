@@ -1,6 +1,7 @@
 """The losses a ``Trainer`` names (Keras' names) and the per-example accuracy of a step.
 
 Example:
+    >>> logits, labels = jnp.zeros((32, 10)), jnp.zeros((32,), jnp.int32)
     >>> LOSSES["sparse_categorical_crossentropy"](logits, labels).shape   # one per example
     (32,)
 """

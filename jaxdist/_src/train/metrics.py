@@ -17,6 +17,8 @@ Console output follows Keras' ``verbose``: 0 prints nothing; 1 shows an epoch pr
 Example:
     >>> logger = MetricsLogger("runs/x", total_steps=100)
     >>> logger.write("train", step=10, epoch=0, loss=0.5)
+    [train] step 10 epoch=0 loss=0.5
+    {'event': 'train', 'step': 10, 'epoch': 0, 'loss': 0.5, 'time': ...}
     >>> logger.close()
 """
 

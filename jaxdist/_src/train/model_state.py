@@ -21,6 +21,8 @@ training or inference mode:
   statistics.
 
 Example:
+    >>> from flax import nnx
+    >>> model, x = nnx.Linear(4, 2, rngs=nnx.Rngs(0)), jnp.ones((5, 4))
     >>> ms = ModelState.split(model)
     >>> logits, new_rest = ms.apply(ms.params, ms.rest, x, training=True, step=0,
     ...                             replica_id=0)
@@ -80,7 +82,7 @@ class ModelState:
         """Splits ``model`` (see the module docstring).
 
         Example:
-            >>> ms = ModelState.split(MLP(4, [8], 2, rngs=nnx.Rngs(0)))
+            >>> ms = ModelState.split(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
         """
         graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
         impls = jax.tree.map(lambda x: str(jax.random.key_impl(x)) if _is_key(x) else None,

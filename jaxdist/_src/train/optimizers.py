@@ -1,6 +1,7 @@
 """The optimizer a job config's ``optimizer`` section names (optax, with its schedule).
 
 Example:
+    >>> from jaxdist._src.train.config import load_config
     >>> tx = optimizer_from_config(load_config(raw={})["optimizer"])    # adam(1e-3)
 """
 

@@ -10,6 +10,9 @@ is only for float16, which jaxdist does not offer).
 Example:
     >>> compute_dtype("bfloat16")
     dtype(bfloat16)
+    >>> import optax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     >>> trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64,
     ...                           precision="bfloat16")
 """

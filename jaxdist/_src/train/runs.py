@@ -7,8 +7,12 @@ two runs start in the same second) or ``<log_dir>/<run_name>``. It holds ``metri
 validation curves of each.
 
 Example:
+    >>> from jaxdist._src.train.metrics import MetricsLogger
     >>> run = new_run_dir("runs/digits")             # runs/digits/20261123-093512
     >>> run = new_run_dir("runs/digits", "baseline")  # runs/digits/baseline
+    >>> logger = MetricsLogger(run)                  # a run is a directory with metrics.jsonl
+    >>> _ = logger.write("train", step=1, loss=0.5); logger.close()
+    [train] step 1 loss=0.5
     >>> latest_run("runs/digits")
     'runs/digits/baseline'
 """
@@ -78,8 +82,8 @@ def list_runs(log_dir: str | os.PathLike) -> list[str]:
     ``eval`` excepted), oldest first.
 
     Example:
-        >>> list_runs("runs/digits")
-        ['runs/digits/20261123-093512', 'runs/digits/20261123-094001']
+        >>> list_runs("runs/digits")     # the runs that wrote metrics, oldest first
+        []
     """
     parent = os.fspath(log_dir)
     if not os.path.isdir(parent):
@@ -96,7 +100,12 @@ def latest_run(log_dir: str | os.PathLike) -> str:
         RunDirError: there is no run there.
 
     Example:
-        >>> read_metrics(latest_run("runs/digits"))
+        >>> from jaxdist._src.train.metrics import MetricsLogger
+        >>> logger = MetricsLogger(new_run_dir("runs/digits", "baseline"))
+        >>> _ = logger.write("train", step=1, loss=0.5); logger.close()
+        [train] step 1 loss=0.5
+        >>> latest_run("runs/digits")
+        'runs/digits/baseline'
     """
     parent = os.fspath(log_dir)
     if os.path.isfile(os.path.join(parent, METRICS_FILE)):

@@ -317,6 +317,7 @@ def trainer_kwargs(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """The ``Trainer`` arguments (``prefix="fit"``: ``fit``'s) a validated config sets.
 
     Example:
+        >>> from jaxdist._src.train.config import load_config
         >>> trainer_kwargs(load_config(raw={"checkpoint": {"keep": 5}}))["keep_checkpoints"]
         5
     """
@@ -328,6 +329,7 @@ def fit_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``Trainer.fit``'s arguments from a validated config (``epochs`` only without ``steps``).
 
     Example:
+        >>> from jaxdist._src.train.config import load_config
         >>> fit_kwargs(load_config(raw={"train": {"steps": 7}}))["epochs"] is None
         True
     """

@@ -13,11 +13,15 @@ Config names are looked up here (``config_for``), so a job goes config -> ``Stra
 
 Example:
     >>> from jaxdist._src.train.schema import Field
-    >>> register_strategy(
+    >>> class MyStrategy(jaxdist.MirroredStrategy):
+    ...     def __init__(self, workers):
+    ...         super().__init__(jax.devices()[:1])
+    >>> spec = register_strategy(
     ...     MyStrategy, "my_strategy", lambda section: MyStrategy(section["workers"]),
     ...     {"workers": Field(int, 2, "how many", minimum=1)}, help="my own strategy")
     >>> config_for("my_strategy").strategy_class is MyStrategy
     True
+    >>> del _REGISTRY[MyStrategy]   # (this example unregisters it; a program keeps it)
 """
 
 from __future__ import annotations
@@ -122,7 +126,15 @@ def register_trainer_hook(strategy_class: type,
     """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
 
     Example:
+        >>> from jaxdist._src.train.hooks import SyncHook
+        >>> class MyStrategy(jaxdist.MirroredStrategy):
+        ...     pass
+        >>> class MyHook(SyncHook):
+        ...     pass
         >>> register_trainer_hook(MyStrategy, MyHook)
+        >>> type(hook_for(MyStrategy(jax.devices()[:1]))).__name__
+        'MyHook'
+        >>> del _REGISTRY[MyStrategy]   # (this example unregisters it; a program keeps it)
     """
     _REGISTRY.setdefault(strategy_class, _Entry()).hook = hook
 
@@ -168,6 +180,7 @@ def strategy_config(cfg: Mapping[str, Any], strategy: Any = None) -> StrategyCon
     strategy), the config name of that strategy's class when ``strategy.name`` is another's.
 
     Example:
+        >>> from jaxdist._src.train.config import load_config
         >>> strategy_config(load_config(raw={})).name
         'mirrored'
     """

@@ -9,12 +9,15 @@ whole global batch. ``steps_per_execution=k`` folds ``k`` steps into one compile
 ``lax.scan`` over ``k`` batches inside the replica function).
 
 Example:
-    >>> strategy = jaxdist.MirroredStrategy()
+    >>> x, y = np.ones((128, 64), np.float32), np.zeros((128,), np.int32)
+    >>> x_val, y_val = x[:64], y[:64]
+    >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with strategy.scope():
-    ...     model = MLP(64, [128], 10, rngs=nnx.Rngs(0))
+    ...     model = nnx.Linear(64, 10, rngs=nnx.Rngs(0))
     ...     trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=64)
-    >>> history = trainer.fit((x, y), epochs=5, validation_data=(x_val, y_val))
+    >>> history = trainer.fit((x, y), epochs=2, validation_data=(x_val, y_val), verbose=0)
     >>> trainer.evaluate((x_val, y_val))["accuracy"]
+    1.0
 """
 
 from __future__ import annotations
@@ -140,9 +143,12 @@ class Trainer(TrainerHandle):
         ValueError: ``global_batch_size`` does not divide across the replicas.
 
     Example:
+        >>> from flax import nnx
+        >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
         >>> trainer = jaxdist.Trainer(model, optax.sgd(0.1), global_batch_size=32,
         ...                           strategy=jaxdist.MirroredStrategy())
-        >>> trainer.fit((x, y), steps=100)
+        >>> history = trainer.fit((x, y), steps=4, verbose=0)
     """
 
     def __init__(
@@ -591,11 +597,15 @@ class Trainer(TrainerHandle):
                 parameter-server strategy).
 
         Example:
-            >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")
+            >>> model = nnx.Linear(784, 10, rngs=nnx.Rngs(0))
+            >>> x_train, y_train = np.zeros((512, 784), np.float32), np.zeros((512,), np.int32)
+            >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> with strategy.scope():
             ...     trainer = jaxdist.Trainer(model, optax.adam(1e-3), global_batch_size=128,
             ...                               strategy=strategy)
             >>> print(trainer.experimental_compile(x_train, y_train))
+            Trainer step (1 step(s) of 128 rows) compiled for TPU v5 lite v5e:2x2 (4 chips, ...)
+            per chip: memory ...
         """
         from jaxdist._src.strategies.compile_report import compile_run
         from jaxdist._src.train.hooks import SyncHook

@@ -5,8 +5,14 @@
 directory) and ``describe_run`` (the start-up line). ``Trainer`` inherits them.
 
 Example:
+    >>> import optax
+    >>> from flax import nnx
+    >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)),
+    ...                           optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+    ...                           global_batch_size=32)
     >>> trainer.learning_rate = trainer.learning_rate * 0.5
-    >>> best = trainer.get_weights(); ...; trainer.set_weights(best)
+    >>> best = trainer.get_weights()
+    >>> trainer.set_weights(best)
 """
 
 from __future__ import annotations

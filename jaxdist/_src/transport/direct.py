@@ -26,8 +26,8 @@ of ``jaxdist._src.transport.wire``. ``JAXDIST_PS_DIRECT=0`` turns the transport 
 client).
 
 Example:
-    >>> pool = DirectPool(["127.0.0.1:2222"], token, tls, ping, translate)
-    >>> meta, arrays = pool.call(0, "Pull", {"keys": ["w"]}, {}, deadline, 5.0)
+    >>> pool = DirectPool(["127.0.0.1:2222"], token, tls, ping, translate)  # doctest: +SKIP
+    >>> meta, arrays = pool.call(0, "Pull", {"keys": ["w"]}, {}, deadline, 5.0)  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ A server can also stream: a method in ``stream_methods`` answers with any number
 call), as gRPC's ``context.is_active``.
 
 Example:
-    >>> direct = DirectServer("ps:0", "127.0.0.1", token, tls, limits, run).start()
-    >>> direct.port
+    >>> direct = DirectServer(  # doctest: +SKIP
+    ...     "ps:0", "127.0.0.1", token, tls, limits, run).start()
+    >>> direct.port  # doctest: +SKIP
     40123
 """
 

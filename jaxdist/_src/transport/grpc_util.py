@@ -55,7 +55,7 @@ def check_token(context: grpc.ServicerContext, token: bytes, task: str, method: 
     """Aborts the call with ``UNAUTHENTICATED`` unless it carries ``token``.
 
     Example:
-        >>> check_token(context, b"s3cret", "ps:0", "Pull")   # inside a gRPC handler
+        >>> check_token(context, b"s3cret", "ps:0", "Pull")   # in a handler  # doctest: +SKIP
     """
     got = None
     for key, value in context.invocation_metadata() or ():
@@ -100,8 +100,8 @@ def bind_server(
         OSError: the address cannot be bound (the message names the task and the address).
 
     Example:
-        >>> server, addr = bind_server("ps:0", "127.0.0.1:0", "svc", ["Ping"], make, 4, "ps",
-        ...                            tls=resolve_tls())
+        >>> server, addr = bind_server(  # doctest: +SKIP
+        ...     "ps:0", "127.0.0.1:0", "svc", ["Ping"], make, 4, "ps", tls=resolve_tls())
     """
     if ":" not in address:
         raise ValueError(f"{task}: address {address!r} is not host:port")
@@ -134,6 +134,9 @@ def open_channels(addresses: Sequence[str], tls: TLSConfig | None, job: str,
     ``None``.
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.cluster.tls import resolve_tls
+        >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
         >>> channels = open_channels(["127.0.0.1:2222"], resolve_tls(), "ps", CHANNEL_OPTIONS)
     """
     return [open_channel(a, tls, f"{job}:{i}", options) for i, a in enumerate(addresses)]
@@ -164,8 +167,9 @@ class ChunkStubs:
     longer one streams.
 
     Example:
-        >>> stubs = ChunkStubs(channels, "jaxdist.ps.ParameterService")
-        >>> responses = stubs(0, "Pull", wire.encode({"keys": ["w"]}), timeout=5.0)
+        >>> stubs = ChunkStubs(channels, "jaxdist.ps.ParameterService")  # doctest: +SKIP
+        >>> responses = stubs(  # doctest: +SKIP
+        ...     0, "Pull", wire.encode({"keys": ["w"]}), timeout=5.0)
     """
 
     def __init__(self, channels: Sequence[grpc.Channel], service_name: str):
@@ -202,8 +206,15 @@ class GrpcTaskServer:
     ``stopped`` event) and may override ``_after_stop``.
 
     Example:
-        >>> server = ParameterServer(service, "127.0.0.1:0", token="s3cret").start()
+        >>> import os
+        >>> from jaxdist._src.ps.server import ParameterServer
+        >>> from jaxdist._src.ps.service import ParameterService
+        >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
+        >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token="s3cret")
+        >>> server = server.start()
+        >>> server.stop()
         >>> server.wait_for_stop(timeout=10.0)
+        True
     """
 
     _server: grpc.Server

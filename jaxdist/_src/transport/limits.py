@@ -25,7 +25,8 @@ in lower case.
 
 Example:
     >>> limits = ServerLimits.from_env(max_request_bytes=512 << 20)
-    >>> server = ParameterServer(service, "127.0.0.1:0", token="s3cret", limits=limits)
+    >>> server = ParameterServer(  # doctest: +SKIP
+    ...     service, "127.0.0.1:0", token="s3cret", limits=limits)
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ServerLimits:
 
     Example:
         >>> ServerLimits(max_request_bytes=64 << 20, max_call_seconds=30.0)
+        ServerLimits(max_request_bytes=67108864, max_call_seconds=30.0, ...)
     """
 
     max_request_bytes: int = MAX_DEFAULT_REQUEST_BYTES
@@ -160,7 +162,7 @@ def peer_identity(context: Any) -> str:
     each connection is a client of its own).
 
     Example:
-        >>> peer_identity(context)
+        >>> peer_identity(context)  # doctest: +SKIP
         'cert worker-0 3fa41c09d2e8b7a1'
     """
     try:
@@ -231,7 +233,7 @@ class CallGuard:
 
     Example:
         >>> guard = CallGuard("ps:0", ServerLimits())
-        >>> with guard.call(context, "Push") as progress:    # inside a gRPC handler
+        >>> with guard.call(context, "Push") as progress:  # in a handler  # doctest: +SKIP
         ...     meta, arrays = wire.decode(progress.watch_requests(request_iterator))
     """
 

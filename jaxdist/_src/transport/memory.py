@@ -8,6 +8,7 @@ about as much CPU as the copies themselves. ``RECEIVE_POOL`` recycles the decode
 
 Example:
     >>> tune_malloc()          # once per process; PSClient and ParameterServer call it
+    True
     >>> buf = RECEIVE_POOL.take(64 << 20)
 """
 

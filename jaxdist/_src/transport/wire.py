@@ -44,7 +44,11 @@ class MessageTooLargeError(WireError):
     Raised from the frame prefix, before any payload buffer is allocated.
 
     Example:
-        >>> wire.decode(chunks, max_bytes=1 << 30)   # a 20 GiB header raises this
+        >>> chunks = list(encode({"step": 1}, {"w": np.zeros(1024, np.float32)}))
+        >>> decode(chunks, max_bytes=1000)   # the header declares 4 KiB of arrays
+        Traceback (most recent call last):
+        ...
+        MessageTooLargeError: ...
     """
 
 

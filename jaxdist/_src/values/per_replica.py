@@ -31,6 +31,7 @@ class PerReplica:
             zero padding).
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> v = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: jnp.full((2,), ctx.replica_id_in_sync_group))
         >>> strategy.experimental_local_results(v)[1]
@@ -108,6 +109,10 @@ class PerReplicaSpec:
     replica, the plain ``jax.ShapeDtypeStruct``), as TF's ``PerReplicaSpec`` of ``TensorSpec``s.
 
     Example:
+        >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
+        >>> x, y = np.ones((32, 784), np.float32), np.zeros((32,), np.int32)
+        >>> dist_dataset = strategy.experimental_distribute_dataset(
+        ...     jaxdist.Dataset.from_tensor_slices((x, y)).batch(16))
         >>> spec = dist_dataset.element_spec      # (PerReplicaSpec, PerReplicaSpec) for (x, y)
         >>> spec[0].value_specs[0].shape           # replica 0's batch of x
         (8, 784)

@@ -17,11 +17,16 @@ training). With it, every worker runs the same ``Trainer.fit``:
   (while they make progress) before its final evaluation and checkpoint.
 
 Example:
+    >>> import jaxdist.ps
+    >>> from flax import nnx
+    >>> x, y = np.ones((128, 4), np.float32), np.zeros((128,), np.int32)
+    >>> x_val, y_val = x[:64], y[:64]
     >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG, or local
     >>> with strategy.scope():
+    ...     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
     ...                               global_batch_size=64, strategy=strategy)
-    >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))
+    >>> history = trainer.fit((x, y), epochs=2, validation_data=(x_val, y_val), verbose=0)
 """
 
 from __future__ import annotations
@@ -233,7 +238,8 @@ def replica_gradients(ms: Any, params: Any, rest: Any, rngs: Any, x: Any, y: Any
     as Keras) plus ``metric_sums(logits, y, w)`` (the synchronous trainer's metric sums).
 
     Example:
-        >>> stats, grads = replica_gradients(ms, params, rest, rngs, x, y, w, loss_fn=loss_fn,
+        >>> stats, grads = replica_gradients(  # doctest: +SKIP
+        ...     ms, params, rest, rngs, x, y, w, loss_fn=loss_fn,
         ...     global_batch_size=64, step=step, replica=0, compute_dtype=None,
         ...     metric_sums=lambda logits, y, w: {})
     """

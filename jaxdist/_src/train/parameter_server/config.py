@@ -14,7 +14,9 @@ when they run ``python -m jaxdist.train`` with this config instead, they serve t
 Both are registered in ``jaxdist._src.train.strategy_registry``.
 
 Example:
-    >>> cfg = load_config("configs/parameter_server.yaml")
+    >>> from jaxdist._src.train.config import load_config
+    >>> cfg = load_config(raw={"strategy": {"name": "parameter_server"},
+    ...                        "optimizer": {"name": "adam"}})
     >>> ps_optimizer_from_config(cfg["optimizer"]).name
     'adam'
     >>> if is_ps_task(cfg):

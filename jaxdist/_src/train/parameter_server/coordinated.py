@@ -27,12 +27,13 @@ lives in this module, so workers import it; the model's graph definition and the
 by value (cloudpickle), the strategy and the variables as references.
 
 Example:
-    >>> strategy = jaxdist.ParameterServerStrategy()              # TF_CONFIG: chief:0
-    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)
-    >>> with strategy.scope():
+    >>> strategy = jaxdist.ParameterServerStrategy()    # TF_CONFIG: chief:0  # doctest: +SKIP
+    >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+    >>> with strategy.scope():  # doctest: +SKIP
     ...     trainer = jaxdist.Trainer(model, jaxdist.ps.optimizers.adam(3e-3),
     ...                               global_batch_size=32, strategy=strategy)
-    >>> trainer.fit((x, y), epochs=10, validation_data=(x_val, y_val))   # on the workers
+    >>> trainer.fit((x, y), epochs=10,  # on the workers  # doctest: +SKIP
+    ...             validation_data=(x_val, y_val))
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class WorkerShard:
     epoch after epoch from ``start_epoch`` (skipping ``start_batch`` batches of it).
 
     Example:
+        >>> from jaxdist import InputContext
+        >>> x, y = np.ones((128, 4), np.float32), np.zeros((128,), np.int32)
         >>> it = iter(WorkerShard(x, y, 32, seed=0)(InputContext(2, 1)))
         >>> xb, yb = next(it)                # worker 1's first batch of epoch 0
     """
@@ -139,6 +142,9 @@ class GrainWorkerShard:
         class_weight: Keras' ``class_weight``.
 
     Example:
+        >>> import grain
+        >>> from jaxdist import InputContext
+        >>> examples = [(np.ones(4, np.float32), np.int32(0)) for _ in range(128)]
         >>> ds = grain.MapDataset.source(examples).batch(32)
         >>> shard = GrainWorkerShard(ds, 32, num_elements=len(ds) - 1, rows=32)
         >>> xb, yb = next(iter(shard(InputContext(2, 1))))   # worker 1's first batch (element 1)
@@ -288,8 +294,8 @@ class StepStats(LazyStats):
     and run again returns one result). The ``Trainer`` reads it only to log or check NaN.
 
     Example:
-        >>> stats = StepStats([coordinator.schedule(step_fn, args=(it,))])
-        >>> stats["loss"]          # waits for the step
+        >>> stats = StepStats([coordinator.schedule(step_fn, args=(it,))])  # doctest: +SKIP
+        >>> stats["loss"]          # waits for the step  # doctest: +SKIP
     """
 
     def __init__(self, remote_values: list[Any]):
