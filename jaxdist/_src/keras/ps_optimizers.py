@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist._src.compat import keras_internals as ki
 from jaxdist._src.ps import optimizers as ps_opt
 
 _SUPPORTED = "SGD, Adam, AdamW, Adagrad, RMSprop"
@@ -54,7 +55,7 @@ def _fail(optimizer: Any, what: str) -> ValueError:
 def _learning_rate(optimizer: Any) -> Any:
     import keras
 
-    lr = optimizer._learning_rate
+    lr = ki.learning_rate_of(optimizer)
     if isinstance(lr, keras.optimizers.schedules.ExponentialDecay):
         return ps_opt.exponential_decay(float(lr.initial_learning_rate), int(lr.decay_steps),
                                         float(lr.decay_rate), staircase=bool(lr.staircase))
