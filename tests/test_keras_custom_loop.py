@@ -22,6 +22,7 @@ keras = pytest.importorskip("keras")
 
 import jaxdist  # noqa: E402
 import jaxdist._src.keras  # noqa: E402
+import jaxdist.keras  # noqa: E402  (jaxdist.keras.value_and_grad)
 
 ROWS, TEST_ROWS = 200, 70  # not multiples of the global batch: partial last batches
 BATCH_SIZE_PER_REPLICA = 8

@@ -52,7 +52,7 @@ def _fail(optimizer: Any, what: str) -> ValueError:
     )
 
 
-def _learning_rate(optimizer: Any) -> Any:
+def _lr_spec(optimizer: Any) -> Any:
     import keras
 
     lr = ki.learning_rate_of(optimizer)
@@ -96,7 +96,7 @@ def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
     wd = getattr(optimizer, "weight_decay", None)
     if wd and not isinstance(optimizer, opts.AdamW):
         raise _fail(optimizer, f"weight_decay={wd!r} (only AdamW's decoupled decay maps)")
-    lr = _learning_rate(optimizer)
+    lr = _lr_spec(optimizer)
     if type(optimizer) is opts.SGD:
         m = float(optimizer.momentum)
         spec = (ps_opt.momentum(lr, m, bool(optimizer.nesterov)) if m
