@@ -246,7 +246,7 @@ def test_keras_fit_step_compiles_for_topology(name):
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "jax":
         pytest.skip(f"keras runs on the {keras.backend.backend()} backend, not jax")
-    import jaxdist._src.keras
+    import jaxdist.keras
 
     s = jaxdist.TPUStrategy(topology=name)
     x, y = np.zeros((16, 32), np.float32), np.zeros((16,), np.int32)

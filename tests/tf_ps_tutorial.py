@@ -56,7 +56,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
-import jaxdist._src.keras  # noqa: E402
+import jaxdist.keras  # noqa: E402
 from jaxdist._src.coordinator import ClusterCoordinator  # noqa: E402
 
 working_dir = sys.argv[1]

@@ -36,7 +36,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
-import jaxdist._src.keras  # noqa: E402
+import jaxdist.keras  # noqa: E402
 
 from ._data import digits_as_mnist  # noqa: E402
 
