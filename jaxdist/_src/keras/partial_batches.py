@@ -14,8 +14,9 @@ global batches:
   every value finite), and a row mask (``True`` for the real rows) is published beside it.
 - **Steps.** The loop that Keras builds around the jitted step is replaced for such models
   (``wrap_make_function``, one of jaxdist's trainer hooks, active inside jaxdist scopes): it
-  runs Keras's own step on every unpadded batch, and on a padded one a masked step (``masked_train_step`` / ``masked_test_step``) that gives the loss the sample
-  weights ``w * mask`` (times ``rows / real rows`` for losses that divide by the number of
+  runs Keras's own step on every unpadded batch, and on a padded one a masked step
+  (``masked_train_step`` / ``masked_test_step``) that gives the loss the sample weights
+  ``w * mask`` (times ``rows / real rows`` for losses that divide by the number of
   elements, ``"sum_over_batch_size"`` and ``"mean"``, so the divisor counts only real rows),
   gives ``weighted_metrics`` ``w * mask`` and ``metrics`` (unweighted in Keras) the mask,
   weighs the loss trackers by the real row count, and hands ``BatchNormalization`` layers the
