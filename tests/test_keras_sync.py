@@ -276,14 +276,14 @@ def test_tensorboard_without_tensorflow(devices, tmp_path):
     assert [e.step for e in train.Scalars("batch_loss")] == [2, 4, 6, 8]
 
 
-def test_keras_file_callbacks_are_refused_in_a_multi_process_job(monkeypatch, tmp_path):
+def test_keras_file_callbacks_are_refused_in_a_multi_process_job(devices, monkeypatch, tmp_path):
     # Keras's own ModelCheckpoint / BackupAndRestore know nothing about processes: every process
     # would write the same files. The jaxdist.keras versions write from the chief only.
     from jaxdist._src.keras import model_strategy
 
-    model_strategy.install()  # done by the first strategy scope entered with keras imported
+    with jaxdist.MirroredStrategy(devices[:1]).scope():  # a model of a strategy (fit outside)
+        model = _model()
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    model = _model()
     for cb, name in [(keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
                       "ModelCheckpoint"),
                      (keras.callbacks.BackupAndRestore(str(tmp_path / "b")), "BackupAndRestore")]:

@@ -21,6 +21,10 @@ Edits beyond API renames:
   ``model.save("model.keras")`` instead of a TF SavedModel; ``jaxdist.keras.TensorBoard``
   instead of Keras's (which needs TensorFlow); files go to a temporary directory.
 - PrintLR records the rates instead of printing them; results are returned.
+- the model loaded without the strategy's scope is compiled and evaluated inside the default
+  strategy's scope (``jaxdist.get_strategy().scope()``): outside every jaxdist scope a Keras
+  model is plain Keras, which reads no ``jaxdist.Dataset`` (TF's default strategy, implicit
+  there, takes ``tf.data``).
 """
 
 from __future__ import annotations
@@ -112,11 +116,12 @@ def main(strategy: jaxdist.Strategy | None = None) -> dict:
         path = os.path.join(workdir, "saved_model", "model.keras")
         os.makedirs(os.path.dirname(path))
         model.save(path)
-        unreplicated_model = keras.models.load_model(path)
-        unreplicated_model.compile(
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
-        unreplicated = unreplicated_model.evaluate(eval_dataset, verbose=0)
+        with jaxdist.get_strategy().scope():  # the default strategy reads a jaxdist.Dataset
+            unreplicated_model = keras.models.load_model(path)
+            unreplicated_model.compile(
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+            unreplicated = unreplicated_model.evaluate(eval_dataset, verbose=0)
         with strategy.scope():
             replicated_model = keras.models.load_model(path)
             replicated_model.compile(

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-_INSTALL = "pip install 'jaxdist[keras]'  (or: pip install 'keras>=3.8')"
+_INSTALL = "pip install 'jaxdist[keras]'  (or: pip install 'keras>=3.8,<4')"
 
 
 def require_keras() -> Any:
@@ -55,6 +55,8 @@ def require_keras() -> Any:
             f"jaxdist.keras needs the Keras JAX backend, but Keras runs on {backend!r}: set "
             f"KERAS_BACKEND=jax in the environment before keras is first imported"
         )
+    from jaxdist._src.compat import keras_internals  # noqa: F401  (warns: an untested Keras)
+
     return keras
 
 
@@ -74,10 +76,8 @@ def distribution_for(strategy: Any) -> Any:
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     """
     require_keras()
-    from jaxdist._src.keras import sharding_check
     from jaxdist._src.keras.distribution import StrategyDistribution
 
-    sharding_check.install()  # no false mixed-sharding alarm on one device
     if getattr(strategy, "_is_default_strategy", False):
         return None  # the default strategy distributes nothing (its scope enters no context)
     return StrategyDistribution(strategy)
@@ -108,8 +108,10 @@ def strategy_scope_hook(strategy: Any) -> Any:
     """The Keras context ``strategy.scope()`` enters once keras is imported (or ``None``).
 
     Never imports keras and never raises: ``None`` when keras is not imported or runs on
-    another backend, or for a ``ParameterServerStrategy`` (its Keras models are attached with
-    ``jaxdist.keras.attach``).
+    another backend. For a synchronous strategy, its ``StrategyDistribution``'s scope; for the
+    default strategy, a ``ParameterServerStrategy`` (its Keras models are attached with
+    ``jaxdist.keras.attach``) or a compile-only one, only jaxdist's trainer hooks (a model
+    compiled there remembers its strategy; ``jaxdist.Dataset`` input).
 
     Example:
         >>> import keras
@@ -123,18 +125,16 @@ def strategy_scope_hook(strategy: Any) -> Any:
             return None
     except AttributeError:  # keras is being imported right now
         return None
-    from jaxdist._src.keras import model_strategy, sharding_check
+    from jaxdist._src.keras import model_strategy
 
-    model_strategy.install()  # models remember this strategy (fit outside the scope, as TF)
-    sharding_check.install()  # no false mixed-sharding alarm on one device
     if getattr(strategy, "_is_default_strategy", False):
-        return None  # the default strategy distributes nothing (its scope enters no context)
+        return model_strategy.hooks()  # the default strategy distributes nothing
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
         from jaxdist._src.keras import distribution as dist_lib
 
         if dist_lib._unsupported_reason(strategy) is not None:
-            return None
+            return model_strategy.hooks()  # models remember the strategy (ps: attach check)
         dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist
     return dist.scope()

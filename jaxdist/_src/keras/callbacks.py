@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import keras
 
+from jaxdist._src.compat import keras_internals as ki
+
 
 class TensorBoard(keras.callbacks.Callback):
     """Epoch (and batch) scalars for TensorBoard, written by the chief process only.
@@ -96,7 +98,10 @@ def _is_chief() -> bool:
     return jax.process_index() == 0
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+_ChiefModelCheckpoint, _ChiefBackupAndRestore = ki.chief_only_file_callbacks(_is_chief)
+
+
+class ModelCheckpoint(_ChiefModelCheckpoint):
     """Keras's ``ModelCheckpoint``, written by the chief process only.
 
     Takes Keras's arguments. On a single process it is Keras's callback.
@@ -111,12 +116,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         ['1.weights.h5']
     """
 
-    def _save_model(self, epoch: int, batch: Any, logs: dict | None) -> None:
-        if _is_chief():
-            super()._save_model(epoch, batch, logs)
 
-
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
+class BackupAndRestore(_ChiefBackupAndRestore):
     """Keras's ``BackupAndRestore``: every process restores, only the chief backs up.
 
     Takes Keras's arguments (``backup_dir`` on storage every process can read).
@@ -128,11 +129,3 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         >>> history = model.fit(x, y, epochs=2, verbose=0,
         ...                     callbacks=[jaxdist.keras.BackupAndRestore("backup")])
     """
-
-    def _save_model(self) -> None:
-        if _is_chief():
-            super()._save_model()
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        if _is_chief():
-            super().on_train_end(logs)

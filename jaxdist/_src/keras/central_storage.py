@@ -8,8 +8,8 @@ jitted step runs there data-parallel (the batch split over the replicas, the gra
 all-reduce inserted by XLA), and the new state is moved back to the parameter device. Between
 steps exactly one copy of the state exists, on the parameter device, as in TF.
 
-The wrapping is installed on Keras's ``JAXTrainer`` the first time a ``CentralStorageStrategy``
-distribution is made; models of any other kind are untouched (their step functions are Keras's
+The wrapping is one of jaxdist's trainer hooks (``model_strategy.hooks``, active inside
+jaxdist scopes only); models of any other kind are untouched (their step functions are Keras's
 own).
 
 Example:
@@ -28,18 +28,17 @@ import functools
 from typing import Any
 
 import jax
+import keras
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from keras.src.backend.jax.trainer import JAXTrainer
-from keras.src.distribution import distribution_lib
 
-_STEP_MAKERS = ("make_train_function", "make_test_function", "make_predict_function")
+from jaxdist._src.compat import keras_internals as ki
+
 _STEP_ATTRS = {
     "make_train_function": "train_function",
     "make_test_function": "test_function",
     "make_predict_function": "predict_function",
 }
-_installed = False
 
 
 def mark_central(variable: Any, strategy: Any) -> None:
@@ -61,7 +60,7 @@ def central_strategy_of(model: Any) -> Any:
     """
     from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 
-    dist = distribution_lib.distribution()
+    dist = keras.distribution.distribution()
     strategy = getattr(dist, "strategy", None)
     if isinstance(strategy, CentralStorageStrategy):
         return strategy
@@ -87,11 +86,16 @@ def _central_step(fn: Any, strategy: Any) -> Any:
     return step
 
 
-def _wrap(name: str, original: Any) -> Any:
+def wrap_maker(name: str, original: Any) -> Any:
+    """Keras's step-function maker ``name`` (``original``), making central-storage steps for a
+    model whose state is central (see the module docstring); Keras's own for any other.
+    """
     attr = _STEP_ATTRS[name]
 
     @functools.wraps(original)
     def make(self: Any, force: bool = False) -> Any:
+        if not ki.hooks_active_here():
+            return original(self, force)
         strategy = central_strategy_of(self)
         if strategy is None:
             return original(self, force)
@@ -102,24 +106,15 @@ def _wrap(name: str, original: Any) -> Any:
             force = True  # made for another placement: make it again
         # Keras jits with its distribution's state shardings as out_shardings; those name
         # the parameter device, the step runs on the compute devices: let jit infer them.
-        token = distribution_lib.distribution()
-        distribution_lib.set_distribution(None)
+        token = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
         try:
             original(self, force)
         finally:
-            distribution_lib.set_distribution(token)
+            keras.distribution.set_distribution(token)
         setattr(self, attr, _central_step(getattr(self, attr), strategy))
         return None
 
     make._jaxdist_original = original
     return make
 
-
-def install() -> None:
-    """Wraps Keras's JAX step-function makers once (idempotent); see the module docstring."""
-    global _installed
-    if _installed:
-        return
-    for name in _STEP_MAKERS:
-        setattr(JAXTrainer, name, _wrap(name, getattr(JAXTrainer, name)))
-    _installed = True

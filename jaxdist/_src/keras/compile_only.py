@@ -47,6 +47,7 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
         Keras fit step (128 rows) compiled for TPU v5 lite v5e:2x2 (4 chips, 4 replicas, ...)
         per chip: memory ...
     """
+    from jaxdist._src.compat import keras_internals as ki
     from jaxdist._src.keras.model_strategy import _current_strategy, strategy_of
     from jaxdist._src.strategies.compile_report import compile_global
 
@@ -75,7 +76,7 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
     # so their variables are placed as the strategy keeps state (host memory when
     # compile-only).
     with strategy.scope():
-        model._symbolic_build(data_batch=data)
+        ki.symbolic_build(model, data)
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
     state = (

@@ -339,10 +339,11 @@ def value_and_grad(
     keras = _keras()
     if keras is None:
         raise RuntimeError("jaxdist.keras.value_and_grad needs Keras 3 on the JAX backend")
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
+    from jaxdist._src.compat import keras_internals as ki
 
     variables = list(variables)
-    outer = get_stateless_scope()
+    outer = ki.current_stateless_scope()
+    outer_values = None if outer is None else ki.scope_values(outer)
 
     def current(v):
         if outer is not None:
@@ -356,24 +357,25 @@ def value_and_grad(
 
     def pure(vals):
         with keras.StatelessScope() as scope:
-            if outer is not None:  # the step's other variables keep their traced values
-                scope.state_mapping.update(outer.state_mapping)
+            values_now = ki.scope_values(scope)
+            if outer_values is not None:  # the step's other variables keep their traced values
+                values_now.update(outer_values)
             for v, x in zip(variables, vals):
-                scope.state_mapping[id(v)] = x
+                values_now[id(v)] = x
             result = fn()
-        before = {} if outer is None else outer.state_mapping
+        before = {} if outer_values is None else outer_values
         updates = [
             (var_id, value)
-            for var_id, value in scope.state_mapping.items()
+            for var_id, value in ki.scope_values(scope).items()
             if var_id not in watched and before.get(var_id) is not value
         ]
         loss, aux = result if has_aux else (result, None)
         return loss, (aux, updates)
 
     (loss, (aux, updates)), grads = jax.value_and_grad(pure, has_aux=True)(values)
-    if outer is not None:  # forward-pass updates (BatchNorm statistics) reach the outer step
+    if outer_values is not None:  # forward-pass updates (BatchNorm statistics) reach the outer
         for var_id, value in updates:
-            outer.state_mapping[var_id] = jax.lax.stop_gradient(value)
+            outer_values[var_id] = jax.lax.stop_gradient(value)
     return ((loss, aux) if has_aux else loss), list(grads)
 
 

@@ -9,6 +9,8 @@ and gradients are those of the global batch (as TF's Keras under ``MirroredStrat
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -16,7 +18,8 @@ import keras
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist._src.keras import central_storage, partial_batches
+from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.keras import central_storage, model_strategy
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 from jaxdist._src.strategies.strategy import Strategy
 
@@ -76,7 +79,6 @@ class StrategyDistribution(keras.distribution.DataParallel):
 
     def __init__(self, strategy: Strategy):
         _check_supported(strategy)
-        partial_batches.install()
         ext = strategy.extended
         mesh = ext.mesh
         names = [f"{d.platform}:{d.id}" for d in mesh.devices.flat]
@@ -85,7 +87,7 @@ class StrategyDistribution(keras.distribution.DataParallel):
         )
         # Keras would build an Auto-axes twin of the mesh; the strategy's scope has entered
         # its explicit mesh, and jit requires the two to match, so hand Keras the same one.
-        device_mesh._backend_mesh = mesh
+        ki.set_backend_mesh(device_mesh, mesh)
         # DataParallel takes 1-D meshes only (and its warning for others raises a TypeError in
         # Keras 3.x); a hierarchical all-reduce mesh has two replica axes, so initialise with a
         # flat twin and then keep the real mesh (data layouts span every replica axis).
@@ -100,9 +102,21 @@ class StrategyDistribution(keras.distribution.DataParallel):
         self._state_sharding = ext.state_sharding
         self._central = isinstance(strategy, CentralStorageStrategy)
         if self._central:
-            central_storage.install()
             # Keras wants a mesh-backed layout: the parameter device's own one-device mesh.
             self._state_sharding = NamedSharding(ext._placement_mesh(), P())
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Keras's ``Distribution.scope()``, with jaxdist's trainer hooks active inside it
+        (partial batches, the model's strategy kept outside the scope; see
+        ``jaxdist._src.keras.model_strategy``).
+
+        Example:
+            >>> with StrategyDistribution(strategy).scope():
+            ...     model.fit(x, y)
+        """
+        with model_strategy.hooks(), super().scope():
+            yield
 
     @property
     def strategy(self) -> Strategy:
@@ -128,8 +142,9 @@ class StrategyDistribution(keras.distribution.DataParallel):
         return _Layout(self._data_sharding)
 
     def get_variable_layout(self, variable: Any) -> Any:
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout
+        layout = ki.explicit_layout(variable)
+        if layout is not None:
+            return layout
         if self._central:
             central_storage.mark_central(variable, self._strategy)
         return self._state_sharding

@@ -2,7 +2,7 @@
 
 TF's guide builds and compiles a Keras model inside ``strategy.scope()`` and calls
 ``model.fit`` *outside* it; TF still distributes that ``fit``, because the model belongs to the
-strategy. Two consequences on jaxdist, both wired here on Keras's ``JAXTrainer``:
+strategy. Two consequences on jaxdist, both wired here:
 
 - **Synchronous strategies** (Mirrored, OneDevice, TPU, CentralStorage, MultiWorkerMirrored):
   ``fit`` / ``evaluate`` / ``predict`` called outside every strategy scope re-enter the scope the
@@ -13,7 +13,13 @@ strategy. Two consequences on jaxdist, both wired here on Keras's ``JAXTrainer``
   error: its first ``fit`` raises instead (``attach`` installs its own train function on the
   model, which bypasses this check).
 
-Installed the first time a strategy scope is entered with Keras (JAX backend) imported.
+How: while a thread is inside a jaxdist scope (``hooks()``, entered by ``strategy.scope()``
+once Keras on JAX is imported), Keras's ``JAXTrainer`` carries jaxdist's wrappers (this
+module's ``_factories()``; installed and removed by ``keras_internals.trainer_hooks``, which
+says why they sit on the class). ``compile`` inside a scope records the strategy on the model
+and gives the model its own entry points (``fit``, ``evaluate``, ...) that enter the hooks
+again for its calls. Outside every scope ``JAXTrainer`` is Keras's own, and a model compiled
+outside every scope is a plain Keras model.
 
 Example:
     >>> import keras
@@ -29,7 +35,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-_installed = False
+from jaxdist._src.compat import keras_internals as ki
+
 _ATTR = "_jaxdist_strategy"
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
                  "predict_on_batch")
@@ -154,6 +161,8 @@ def _bounded(fn: Any) -> Any:
 def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
     @functools.wraps(original)
     def make(self: Any, force: bool = False) -> Any:
+        if not ki.hooks_active_here():
+            return original(self, force)
         strategy = strategy_of(self) or _current_strategy()
         if maker == "make_train_function":
             for s in (strategy_of(self), _current_strategy()):
@@ -173,6 +182,8 @@ def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
 def _reenter(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ki.hooks_active_here():
+            return original(self, *args, **kwargs)
         if name == "fit":  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
             check_multi_process_callbacks(
                 kwargs.get("callbacks", args[5] if len(args) > 5 else None))
@@ -194,31 +205,73 @@ def _reenter(name: str, original: Any) -> Any:
     return call
 
 
-def install() -> None:
-    """Wraps Keras's ``JAXTrainer`` once (idempotent); see the module docstring.
-
-    Example:
-        >>> install()
-    """
-    global _installed
-    if _installed:
-        return
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    original_compile = JAXTrainer.compile
-
-    @functools.wraps(original_compile)
+def _compile(original: Any) -> Any:
+    @functools.wraps(original)
     def compile(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original_compile(self, *args, **kwargs)
-        object.__setattr__(self, _ATTR, _current_strategy())
+        result = original(self, *args, **kwargs)
+        if not ki.hooks_active_here():
+            return result
+        if ki.in_jaxdist_scope_here():
+            object.__setattr__(self, _ATTR, _current_strategy())
+            add_model_hooks(self)
+        else:  # compiled again outside every scope (through its own hook): a plain model
+            object.__setattr__(self, _ATTR, None)
+            ki.clear_instance_hooks(self)
         return result
 
-    JAXTrainer.compile = compile
-    from jaxdist._src.keras import partial_batches
+    return compile
 
-    partial_batches.install()
+
+def _model_hook(name: str) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with hooks(scope=False):
+            return getattr(type(self), name)(self, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = f"Keras's ``{name}``, with jaxdist's handling of this model's strategy."
+    return call
+
+
+def add_model_hooks(model: Any) -> None:
+    """Gives ``model`` its own ``compile`` and entry points (``fit``, ...): each enters
+    jaxdist's trainer hooks for that call, so the model keeps its strategy outside the scope.
+
+    Example:
+        >>> add_model_hooks(model)
+    """
+    for name in ("compile", *_ENTRY_POINTS):
+        ki.set_instance_method(model, name, _model_hook(name))
+
+
+_FACTORIES: list = []
+
+
+def _factories() -> list:
+    """``(JAXTrainer method, wrapper factory)`` pairs, in the order they wrap (made once)."""
+    if _FACTORIES:
+        return _FACTORIES
+    from jaxdist._src.keras import central_storage, partial_batches, sharding_check
+
+    out: list = [("compile", _compile)]
+    for maker in _STEP_ATTRS:  # the central-storage step inside the bounded one
+        out.append((maker, functools.partial(central_storage.wrap_maker, maker)))
     for maker, attr in _STEP_ATTRS.items():
-        setattr(JAXTrainer, maker, _bounded_maker(maker, attr, getattr(JAXTrainer, maker)))
+        out.append((maker, functools.partial(_bounded_maker, maker, attr)))
     for name in _ENTRY_POINTS:
-        setattr(JAXTrainer, name, _reenter(name, getattr(JAXTrainer, name)))
-    _installed = True
+        out.append((name, functools.partial(_reenter, name)))
+    out.append(("_make_function", partial_batches.wrap_make_function))
+    out.append(("_check_sharding_consistency", sharding_check.wrap_check))
+    _FACTORIES[:] = out
+    return _FACTORIES
+
+
+def hooks(scope: bool = True) -> Any:
+    """The context in which Keras's trainer carries jaxdist's wrappers on this thread (see the
+    module docstring); ``scope``: whether a jaxdist scope enters it (not a model's own hook).
+
+    Example:
+        >>> with hooks():
+        ...     model.compile(optimizer="sgd", loss="mse")   # records the current strategy
+    """
+    ki.register_trainer_hooks(_factories())
+    return ki.trainer_hooks(scope)

@@ -45,8 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import io
-import types
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -55,8 +53,8 @@ import jax
 import keras
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from keras.src.trainers.data_adapters import data_adapter_utils
 
+from jaxdist._src.compat import keras_internals as ki
 from jaxdist._src.keras.ps_embedding import SparseTable, input_index, table_optimizer
 from jaxdist._src.keras.ps_optimizers import keras_optimizer_spec
 from jaxdist._src.ps import optimizers as ps_opt
@@ -127,8 +125,8 @@ class _StepCompute:
                 trainable, non_trainable, metrics_vars, x, y, sw, training=True,
                 optimizer_variables=opt_vars)
             unscaled, y_pred, non_trainable, metrics_vars = aux
-            logs, metrics_vars = model._update_metrics_variables(
-                metrics_vars, unscaled, x, y, y_pred, sw)
+            logs, metrics_vars = ki.update_metrics_variables(
+                model, metrics_vars, unscaled, x, y, y_pred, sw)
             return logs, grads, non_trainable, metrics_vars
 
         self._step = jax.jit(step) if (model.jit_compile and not model.run_eagerly) else step
@@ -149,7 +147,7 @@ class _StepCompute:
         return (jax.device_put(state, self._replicated), jax.device_put(batch, self._split))
 
     def __call__(self, trainable, non_trainable, metrics_vars, opt_vars, data):
-        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         if self._n > 1:
             (trainable, non_trainable, metrics_vars, opt_vars), (x, y, sw) = self._place(
                 (list(trainable), list(non_trainable), list(metrics_vars), list(opt_vars)),
@@ -195,7 +193,7 @@ class _PSState:
         ids, trainable values, lookups)``."""
         if not self.tables:
             return data, list(self.variables.pull()), []
-        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         rows, looks = {}, []
         for t in self.tables:
             x, r, look = t.pull(x)
@@ -311,9 +309,11 @@ class KerasPSTraining:
 
     # ------------------------------------------------------------------ model hooks
     def _install(self) -> None:
+        from jaxdist._src.keras import model_strategy
+
         model, handle = self.model, self
-        original_fit = type(model).fit
-        original_sync = type(model).jax_state_sync
+        # evaluate / predict / ... enter jaxdist's trainer hooks (jaxdist.Dataset input)
+        model_strategy.add_model_hooks(model)
 
         def make_train_function(self_model, force=False):
             if self_model.optimizer is not handle._optimizer:
@@ -325,8 +325,6 @@ class KerasPSTraining:
                                          else handle._train_function)
 
         def lazy(method: str) -> Any:
-            original = getattr(type(model), method)
-
             def make(self_model, force=False):
                 if self_model.built:
                     handle._ensure_on_ps(self_model)
@@ -336,19 +334,20 @@ class KerasPSTraining:
                     key = method.replace("make_", "")
                     setattr(self_model, key, sparse)
                     return sparse
-                return original(self_model, force)
+                return getattr(type(self_model), method)(self_model, force)
 
             return make
 
         def jax_state_sync(self_model):
             handle._refresh_jax_state()
-            return original_sync(self_model)
+            return type(self_model).jax_state_sync(self_model)
 
         def fit(self_model, *args, **kwargs):
             # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
             check_callbacks(kwargs.get("callbacks", args[5] if len(args) > 5 else None))
             try:
-                return original_fit(self_model, *args, **kwargs)
+                with model_strategy.hooks(scope=False):
+                    return type(self_model).fit(self_model, *args, **kwargs)
             finally:
                 handle._finish()
 
@@ -359,7 +358,7 @@ class KerasPSTraining:
         if self._sparse_names:
             methods += self._sparse_methods()
         for name, fn in methods:
-            object.__setattr__(model, name, types.MethodType(fn, model))
+            ki.set_instance_method(model, name, fn, hook=False)
         model.train_function = None
         model.test_function = None
         model.predict_function = None
@@ -387,8 +386,8 @@ class KerasPSTraining:
 
     def _refresh_jax_state(self) -> None:
         """Before Keras writes its step state into the model: take the ps's values."""
-        state = getattr(self.model, "_jax_state", None)
-        if not state or self.model._jax_state_synced or self.variables is None:
+        state = ki.step_state(self.model)
+        if not state or ki.step_state_synced(self.model) or self.variables is None:
             return
         self._drain(state)
         state["trainable_variables"] = self._ps.merge(self.variables.pull(),
@@ -520,7 +519,7 @@ class KerasPSTraining:
         if not self._pending:
             return
         if state is None:
-            state = getattr(self.model, "_jax_state", None) or {}
+            state = ki.step_state(self.model) or {}
         metrics_vars = list(state.get("metrics_variables") or
                             _values(self.model.metrics_variables))
         non_trainable = list(state.get("non_trainable_variables") or
@@ -551,11 +550,7 @@ def _metric_logs(model: Any, metrics_vars: list) -> dict:
 def _model_bytes(model: Any) -> bytes:
     """The compiled model in Keras's own format (``.keras``, weights included), for the
     workers: built once per worker from these bytes."""
-    from keras.src.saving import saving_lib
-
-    buf = io.BytesIO()
-    saving_lib._save_model_to_fileobj(model, buf, "h5")
-    return buf.getvalue()
+    return ki.model_to_bytes(model)
 
 
 class KerasWorkerStep:
@@ -585,16 +580,13 @@ class KerasWorkerStep:
                 if k in ("model_bytes", "variables", "strategy", "tables")} | {"_model": None}
 
     def _build(self, data: Any) -> None:
-        from keras.src.saving import saving_lib
-
-        model = saving_lib._load_model_from_fileobj(
-            io.BytesIO(self.model_bytes), custom_objects=None, compile=True, safe_mode=True)
+        model = ki.model_from_bytes(self.model_bytes)
         tables = [SparseTable(model, model.get_layer(name), table, index)
                   for name, table, index in self.tables]
         for t in tables:
             t.shrink(1)  # the table is on the ps
         self._ps = _PSState(model, self.variables, tables)
-        model._symbolic_build(data_batch=data)
+        ki.symbolic_build(model, data)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.reset_metrics()

@@ -12,10 +12,11 @@ global batches:
   divide over this process's replicas passes through unchanged; another one gets copies of its
   last row appended up to the next multiple of the replica count (copies of a real row keep
   every value finite), and a row mask (``True`` for the real rows) is published beside it.
-- **Steps.** The loop that Keras's ``_make_function`` builds around the jitted step is replaced
-  for such models: it runs Keras's own step on every unpadded batch, and on a padded one a
-  masked step (``masked_train_step`` / ``masked_test_step``) that gives the loss the sample
-  weights ``w * mask`` (times ``rows / real rows`` for losses that divide by the number of
+- **Steps.** The loop that Keras builds around the jitted step is replaced for such models
+  (``wrap_make_function``, one of jaxdist's trainer hooks, active inside jaxdist scopes): it
+  runs Keras's own step on every unpadded batch, and on a padded one a masked step
+  (``masked_train_step`` / ``masked_test_step``) that gives the loss the sample weights
+  ``w * mask`` (times ``rows / real rows`` for losses that divide by the number of
   elements, ``"sum_over_batch_size"`` and ``"mean"``, so the divisor counts only real rows),
   gives ``weighted_metrics`` ``w * mask`` and ``metrics`` (unweighted in Keras) the mask,
   weighs the loss trackers by the real row count, and hands ``BatchNormalization`` layers the
@@ -37,9 +38,9 @@ that need different weights. Random layers (``Dropout``) draw for the padded sha
 distribution, not the same random bits as one device. A custom metric that ignores
 ``sample_weight`` counts the padded rows.
 
-Keras internals used here (``keras.src``; Keras 3.8 to 3.15): ``JAXTrainer._make_function``,
-``compute_loss_and_updates``'s body, ``_loss_tracker``, ``_compile_loss``, ``DataAdapter``,
-``data_adapters.get_data_adapter``, ``array_slicing.train_validation_split``.
+The Keras internals this needs (the step loop, ``compute_loss_and_updates``'s body, the loss
+tracker, the compiled loss and metrics, ``DataAdapter`` and Keras's own adapters) are reached
+through ``jaxdist._src.compat.keras_internals``.
 
 Example:
     >>> import keras
@@ -65,17 +66,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.backend.jax import trainer as jax_trainer
-from keras.src.distribution import distribution_lib
-from keras.src.trainers import trainer as base_trainer
-from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
-from keras.src.trainers.data_adapters import data_adapter as data_adapter_lib
 
-_installed = False
-_ORIGINAL_MAKE_FUNCTION: Any = None
+from jaxdist._src.compat import keras_internals as ki
+
+_DataAdapter = ki.data_adapter_base()
+tree = keras.tree
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _SUM_REDUCTIONS = ("sum", "none", None)
 
@@ -153,9 +150,7 @@ def _pad_rows(x: Any, rows: int) -> Any:
 
 
 def _is_tf_dataset(x: Any) -> bool:
-    from keras.src.trainers import data_adapters
-
-    return data_adapters.is_tf_dataset(x)
+    return ki.is_tf_dataset(x)
 
 
 def _is_dataset(x: Any) -> bool:
@@ -174,7 +169,7 @@ def _untagged(x: Any) -> Any:
     return x.dataset if isinstance(x, _PolicyDataset) else x
 
 
-class DatasetAdapter(data_adapter_lib.DataAdapter):
+class DatasetAdapter(_DataAdapter):
     """A ``jaxdist.Dataset`` or ``tf.data.Dataset`` as Keras input: its elements are the global
     batches (this process's rows of them once ``source`` is sharded across processes).
 
@@ -232,15 +227,14 @@ class DatasetAdapter(data_adapter_lib.DataAdapter):
                     raise ValueError(
                         f"class_weight needs (x, y) batches, got a tuple of {len(element)}")
                 x, y = element
-                element = (x, y, data_adapter_utils.class_weight_to_sample_weights(
-                    y, self._class_weight))
+                element = (x, y, ki.class_weight_to_sample_weights(y, self._class_weight))
             yield element
 
     def get_numpy_iterator(self) -> Iterator[Any]:
-        return data_adapter_utils.get_numpy_iterator(self._batches())
+        return ki.numpy_batches(self._batches())
 
     def get_jax_iterator(self) -> Iterator[Any]:
-        return data_adapter_utils.get_jax_iterator(self._batches())
+        return ki.jax_batches(self._batches())
 
     def get_tf_dataset(self) -> Any:
         raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
@@ -278,7 +272,7 @@ def _broadcast_seed() -> int:
     return int(multihost_utils.broadcast_one_to_all(seed))
 
 
-class ProcessRowsAdapter(data_adapter_lib.DataAdapter):
+class ProcessRowsAdapter(_DataAdapter):
     """Keras's adapter for arrays under several processes: every process reads the same
     global batches (``batch_size`` rows) and keeps its own rows of each
     (``AutoShardPolicy.DATA``, as TF shards in-memory data). Keras's shuffle draws its
@@ -356,7 +350,7 @@ class ProcessRowsAdapter(data_adapter_lib.DataAdapter):
         self._inner.on_epoch_end()
 
 
-class PaddedAdapter(data_adapter_lib.DataAdapter):
+class PaddedAdapter(_DataAdapter):
     """Keras input whose batches always divide over the replicas (see the module docstring).
 
     Args:
@@ -478,22 +472,8 @@ class PaddedAdapter(data_adapter_lib.DataAdapter):
 # What a model's steps can mask.
 
 
-def _overrides(model: Any, name: str) -> bool:
-    mine = getattr(type(model), name, None)
-    keras_own = getattr(jax_trainer.JAXTrainer, name, None) or getattr(
-        base_trainer.Trainer, name, None)
-    return mine is not keras_own
-
-
 def _loss_reductions(model: Any) -> list[Any]:
-    compile_loss = getattr(model, "_compile_loss", None)
-    if compile_loss is None:
-        return []
-    flat = getattr(compile_loss, "_flat_losses", None)
-    if flat:
-        return [getattr(fn, "reduction", "sum_over_batch_size") for _, fn, _, _ in flat]
-    return [getattr(fn, "reduction", "sum_over_batch_size")
-            for fn in tree.flatten(model.loss) if fn is not None]
+    return ki.loss_reductions(model)
 
 
 def _loss_scaling(model: Any) -> bool:
@@ -525,9 +505,9 @@ def blocker(model: Any, kind: str) -> str | None:
         return None
     step = "train_step" if kind == "train" else "test_step"
     for name in (step, "compute_loss", "compute_metrics"):
-        if _overrides(model, name):
+        if ki.overrides_trainer_method(model, name):
             return f"{type(model).__name__} overrides {name}"
-    for layer in model._flatten_layers():
+    for layer in ki.flatten_layers(model):
         if getattr(layer, "activity_regularizer", None) is not None:
             return (f"layer {layer.name!r} has an activity_regularizer (a loss over every row "
                     f"of the batch, padding included)")
@@ -566,10 +546,8 @@ def _weights(model: Any, sample_weight: Any, mask: Any) -> tuple[Any, Any, Any]:
 @contextlib.contextmanager
 def _masked_batch_norm(model: Any, mask: Any, training: bool) -> Iterator[None]:
     """``BatchNormalization`` layers of ``model`` compute batch moments over real rows only."""
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
-
-    layers = [layer for layer in model._flatten_layers()
-              if isinstance(layer, BatchNormalization)] if training else []
+    layers = [layer for layer in ki.flatten_layers(model)
+              if isinstance(layer, keras.layers.BatchNormalization)] if training else []
     rows = mask.shape[0]
 
     def masked_call(layer: Any) -> Any:
@@ -600,7 +578,7 @@ def _loss_and_updates(model: Any, trainable: Any, non_trainable: Any, metrics: A
                       optimizer_variables: Any = None) -> tuple[Any, Any]:
     """Keras's ``compute_loss_and_updates`` with masked BatchNormalization; refuses losses
     added while calling the model (they would count padded rows)."""
-    kwargs = {"training": training} if model._call_has_training_arg else {}
+    kwargs = {"training": training} if ki.call_has_training_arg(model) else {}
     with _masked_batch_norm(model, mask, training):
         y_pred, non_trainable, losses = model.stateless_call(
             trainable, non_trainable, x, return_losses=True, **kwargs)
@@ -611,27 +589,22 @@ def _loss_and_updates(model: Any, trainable: Any, non_trainable: Any, metrics: A
             f"{model.name!r} adds {len(losses) - weight_losses} loss(es) while it is called "
             f"(add_loss / activity_regularizer): they count every row of a batch, so a padded "
             f"batch cannot be masked; use a dataset size divisible by the global batch size")
-    if losses:
-        model._losses_override.clear()
-        model._losses_override = losses
-    loss, variables = model.stateless_compute_loss(
-        trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred, sample_weight=loss_weight,
-        training=training)
-    if losses:
-        model._losses_override.clear()
+    with ki.losses_override(model, losses):
+        loss, variables = model.stateless_compute_loss(
+            trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred,
+            sample_weight=loss_weight, training=training)
     trainable, non_trainable, metrics = variables
     unscaled = loss
     if training and model.optimizer is not None:
         mapping = list(zip(model.optimizer.variables, optimizer_variables))
-        with keras_backend.StatelessScope(state_mapping=mapping):
+        with keras.StatelessScope(state_mapping=mapping):
             loss = model.optimizer.scale_loss(loss)
     return loss, (unscaled, y_pred, non_trainable, metrics)
 
 
 def _rescale_loss_trackers(model: Any, before: list, after: list, fraction: Any) -> list:
     """The per-output loss trackers (weighted by the padded row count) weighted by real rows."""
-    compile_loss = getattr(model, "_compile_loss", None)
-    ids = {id(v) for m in getattr(compile_loss, "metrics", ()) for v in m.variables}
+    ids = ki.loss_tracker_variable_ids(model)
     if not ids:
         return after
     out = list(after)
@@ -641,39 +614,14 @@ def _rescale_loss_trackers(model: Any, before: list, after: list, fraction: Any)
     return out
 
 
-def _update_compile_metrics(model: Any, y: Any, y_pred: Any, row_weight: Any,
-                            metric_weight: Any) -> None:
-    """Keras's ``CompileMetrics.update_state``, with the padded rows weighted 0.
-
-    Keras gives ``metrics=`` no sample weights and ``weighted_metrics=`` the batch's: here the
-    first get the row mask, the second the sample weights times the row mask.
-    """
-    compiled = model._compile_metrics
-    if compiled is None:
-        return
-    if not compiled.built:
-        compiled.build(y, y_pred)
-    y_true = compiled._flatten_y(y)
-    y_pred = compiled._flatten_y(y_pred)
-    for m, y_t, y_p in zip(compiled._flat_metrics, y_true, y_pred):
-        if m:
-            m.update_state(y_t, y_p, row_weight)
-    weights = compiled._flatten_y(metric_weight)
-    if len(weights) < len(y_true):  # one weight for every output, as Keras repeats it
-        weights = [weights[0] for _ in y_true]
-    for m, y_t, y_p, w in zip(compiled._flat_weighted_metrics, y_true, y_pred, weights):
-        if m:
-            m.update_state(y_t, y_p, w)
-
-
 def _update_metrics(model: Any, metrics: list, unscaled_loss: Any, x: Any, y: Any,
                     y_pred: Any, metric_weight: Any, mask: Any, n: Any) -> tuple[Any, list]:
     """Keras's ``_update_metrics_variables`` and ``compute_metrics`` counting real rows only:
     the loss is weighted by the real row count, every compiled metric by the row mask."""
     mapping = list(zip(model.metrics_variables, metrics))
-    with keras_backend.StatelessScope(state_mapping=mapping) as scope:
-        model._loss_tracker.update_state(unscaled_loss, sample_weight=n)
-        _update_compile_metrics(model, y, y_pred, mask.astype(jnp.float32), metric_weight)
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        ki.loss_tracker(model).update_state(unscaled_loss, sample_weight=n)
+        ki.update_compile_metrics(model, y, y_pred, mask.astype(jnp.float32), metric_weight)
         logs = model.get_metrics_result()
     new = []
     for ref in model.metrics_variables:
@@ -689,7 +637,7 @@ def masked_train_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[A
         >>> logs, state = masked_train_step(model, state, (x, y), mask)  # doctest: +SKIP
     """
     trainable, non_trainable, optimizer_variables, metrics = state
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     metric_weight, loss_weight, n = _weights(model, sample_weight, mask)
     grad_fn = jax.value_and_grad(
         lambda t, nt, mv: _loss_and_updates(model, t, nt, mv, x, y, loss_weight, mask, True,
@@ -711,7 +659,7 @@ def masked_test_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[An
         >>> logs, state = masked_test_step(model, state, (x, y), mask)  # doctest: +SKIP
     """
     trainable, non_trainable, metrics = state
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     metric_weight, loss_weight, n = _weights(model, sample_weight, mask)
     _, aux = _loss_and_updates(model, trainable, non_trainable, metrics, x, y, loss_weight,
                                mask, False)
@@ -729,16 +677,30 @@ def masked_test_step(model: Any, state: tuple, data: Any, mask: Any) -> tuple[An
 def _under_strategy(model: Any) -> bool:
     from jaxdist._src.keras.central_storage import central_strategy_of
 
-    dist = distribution_lib.distribution()
+    dist = keras.distribution.distribution()
     if getattr(dist, "_jaxdist_strategy_distribution", False):
         return True
     return central_strategy_of(model) is not None
 
 
-def _make_function(self: Any, step_function: Any, concatenate_outputs: bool = False) -> Any:
-    made = _ORIGINAL_MAKE_FUNCTION(self, step_function, concatenate_outputs)
-    if not _under_strategy(self):
-        return made
+def wrap_make_function(original: Any) -> Any:
+    """Keras's step-loop maker (``original``), making the row-aware loop (masked steps on
+    padded batches) for models under a jaxdist distribution; Keras's own for any other.
+
+    Example:
+        >>> make_function = wrap_make_function(keras_make_function)
+    """
+
+    @functools.wraps(original)
+    def make_function(self: Any, step_function: Any, concatenate_outputs: bool = False) -> Any:
+        if not ki.hooks_active_here() or not _under_strategy(self):
+            return original(self, step_function, concatenate_outputs)
+        return _rows_loop(self, step_function, concatenate_outputs)
+
+    return make_function
+
+
+def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
     model = self
     jit_steps = not model.run_eagerly and model.jit_compile
     masked: dict[int, Any] = {}
@@ -750,7 +712,8 @@ def _make_function(self: Any, step_function: Any, concatenate_outputs: bool = Fa
             step = functools.partial(fn, model)
             if jit_steps:
                 shardings = jax.tree.map(lambda a: a.sharding, state)
-                step = jax_trainer.jit(step, donate_argnums=0, out_shardings=(None, shardings))
+                step = ki.step_jit()(step, donate_argnums=0,
+                                     out_shardings=(None, shardings))
             masked[size] = step
         return masked[size]
 
@@ -791,8 +754,6 @@ def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = 
              class_weight: dict | None = None) -> PaddedAdapter:
     if isinstance(x, PaddedAdapter):
         return x
-    from keras.src.trainers import data_adapters
-
     from jaxdist._src.input.autoshard import auto_shard
 
     count, index = jax.process_count(), jax.process_index()
@@ -809,11 +770,11 @@ def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = 
             source = auto_shard(x, count, index, uneven=True)
         inner = DatasetAdapter(_untagged(x), class_weight, source)
     else:
-        inner = data_adapters.get_data_adapter(
+        inner = ki.get_data_adapter(
             x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
             shuffle=shuffle, class_weight=class_weight)
         if count > 1:
-            if not isinstance(inner, data_adapters.ArrayDataAdapter):
+            if not ki.is_array_data_adapter(inner):
                 raise ValueError(
                     f"Keras input of type {type(x).__name__} in a job of {count} processes: "
                     f"jaxdist shards arrays, jaxdist.Dataset and tf.data.Dataset across the "
@@ -821,7 +782,7 @@ def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = 
                     f"AutoShardPolicy.OFF if each process already reads its own share)")
             seed = _broadcast_seed() if shuffle and kind == "train" else None
             inner = ProcessRowsAdapter(inner, count, index, seed)
-    return PaddedAdapter(inner, distribution_lib.distribution(), kind, blocker(model, kind))
+    return PaddedAdapter(inner, keras.distribution.distribution(), kind, blocker(model, kind))
 
 
 def _ensure_rows_aware(model: Any, attrs: tuple[str, ...]) -> None:
@@ -841,9 +802,9 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
 
     Example:
         >>> args, kwargs = adapt_call(  # doctest: +SKIP
-        ...     "predict", JAXTrainer.predict, model, (x,), {})
+        ...     "predict", type(model).predict, model, (x,), {})
     """
-    dist = distribution_lib.distribution()
+    dist = keras.distribution.distribution()
     if name not in ("fit", "evaluate", "predict"):
         return args, kwargs
     if not getattr(dist, "_jaxdist_strategy_distribution", False):
@@ -854,14 +815,14 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
     if name == "fit":
         x, y, sw = a["x"], a["y"], a["sample_weight"]
         if a["validation_split"] and a["validation_data"] is None:
-            (x, y, sw), a["validation_data"] = array_slicing.train_validation_split(
-                (x, y, sw), validation_split=a["validation_split"])
+            (x, y, sw), a["validation_data"] = ki.train_validation_split(
+                (x, y, sw), a["validation_split"])
             a["validation_split"] = 0.0
         a["x"] = _adapter(model, "train", x, y, sw, a["batch_size"], a["steps_per_epoch"],
                           a["shuffle"], a["class_weight"])
         a["y"] = a["sample_weight"] = a["class_weight"] = None
         if a["validation_data"] is not None:
-            vx, vy, vsw = data_adapter_utils.unpack_x_y_sample_weight(a["validation_data"])
+            vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(a["validation_data"])
             a["validation_data"] = _adapter(
                 model, "test", vx, vy, vsw, a["validation_batch_size"] or a["batch_size"],
                 a["validation_steps"])
@@ -904,17 +865,3 @@ def _plain_dataset_call(name: str, original: Any, model: Any, args: tuple, kwarg
         return args, kwargs
     return bound.args[1:], bound.kwargs
 
-
-def install() -> None:
-    """Replaces ``JAXTrainer._make_function`` once (idempotent): models under a jaxdist
-    distribution get the loop that masks padded batches; others keep Keras's.
-
-    Example:
-        >>> install()
-    """
-    global _installed, _ORIGINAL_MAKE_FUNCTION
-    if _installed:
-        return
-    _ORIGINAL_MAKE_FUNCTION = jax_trainer.JAXTrainer._make_function
-    jax_trainer.JAXTrainer._make_function = _make_function
-    _installed = True

@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist._src.compat import keras_internals as ki
 from jaxdist._src.ps import optimizers as ps_opt
 
 _ROWWISE_EXACT = ("sgd", "adagrad")
@@ -60,7 +61,7 @@ def input_index(model: Any, layer: Any) -> int:
         >>> input_index(model, model.get_layer("items"))
         0
     """
-    nodes = getattr(layer, "_inbound_nodes", [])
+    nodes = ki.inbound_nodes(layer)
     tensors = list(nodes[0].input_tensors) if len(nodes) == 1 else []
     for i, inp in enumerate(model.inputs or []):
         if len(tensors) == 1 and tensors[0] is inp:
@@ -96,15 +97,13 @@ class SparseTable:
     def shrink(self, cap: int) -> None:
         """Makes the layer's weight a ``(cap, dim)`` buffer (the full table is on the ps)."""
         v = self.layer.embeddings
-        v._shape = (int(cap), self.table.dim)
-        v._value = jnp.zeros((int(cap), self.table.dim), v.dtype)
+        ki.replace_variable_value(v, jnp.zeros((int(cap), self.table.dim), v.dtype))
         self.cap = int(cap)
 
     def restore(self, full: np.ndarray) -> None:
         """Gives the layer back its whole table (``full``: ``(vocab_size, dim)``)."""
         v = self.layer.embeddings
-        v._shape = tuple(full.shape)
-        v._value = jnp.asarray(full, v.dtype)
+        ki.replace_variable_value(v, jnp.asarray(full, v.dtype))
         self.cap = 0
 
     def _ids(self, x: Any) -> np.ndarray:

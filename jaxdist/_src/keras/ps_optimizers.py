@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist._src.compat import keras_internals as ki
 from jaxdist._src.ps import optimizers as ps_opt
 
 _SUPPORTED = "SGD, Adam, AdamW, Adagrad, RMSprop"
@@ -52,10 +53,10 @@ def _fail(optimizer: Any, what: str) -> ValueError:
     )
 
 
-def _learning_rate(optimizer: Any) -> Any:
+def _lr_spec(optimizer: Any) -> Any:
     import keras
 
-    lr = optimizer._learning_rate
+    lr = ki.learning_rate_of(optimizer)
     if isinstance(lr, keras.optimizers.schedules.ExponentialDecay):
         return ps_opt.exponential_decay(float(lr.initial_learning_rate), int(lr.decay_steps),
                                         float(lr.decay_rate), staircase=bool(lr.staircase))
@@ -97,7 +98,7 @@ def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
     wd = getattr(optimizer, "weight_decay", None)
     if wd and not isinstance(optimizer, opts.AdamW):
         raise _fail(optimizer, f"weight_decay={wd!r} (only AdamW's decoupled decay maps)")
-    lr = _learning_rate(optimizer)
+    lr = _lr_spec(optimizer)
     if type(optimizer) is opts.SGD:
         m = float(optimizer.momentum)
         spec = (ps_opt.momentum(lr, m, bool(optimizer.nesterov)) if m

@@ -10,14 +10,15 @@ parameter device) that happens after every ``load_weights`` / ``set_weights`` / 
 host value: Keras's ``distribute_tensor`` keeps an array whose sharding is *equivalent* to the
 variable's one-device mesh layout as it is, a ``SingleDeviceSharding`` on that same device.
 Nothing is incompatible then (every value is on the one device; the step compiles and runs),
-so the warning is wrong. ``install()`` keeps Keras's check and skips it only when every state
+so the warning is wrong. ``wrap_check`` keeps Keras's check and skips it only when every state
 sharding spans one and the same device; a real mix (state on different devices) still warns.
 
-Keras internals used: ``keras.src.backend.jax.trainer.JAXTrainer._check_sharding_consistency``
-(Keras 3.15; absent in older versions, which do not warn: then nothing is installed).
+The wrapper is one of jaxdist's trainer hooks (``model_strategy.hooks``, active inside jaxdist
+scopes only; Keras's check itself runs only under a Keras distribution). Keras versions before
+3.15 have no such check and warn nothing: then nothing is wrapped.
 
 Example:
-    >>> install()
+    >>> check = wrap_check(keras_check)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-_INSTALLED = False
+from jaxdist._src.compat import keras_internals as ki
 
 
 def _one_device(*groups: Any) -> bool:
@@ -42,30 +43,20 @@ def _one_device(*groups: Any) -> bool:
     return True
 
 
-def install() -> None:
-    """Makes Keras's mixed-sharding check skip state that lives on one device (idempotent).
+def wrap_check(original: Any) -> Any:
+    """Keras's mixed-sharding check (``original``), skipped for state on one device.
 
     Example:
-        >>> install()
+        >>> check = wrap_check(keras_check)
     """
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    original = getattr(JAXTrainer, "_check_sharding_consistency", None)
-    if original is None:  # this Keras has no such warning
-        _INSTALLED = True
-        return
 
     @functools.wraps(original)
     def check(self: Any, *shardings: Any, **kwargs: Any) -> Any:
-        if _one_device(*shardings, *kwargs.values()):
+        if ki.hooks_active_here() and _one_device(*shardings, *kwargs.values()):
             return None
         return original(self, *shardings, **kwargs)
 
-    JAXTrainer._check_sharding_consistency = check
-    _INSTALLED = True
+    return check
 
 
-__all__ = ["install"]
+__all__ = ["wrap_check"]

@@ -16,6 +16,7 @@ This module is the stack alone and imports no strategy; ``get_strategy`` and
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -244,6 +245,7 @@ class DefaultStrategyScope:
 
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
+        self._entered: list[list[Any]] = []
 
     def __enter__(self) -> Strategy:
         if has_strategy():
@@ -251,16 +253,26 @@ class DefaultStrategyScope:
                 f"Must not nest tf.distribute.Strategy scopes: the default strategy's scope was "
                 f"entered inside the scope of {current_strategy()!r}."
             )
-        for hook in _SCOPE_HOOKS:
-            # Hooks learn of the default scope (Keras installs its input handling, so
-            # model.fit takes a jaxdist.Dataset as TF's default strategy takes tf.data);
-            # they return no context for it: the default scope changes none.
-            if hook(self._strategy) is not None:
-                raise RuntimeError(f"scope hook {hook!r} returned a context for the default "
-                                   f"strategy, whose scope enters none")
+        # Hooks learn of the default scope: Keras's hook returns a context that places nothing
+        # (model.fit takes a jaxdist.Dataset inside it, as TF's default strategy takes
+        # tf.data); it is entered with this scope and left with it.
+        entered: list[Any] = []
+        try:
+            for hook in _SCOPE_HOOKS:
+                extra = hook(self._strategy)
+                if extra is not None:
+                    extra.__enter__()
+                    entered.append(extra)
+        except BaseException:
+            for extra in reversed(entered):
+                extra.__exit__(*sys.exc_info())
+            raise
+        self._entered.append(entered)
         return self._strategy
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        for extra in reversed(self._entered.pop() if self._entered else []):
+            extra.__exit__(exc_type, exc, tb)
         return None
 
 
