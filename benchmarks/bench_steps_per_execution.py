@@ -51,8 +51,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     from flax import nnx
 
     import jaxdist
-    from jaxdist._src.train.data import make_synthetic
-    from jaxdist._src.train.models import MLP
+    from jaxdist._src.job.data import make_synthetic
+    from jaxdist._src.job.models import MLP
     from jaxdist._src.train.trainer import Trainer
 
     print_machine()

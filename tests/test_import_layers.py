@@ -3,7 +3,7 @@
 The layers (docs/architecture.md), read from the imports of every file (imports inside functions
 included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out):
 
-    train -> coordinator -> strategies -> (input, ps) -> cluster, values -> jax
+    job -> train -> coordinator -> strategies -> (input, ps) -> cluster, values -> jax
     keras -> strategies (and what strategies may import)
 
 ``cluster`` and ``values`` import nothing of jaxdist; ``testing`` and the top-level modules
@@ -41,6 +41,8 @@ ALLOWED: dict[str, set[str] | str] = {
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "train": {"coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
+    # the python -m jaxdist.train job (config schema, demo models and data, CLI) on the Trainer
+    "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
 }

@@ -18,7 +18,7 @@ from conftest import require_devices
 from flax import nnx
 
 import jaxdist
-from jaxdist._src.train.models import CNN
+from jaxdist._src.job.models import CNN
 from jaxdist.tpu import CompileOnlyError, DeviceAssignment, Topology
 
 needs_libtpu = pytest.mark.skipif(
@@ -266,7 +266,7 @@ def test_keras_fit_step_compiles_for_topology(name):
 
 @needs_libtpu
 def test_cli_compile_only_prints_memory_and_flops(capsys):
-    from jaxdist._src.train.__main__ import main
+    from jaxdist._src.job.cli import main
 
     assert main(["--config", "configs/tpu.yaml", "--compile-only", "--topology",
                  "v5e:2x2"]) == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._src.train.schema import ConfigError
+from jaxdist._src.job.schema import ConfigError
 
 
 def learning_rate_from_config(section: Mapping[str, Any]) -> Any:
