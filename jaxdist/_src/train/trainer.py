@@ -931,6 +931,46 @@ class Trainer(TrainerHandle):
                 self._host_blocks(train, order, groups, block_sizes), options=opts))
         return iter(self._distribute(self._host_chunks(train, order, chunks), options=opts))
 
+    def _run_epoch(self, train: Any, total: int, spe: int, num_epochs: int,
+                   runner: loop_lib.StepRunner, reporter: loop_lib.FitReporter, logger: Any,
+                   cbs: Any, blocks: bool, block_sizes: Mapping[int, int]) -> bool:
+        """Runs the steps of the current epoch up to its end, ``total`` steps or a stop;
+        returns whether a stream ran out before the epoch's end."""
+        order = (None if isinstance(train, inputs_lib.StreamSource)
+                 else self._epoch_order(len(train), self.epoch))
+        start = self.step_in_epoch
+        cbs.on_epoch_begin(self.epoch)
+        logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
+        chunks, groups = loop_lib.plan_epoch(
+            start, min(spe, start + (total - self.step)), self.steps_per_execution,
+            blocks=blocks, block_sizes=block_sizes)
+        positions: list[Any] = []
+        ran_out = [False]
+        inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
+                                    positions, ran_out)
+        try:
+            for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
+                if positions:
+                    self._data_position = positions.pop(0)
+                reporter.batch_begin(s + kk - 1)
+                before = self.step
+                self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
+                reporter.record(stats, self._state, self.last_checkpoint)
+                logger.advance(kk)
+                crossed = lambda every: self.step // every > before // every  # noqa: B023
+                if crossed(self.log_every_steps) or self.step >= total:
+                    reporter.check_nan(self.last_checkpoint)
+                    reporter.log_train(self._state)
+                if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
+                    reporter.check_nan(self.last_checkpoint)
+                    self.save_checkpoint()
+                reporter.batch_end(s + kk - 1)
+                if self.stop_training:
+                    break
+        finally:
+            inputs.close()
+        return ran_out[0]
+
     def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
                   num_epochs) -> None:
         """The epochs of ``fit``: the epoch plan and inputs, the step runner, the reporter
@@ -955,41 +995,10 @@ class Trainer(TrainerHandle):
                 lambda: hook.state_version(self.context, self._state))
 
         while self.step < total and not self.stop_training:
-            order = (None if isinstance(train, inputs_lib.StreamSource)
-                     else self._epoch_order(len(train), self.epoch))
-            start = self.step_in_epoch
             epoch_start_time = time.perf_counter()
-            cbs.on_epoch_begin(self.epoch)
-            logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
-            chunks, groups = loop_lib.plan_epoch(
-                start, min(spe, start + (total - self.step)), self.steps_per_execution,
-                blocks=blocks, block_sizes=block_sizes)
-            positions: list[Any] = []
-            ran_out = [False]
-            inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
-                                        positions, ran_out)
-            try:
-                for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
-                    if positions:
-                        self._data_position = positions.pop(0)
-                    reporter.batch_begin(s + kk - 1)
-                    before = self.step
-                    self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
-                    reporter.record(stats, self._state, self.last_checkpoint)
-                    logger.advance(kk)
-                    crossed = lambda every: self.step // every > before // every  # noqa: B023
-                    if crossed(self.log_every_steps) or self.step >= total:
-                        reporter.check_nan(self.last_checkpoint)
-                        reporter.log_train(self._state)
-                    if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
-                        reporter.check_nan(self.last_checkpoint)
-                        self.save_checkpoint()
-                    reporter.batch_end(s + kk - 1)
-                    if self.stop_training:
-                        break
-            finally:
-                inputs.close()
-            if ran_out[0]:  # a stream ended before the epoch length it announced
+            ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
+                                      cbs, blocks, block_sizes)
+            if ran_out:  # a stream ended before the epoch length it announced
                 if self.step_in_epoch == 0 and not reporter.epoch_stats:
                     raise data_lib.DataError(
                         f"train_data ran out of data at step {self.step} (epoch "
