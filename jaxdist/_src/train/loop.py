@@ -100,8 +100,14 @@ class StepRunner:
         blocks: whether the inputs are input blocks (``chunk`` names the chunk to run).
 
     Example:
-        >>> runner = StepRunner(hook, trainer.context, steps_per_epoch=10)
-        >>> state, stats = runner.run(state, x, y, w, first=0, num_steps=1)
+        >>> class AddSteps:      # a hook that adds the number of steps to the "parameters"
+        ...     def train_step(self, ctx, state, x, y, num_steps, w=None, chunk=0):
+        ...         return state.replace(params=state.params + num_steps), {}
+        >>> runner = StepRunner(AddSteps(), ctx=None, steps_per_epoch=2)
+        >>> state, _ = runner.run(TrainState(0, None, None), None, None, None, first=0,
+        ...                       num_steps=2)
+        >>> state.params, state.step, state.epoch, state.step_in_epoch
+        (2, 2, 1, 0)
     """
 
     hook: Any
@@ -165,9 +171,10 @@ class FitReporter:
         checkpoint_dir: named in the ``NaNLossError`` message.
 
     Example:
-        >>> reporter = FitReporter(logger, history, cbs, batch_size=32, accuracy=True,
-        ...                        metric_results=lambda s: {}, learning_rate=lambda: None)
-        >>> reporter.record(stats, state)
+        >>> reporter = FitReporter(logger, history, cbs, batch_size=32,  # doctest: +SKIP
+        ...                        accuracy=True, metric_results=lambda s: {},
+        ...                        learning_rate=lambda: None)
+        >>> reporter.record(stats, state)                                 # doctest: +SKIP
     """
 
     def __init__(self, logger: Any, history: Any, callbacks: Any, *, batch_size: int,

@@ -41,8 +41,8 @@ class TrainConfig:
         accuracy: compute accuracy when ``metrics`` is ``None``.
 
     Example:
-        >>> TrainConfig(global_batch_size=64, steps_per_execution=4)
-        TrainConfig(global_batch_size=64, steps_per_execution=4, ...)
+        >>> TrainConfig(global_batch_size=64, steps_per_execution=4).seed
+        0
     """
 
     global_batch_size: int | None = None

@@ -39,8 +39,9 @@ class TrainState:
         last_checkpoint: the step of the last checkpoint written or restored (``None``: none).
 
     Example:
-        >>> s = TrainState(params=p, rest=r, opt_state=o)
-        >>> s = s.replace(step=s.step + 1)
+        >>> s = TrainState(params={"w": 1.0}, rest={}, opt_state=None)
+        >>> s.replace(step=s.step + 1).step
+        1
     """
 
     params: Any
@@ -54,19 +55,6 @@ class TrainState:
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
-
-    def advance(self, num_steps: int, steps_per_epoch: int) -> TrainState:
-        """The state after ``num_steps`` more steps of an epoch of ``steps_per_epoch`` steps
-        (the epoch rolls over when it is complete).
-
-        Example:
-            >>> TrainState(None, None, None, step=3, step_in_epoch=3).advance(1, 4).epoch
-            1
-        """
-        step, in_epoch, epoch = self.step + num_steps, self.step_in_epoch + num_steps, self.epoch
-        if in_epoch >= steps_per_epoch:
-            epoch, in_epoch = epoch + 1, 0
-        return self.replace(step=step, epoch=epoch, step_in_epoch=in_epoch)
 
     def checkpoint_meta(self) -> dict[str, int]:
         """The position written with a checkpoint (``step``, ``epoch``, ``step_in_epoch``)."""
@@ -96,8 +84,7 @@ class TrainerContext:
         checkpointer: ``() -> Checkpointer | None``: the trainer's checkpoint directory handle.
 
     Example:
-        >>> ctx = trainer.context
-        >>> ctx.global_batch_size
+        >>> trainer.context.global_batch_size      # doctest: +SKIP
         64
     """
 
