@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 import jaxdist
+from jaxdist._src.job import data as job_data
+from jaxdist._src.job.config import ConfigError, load_config
+from jaxdist._src.job.models import MLP
 from jaxdist._src.train import callbacks as C
-from jaxdist._src.train import data as data_lib
-from jaxdist._src.train.config import ConfigError, load_config
-from jaxdist._src.train.models import MLP
 from jaxdist._src.train.trainer import Trainer
 
 GBS = 32
@@ -23,7 +23,7 @@ GBS = 32
 
 @pytest.fixture(scope="module")
 def data():
-    train, val = data_lib.make_synthetic(num_examples=260, num_features=12, num_classes=4,
+    train, val = job_data.make_synthetic(num_examples=260, num_features=12, num_classes=4,
                                          validation_split=0.25)
     return (train.x, train.y), (val.x, val.y)
 
@@ -254,7 +254,7 @@ def test_file_writing_callbacks_run_on_the_chief_only(tmp_path):
     assert worker.callbacks == [stop]
     chief = C.CallbackList([csv_cb, stop], model=object(), is_chief=True)
     assert chief.callbacks == [csv_cb, stop]
-    with pytest.raises(TypeError, match="not a jaxdist._src.train.callbacks.Callback"):
+    with pytest.raises(TypeError, match=r"not a jaxdist\.\S*Callback"):
         C.CallbackList([print])
 
 
@@ -361,7 +361,7 @@ def test_fit_prepares_input_blocks_on_a_background_thread(data):
     seen = []
     probe = C.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(
         any(t.name == "jaxdist-prefetch" for t in threading.enumerate())))
-    big, _ = data_lib.make_synthetic(num_examples=160 * GBS, num_features=12, num_classes=4,
+    big, _ = job_data.make_synthetic(num_examples=160 * GBS, num_features=12, num_classes=4,
                                      validation_split=0.0)
     _trainer().fit((big.x, big.y), epochs=1, callbacks=[probe], verbose=0)
     assert len(seen) == 160 and any(seen)  # 5 blocks of 32 steps: the thread outlives block 1

@@ -5,8 +5,8 @@ import pathlib
 import jax
 import pytest
 
-from jaxdist._src.train import strategy_registry
-from jaxdist._src.train.config import ConfigError, Field, check_replicas, load_config, schema_help
+from jaxdist._src.job import strategy_registry
+from jaxdist._src.job.config import ConfigError, Field, check_replicas, load_config, schema_help
 
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
 TRAIN_CONFIGS = [p for p in CONFIGS
@@ -103,29 +103,40 @@ def test_register_strategy_plugs_in_a_new_name():
 
 
 def test_registry_is_keyed_by_class_and_every_default_is_in_the_schema():
-    """One hook per strategy class (SyncHook for the synchronous ones); the Trainer's
-    defaults and a job's Trainer arguments both come from the schema."""
+    """One hook per strategy class (SyncHook for the synchronous ones); the library's
+    defaults of the Trainer's options (its config dataclasses, ``fit``) are the schema's, and
+    a job's Trainer arguments come from the schema."""
+    import dataclasses
     import inspect
 
     import jaxdist
-    from jaxdist._src.train import hooks, schema
+    from jaxdist._src.job import schema
+    from jaxdist._src.train import hooks, options
+    from jaxdist._src.train.hook_registry import hook_for
     from jaxdist._src.train.parameter_server import ParameterServerHook
     from jaxdist._src.train.trainer import Trainer
 
     one_device = jaxdist.OneDeviceStrategy(jax.devices()[0])
-    assert type(strategy_registry.hook_for(one_device)) is hooks.SyncHook
-    assert isinstance(strategy_registry.hook_for(jaxdist.ParameterServerStrategy()),
-                      ParameterServerHook)
+    assert type(hook_for(one_device)) is hooks.SyncHook
+    assert isinstance(hook_for(jaxdist.ParameterServerStrategy()), ParameterServerHook)
     assert {s.name for s in strategy_registry._REGISTRY[jaxdist.ParameterServerStrategy]
             .configs.values()} == {"parameter_server", "parameter_server_coordinator"}
-    for method, prefix in ((Trainer.__init__, ""), (Trainer.fit, "fit")):
-        params = inspect.signature(method).parameters
-        for name, default in schema.trainer_defaults(prefix).items():
-            assert params[name].default == default, (prefix, name)
+    groups = {"config": options.TrainConfig(), "checkpoint": options.CheckpointConfig(),
+              "logging": options.LoggingConfig()}
+    init, fit = (inspect.signature(m).parameters for m in (Trainer.__init__, Trainer.fit))
+    for name, default in schema.trainer_defaults().items():
+        owner, _, field = name.rpartition(".")
+        if owner in groups:
+            library = getattr(groups[owner], field)
+        else:
+            library = (fit if owner == "fit" else init)[field].default
+        assert library == default, name
     cfg = load_config(raw={"checkpoint": {"keep": 7}, "seed": 3, "train": {"steps": 5}})
-    kwargs = schema.trainer_kwargs(cfg)
-    assert kwargs["keep_checkpoints"] == 7 and kwargs["seed"] == 3
-    assert set(kwargs) <= set(inspect.signature(Trainer.__init__).parameters)
+    kwargs = schema.trainer_options(cfg)
+    assert kwargs["checkpoint"].keep == 7 and kwargs["config"].seed == 3
+    assert kwargs["loss"] == "sparse_categorical_crossentropy"
+    assert set(kwargs) <= set(init)
+    assert dataclasses.asdict(kwargs["logging"])["dir"] == "runs/default"
     assert schema.fit_kwargs(cfg) == {"epochs": None, "steps": 5, "validation_freq": 1,
                                       "verbose": 1}
 
@@ -142,8 +153,8 @@ def test_schedules_give_the_same_rates_locally_and_on_the_ps(schedule, extra, ra
     import jax.numpy as jnp
     import optax
 
-    from jaxdist._src.train.optimizers import optimizer_from_config
-    from jaxdist._src.train.parameter_server.config import ps_optimizer_from_config
+    from jaxdist._src.job.job import optimizer_from_config
+    from jaxdist._src.job.parameter_server import ps_optimizer_from_config
 
     cfg = load_config(raw={}, overrides=["optimizer.name=sgd", "optimizer.learning_rate=0.1",
                                          f"optimizer.schedule={schedule}",

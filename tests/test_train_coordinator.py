@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxdist._src.input.options import InputContext
-from jaxdist._src.train.__main__ import main as train_main
+from jaxdist._src.job.cli import main as train_main
 from jaxdist._src.train.data import epoch_order
 from jaxdist._src.train.metrics import read_metrics
 from jaxdist._src.train.parameter_server.coordinated import (
@@ -208,8 +208,8 @@ def test_a_worker_killed_mid_training_is_survived(tmp_path):
 
 @pytest.mark.parametrize("task, serves", [("ps", True), ("worker", True), ("chief", False)])
 def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monkeypatch):
-    from jaxdist._src.train.config import load_config
-    from jaxdist._src.train.parameter_server.config import is_ps_task
+    from jaxdist._src.job.config import load_config
+    from jaxdist._src.job.parameter_server import is_ps_task
 
     cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
@@ -228,9 +228,9 @@ def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
     from flax import nnx
 
     import jaxdist
+    from jaxdist._src.job.models import MLP
     from jaxdist._src.ps import optimizers as O
     from jaxdist._src.train.keras_metrics import AUC, SparseTopKCategoricalAccuracy
-    from jaxdist._src.train.models import MLP
     from jaxdist._src.train.parameter_server.coordinated import StepStats, WorkerStep
 
     rng = np.random.default_rng(0)
@@ -247,8 +247,9 @@ def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
 
     ps = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
     t = trainer(ps, O.sgd(0.1))
-    step = WorkerStep(t._ms, t.loss_fn, 16, t._hook.variables, t.rest, ps, None,
-                      t._metric_specs)
+    ctx = t.context
+    step = WorkerStep(ctx.model_state, ctx.loss_fn, 16, t._hook.variables, t.rest, ps, None,
+                      ctx.metric_specs)
     got = step(iter([(x, y, w)]))
 
     class Ready:  # a RemoteValue that is ready
@@ -284,10 +285,10 @@ def test_the_coordinator_refuses_a_stream_its_workers_cannot_read():
     accepted = "Pass \\(x, y\\) arrays or a grain.MapDataset"
     with pytest.raises(DataError, match="lives in the chief's process and the workers cannot "
                                         "read it. " + accepted):
-        hook.begin_fit(None, source(gen, what="train_data"))
+        hook.begin_fit(None, None, source(gen, what="train_data"))
     stream = _grain_examples(8).batch(4).to_iter_dataset()        # a grain IterDataset
     with pytest.raises(DataError, match=r"got a grain\.\w*IterDataset: .*" + accepted):
-        hook.begin_fit(None, source(stream, what="train_data"))
+        hook.begin_fit(None, None, source(stream, what="train_data"))
 
 
 @pytest.mark.devices(2)
@@ -302,8 +303,8 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
     from flax import nnx
 
     import jaxdist
+    from jaxdist._src.job.models import MLP
     from jaxdist._src.ps import optimizers as O
-    from jaxdist._src.train.models import MLP
 
     class OneDeviceWorkers:  # what the chief's hook and strategy ask of a ClusterCoordinator
         num_workers = 1
@@ -366,9 +367,9 @@ def test_each_worker_reads_its_share_of_a_grain_map_dataset_once_per_epoch():
     ds = _grain_examples().batch(6)            # 17 elements: 16 of 6 rows, the last of 4
     hook = CoordinatorHook.__new__(CoordinatorHook)
     hook.num_workers, hook._train = 3, None
-    trainer = type("T", (), {"global_batch_size": 8})()
+    trainer = type("T", (), {"global_batch_size": 8})()   # the TrainerContext's field it reads
     train = source(ds, what="train_data")
-    hook.begin_fit(trainer, train)
+    hook.begin_fit(trainer, None, train)
     assert hook._grain == (16, 6)              # the short last element is dropped
     spe = hook.stream_steps_per_epoch(trainer, train, None)
     assert spe == 3 * (5 * 6 // 8)             # 5 elements (30 rows) per worker: 3 batches

@@ -236,7 +236,7 @@ def test_labels_of_the_wrong_kind_are_one_clear_error(data, strategy):
 
 
 def test_not_an_npz_file_names_the_path(tmp_path):
-    from jaxdist._src.train.data import load_npz
+    from jaxdist._src.job.data import load_npz
 
     bad = tmp_path / "data.npz"
     bad.write_text("x,y\n1,2\n")
@@ -251,7 +251,7 @@ def test_not_an_npz_file_names_the_path(tmp_path):
 def _cli(tmp_path, *overrides):
     import pathlib
 
-    from jaxdist._src.train.__main__ import main
+    from jaxdist._src.job.cli import main
 
     config = pathlib.Path(__file__).parent.parent / "configs" / "one_device.yaml"
     args = ["--config", str(config)]

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 import jaxdist
+from jaxdist._src.job.config import ConfigError, load_config
+from jaxdist._src.job.models import MLP
 from jaxdist._src.train import keras_metrics as M
-from jaxdist._src.train.config import ConfigError, load_config
-from jaxdist._src.train.models import MLP
 from jaxdist._src.train.trainer import Trainer
 
 GBS = 16
@@ -135,8 +135,8 @@ def test_weighted_metrics_are_weighted_and_metrics_are_not_as_in_keras():
     from flax import nnx
 
     import jaxdist
+    from jaxdist._src.job.models import MLP
     from jaxdist._src.train.keras_metrics import AUC
-    from jaxdist._src.train.models import MLP
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(48, 5)).astype(np.float32)

@@ -16,13 +16,13 @@ import pytest
 
 import jaxdist
 from jaxdist._src.cluster.task_info import TaskInfo
+from jaxdist._src.job.cli import main as train_main
+from jaxdist._src.job.config import ConfigError, load_config
+from jaxdist._src.job.job import run_job
+from jaxdist._src.job.parameter_server import ps_optimizer_from_config
 from jaxdist._src.ps import optimizers as O
-from jaxdist._src.train.__main__ import main as train_main
-from jaxdist._src.train.config import ConfigError, load_config
-from jaxdist._src.train.job import run_job
 from jaxdist._src.train.metrics import read_metrics
 from jaxdist._src.train.parameter_server.between_graph import ParameterServerHook
-from jaxdist._src.train.parameter_server.config import ps_optimizer_from_config
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "configs" / "parameter_server.yaml"
@@ -71,8 +71,8 @@ def test_in_process_resume_from_the_ps_checkpoint(tmp_path):
 def test_trainer_api_with_a_ps_optimizer_spec_and_steps_per_execution():
     from flax import nnx
 
-    from jaxdist._src.train.data import load_digits
-    from jaxdist._src.train.models import MLP
+    from jaxdist._src.job.data import load_digits
+    from jaxdist._src.job.models import MLP
 
     train, val = load_digits(0.2, 0)
     (x, y), (xv, yv) = (train.x, train.y), (val.x, val.y)
@@ -91,7 +91,7 @@ def test_trainer_api_with_a_ps_optimizer_spec_and_steps_per_execution():
 def test_a_raw_optax_optimizer_is_rejected_under_parameter_servers():
     from flax import nnx
 
-    from jaxdist._src.train.models import MLP
+    from jaxdist._src.job.models import MLP
 
     with pytest.raises(ValueError, match="raw optax GradientTransformation cannot be split"):
         jaxdist.Trainer(MLP(4, [8], 3, rngs=nnx.Rngs(0)), optax.adam(1e-3),
@@ -203,8 +203,8 @@ def _binary_data(n=96, seed=0):
 def _small_trainer(strategy, optimizer, **kwargs):
     from flax import nnx
 
+    from jaxdist._src.job.models import MLP
     from jaxdist._src.train.keras_metrics import SparseTopKCategoricalAccuracy
-    from jaxdist._src.train.models import MLP
 
     with strategy.scope():
         return jaxdist.Trainer(

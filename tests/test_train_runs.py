@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 import jaxdist
+from jaxdist._src.job.cli import main as train_main
+from jaxdist._src.job.config import load_config
+from jaxdist._src.job.models import MLP
 from jaxdist._src.train import runs
-from jaxdist._src.train.__main__ import main as train_main
-from jaxdist._src.train.config import load_config
 from jaxdist._src.train.metrics import MetricsLogger, read_metrics
-from jaxdist._src.train.models import MLP
 from jaxdist._src.train.trainer import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,8 +9,9 @@ from flax import nnx
 from reference_loops import optax_step
 
 import jaxdist
+from jaxdist._src.job import data as job_data
+from jaxdist._src.job.models import CNN, MLP
 from jaxdist._src.train import data as data_lib
-from jaxdist._src.train.models import CNN, MLP
 from jaxdist._src.train.trainer import NaNLossError, Trainer
 
 GBS = 32
@@ -18,7 +19,7 @@ GBS = 32
 
 @pytest.fixture(scope="module")
 def dataset():
-    train, val = data_lib.make_synthetic(num_examples=260, num_features=12, num_classes=4,
+    train, val = job_data.make_synthetic(num_examples=260, num_features=12, num_classes=4,
                                          validation_split=0.25)
     return train, val
 
@@ -171,7 +172,7 @@ def test_batch_must_divide_across_replicas():
 
 
 def test_cnn_trains_under_scope_strategy():
-    train, val = data_lib.load_digits()
+    train, val = job_data.load_digits()
     strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     with strategy.scope():
         model = CNN((8, 8, 1), [8], 10, rngs=nnx.Rngs(0))
@@ -183,8 +184,8 @@ def test_cnn_trains_under_scope_strategy():
 
 
 def test_same_seed_and_config_same_final_loss_through_run_job():
-    from jaxdist._src.train.config import load_config
-    from jaxdist._src.train.job import run_job
+    from jaxdist._src.job.config import load_config
+    from jaxdist._src.job.job import run_job
 
     overrides = ["data.name=synthetic", "data.num_examples=600", "data.num_features=8",
                  "model.hidden_sizes=[16]", "train.steps=12", "logging.dir=null",

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxdist._src.train.__main__ import main
+from jaxdist._src.job.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,7 @@ Example:
     ((1437, 8, 8, 1), (1437,))
 """
 
-from jaxdist._src.train.data import ArrayData, DataError, load_digits, load_npz, make_synthetic
+from jaxdist._src.job.data import load_digits, load_npz, make_synthetic
+from jaxdist._src.train.data import ArrayData, DataError
 
 __all__ = ["ArrayData", "DataError", "load_digits", "load_npz", "make_synthetic"]

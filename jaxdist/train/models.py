@@ -6,6 +6,6 @@ Example:
     >>> model = MLP(64, [128], 10, rngs=nnx.Rngs(0))
 """
 
-from jaxdist._src.train.models import CNN, MLP
+from jaxdist._src.job.models import CNN, MLP
 
 __all__ = ["CNN", "MLP"]

@@ -34,7 +34,7 @@ def test_idle_timeout_is_a_typed_error_naming_the_directory(tmp_path):
     from flax import nnx
 
     import jaxdist
-    from jaxdist._src.train.models import MLP
+    from jaxdist._src.job.models import MLP
 
     strategy = jaxdist.OneDeviceStrategy(jax.devices()[0])
     with strategy.scope():

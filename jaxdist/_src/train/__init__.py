@@ -1,42 +1,17 @@
-"""jaxdist.train: the Keras-``fit``-like path and the ``python -m jaxdist.train`` job.
+"""The Trainer library behind ``jaxdist.train``: Keras' ``Model.fit`` for flax nnx models.
 
-Modules: ``schema`` (every config key and default, once), ``config`` (YAML, overrides,
-validation), ``strategy_registry`` (per strategy class: its config names and builders, and the
-``TrainerHook`` the ``Trainer`` delegates to), ``hooks`` (``TrainerHook``, ``SyncHook``),
-``parameter_server`` (training under ``ParameterServerStrategy``), ``data`` (digits,
-synthetic, ``.npz``; resumable order), ``models`` (MLP, CNN), ``trainer`` (``Trainer``),
-``checkpoint`` (orbax), ``metrics`` (JSON lines, TensorBoard, progress), ``job`` (config ->
-``Trainer.fit``), ``__main__`` (the CLI).
+Modules: ``trainer`` (``Trainer``), ``options`` (``TrainConfig``, ``CheckpointConfig``,
+``LoggingConfig``), ``state`` (``TrainState``, ``TrainerContext``: the hooks' contract),
+``hooks`` (``TrainerHook``, ``SyncHook``), ``hook_registry`` (the hook of each strategy
+class), ``parameter_server`` (the hooks of ``ParameterServerStrategy``), ``loop`` (the fit
+loop's epoch plan, step runner and reporter), ``inputs``/``data`` (what ``fit`` reads, in a
+resumable order), ``callbacks``, ``keras_metrics``, ``metrics`` (JSON lines, TensorBoard,
+progress), ``checkpoint`` (orbax), ``evaluator`` (``SidecarEvaluator``), ``runs`` (run
+directories).
 
-Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
+The job that ``python -m jaxdist.train --config ...`` runs (its config schema, demo models and
+data, CLI) is ``jaxdist._src.job``, which imports this package; this package never imports it.
 
 Example:
-    >>> from jaxdist.train import Trainer, load_config
+    >>> from jaxdist._src.train.trainer import Trainer
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_LAZY = {
-    "Trainer": "jaxdist._src.train.trainer",
-    "History": "jaxdist._src.train.trainer",
-    "NaNLossError": "jaxdist._src.train.trainer",
-    "ConfigError": "jaxdist._src.train.config",
-    "load_config": "jaxdist._src.train.config",
-    "register_strategy": "jaxdist._src.train.strategy_registry",
-    "run_job": "jaxdist._src.train.job",
-    "Checkpointer": "jaxdist._src.train.checkpoint",
-    "MetricsLogger": "jaxdist._src.train.metrics",
-    "ArrayData": "jaxdist._src.train.data",
-    "DataError": "jaxdist._src.train.data",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'jaxdist.train' has no attribute {name!r}")

@@ -42,10 +42,14 @@ from jaxdist._src.strategies.cross_device_ops import varying_axes
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
-from jaxdist._src.train import keras_metrics, strategy_registry
+from jaxdist._src.train import keras_metrics
+from jaxdist._src.train import loop as loop_lib
+from jaxdist._src.train import options as options_lib
 from jaxdist._src.train.callbacks import History
 from jaxdist._src.train.checkpoint import Checkpointer
+from jaxdist._src.train.hook_registry import hook_for
 from jaxdist._src.train.hooks import PACKED, PACKED_FIELDS
+from jaxdist._src.train.loop import NaNLossError
 from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: public here too
     LOSSES,
     LossFn,
@@ -55,8 +59,9 @@ from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: p
 from jaxdist._src.train.losses import correct_per_example as _correct_per_example
 from jaxdist._src.train.metrics import MetricsLogger
 from jaxdist._src.train.model_state import ModelState, check_batch_norm
+from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
 from jaxdist._src.train.precision import compute_dtype
-from jaxdist._src.train.schema import trainer_defaults
+from jaxdist._src.train.state import TrainerContext, TrainState
 from jaxdist._src.train.trainer_handle import TrainerHandle
 
 # Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
@@ -64,18 +69,8 @@ from jaxdist._src.train.trainer_handle import TrainerHandle
 _BLOCK_STEPS = 32
 _BLOCK_BYTES = 16 << 20
 
-# The defaults of the arguments a job config also sets, written once in the schema.
-_D = trainer_defaults()
-_FIT = trainer_defaults("fit")
-
-
-class NaNLossError(RuntimeError):
-    """The loss became NaN or infinite (with ``halt_on_nan``)."""
-
-    def __init__(self, message: str, step: int, last_checkpoint: int | None):
-        super().__init__(message)
-        self.step = step
-        self.last_checkpoint = last_checkpoint
+# Keras' default batch size (``fit`` on arrays without a batch size anywhere).
+_DEFAULT_BATCH_SIZE = 32
 
 
 __all__ = ["History", "LOSSES", "NaNLossError", "Trainer"]  # History: jaxdist._src.train.callbacks
@@ -87,6 +82,18 @@ def _default_strategy() -> distribute.Strategy:
     return distribute.OneDeviceStrategy(jax.local_devices()[0])
 
 
+def _state_property(name: str, doc: str) -> property:
+    """A ``Trainer`` attribute that reads (and replaces) one field of its ``TrainState``."""
+
+    def get(self: Trainer) -> Any:
+        return getattr(self._state, name)
+
+    def set_(self: Trainer, value: Any) -> None:
+        self._state = self._state.replace(**{name: value})
+
+    return property(get, set_, doc=doc)
+
+
 class Trainer(TrainerHandle):
     """Trains a flax nnx model with an optax optimizer under a distribution strategy.
 
@@ -95,98 +102,83 @@ class Trainer(TrainerHandle):
             variables are trained; its other variables are carried along unchanged.
         optimizer: an ``optax.GradientTransformation``.
         loss: a name in ``LOSSES`` or ``fn(logits, labels) -> per-example loss``.
-        global_batch_size: examples per step over all replicas.
         strategy: the strategy (default: the current ``strategy.scope()``, else one device).
-        steps_per_execution: steps per compiled dispatch (TF's ``steps_per_execution``).
-        seed: seed of the data order.
-        shuffle: reshuffle the training data every epoch.
-        checkpoint_dir: where checkpoints go; on ``fit`` the trainer resumes from the latest
-            one there (TF's ``BackupAndRestore``). ``None``: no checkpoints.
-        checkpoint_every_steps: save every this many steps (and at the end of ``fit``).
-        keep_checkpoints: keep the newest K checkpoints.
-        resume: resume from ``checkpoint_dir`` at the start of ``fit``.
-        log_dir: the parent of the run directories: each ``Trainer`` writes ``metrics.jsonl``
-            and TensorBoard events (``train/``, ``validation/``) into its own new
-            ``<log_dir>/<timestamp>`` (or ``<log_dir>/<run_name>``), never into an earlier
-            run's (``None``: console only). ``trainer.run_dir`` names it.
-        run_name: the run directory's name instead of the start time.
-        metrics: Keras metrics, e.g. ``["accuracy", "auc",
-            SparseTopKCategoricalAccuracy(k=3)]`` (``jaxdist._src.train.keras_metrics``); summed
-            over replicas, processes and steps before dividing. ``None``: ``["accuracy"]``
-            when ``accuracy`` is true. As in Keras these are *not* weighted by
-            ``sample_weight``/``class_weight`` (only the loss is).
-        weighted_metrics: Keras' ``weighted_metrics``: metrics weighted by the sample (and
-            class) weights, e.g. ``["accuracy", "auc"]`` (``sum(w * hit) / sum(w)``; AUC's
-            confusion counts weighted). A name already in ``metrics`` is logged as
-            ``weighted_<name>``, as Keras does.
-        log_every_steps: training metrics are logged every this many steps.
-        tensorboard: write TensorBoard event files into ``log_dir``.
-        progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
-        halt_on_nan: raise ``NaNLossError`` when the loss is NaN or inf (no checkpoint is written
-            from the bad state).
-        accuracy: compute accuracy (argmax of the logits against integer labels).
-        batch_norm: ``"sync"``: ``BatchNorm`` layers normalize with the statistics of the whole
-            global batch (averaged across replicas, TF's ``SyncBatchNormalization``; a step
-            equals a one-device step on the global batch); ``"per_replica"``: each replica
-            uses its own rows' statistics (TF's default ``BatchNormalization`` under a
-            strategy). Either way the running statistics are averaged across replicas, kept
-            in the checkpoints and used by ``evaluate``/``predict``. Parameter-server
-            strategies support neither (they keep only ``nnx.Param`` variables).
-        precision: ``"float32"`` or ``"bfloat16"`` (Keras' ``mixed_bfloat16``: compute in
-            bfloat16, parameters and optimizer state in float32, no loss scaling).
+        config: a ``TrainConfig``: ``global_batch_size`` (examples per step over all
+            replicas; ``None``: ``fit``'s ``batch_size``, an already batched dataset's batch
+            size, else 32), ``steps_per_execution``, ``seed``, ``shuffle``, ``precision``,
+            ``batch_norm``, ``halt_on_nan``, ``metrics``, ``weighted_metrics``, ``accuracy``.
+        checkpoint: a ``CheckpointConfig``: ``dir`` (``fit`` resumes from the latest
+            checkpoint there, TF's ``BackupAndRestore``), ``every_steps``, ``keep``,
+            ``resume``.
+        logging: a ``LoggingConfig``: ``dir`` (the parent of this run's own new
+            ``<dir>/<timestamp>`` or ``<dir>/<run_name>`` with ``metrics.jsonl`` and
+            TensorBoard events; ``trainer.run_dir`` names it), ``run_name``, ``every_steps``,
+            ``tensorboard``, ``progress_bar``.
+        **options: the groups' fields by name instead (``global_batch_size=``,
+            ``steps_per_execution=``, ``checkpoint_dir=``, ``checkpoint_every_steps=``,
+            ``keep_checkpoints=``, ``resume=``, ``log_dir=``, ``log_every_steps=``, ...:
+            ``jaxdist._src.train.options.FLAT_NAMES``), for a group not given.
+
+    ``metrics`` are Keras metrics, e.g. ``["accuracy", "auc",
+    SparseTopKCategoricalAccuracy(k=3)]``, summed over replicas, processes and steps before
+    dividing; as in Keras they are *not* weighted by ``sample_weight``/``class_weight`` (only
+    the loss is); ``weighted_metrics`` are (a name already in ``metrics`` is logged as
+    ``weighted_<name>``). ``batch_norm="sync"``: ``BatchNorm`` layers normalize with the
+    statistics of the whole global batch (TF's ``SyncBatchNormalization``; a step equals a
+    one-device step on the global batch); ``"per_replica"``: each replica's own rows. The
+    running statistics are averaged across replicas either way. Parameter-server strategies
+    support neither (they keep only ``nnx.Param`` variables). ``precision="bfloat16"`` is
+    Keras' ``mixed_bfloat16`` (compute in bfloat16, parameters and optimizer state in
+    float32, no loss scaling).
 
     Dropout (and any layer with a ``deterministic`` attribute) is on in ``fit`` with keys that
     differ per replica and per step and are fixed by the model's ``nnx.Rngs`` seed; it is off
     in ``evaluate`` and ``predict``.
 
+    The training state is one ``TrainState`` (``trainer.train_state``); the strategy's
+    ``TrainerHook`` takes it and returns the new one (``jaxdist._src.train.hooks``).
+
     Raises:
         ValueError: ``global_batch_size`` does not divide across the replicas.
+        TypeError: an unknown keyword argument (the message names the option it may mean).
 
     Example:
         >>> from flax import nnx
+        >>> from jaxdist.train import TrainConfig
         >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
         >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
-        >>> trainer = jaxdist.Trainer(model, optax.sgd(0.1), global_batch_size=32,
-        ...                           strategy=jaxdist.MirroredStrategy())
+        >>> trainer = jaxdist.Trainer(model, optax.sgd(0.1), strategy=jaxdist.MirroredStrategy(),
+        ...                           config=TrainConfig(global_batch_size=32))
         >>> history = trainer.fit((x, y), steps=4, verbose=0)
     """
+
+    params = _state_property("params", "The model's ``nnx.Param`` variables.")
+    rest = _state_property("rest", "The model's other variables (e.g. BatchNorm statistics).")
+    opt_state = _state_property("opt_state", "The optimizer state (``None`` on a ps).")
+    step = _state_property("step", "Steps run so far.")
+    epoch = _state_property("epoch", "The current epoch.")
+    step_in_epoch = _state_property("step_in_epoch", "Steps of the current epoch run so far.")
+    last_checkpoint = _state_property("last_checkpoint",
+                                      "The step of the last checkpoint written or restored.")
 
     def __init__(
         self,
         model: nnx.Module,
         optimizer: optax.GradientTransformation,
-        loss: str | LossFn = _D["loss"],
+        loss: str | LossFn = "sparse_categorical_crossentropy",
         *,
-        global_batch_size: int,
         strategy: distribute.Strategy | None = None,
-        steps_per_execution: int = _D["steps_per_execution"],
-        seed: int = _D["seed"],
-        shuffle: bool = _D["shuffle"],
-        checkpoint_dir: str | None = _D["checkpoint_dir"],
-        checkpoint_every_steps: int = _D["checkpoint_every_steps"],
-        keep_checkpoints: int = _D["keep_checkpoints"],
-        resume: bool = _D["resume"],
-        log_dir: str | None = _D["log_dir"],
-        log_every_steps: int = _D["log_every_steps"],
-        run_name: str | None = _D["run_name"],
-        metrics: Sequence[Any] | None = _D["metrics"],
-        weighted_metrics: Sequence[Any] | None = _D["weighted_metrics"],
-        tensorboard: bool = _D["tensorboard"],
-        progress_bar: str = _D["progress_bar"],
-        halt_on_nan: bool = _D["halt_on_nan"],
-        accuracy: bool = True,
-        batch_norm: str = _D["batch_norm"],
-        precision: str = _D["precision"],
+        config: TrainConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        logging: LoggingConfig | None = None,
+        **options: Any,
     ):
+        config, checkpoint, logging = options_lib.resolve(config, checkpoint, logging, options)
+        self.config, self.checkpoint_config, self.logging_config = config, checkpoint, logging
         self.strategy = strategy or _default_strategy()
-        n = self.strategy.num_replicas_in_sync
-        if global_batch_size < 1 or global_batch_size % n:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} does not divide across the {n} replicas "
-                f"of {self.strategy!r}; expected a positive multiple of {n}"
-            )
-        if steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
+        if config.steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be >= 1, got "
+                             f"{config.steps_per_execution}")
         if isinstance(loss, str):
             if loss not in LOSSES:
                 raise ValueError(f"loss={loss!r} is not known; expected one of "
@@ -195,17 +187,17 @@ class Trainer(TrainerHandle):
             loss = LOSSES[loss]
         self.loss_fn: LossFn = loss
         self.optimizer = optimizer
-        self.global_batch_size = int(global_batch_size)
-        self.steps_per_execution = int(steps_per_execution)
-        self.seed = seed
-        self.shuffle = shuffle
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every_steps = checkpoint_every_steps
-        self.keep_checkpoints = keep_checkpoints
-        self.resume = resume
-        self.log_dir = log_dir
-        self.run_name = run_name
-        specs = (["accuracy"] if accuracy else []) if metrics is None else list(metrics)
+        self.steps_per_execution = int(config.steps_per_execution)
+        self.seed = config.seed
+        self.shuffle = config.shuffle
+        self.checkpoint_dir = checkpoint.dir
+        self.checkpoint_every_steps = checkpoint.every_steps
+        self.keep_checkpoints = checkpoint.keep
+        self.resume = checkpoint.resume
+        self.log_dir = logging.dir
+        self.run_name = logging.run_name
+        metrics, weighted_metrics = config.metrics, config.weighted_metrics
+        specs = (["accuracy"] if config.accuracy else []) if metrics is None else list(metrics)
         accuracy = any(keras_metrics.is_accuracy(m) for m in specs)
         self.metrics = [keras_metrics.get(m) for m in specs if not keras_metrics.is_accuracy(m)]
         self.weighted_metrics = [keras_metrics.get(m) for m in (weighted_metrics or ())]
@@ -217,14 +209,14 @@ class Trainer(TrainerHandle):
             name = f"weighted_{name}" if name in taken else name
             taken.add(name)
             self._metric_specs.append((name, m, True))
-        self.log_every_steps = log_every_steps
-        self.tensorboard = tensorboard
-        self.progress_bar = progress_bar
-        self.halt_on_nan = halt_on_nan
+        self.log_every_steps = logging.every_steps
+        self.tensorboard = logging.tensorboard
+        self.progress_bar = logging.progress_bar
+        self.halt_on_nan = config.halt_on_nan
         self.accuracy = accuracy
-        self.batch_norm = check_batch_norm(batch_norm)
-        self.precision = precision
-        self._compute_dtype = compute_dtype(precision)
+        self.batch_norm = check_batch_norm(config.batch_norm)
+        self.precision = config.precision
+        self._compute_dtype = compute_dtype(config.precision)
 
         ext = self.strategy.extended
         self.should_checkpoint = bool(getattr(ext, "should_checkpoint", True))
@@ -236,32 +228,103 @@ class Trainer(TrainerHandle):
         # multi-worker one): what the distributed dataset splits a batch over. With a
         # ClusterCoordinator ``num_replicas_in_sync`` is the workers' count, while the chief
         # evaluates and predicts on its own devices.
-        self._mesh_replicas = int(getattr(ext, "num_replicas_in_mesh", n))
-        # Evaluation batches: ``global_batch_size`` real rows, padded (masked) to a multiple of
-        # the mesh's replicas when the chief's devices do not divide it.
-        self._eval_batch_size = -(-self.global_batch_size // self._mesh_replicas) \
-            * self._mesh_replicas
-
+        self._mesh_replicas = int(getattr(ext, "num_replicas_in_mesh",
+                                          self.strategy.num_replicas_in_sync))
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
-        params, rest = self._ms.params, self._ms.rest
-        # The one hook of this strategy (chosen here, once): where the state lives, one step.
-        self._hook = strategy_registry.hook_for(self.strategy)
-        self.params, self.rest, self.opt_state = self._hook.init_state(self, params, rest)
+        self._global_batch_size: int | None = None
+        self._train_replica: Callable | None = None
+        if config.global_batch_size is not None:
+            self._set_batch_size(config.global_batch_size)
         with self.strategy.scope():
             self._rngs = self.strategy.place(self._ms.rngs)
-        self.step = 0
-        self.epoch = 0
-        self.step_in_epoch = 0
-        self.last_checkpoint: int | None = None
         self._checkpointer: Checkpointer | None = None
+        # The one hook of this strategy (chosen here, once): where the state lives, one step.
+        self._hook = hook_for(self.strategy)
+        self._state: TrainState = self._hook.init_state(self.context, self._ms.params,
+                                                        self._ms.rest)
         self._resumed = False
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
         # One function object each, so strategy.run reuses its compiled steps.
-        self._train_replica = self._make_train_replica()
         self._eval_replica = self._make_eval_replica()
         self._predict_replica = self._make_predict_replica()
+
+    # ------------------------------------------------------------------ state and context
+    @property
+    def train_state(self) -> TrainState:
+        """The training state (``TrainState``: parameters, other variables, optimizer state,
+        position); settable."""
+        return self._state
+
+    @train_state.setter
+    def train_state(self, state: TrainState) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"train_state must be a TrainState, got {type(state).__name__}")
+        self._state = state
+
+    @property
+    def context(self) -> TrainerContext:
+        """What the strategy's ``TrainerHook`` reads besides the state (``TrainerContext``)."""
+        return TrainerContext(
+            strategy=self.strategy, optimizer=self.optimizer, loss_fn=self.loss_fn,
+            global_batch_size=self._global_batch_size, seed=self.seed, shuffle=self.shuffle,
+            checkpoint_dir=self.checkpoint_dir, keep_checkpoints=self.keep_checkpoints,
+            should_checkpoint=self.should_checkpoint, batch_norm=self.batch_norm,
+            model_state=self._ms, compute_dtype=self._compute_dtype,
+            metric_specs=tuple(self._metric_specs), rngs=self._rngs,
+            train_replica=self._train_replica, checkpointer=self._checkpointer_or_none)
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Examples per step over all replicas (``None`` until a constructor argument or the
+        first ``fit``/``evaluate``/``predict`` sets it)."""
+        return self._global_batch_size
+
+    @global_batch_size.setter
+    def global_batch_size(self, value: int) -> None:
+        self._set_batch_size(value)
+
+    def _set_batch_size(self, value: Any) -> None:
+        """Sets the global batch size (checked against the replicas); a new size gets its own
+        compiled step."""
+        n = self.strategy.num_replicas_in_sync
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 \
+                or value % n:
+            raise ValueError(
+                f"global_batch_size={value!r} does not divide across the {n} replicas "
+                f"of {self.strategy!r}; expected a positive multiple of {n}")
+        value = int(value)
+        if value != self._global_batch_size:
+            self._global_batch_size = value
+            self._train_replica = self._make_train_replica()
+
+    def _batch_size_for(self, data: Any, batch_size: int | None, what: str) -> int:
+        """The global batch size for ``data``: ``batch_size`` if given (it becomes the
+        trainer's), else the trainer's, else an already batched stream's batch size, else 32
+        (Keras' default)."""
+        if batch_size is not None:
+            self._set_batch_size(batch_size)
+        elif self._global_batch_size is None:
+            rows = data.rows_per_element() if isinstance(data, inputs_lib.StreamSource) else 1
+            if rows <= 1:  # arrays, or a stream of single examples: Keras' default
+                self._set_batch_size(_DEFAULT_BATCH_SIZE)
+                return self._global_batch_size
+            try:
+                self._set_batch_size(rows)
+            except ValueError as e:
+                raise ValueError(f"{what}: its batches of {rows} rows set the global batch "
+                                 f"size, but {e}; pass batch_size=... (or re-batch the data)"
+                                 ) from None
+        return self._global_batch_size
+
+    @property
+    def _eval_batch_size(self) -> int:
+        """Evaluation batches: ``global_batch_size`` real rows, padded (masked) to a multiple
+        of the mesh's replicas when the chief's devices do not divide it."""
+        b, n = self._global_batch_size, self._mesh_replicas
+        return -(-b // n) * n
+
 
     # ------------------------------------------------------------------ replica functions
     def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
@@ -370,16 +433,16 @@ class Trainer(TrainerHandle):
 
     @property
     def state(self) -> dict[str, Any]:
-        """The training state: ``{"params", "rest", "opt_state"}``."""
+        """The checkpointed variables: ``{"params", "rest", "opt_state"}``."""
         return {"params": self.params, "rest": self.rest, "opt_state": self.opt_state}
 
-    def fit(self, train_data: Any, epochs: int | None = _FIT["epochs"],
-            steps: int | None = _FIT["steps"], validation_data: Any = None,
-            validation_freq: int = _FIT["validation_freq"], *, y: Any = None,
-            sample_weight: Any = None, class_weight: Mapping[int, float] | None = None,
+    def fit(self, train_data: Any, epochs: int | None = None, steps: int | None = None,
+            validation_data: Any = None, validation_freq: int = 1, *, y: Any = None,
+            batch_size: int | None = None, sample_weight: Any = None,
+            class_weight: Mapping[int, float] | None = None,
             validation_split: float = 0.0, steps_per_epoch: int | None = None,
             callbacks: Sequence[callbacks_lib.Callback] | None = None,
-            verbose: int | str = _FIT["verbose"]) -> History:
+            verbose: int | str = "auto") -> History:
         """Trains for ``epochs`` passes over ``train_data`` (or exactly ``steps`` steps).
 
         With a ``checkpoint_dir``, training resumes from the latest checkpoint there: the
@@ -397,6 +460,9 @@ class Trainer(TrainerHandle):
                 epochs and at the end.
             validation_freq: validate every this many epochs (0: only at the end).
             y: labels, when ``train_data`` is only the features.
+            batch_size: examples per step over all replicas (Keras' ``batch_size``); it
+                becomes the trainer's ``global_batch_size``. Default: the trainer's, else an
+                already batched stream's batch size, else 32.
             sample_weight: per-example weights of the loss and the metrics.
             class_weight: ``{class: weight}``; multiplies the sample weights by the weight of
                 each example's label.
@@ -427,14 +493,15 @@ class Trainer(TrainerHandle):
         val = None if validation_data is None else inputs_lib.source(
             validation_data, what="validation_data")
         stream = isinstance(train, inputs_lib.StreamSource)
-        self._hook.begin_fit(self, train)  # e.g. refuses input its workers cannot read
+        b = self._batch_size_for(train, batch_size, "train_data")
+        # e.g. refuses input its workers cannot read
+        self._hook.begin_fit(self.context, self._state, train)
         if stream and not self._hook.accepts_streams:
             raise data_lib.DataError(
                 f"{type(self.strategy).__name__} trains on in-memory arrays (each worker takes "
                 f"its share of every epoch); got a {train.name}: pass (x, y) arrays")
-        b = self.global_batch_size
         if stream:
-            spe = self._hook.stream_steps_per_epoch(self, train, steps_per_epoch)
+            spe = self._hook.stream_steps_per_epoch(self.context, train, steps_per_epoch)
             if spe is None:
                 spe = self._stream_steps_per_epoch(train, steps_per_epoch, steps)
         else:
@@ -503,6 +570,7 @@ class Trainer(TrainerHandle):
         over the batches so far, as Keras), and ``on_test_end(results)``; ``fit`` calls the
         same hooks of its callbacks when it validates."""
         d = inputs_lib.source(data, y, sample_weight, what="evaluate data")
+        self._batch_size_for(d, None, "evaluate data")
         self._check_shapes(self._example(d), "evaluate data")
         totals: list[Any] = []
         params = self._current_params()
@@ -559,6 +627,7 @@ class Trainer(TrainerHandle):
             d: Any = data_lib.ArrayData(feats, np.zeros((np.shape(first)[0],), np.int32))
         else:
             d = inputs_lib.StreamSource(x, "predict data")
+        self._batch_size_for(d, None, "predict data")
         outs, n = [], 0
         params = self._current_params()
         cbs = callback_list
@@ -614,6 +683,9 @@ class Trainer(TrainerHandle):
             raise NotImplementedError(
                 f"experimental_compile compiles the step of a synchronous strategy; "
                 f"{type(self.strategy).__name__} runs its steps elsewhere")
+        if self.global_batch_size is None:
+            raise ValueError("experimental_compile needs the global batch size: pass "
+                             "config=TrainConfig(global_batch_size=...) to the Trainer")
         n, k = self._mesh_replicas, self.steps_per_execution
         per = self.global_batch_size // n
 
@@ -741,21 +813,24 @@ class Trainer(TrainerHandle):
         return self._checkpointer
 
     def _current_params(self) -> Any:
-        return self._hook.current_params(self)
+        self._state = self._hook.current_state(self.context, self._state)
+        return self._state.params
 
     def _epoch_order(self, num_examples: int, epoch: int) -> np.ndarray:
-        return self._hook.epoch_order(self, num_examples, epoch)  # e.g. this worker's share
+        # e.g. this worker's share
+        return self._hook.epoch_order(self.context, num_examples, epoch)
 
     def _maybe_resume(self, steps_per_epoch: int) -> None:
         if self.checkpoint_dir is None or not self.resume or self._resumed:
             return
         self._resumed = True  # only the first fit resumes; later calls continue in memory
-        self._hook.resume(self, steps_per_epoch)
+        self._state, self._restored_position = self._hook.resume(
+            self.context, self._state, steps_per_epoch)
 
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
         if self.checkpoint_dir is not None:
-            self._hook.save(self)
+            self._state = self._hook.save(self.context, self._state, self._data_position)
 
     def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
                      chunks: Sequence[tuple[int, int]]):
@@ -848,206 +923,120 @@ class Trainer(TrainerHandle):
             else:
                 yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
 
+    def _epoch_inputs(self, train: Any, order: Any, chunks: Sequence[tuple[int, int]],
+                      groups: Sequence[Sequence[tuple[int, int]]], block_sizes: Mapping[int, int],
+                      blocks: bool, positions: list[Any], ran_out: list[bool]) -> Any:
+        """An epoch's distributed inputs: one ``(x, y, w)`` per group of chunks (``None``s
+        when the hook feeds its steps itself). Blocks of up to 32 steps: a thread prepares
+        them (a gather of the epoch's rows) while this one dispatches and waits; its hand-off
+        costs once per block, not per step."""
+        opts = InputOptions(experimental_per_replica_buffer_size=2, prefetch_thread=True)
+        if self._hook.owns_input:  # e.g. per-worker datasets
+            return ((None, None, None) for _ in groups)
+        if isinstance(train, inputs_lib.StreamSource):
+            return iter(self._distribute(
+                self._stream_chunks(train, chunks, positions, ran_out, blocks), options=opts))
+        if blocks:
+            return iter(self._distribute(
+                self._host_blocks(train, order, groups, block_sizes), options=opts))
+        return iter(self._distribute(self._host_chunks(train, order, chunks), options=opts))
+
+    def _run_epoch(self, train: Any, total: int, spe: int, num_epochs: int,
+                   runner: loop_lib.StepRunner, reporter: loop_lib.FitReporter, logger: Any,
+                   cbs: Any, blocks: bool, block_sizes: Mapping[int, int]) -> bool:
+        """Runs the steps of the current epoch up to its end, ``total`` steps or a stop;
+        returns whether a stream ran out before the epoch's end."""
+        order = (None if isinstance(train, inputs_lib.StreamSource)
+                 else self._epoch_order(len(train), self.epoch))
+        start = self.step_in_epoch
+        cbs.on_epoch_begin(self.epoch)
+        logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
+        chunks, groups = loop_lib.plan_epoch(
+            start, min(spe, start + (total - self.step)), self.steps_per_execution,
+            blocks=blocks, block_sizes=block_sizes)
+        positions: list[Any] = []
+        ran_out = [False]
+        inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
+                                    positions, ran_out)
+        try:
+            for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
+                if positions:
+                    self._data_position = positions.pop(0)
+                reporter.batch_begin(s + kk - 1)
+                before = self.step
+                self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
+                reporter.record(stats, self._state, self.last_checkpoint)
+                logger.advance(kk)
+                crossed = lambda every: self.step // every > before // every  # noqa: B023
+                if crossed(self.log_every_steps) or self.step >= total:
+                    reporter.check_nan(self.last_checkpoint)
+                    reporter.log_train(self._state)
+                if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
+                    reporter.check_nan(self.last_checkpoint)
+                    self.save_checkpoint()
+                reporter.batch_end(s + kk - 1)
+                if self.stop_training:
+                    break
+        finally:
+            inputs.close()
+        return ran_out[0]
+
     def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
                   num_epochs) -> None:
-        b, k = self.global_batch_size, self.steps_per_execution
-        window: list[tuple[Any, int]] = []     # stats of the current logging interval
-        epoch_stats: list[tuple[Any, int]] = []
-        unchecked: list[tuple[Any, int]] = []  # stats not yet checked for NaN
-        last_log_step, last_log_time = self.step, time.perf_counter()
-        last_val_step = -1
-        last_val_version: Any = None
-        last_train: dict[str, float] = {}
-
-        def check_nan(keep_last: int = 0) -> None:
-            while len(unchecked) > keep_last:
-                stats, end_step = unchecked.pop(0)
-                losses = np.asarray(jax.device_get(stats)["loss"])
-                bad = np.flatnonzero(~np.isfinite(losses))
-                if bad.size:
-                    step = end_step - len(losses) + int(bad[0]) + 1
-                    where = (f"the last good checkpoint is step {self.last_checkpoint} in "
-                             f"{self.checkpoint_dir}" if self.last_checkpoint is not None
-                             else "no checkpoint was written")
-                    raise NaNLossError(
-                        f"loss is {losses[bad[0]]} at step {step} (halt_on_nan); {where}",
-                        step, self.last_checkpoint)
-
-        def summarize(items: list[tuple[Any, int]]) -> dict[str, float]:
-            fetched = jax.device_get([s for s, _ in items])
-            losses = np.concatenate([np.asarray(f["loss"]).reshape(-1) for f in fetched])
-            correct = np.concatenate([np.asarray(f["correct"]).reshape(-1) for f in fetched])
-            weight = (np.concatenate([np.asarray(f["weight"]).reshape(-1) for f in fetched])
-                      if all("weight" in f for f in fetched) else losses.size * b)
-            out = {"loss": float(np.mean(losses))}
-            if self.accuracy:
-                out["accuracy"] = float(np.sum(correct) / max(float(np.sum(weight)), 1e-12))
-            out.update(self._metric_results([  # per-step sums: add the steps up first
-                jax.tree.map(lambda x: np.sum(np.asarray(x, np.float64), axis=0), f["metrics"])
-                for f in fetched if "metrics" in f]))
-            return out
-
-        batch_logs = callbacks_lib.needs_batch_logs(cbs.callbacks)
-        # The batch hooks are called only when a callback implements them (the others'
-        # are no-ops): no per-step calls into the callback list otherwise.
-        on_begin, on_end = (cbs.overrides(h) or any(h in getattr(cb, "__dict__", {})
-                                                     for cb in cbs.callbacks)
-                            for h in ("on_train_batch_begin", "on_train_batch_end"))
+        """The epochs of ``fit``: the epoch plan and inputs, the step runner, the reporter
+        (``jaxdist._src.train.loop``). The state lives in ``self._state`` between steps, so
+        callbacks that change it (the learning rate, ``set_weights``) take effect."""
+        hook, ctx = self._hook, self.context
+        reporter = loop_lib.FitReporter(
+            logger, history, cbs, batch_size=ctx.global_batch_size, accuracy=self.accuracy,
+            metric_results=self._metric_results, learning_rate=self.current_learning_rate,
+            halt_on_nan=self.halt_on_nan, checkpoint_dir=self.checkpoint_dir,
+            initial_step=self.step)
         cbs.on_train_begin()
-
-        def log_train() -> None:
-            nonlocal last_log_step, last_log_time, last_train
-            if not window:
-                return
-            values = summarize(window)
-            now = time.perf_counter()
-            n_steps = self.step - last_log_step
-            dt = max(now - last_log_time, 1e-9)
-            values["examples_per_sec"] = n_steps * b / dt
-            values["step_time_ms"] = 1000.0 * dt / max(n_steps, 1)
-            lr = self.current_learning_rate()
-            if lr is not None:
-                values["learning_rate"] = lr
-            last_train = values
-            history.records.append(logger.write("train", self.step, epoch=self.epoch, **values))
-            window.clear()
-            last_log_step, last_log_time = self.step, time.perf_counter()
+        # With a hook that takes input blocks, consecutive chunks of the same length share
+        # one block (one host-to-device transfer for several dispatches).
+        blocks = hook.input_blocks and not hook.owns_input
+        block_sizes = self._block_sizes(train, spe)
+        runner = loop_lib.StepRunner(hook, ctx, spe, blocks)
 
         def validate() -> dict[str, float]:
-            nonlocal last_val_step, last_val_version, last_log_time
-            cbs.on_test_begin()
-            values = self.evaluate(val, callback_list=cbs)
-            cbs.on_test_end(values)
-            last_val_version = self._hook.state_version(self)
-            history.records.append(logger.write("validation", self.step, epoch=self.epoch,
-                                                **values))
-            last_val_step = self.step
-            last_log_time = time.perf_counter()  # evaluation time is not training time
-            return values
+            return reporter.validate(
+                self._state, lambda callbacks: self.evaluate(val, callback_list=callbacks),
+                lambda: hook.state_version(self.context, self._state))
 
-        # Blocks of up to 32 steps: a thread prepares them (a gather of the epoch's rows) while
-        # this one dispatches and waits; its hand-off costs once per block, not per step.
-        opts = InputOptions(experimental_per_replica_buffer_size=2, prefetch_thread=True)
-        block_sizes = self._block_sizes(train, spe)
         while self.step < total and not self.stop_training:
-            order = (None if isinstance(train, inputs_lib.StreamSource)
-                     else self._epoch_order(len(train), self.epoch))
-            start = self.step_in_epoch
             epoch_start_time = time.perf_counter()
-            cbs.on_epoch_begin(self.epoch)
-            logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
-            stop = min(spe, start + (total - self.step))
-            # Full chunks of k steps, then single steps: at most two compiled programs, however
-            # the epoch length, the resume position or `steps` cut the epoch.
-            chunks, s = [], start
-            while s < stop:
-                kk = k if stop - s >= k else 1
-                chunks.append((s, kk))
-                s += kk
-            positions: list[Any] = []
-            ran_out = [False]
-            # With a hook that takes input blocks, consecutive chunks of the same length share
-            # one block (one host-to-device transfer for several dispatches).
-            blocks = self._hook.input_blocks and not self._hook.owns_input
-            groups: list[list[tuple[int, int]]] = []
-            for chunk in chunks:
-                if (blocks and groups and groups[-1][0][1] == chunk[1]
-                        and len(groups[-1]) < block_sizes[chunk[1]]):
-                    groups[-1].append(chunk)
-                else:
-                    groups.append([chunk])
-            if self._hook.owns_input:  # e.g. per-worker datasets
-                iterator = ((None, None, None) for _ in groups)
-            elif isinstance(train, inputs_lib.StreamSource):
-                iterator = iter(self._distribute(
-                    self._stream_chunks(train, chunks, positions, ran_out, blocks),
-                    options=opts))
-            elif blocks:
-                iterator = iter(self._distribute(
-                    self._host_blocks(train, order, groups, block_sizes), options=opts))
-            else:
-                iterator = iter(self._distribute(
-                    self._host_chunks(train, order, chunks), options=opts))
-            steps_of = (((j, chunk, xyw) for j, chunk in enumerate(group))
-                        for group, xyw in zip(groups, iterator))
-            try:
-                for j, (s, kk), (xb, yb, wb) in itertools.chain.from_iterable(steps_of):
-                    if positions:
-                        self._data_position = positions.pop(0)
-                    if on_begin:
-                        cbs.on_train_batch_begin(s + kk - 1)
-                    if blocks:
-                        stats = self._hook.train_step(self, xb, yb, kk, wb, chunk=j)
-                    else:
-                        stats = self._hook.train_step(self, xb, yb, kk, wb)
-                    before = self.step
-                    self.step += kk
-                    self.step_in_epoch = s + kk
-                    if self.step_in_epoch >= spe:
-                        self.epoch, self.step_in_epoch = self.epoch + 1, 0
-                    item = (stats, self.step)
-                    window.append(item)
-                    epoch_stats.append(item)
-                    if self.halt_on_nan:
-                        unchecked.append(item)
-                        check_nan(keep_last=1)
-                    logger.advance(kk)
-                    crossed = lambda every: self.step // every > before // every  # noqa: B023
-                    if crossed(self.log_every_steps) or self.step >= total:
-                        if self.halt_on_nan:
-                            check_nan()
-                        log_train()
-                    if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
-                        if self.halt_on_nan:
-                            check_nan()
-                        self.save_checkpoint()
-                    if on_end:
-                        cbs.on_train_batch_end(s + kk - 1, summarize(epoch_stats) if batch_logs
-                                               else {})
-                    if self.stop_training:
-                        break
-            finally:
-                iterator.close()
-            if ran_out[0]:  # a stream ended before the epoch length it announced
-                if self.step_in_epoch == 0 and not epoch_stats:
+            ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
+                                      cbs, blocks, block_sizes)
+            if ran_out:  # a stream ended before the epoch length it announced
+                if self.step_in_epoch == 0 and not reporter.epoch_stats:
                     raise data_lib.DataError(
                         f"train_data ran out of data at step {self.step} (epoch "
                         f"{self.epoch}); pass a repeating dataset or fewer steps/epochs")
                 if total != self.step and self.step_in_epoch < spe:
                     total -= spe - self.step_in_epoch   # the epoch was shorter: as many epochs
-                    spe = self.step_in_epoch
-                self.epoch, self.step_in_epoch = self.epoch + 1, 0
-            if self.halt_on_nan:
-                check_nan()
-            if (self.step_in_epoch == 0 or self.stop_training) and epoch_stats:  # epoch end
-                logs = summarize(epoch_stats)
-                lr = self.current_learning_rate()
-                if lr is not None:
-                    logs["learning_rate"] = lr
-                epoch_stats.clear()
-                if val is not None and validation_freq and self.epoch % validation_freq == 0:
-                    logs.update({f"val_{k}": v for k, v in validate().items()})
-                ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
-                logger.end_epoch(ended, num_epochs, logs, time.perf_counter() - epoch_start_time)
-                cbs.on_epoch_end(ended, logs)
-        self._hook.end_training(self)
-        log_train()
+                    spe = runner.steps_per_epoch = self.step_in_epoch
+                self._state = self._state.replace(epoch=self.epoch + 1, step_in_epoch=0)
+            reporter.check_nan(self.last_checkpoint)
+            if self.step_in_epoch == 0 or self.stop_training:  # the epoch ended
+                logs = reporter.epoch_logs()
+                if logs is not None:
+                    if val is not None and validation_freq and self.epoch % validation_freq == 0:
+                        logs.update({f"val_{k}": v for k, v in validate().items()})
+                    ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
+                    reporter.end_epoch(ended, num_epochs, logs,
+                                       time.perf_counter() - epoch_start_time)
+        self._state = hook.end_training(self.context, self._state)
+        reporter.log_train(self._state)
         if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()
         # With parameter servers, other workers may push after this task's last validation.
-        changed = self._hook.state_version(self) != last_val_version
-        if val is not None and (last_val_step != self.step or changed):
+        changed = hook.state_version(self.context, self._state) != reporter.last_val_version
+        if val is not None and (reporter.last_val_step != self.step or changed):
             history.add("val_", validate())
-        end = {"epoch": self.epoch, **{f"final_{k2}": v for k2, v in last_train.items()
-                                       if k2 in ("loss", "accuracy")}}
-        if val is not None and history.history.get("val_loss"):
-            end["val_loss"] = history.history["val_loss"][-1]
-            if "val_accuracy" in history.history:
-                end["val_accuracy"] = history.history["val_accuracy"][-1]
-        history.records.append(logger.write("end", self.step, **end))
-        self._hook.end_fit(self)
+        end = reporter.end(self._state, val is not None)
+        hook.end_fit(self.context, self._state)
         cbs.on_train_end(end)
-
 
 def _verbose(verbose: int | str) -> int:
     if verbose == "auto":

@@ -29,8 +29,9 @@ from jaxdist._src.train import runs
 class TrainerHandle:
     """Mixin of ``Trainer``: the handle callbacks get as ``self.model``.
 
-    Expects ``params``, ``rest``, ``opt_state``, ``strategy``, ``log_dir``, ``run_name``,
-    ``should_save_summary``, ``_hook`` on the instance.
+    Expects ``params``, ``rest``, ``opt_state`` (views of ``_state``, a ``TrainState``),
+    ``context`` (a ``TrainerContext``), ``strategy``, ``log_dir``, ``run_name``,
+    ``should_save_summary`` and ``_hook`` on the instance.
 
     Example:
         >>> class Trainer(TrainerHandle): ...
@@ -53,7 +54,7 @@ class TrainerHandle:
                 rate follows a schedule.
         """
         if not self._hook.local_state:
-            return self._hook.get_learning_rate(self)
+            return self._hook.get_learning_rate(self.context, self._state)
         value = lr_lib.get_learning_rate(self.opt_state)
         if value is None:
             raise ValueError(f"the learning rate is not readable from this optimizer; "
@@ -66,14 +67,14 @@ class TrainerHandle:
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         if not self._hook.local_state:
-            self._hook.set_learning_rate(self, float(value))
+            self._state = self._hook.set_learning_rate(self.context, self._state, float(value))
             return
         self.opt_state = lr_lib.set_learning_rate(self.opt_state, float(value))
 
     def current_learning_rate(self) -> float | None:
         """The rate of the last update, for the logs (``None`` when it cannot be read)."""
         if not self._hook.local_state:
-            return self._hook.current_learning_rate(self)
+            return self._hook.current_learning_rate(self.context, self._state)
         return lr_lib.get_learning_rate(self.opt_state)
 
     # ------------------------------------------------------------------ weights
@@ -85,7 +86,7 @@ class TrainerHandle:
         """Puts back variables from ``get_weights`` (the optimizer state is kept). Under the
         parameter-server strategies the ps tasks' variables are assigned."""
         if not self._hook.local_state:
-            self._hook.set_weights(self, weights["params"])
+            self._state = self._hook.set_weights(self.context, self._state, weights["params"])
             self.rest = weights["rest"]
             return
         self.params, self.rest = weights["params"], weights["rest"]

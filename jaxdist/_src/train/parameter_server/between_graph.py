@@ -43,6 +43,7 @@ from jaxdist._src import strategies as distribute
 from jaxdist._src.ps import optimizers as ps_optimizers
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train.hooks import TrainerHook
+from jaxdist._src.train.state import TrainerContext, TrainState
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
@@ -57,19 +58,19 @@ class PSHookMixin:
     variables: Any = None
     is_chief: bool
 
-    def check_model(self, trainer: Any) -> None:
+    def check_model(self, ctx: TrainerContext) -> None:
         """Raises ``ValueError`` for a model with state the ps tasks cannot update."""
-        if trainer._ms.has_batch_stats:
+        if ctx.model_state.has_batch_stats:
             raise ValueError(
                 f"{type(self.strategy).__name__} keeps only the model's nnx.Param "
                 f"variables on the parameter servers; BatchNorm's running statistics "
                 f"(nnx.BatchStat) cannot be updated there, so batch_norm="
-                f"{trainer.batch_norm!r} (and 'sync'/'per_replica' alike) is not supported: "
+                f"{ctx.batch_norm!r} (and 'sync'/'per_replica' alike) is not supported: "
                 f"use a model without BatchNorm (LayerNorm, GroupNorm), or MirroredStrategy / "
                 f"MultiWorkerMirroredStrategy (Dropout is supported)")
 
-    def state_version(self, trainer: Any) -> Any:
-        """The shards' versions as of the last pull (``current_params``)."""
+    def state_version(self, ctx: TrainerContext, state: TrainState) -> Any:
+        """The shards' versions as of the last pull (``current_state``)."""
         if self.variables is None:
             return None
         return tuple(sorted(self.variables.versions.items()))
@@ -87,11 +88,11 @@ class PSHookMixin:
                   flush=True)
         return False
 
-    def get_learning_rate(self, trainer: Any) -> float:
+    def get_learning_rate(self, ctx: TrainerContext, state: TrainState) -> float:
         """The rate the ps tasks' optimizers apply now (read from them)."""
         value = self.variables.learning_rate()
         if value is None:
-            raise ValueError(f"the ps optimizer {ps_optimizers.as_spec(trainer.optimizer)} has "
+            raise ValueError(f"the ps optimizer {ps_optimizers.as_spec(ctx.optimizer)} has "
                              f"no learning_rate to read or change")
         if isinstance(value, dict):
             raise ValueError("the learning rate follows a schedule on the ps, which sets it at "
@@ -99,33 +100,34 @@ class PSHookMixin:
                              "time (e.g. with ReduceLROnPlateau)")
         return float(value)
 
-    def set_learning_rate(self, trainer: Any, value: float) -> None:
+    def set_learning_rate(self, ctx: TrainerContext, state: TrainState, value: float
+                          ) -> TrainState:
         """Sets the rate on every ps task (an authenticated ``LearningRate`` call); pushes
         from then on use it. Only the chief changes it (see ``_chief_only``)."""
-        if not self._chief_only("changing the learning rate"):
-            return
-        self.variables.set_learning_rate(value)
+        if self._chief_only("changing the learning rate"):
+            self.variables.set_learning_rate(value)
+        return state
 
-    def current_learning_rate(self, trainer: Any) -> float | None:
+    def current_learning_rate(self, ctx: TrainerContext, state: TrainState) -> float | None:
         """The rate on the ps now (one small call; ``None`` for a schedule)."""
         if self.variables is None:
             return None
         value = self.variables.learning_rate()
         return float(value) if isinstance(value, (int, float)) else None
 
-    def set_weights(self, trainer: Any, params: Any) -> None:
+    def set_weights(self, ctx: TrainerContext, state: TrainState, params: Any) -> TrainState:
         """Assigns the ps variables (their optimizer state is kept). Chief only."""
         if not self._chief_only("set_weights"):
-            return
+            return state
         self.variables.assign(params)
-        trainer.params = params
+        return state.replace(params=params)
 
-    def end_fit(self, trainer: Any) -> None:
+    def end_fit(self, ctx: TrainerContext, state: TrainState) -> None:
         """Marks the final checkpoint final (a side-car evaluator stops after evaluating it)."""
-        if (trainer.checkpoint_dir is not None and self.is_chief
-                and trainer.last_checkpoint == trainer.step):
+        if (ctx.checkpoint_dir is not None and self.is_chief
+                and state.last_checkpoint == state.step):
             self.strategy.extended.mark_checkpoint_final(
-                os.path.abspath(trainer.checkpoint_dir), trainer.step)
+                os.path.abspath(ctx.checkpoint_dir), state.step)
 
 
 class ParameterServerHook(PSHookMixin, TrainerHook):
@@ -148,47 +150,51 @@ class ParameterServerHook(PSHookMixin, TrainerHook):
         self.should_evaluate = self.is_chief
         self.local = not info.ps_addresses
         self.variables: Any = None
-        self._grad_replica: Any = None
+        # The per-replica step of one batch size (built on the first step of that size).
+        self._grad_replica: tuple[int, Any] | None = None
 
     # ------------------------------------------------------------------ state
-    def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
-        self.check_model(trainer)
-        spec = ps_optimizers.as_spec(trainer.optimizer)
+    def init_state(self, ctx: TrainerContext, params: Any, rest: Any) -> TrainState:
+        self.check_model(ctx)
+        spec = ps_optimizers.as_spec(ctx.optimizer)
         host = jax.device_get(params)
         with self.strategy.scope():
             self.variables = self.strategy.create_variables(host, spec, name=COLLECTION)
             rest = self.strategy.place(rest)
-        self._grad_replica = _make_grad_replica(trainer)
-        return host, rest, None
+        return TrainState(host, rest, None)
 
-    def current_params(self, trainer: Any) -> Any:
-        trainer.params = self.variables.pull()
-        return trainer.params
+    def current_state(self, ctx: TrainerContext, state: TrainState) -> TrainState:
+        return state.replace(params=self.variables.pull())
 
     # ------------------------------------------------------------------ data and steps
-    def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
-        order = data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
+    def epoch_order(self, ctx: TrainerContext, num_examples: int, epoch: int) -> np.ndarray:
+        order = data_lib.epoch_order(num_examples, epoch, ctx.seed, ctx.shuffle)
         share = num_examples // self.num_workers
         return order[self.worker_index::self.num_workers][:share]
 
-    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
-                   w: Any = None) -> dict[str, Any]:
+    def train_step(self, ctx: TrainerContext, state: TrainState, x: Any, y: Any,
+                   num_steps: int, w: Any = None, chunk: int = 0
+                   ) -> tuple[TrainState, dict[str, Any]]:
+        if self._grad_replica is None or self._grad_replica[0] != ctx.global_batch_size:
+            self._grad_replica = (ctx.global_batch_size, _make_grad_replica(ctx))
+        grad_replica = self._grad_replica[1]
         out = []
         for i in range(num_steps):
             # run() pulls the variables (after the SSP wait), computes on the local devices.
             # Dropout keys: the global step, this worker and the replica (per-step, distinct).
             stats, grads = self.strategy.run(
-                self._grad_replica,
-                args=(self.variables, trainer.rest, trainer._rngs, x, y, w, np.int32(i),
-                      np.int32(trainer.step + i), np.int32(self.worker_index)))
+                grad_replica,
+                args=(self.variables, state.rest, ctx.rngs, x, y, w, np.int32(i),
+                      np.int32(state.step + i), np.int32(self.worker_index)))
             self.variables.apply_gradients(grads)   # push; each ps applies its optimizer
             out.append(stats)
         fetched = jax.device_get(out)
-        return jax.tree.map(lambda *a: np.stack([np.asarray(v) for v in a]), *fetched)
+        return state, jax.tree.map(lambda *a: np.stack([np.asarray(v) for v in a]), *fetched)
 
     # ------------------------------------------------------------------ checkpoints
-    def resume(self, trainer: Any, steps_per_epoch: int) -> None:
-        directory = os.path.abspath(trainer.checkpoint_dir)
+    def resume(self, ctx: TrainerContext, state: TrainState, steps_per_epoch: int
+               ) -> tuple[TrainState, Any]:
+        directory = os.path.abspath(ctx.checkpoint_dir)
         ext = self.strategy.extended
         restored = [s.get("restored_step") for s in ext.ps_status()]
         if all(r is not None for r in restored):
@@ -196,24 +202,25 @@ class ParameterServerHook(PSHookMixin, TrainerHook):
         elif self.local and ext.latest_checkpoint_step(directory) is not None:
             step = min(ext.restore(directory))           # in-process ps: restore it now
         else:
-            return
-        trainer.step = step
-        trainer.epoch, trainer.step_in_epoch = divmod(step, steps_per_epoch)
-        trainer.last_checkpoint = step
+            return state, None
+        epoch, in_epoch = divmod(step, steps_per_epoch)
+        return state.replace(step=step, epoch=epoch, step_in_epoch=in_epoch,
+                             last_checkpoint=step), None
 
-    def save(self, trainer: Any) -> None:
+    def save(self, ctx: TrainerContext, state: TrainState, data_position: Any = None
+             ) -> TrainState:
         if not self.is_chief:
-            return
-        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step,
-                                    keep=trainer.keep_checkpoints)
-        trainer.last_checkpoint = trainer.step
+            return state
+        self.strategy.extended.save(os.path.abspath(ctx.checkpoint_dir), state.step,
+                                    keep=ctx.keep_checkpoints)
+        return state.replace(last_checkpoint=state.step)
 
-    def end_training(self, trainer: Any) -> None:
+    def end_training(self, ctx: TrainerContext, state: TrainState) -> TrainState:
         ext = self.strategy.extended
         ext.worker_done()
         if not self.local:
             self._wait_for_workers(ext)
-        self.current_params(trainer)
+        return self.current_state(ctx, state)
 
     def _wait_for_workers(self, ext: Any) -> None:
         """Marks this worker done; the chief waits for the others while they make progress."""
@@ -262,22 +269,22 @@ def replica_gradients(ms: Any, params: Any, rest: Any, rngs: Any, x: Any, y: Any
     return ctx.all_reduce("SUM", stats), grads
 
 
-def _make_grad_replica(trainer: Any):
+def _make_grad_replica(ctx: TrainerContext):
     """The per-replica step: loss, gradient (all-reduced over local replicas), stats."""
-    gbs, loss_fn, ms = trainer.global_batch_size, trainer.loss_fn, trainer._ms
-    dtype = trainer._compute_dtype
-    per = gbs // trainer.strategy.num_replicas_in_sync
+    gbs, loss_fn, ms = ctx.global_batch_size, ctx.loss_fn, ctx.model_state
+    dtype, num_replicas = ctx.compute_dtype, ctx.strategy.num_replicas_in_sync
+    per = gbs // num_replicas
 
     def grad_replica(params, rest, rngs, x, y, w, i, step, worker):
-        ctx = distribute.get_replica_context()
+        rctx = distribute.get_replica_context()
         part = lambda a: lax.dynamic_slice_in_dim(a, i * per, per)  # noqa: E731
         xb, yb, wb = jax.tree.map(part, x), part(y), part(w)
-        replica = worker * trainer.strategy.num_replicas_in_sync + ctx.replica_id_in_sync_group
+        replica = worker * num_replicas + rctx.replica_id_in_sync_group
 
         return replica_gradients(
             ms, params, rest, rngs, xb, yb, wb, loss_fn=loss_fn, global_batch_size=gbs,
             step=step, replica=replica, compute_dtype=dtype,
-            metric_sums=lambda logits, y_, w_: trainer._metric_stats(logits, y_, None, w_))
+            metric_sums=lambda logits, y_, w_: ctx.metric_stats(logits, y_, None, w_))
 
     return grad_replica
 

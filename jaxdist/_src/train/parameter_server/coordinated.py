@@ -55,6 +55,7 @@ from jaxdist._src.train.parameter_server.between_graph import (
     PSHookMixin,
     replica_gradients,
 )
+from jaxdist._src.train.state import TrainerContext, TrainState
 
 #: The ps collection the trainer's parameters live in.
 COLLECTION = "model"
@@ -355,30 +356,35 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         self._train: Any = None
         self._iterator: Any = None
         self._grain: tuple[int, int] | None = None  # a MapDataset's (elements, rows)
+        self._host_rest: Any = None
 
     # ------------------------------------------------------------------ state
-    def init_state(self, trainer: Any, params: Any, rest: Any) -> tuple[Any, Any, Any]:
-        self.check_model(trainer)
-        spec = ps_optimizers.as_spec(trainer.optimizer)
-        host, host_rest = jax.device_get(params), jax.device_get(rest)
+    def init_state(self, ctx: TrainerContext, params: Any, rest: Any) -> TrainState:
+        self.check_model(ctx)
+        spec = ps_optimizers.as_spec(ctx.optimizer)
+        host, self._host_rest = jax.device_get(params), jax.device_get(rest)
         with self.strategy.scope():
             self.variables = self.strategy.create_variables(host, spec, name=COLLECTION)
             rest = self.strategy.place(rest)
-        import dataclasses
+        return TrainState(host, rest, None)
 
-        ms = dataclasses.replace(trainer._ms, params=None)  # the parameters live on the ps
-        self._step_fn = WorkerStep(ms, trainer.loss_fn, trainer.global_batch_size,
-                                   self.variables, host_rest, self.strategy,
-                                   trainer._compute_dtype, trainer._metric_specs)
-        return host, rest, None
+    def _worker_step(self, ctx: TrainerContext) -> WorkerStep:
+        """The scheduled step function of ``ctx.global_batch_size`` (one per batch size)."""
+        if self._step_fn is None or self._step_fn.global_batch_size != ctx.global_batch_size:
+            import dataclasses
 
-    def current_params(self, trainer: Any) -> Any:
+            ms = dataclasses.replace(ctx.model_state, params=None)  # the parameters: on the ps
+            self._step_fn = WorkerStep(ms, ctx.loss_fn, ctx.global_batch_size,
+                                       self.variables, self._host_rest, self.strategy,
+                                       ctx.compute_dtype, ctx.metric_specs)
+        return self._step_fn
+
+    def current_state(self, ctx: TrainerContext, state: TrainState) -> TrainState:
         self.coordinator.join()
-        trainer.params = self.variables.pull()
-        return trainer.params
+        return state.replace(params=self.variables.pull())
 
     # ------------------------------------------------------------------ data and steps
-    def begin_fit(self, trainer: Any, train: Any) -> None:
+    def begin_fit(self, ctx: TrainerContext, state: TrainState, train: Any) -> None:
         grain_map = _is_grain_map_dataset(getattr(train, "data", None))
         if not isinstance(train, data_lib.ArrayData) and not grain_map:
             raise data_lib.DataError(
@@ -405,18 +411,18 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
         if self._train is not train:
             self._train, self._iterator = train, None
 
-    def stream_steps_per_epoch(self, trainer: Any, train: Any,
+    def stream_steps_per_epoch(self, ctx: TrainerContext, train: Any,
                                steps_per_epoch: int | None) -> int | None:
         """A grain ``MapDataset``'s steps per epoch: every worker's whole batches."""
         if self._grain is None:
             return None
         n, rows = self._grain
-        spe = self.num_workers * GrainWorkerShard(None, trainer.global_batch_size, n,
+        spe = self.num_workers * GrainWorkerShard(None, ctx.global_batch_size, n,
                                                   rows).batches_per_worker(self.num_workers)
         if spe == 0:
             raise data_lib.DataError(
                 f"train_data: the grain MapDataset's {n} elements of {rows} rows give no whole "
-                f"batch of {trainer.global_batch_size} to each of the {self.num_workers} "
+                f"batch of {ctx.global_batch_size} to each of the {self.num_workers} "
                 f"workers; use a smaller global_batch_size or more data")
         if steps_per_epoch is not None and int(steps_per_epoch) != spe:
             raise data_lib.DataError(
@@ -425,70 +431,74 @@ class CoordinatorHook(PSHookMixin, TrainerHook):
                 f"steps_per_epoch out, or pass steps=N for a number of steps")
         return spe
 
-    def epoch_order(self, trainer: Any, num_examples: int, epoch: int) -> np.ndarray:
+    def epoch_order(self, ctx: TrainerContext, num_examples: int, epoch: int) -> np.ndarray:
         """The examples the workers train on in ``epoch``: worker 0's share, then worker 1's...
         (its length sets the steps of an epoch: every worker's whole batches)."""
-        order = data_lib.epoch_order(num_examples, epoch, trainer.seed, trainer.shuffle)
-        b, n = trainer.global_batch_size, self.num_workers
+        order = data_lib.epoch_order(num_examples, epoch, ctx.seed, ctx.shuffle)
+        b, n = ctx.global_batch_size, self.num_workers
         return np.concatenate([worker_share(order, w, n, b) for w in range(n)])
 
-    def _start_input(self, trainer: Any) -> None:
+    def _start_input(self, ctx: TrainerContext, state: TrainState) -> None:
         train = self._train
         if train is None:
             raise RuntimeError("CoordinatorHook.train_step before begin_fit: the Trainer "
                                "passes the training data to the hook first")
         if self._grain is not None:
-            shard: Any = GrainWorkerShard(train.data, trainer.global_batch_size, *self._grain,
-                                          start_epoch=trainer.epoch,
-                                          start_batch=trainer.step_in_epoch // self.num_workers,
+            shard: Any = GrainWorkerShard(train.data, ctx.global_batch_size, *self._grain,
+                                          start_epoch=state.epoch,
+                                          start_batch=state.step_in_epoch // self.num_workers,
                                           class_weight=train.class_weight)
         else:
-            shard = WorkerShard(train.x, train.y, trainer.global_batch_size, trainer.seed,
-                                trainer.shuffle, trainer.epoch,
-                                trainer.step_in_epoch // self.num_workers, w=train.w)
+            shard = WorkerShard(train.x, train.y, ctx.global_batch_size, ctx.seed,
+                                ctx.shuffle, state.epoch,
+                                state.step_in_epoch // self.num_workers, w=train.w)
         dataset = self.coordinator.create_per_worker_dataset(shard)
         self._iterator = iter(dataset)
 
-    def train_step(self, trainer: Any, x: Any, y: Any, num_steps: int,
-                   w: Any = None) -> dict[str, Any]:
+    def train_step(self, ctx: TrainerContext, state: TrainState, x: Any, y: Any,
+                   num_steps: int, w: Any = None, chunk: int = 0
+                   ) -> tuple[TrainState, StepStats]:
         del x, y, w  # the workers read their own shares (per-worker datasets)
+        step_fn = self._worker_step(ctx)
         if self._iterator is None:
-            self._start_input(trainer)
-        rvs = [self.coordinator.schedule(self._step_fn,
-                                         args=(self._iterator, np.int64(trainer.step + i)))
+            self._start_input(ctx, state)
+        rvs = [self.coordinator.schedule(step_fn,
+                                         args=(self._iterator, np.int64(state.step + i)))
                for i in range(num_steps)]
-        return StepStats(rvs)
+        return state, StepStats(rvs)
 
     # ------------------------------------------------------------------ checkpoints
-    def resume(self, trainer: Any, steps_per_epoch: int) -> None:
-        directory = os.path.abspath(trainer.checkpoint_dir)
+    def resume(self, ctx: TrainerContext, state: TrainState, steps_per_epoch: int
+               ) -> tuple[TrainState, Any]:
+        directory = os.path.abspath(ctx.checkpoint_dir)
         step = self.strategy.extended.latest_checkpoint_step(directory, "ps:0")
         if step is None:
-            return
+            return state, None
         step = min(self.strategy.extended.restore(directory, step))
-        trainer.step = step
-        trainer.epoch, trainer.step_in_epoch = divmod(step, steps_per_epoch)
-        trainer.last_checkpoint = step
+        epoch, in_epoch = divmod(step, steps_per_epoch)
+        return state.replace(step=step, epoch=epoch, step_in_epoch=in_epoch,
+                             last_checkpoint=step), None
 
-    def set_weights(self, trainer: Any, params: Any) -> None:
+    def set_weights(self, ctx: TrainerContext, state: TrainState, params: Any) -> TrainState:
         """Assigns the ps variables once the steps scheduled so far have pushed."""
         self.coordinator.join()
-        super().set_weights(trainer, params)
+        return super().set_weights(ctx, state, params)
 
-    def save(self, trainer: Any) -> None:
+    def save(self, ctx: TrainerContext, state: TrainState, data_position: Any = None
+             ) -> TrainState:
         self.coordinator.join()
-        self.strategy.extended.save(os.path.abspath(trainer.checkpoint_dir), trainer.step,
-                                    keep=trainer.keep_checkpoints)
-        trainer.last_checkpoint = trainer.step
+        self.strategy.extended.save(os.path.abspath(ctx.checkpoint_dir), state.step,
+                                    keep=ctx.keep_checkpoints)
+        return state.replace(last_checkpoint=state.step)
 
-    def end_training(self, trainer: Any) -> None:
-        self.current_params(trainer)
+    def end_training(self, ctx: TrainerContext, state: TrainState) -> TrainState:
+        state = self.current_state(ctx, state)
         runs = self.coordinator.functions_run()
         states = self.coordinator.worker_states()
         print("[coordinator] steps run: " + ", ".join(
             f"{st.name} {n}" + (f" (restarted {st.restarts}x)" if st.restarts else "")
             for st, n in zip(states, runs)), flush=True)
-
+        return state
 
 __all__ = ["COLLECTION", "CoordinatorHook", "GrainWorkerShard", "StepStats", "WorkerShard",
            "WorkerStep", "coordinator_of", "parameter_server_hook", "worker_share"]

@@ -8,7 +8,7 @@ the value and what is valid, and the CLI exits with status 2.
 
 The keys and defaults are declared once, in ``schema.py`` (re-exported here); the keys
 of the ``strategy`` section depend on ``strategy.name``: each strategy registered with
-``jaxdist._src.train.strategy_registry.register_strategy`` declares its own keys.
+``jaxdist._src.job.strategy_registry.register_strategy`` declares its own keys.
 
 Example:
     >>> _ = open("job.yaml", "w").write("train: {epochs: 10}")
@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from jaxdist._src.train import strategy_registry
-from jaxdist._src.train.schema import (
+from jaxdist._src.job import strategy_registry
+from jaxdist._src.job.schema import (
     SCHEMA,
     SECTIONS,
     TOP_LEVEL,
@@ -39,7 +39,7 @@ from jaxdist._src.train.schema import (
     _unknown,
     fit_kwargs,
     trainer_defaults,
-    trainer_kwargs,
+    trainer_options,
 )
 
 
@@ -257,4 +257,4 @@ def dump(cfg: Mapping[str, Any]) -> str:
 
 __all__ = ["SCHEMA", "SECTIONS", "TOP_LEVEL", "ConfigError", "Field", "apply_overrides",
            "check_replicas", "dump", "fit_kwargs", "load_config", "parse_override", "read_yaml",
-           "schema_help", "trainer_defaults", "trainer_kwargs", "validate"]
+           "schema_help", "trainer_defaults", "trainer_options", "validate"]

@@ -1,8 +1,8 @@
 """A training job from a validated config: strategy, data, model, optimizer, ``Trainer.fit``.
 
 Example:
-    >>> from jaxdist._src.train.config import load_config
-    >>> history = run_job(load_config("configs/default.yaml"))  # a training run  # doctest: +SKIP
+    >>> from jaxdist._src.job.config import load_config
+    >>> history = run_job(load_config("configs/default.yaml"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -11,8 +11,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._src.train import strategy_registry
-from jaxdist._src.train.config import ConfigError, check_replicas, fit_kwargs, trainer_kwargs
+from jaxdist._src.job import strategy_registry
+from jaxdist._src.job.config import ConfigError, check_replicas, fit_kwargs, trainer_options
+from jaxdist._src.job.optimizers import (  # noqa: F401 - also public here
+    learning_rate_from_config,
+    optimizer_from_config,
+)
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Any:
@@ -48,12 +52,12 @@ def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         A ``jaxdist.tpu.CompileReport`` (per-device memory and FLOPs).
 
     Example:
-        >>> from jaxdist._src.train.config import load_config
+        >>> from jaxdist._src.job.config import load_config
         >>> cfg = load_config("configs/tpu.yaml", ["strategy.topology=v5e:2x2"])  # doctest: +SKIP
         >>> print(compile_job(cfg))  # doctest: +SKIP
     """
-    from jaxdist._src.train import data as data_lib
-    from jaxdist._src.train import models
+    from jaxdist._src.job import data as data_lib
+    from jaxdist._src.job import models
     from jaxdist._src.train.trainer import Trainer
 
     if strategy is None:
@@ -65,10 +69,14 @@ def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
     optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
-    kwargs = dict(trainer_kwargs(cfg), checkpoint_dir=None, log_dir=None, tensorboard=False)
+    import dataclasses
+
+    options = trainer_options(cfg)  # nothing written: no checkpoint, no run directory
+    options["checkpoint"] = dataclasses.replace(options["checkpoint"], dir=None)
+    options["logging"] = dataclasses.replace(options["logging"], dir=None, tensorboard=False)
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
-        trainer = Trainer(model, optimizer, strategy=strategy, **kwargs)
+        trainer = Trainer(model, optimizer, strategy=strategy, **options)
     return trainer.experimental_compile(train.x, train.y)
 
 
@@ -79,13 +87,14 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         cfg: a config from ``load_config``.
         strategy: use this strategy instead of building the configured one.
     """
+    from jaxdist._src.job import data as data_lib
+    from jaxdist._src.job import models
     from jaxdist._src.train import callbacks as callbacks_lib
-    from jaxdist._src.train import data as data_lib
-    from jaxdist._src.train import models
     from jaxdist._src.train.trainer import Trainer
 
     if strategy is None:
-        from jaxdist._src.train.evaluator import evaluator_task, run_sidecar
+        from jaxdist._src.cluster.task_info import evaluator_task
+        from jaxdist._src.job.sidecar import run_sidecar
 
         # Only the strategies that read TF_CONFIG look at it: a stale one in the environment
         # does not change (or break) a single-host job.
@@ -104,10 +113,10 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
-        trainer = Trainer(model, optimizer, strategy=strategy, **trainer_kwargs(cfg))
+        trainer = Trainer(model, optimizer, strategy=strategy, **trainer_options(cfg))
     run_dir = trainer.run_dir  # this run's own directory (chief only)
     if run_dir is not None:
-        from jaxdist._src.train.config import dump
+        from jaxdist._src.job.config import dump
 
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(dump(cfg))

@@ -1,7 +1,7 @@
 """The optimizer a job config's ``optimizer`` section names (optax, with its schedule).
 
 Example:
-    >>> from jaxdist._src.train.config import load_config
+    >>> from jaxdist._src.job.config import load_config
     >>> tx = optimizer_from_config(load_config(raw={})["optimizer"])    # adam(1e-3)
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._src.train.schema import ConfigError
+from jaxdist._src.job.schema import ConfigError
 
 
 def learning_rate_from_config(section: Mapping[str, Any]) -> Any:

@@ -1,18 +1,16 @@
-"""The one registry of strategies for jobs and the ``Trainer``, keyed by strategy class.
+"""The registry of the strategies of job configs, keyed by strategy class.
 
-For each strategy class it holds:
-
-* its job-config names (``strategy.name``), each a ``StrategyConfig``: the section's keys, the
-  builder (validated section -> strategy), the optimizer a config's ``optimizer`` section
-  becomes, a config check, and whether this process serves instead of training;
-* the ``TrainerHook`` the ``Trainer`` delegates to (``hook_for``: chosen once, in
-  ``Trainer.__init__``; the synchronous strategies get ``SyncHook``).
+For each strategy class it holds its job-config names (``strategy.name``), each a
+``StrategyConfig``: the section's keys, the builder (validated section -> strategy), the
+optimizer a config's ``optimizer`` section becomes, a config check, and whether this process
+serves instead of training. (The ``TrainerHook`` the ``Trainer`` delegates to is the Trainer
+library's: ``jaxdist.train.register_trainer_hook``.)
 
 Config names are looked up here (``config_for``), so a job goes config -> ``StrategyConfig``
 -> strategy -> ``Trainer`` without any other table.
 
 Example:
-    >>> from jaxdist._src.train.schema import Field
+    >>> from jaxdist._src.job.schema import Field
     >>> class MyStrategy(jaxdist.MirroredStrategy):
     ...     def __init__(self, workers):
     ...         super().__init__(jax.devices()[:1])
@@ -33,6 +31,9 @@ from typing import Any
 import jax
 
 from jaxdist._src.cluster.tpu_cluster_resolver import TPUClusterResolver
+from jaxdist._src.job import parameter_server as ps_config
+from jaxdist._src.job.optimizers import optimizer_from_config
+from jaxdist._src.job.schema import ConfigError, Field
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 from jaxdist._src.strategies.cross_device_ops import (
     HierarchicalCopyAllReduce,
@@ -47,11 +48,6 @@ from jaxdist._src.strategies.multi_worker import (
 from jaxdist._src.strategies.one_device import OneDeviceStrategy
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 from jaxdist._src.strategies.tpu import TPUStrategy
-from jaxdist._src.train import hooks
-from jaxdist._src.train.optimizers import optimizer_from_config
-from jaxdist._src.train.parameter_server import config as ps_config
-from jaxdist._src.train.parameter_server.coordinated import parameter_server_hook
-from jaxdist._src.train.schema import ConfigError, Field
 
 Builder = Callable[[Mapping[str, Any]], Any]
 
@@ -89,7 +85,6 @@ class StrategyConfig:
 @dataclasses.dataclass
 class _Entry:
     configs: dict[str, StrategyConfig] = dataclasses.field(default_factory=dict)
-    hook: Callable[[Any], hooks.TrainerHook] | None = None
 
 
 _REGISTRY: dict[type, _Entry] = {}
@@ -121,38 +116,6 @@ def unregister_strategy(name: str) -> None:
         entry.configs.pop(name, None)
 
 
-def register_trainer_hook(strategy_class: type,
-                          hook: Callable[[Any], hooks.TrainerHook]) -> None:
-    """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
-
-    Example:
-        >>> from jaxdist._src.train.hooks import SyncHook
-        >>> class MyStrategy(jaxdist.MirroredStrategy):
-        ...     pass
-        >>> class MyHook(SyncHook):
-        ...     pass
-        >>> register_trainer_hook(MyStrategy, MyHook)
-        >>> type(hook_for(MyStrategy(jax.devices()[:1]))).__name__
-        'MyHook'
-        >>> del _REGISTRY[MyStrategy]   # (this example unregisters it; a program keeps it)
-    """
-    _REGISTRY.setdefault(strategy_class, _Entry()).hook = hook
-
-
-def hook_for(strategy: Any) -> hooks.TrainerHook:
-    """The hook of ``strategy``'s class (nearest in its MRO), else ``SyncHook``.
-
-    Example:
-        >>> hook_for(jaxdist.MirroredStrategy())
-        SyncHook()
-    """
-    for cls in type(strategy).__mro__:
-        entry = _REGISTRY.get(cls)
-        if entry is not None and entry.hook is not None:
-            return entry.hook(strategy)
-    return hooks.SyncHook(strategy)
-
-
 def _by_name() -> dict[str, StrategyConfig]:
     return {name: spec for entry in _REGISTRY.values() for name, spec in entry.configs.items()}
 
@@ -180,7 +143,7 @@ def strategy_config(cfg: Mapping[str, Any], strategy: Any = None) -> StrategyCon
     strategy), the config name of that strategy's class when ``strategy.name`` is another's.
 
     Example:
-        >>> from jaxdist._src.train.config import load_config
+        >>> from jaxdist._src.job.config import load_config
         >>> strategy_config(load_config(raw={})).name
         'mirrored'
     """
@@ -345,9 +308,7 @@ register_strategy(ParameterServerStrategy, ps_config.NAME, ps_config.strategy_fr
 register_strategy(ParameterServerStrategy, ps_config.COORDINATOR_NAME,
                   ps_config.coordinator_strategy_from_config, ps_config.COORDINATOR_FIELDS,
                   help=ps_config.COORDINATOR_HELP, **_PS_OPTIONS)
-# Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
-register_trainer_hook(ParameterServerStrategy, parameter_server_hook)
 
-__all__ = ["StrategyConfig", "config_for", "drop_foreign_keys", "hook_for",
-           "register_strategy", "register_trainer_hook", "registered_strategies", "strategy_config",
+__all__ = ["StrategyConfig", "config_for", "drop_foreign_keys",
+           "register_strategy", "registered_strategies", "strategy_config",
            "unregister_strategy", "uses_tf_config", "validate_section"]

@@ -16,7 +16,7 @@ _PROG = "python -m jaxdist.train"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jaxdist._src.train.config import schema_help
+    from jaxdist._src.job.config import schema_help
 
     p = argparse.ArgumentParser(
         prog=_PROG,
@@ -54,7 +54,7 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status."""
-    from jaxdist._src.train.config import ConfigError, dump, load_config
+    from jaxdist._src.job.config import ConfigError, dump, load_config
 
     args = _parser().parse_args(argv)
     err = sys.stderr
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.compile_only:
         return _compile_only(cfg)
 
-    from jaxdist._src.train.strategy_registry import config_for
+    from jaxdist._src.job.strategy_registry import config_for
 
     spec = config_for(cfg["strategy"]["name"])
     try:
@@ -93,9 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from jaxdist._src.cluster.tpu_cluster_resolver import TPUNotFoundError
+    from jaxdist._src.job.job import run_job
     from jaxdist._src.train.checkpoint import CheckpointMismatchError
     from jaxdist._src.train.data import DataError
-    from jaxdist._src.train.job import run_job
     from jaxdist._src.train.runs import RunDirError
     from jaxdist._src.train.trainer import NaNLossError
 
@@ -132,9 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _compile_only(cfg: dict) -> int:
     """``--compile-only``: compiles the job's training step and prints the report."""
     from jaxdist._src.cluster.tpu_cluster_resolver import TPUNotFoundError
-    from jaxdist._src.train.config import ConfigError
+    from jaxdist._src.job.config import ConfigError
+    from jaxdist._src.job.job import compile_job
     from jaxdist._src.train.data import DataError
-    from jaxdist._src.train.job import compile_job
 
     err = sys.stderr
     try:

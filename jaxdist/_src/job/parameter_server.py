@@ -11,10 +11,10 @@ its steps onto the worker tasks (``jaxdist._src.train.parameter_server.coordinat
 tasks run ``python -m jaxdist.server`` (``python -m jaxdist.launch --coordinator`` starts them);
 when they run ``python -m jaxdist.train`` with this config instead, they serve the same way.
 
-Both are registered in ``jaxdist._src.train.strategy_registry``.
+Both are registered in ``jaxdist._src.job.strategy_registry``.
 
 Example:
-    >>> from jaxdist._src.train.config import load_config
+    >>> from jaxdist._src.job.config import load_config
     >>> cfg = load_config(raw={"strategy": {"name": "parameter_server"},
     ...                        "optimizer": {"name": "adam"}})
     >>> ps_optimizer_from_config(cfg["optimizer"]).name
@@ -32,9 +32,9 @@ from typing import Any
 
 from jaxdist._src import ps as ps_lib
 from jaxdist._src.cluster.task_info import task_info
+from jaxdist._src.job.optimizers import learning_rate_from_config
+from jaxdist._src.job.schema import ConfigError, Field
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
-from jaxdist._src.train.optimizers import learning_rate_from_config
-from jaxdist._src.train.schema import ConfigError, Field
 
 NAME = "parameter_server"
 COORDINATOR_NAME = "parameter_server_coordinator"

@@ -1,19 +1,22 @@
-"""The job-config schema: every key's type, default, help, and the Trainer argument it feeds.
+"""The job-config schema: every key's type, default, help, and the Trainer option it sets.
 
-This module is the one home of the config defaults. ``Field.arg`` names the ``Trainer``
-argument (or ``fit`` argument, ``"fit.<name>"``) a key feeds: ``trainer_defaults()`` gives the
-``Trainer``'s own defaults from it, and ``trainer_kwargs(cfg)`` / ``fit_kwargs(cfg)`` turn a
-validated config into the arguments a job passes, so no key is mapped by hand twice. A key whose
-library default differs on purpose (``logging.dir``: the CLI writes run directories, a
+This module is the one home of the config defaults. ``Field.arg`` names the ``Trainer`` option
+a key sets: ``"loss"`` (the constructor's argument), ``"<group>.<field>"`` (a field of the
+``Trainer``'s ``TrainConfig`` (``config``), ``CheckpointConfig`` (``checkpoint``) or
+``LoggingConfig`` (``logging``), ``jaxdist._src.train.options``), or ``"fit.<name>"`` (a
+``fit`` argument). ``trainer_options(cfg)`` / ``fit_kwargs(cfg)`` turn a validated config into
+the arguments a job passes, so no key is mapped by hand twice; ``trainer_defaults()`` gives the
+library's defaults of those options, and a test keeps them equal to the keys' defaults. A key
+whose library default differs on purpose (``logging.dir``: the CLI writes run directories, a
 ``Trainer`` made in Python writes none) says so with ``arg_default``.
 
 The ``strategy`` section's keys are declared by each strategy in
-``jaxdist._src.train.strategy_registry``.
+``jaxdist._src.job.strategy_registry``.
 
 Example:
     >>> SCHEMA["train"]["epochs"].default
     10
-    >>> trainer_defaults()["checkpoint_every_steps"]
+    >>> trainer_defaults()["checkpoint.every_steps"]
     100
 """
 
@@ -32,8 +35,6 @@ class _Same:
 
 #: ``Field.arg_default``: the argument's default is the key's default.
 SAME: Any = _Same()
-#: ``Field.arg_default``: the argument has no default (the caller must pass it).
-REQUIRED: Any = type("_Required", (), {"__repr__": lambda self: "REQUIRED"})()
 
 
 class ConfigError(ValueError):
@@ -52,8 +53,9 @@ class Field:
         optional: ``null`` is allowed.
         minimum: the smallest allowed number (or list length for lists).
         item: the element type of a list.
-        arg: the ``Trainer`` argument this key feeds (``"fit.<name>"``: a ``fit`` argument).
-        arg_default: that argument's default: ``SAME`` (this key's default), ``REQUIRED``, or
+        arg: the ``Trainer`` option this key sets (``"loss"``, ``"<group>.<field>"`` of its
+            config dataclasses, ``"fit.<name>"``: a ``fit`` argument).
+        arg_default: the library's default of that option: ``SAME`` (this key's default), or
             a different value (with the reason next to it in the schema).
     """
 
@@ -92,7 +94,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                   minimum=0.0),
         "split_seed": Field(int, 0, "seed of the train/validation split (independent of 'seed')"),
         "shuffle": Field(bool, True, "reshuffle the training examples every epoch "
-                         "(deterministic from 'seed' and the epoch)", arg="shuffle"),
+                         "(deterministic from 'seed' and the epoch)", arg="config.shuffle"),
         "num_examples": Field(int, 4096, "synthetic: number of examples", minimum=1),
         "num_features": Field(int, 32, "synthetic: features per example", minimum=1),
         "num_classes": Field(int, 10, "synthetic: number of classes", minimum=2),
@@ -131,7 +133,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "train": {
         "global_batch_size": Field(int, 64, "examples per step over all replicas; must "
                                    "divide by the replica count", minimum=1,
-                                   arg="global_batch_size", arg_default=REQUIRED),
+                                   arg="config.global_batch_size",
+                                   arg_default=None),  # Trainer: fit's batch_size, else 32
         "epochs": Field(int, 10, "passes over the training data (ignored when 'steps' is "
                         "set)", minimum=1, arg="fit.epochs",
                         arg_default=None),  # fit: one epoch when neither is given
@@ -139,57 +142,60 @@ SCHEMA: dict[str, dict[str, Field]] = {
                        "'epochs'", optional=True, minimum=1, arg="fit.steps"),
         "steps_per_execution": Field(int, 1, "steps folded into one compiled dispatch "
                                      "(a lax.scan over k batches)", minimum=1,
-                                     arg="steps_per_execution"),
+                                     arg="config.steps_per_execution"),
         "loss": Field(str, "sparse_categorical_crossentropy", "per-example loss",
                       choices=("sparse_categorical_crossentropy",), arg="loss"),
         "precision": Field(str, "float32", "float32, or bfloat16 (Keras' mixed_bfloat16: "
                            "compute in bfloat16, parameters and optimizer in float32)",
-                           choices=("float32", "bfloat16"), arg="precision"),
+                           choices=("float32", "bfloat16"), arg="config.precision"),
         "batch_norm": Field(str, "sync", "BatchNorm statistics over the global batch (sync, "
                             "TF's SyncBatchNormalization) or each replica's rows "
                             "(per_replica, TF's default)", choices=("sync", "per_replica"),
-                            arg="batch_norm"),
+                            arg="config.batch_norm"),
         "validation_freq": Field(int, 1, "validate every this many epochs (0: never)",
                                  minimum=0, arg="fit.validation_freq"),
         "halt_on_nan": Field(bool, True, "stop with an error when the loss becomes NaN or "
                              "inf (TF's TerminateOnNaN); the last good checkpoint is kept",
-                             arg="halt_on_nan"),
+                             arg="config.halt_on_nan"),
         "metrics": Field(list, ["accuracy"], "Keras metrics: names (accuracy, "
                          "sparse_top_k_categorical_accuracy, auc, ...) or {name: ..., k: 3}",
-                         arg="metrics",
+                         arg="config.metrics",
                          arg_default=None),  # Trainer: None = ["accuracy"] if accuracy=True
         "weighted_metrics": Field(list, [], "Keras weighted_metrics: metrics weighted by "
                                   "the sample/class weights (the metrics above are not); a "
                                   "name also in metrics is logged as weighted_<name>",
-                                  arg="weighted_metrics", arg_default=None),
+                                  arg="config.weighted_metrics", arg_default=None),
     },
     "checkpoint": {
         "dir": Field(str, None, "checkpoint directory (null: no checkpoints); on start the "
                      "job resumes from the latest checkpoint in it", optional=True,
-                     arg="checkpoint_dir"),
+                     arg="checkpoint.dir"),
         "every_steps": Field(int, 100, "save every this many steps (and always at the end)",
-                             minimum=1, arg="checkpoint_every_steps"),
-        "keep": Field(int, 3, "keep the last K checkpoints", minimum=1, arg="keep_checkpoints"),
-        "resume": Field(bool, True, "resume from the latest checkpoint in 'dir'", arg="resume"),
+                             minimum=1, arg="checkpoint.every_steps"),
+        "keep": Field(int, 3, "keep the last K checkpoints", minimum=1, arg="checkpoint.keep"),
+        "resume": Field(bool, True, "resume from the latest checkpoint in 'dir'",
+                        arg="checkpoint.resume"),
     },
     "logging": {
         "dir": Field(str, "runs/default", "parent of the run directories: each run writes "
                      "metrics.jsonl, config.yaml and TensorBoard files (train/, validation/) "
                      "into its own <dir>/<timestamp> (null: no files)", optional=True,
-                     arg="log_dir", arg_default=None),  # a Trainer made in Python writes no files
+                     arg="logging.dir",
+                     arg_default=None),  # a Trainer made in Python writes no files
         "run_name": Field(str, None, "the run directory's name instead of the start time "
                           "(--run-name); it must not hold an earlier run", optional=True,
-                          arg="run_name"),
+                          arg="logging.run_name"),
         "verbose": Field(int, 1, "console output as Keras' verbose: 0 silent, 1 progress bar "
                          "(log lines when not on a terminal), 2 one line per epoch",
                          choices=(0, 1, 2), arg="fit.verbose",
                          arg_default="auto"),  # fit: Keras' "auto" (1)
         "every_steps": Field(int, 10, "log training metrics every this many steps",
-                             minimum=1, arg="log_every_steps"),
-        "tensorboard": Field(bool, True, "also write TensorBoard event files", arg="tensorboard"),
+                             minimum=1, arg="logging.every_steps"),
+        "tensorboard": Field(bool, True, "also write TensorBoard event files",
+                             arg="logging.tensorboard"),
         "progress_bar": Field(str, "auto", "tqdm bar: auto (when stdout is a terminal), "
                               "always, never", choices=("auto", "always", "never"),
-                              arg="progress_bar"),
+                              arg="logging.progress_bar"),
     },
     # Used only by an `evaluator` task of TF_CONFIG (side-car evaluation of the checkpoints).
     "evaluator": {
@@ -203,7 +209,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
 }
 
 TOP_LEVEL: dict[str, Field] = {
-    "seed": Field(int, 0, "seed of the model initialisation and the data order", arg="seed"),
+    "seed": Field(int, 0, "seed of the model initialisation and the data order",
+                  arg="config.seed"),
     "callbacks": Field(list, [], "Keras callbacks by class name with their arguments, e.g. "
                        "[{name: EarlyStopping, monitor: val_loss, patience: 3}]; relative "
                        "paths are inside the run directory"),
@@ -283,57 +290,64 @@ def _fill(section: str, fields: Mapping[str, Field], raw: Any) -> dict[str, Any]
             for k, f in fields.items()}
 
 
-def _args(prefix: str) -> dict[str, tuple[str, str, Field]]:
-    """``{argument: (section, key, field)}`` of the keys feeding ``prefix`` arguments."""
+def _args() -> dict[str, tuple[str, str, Field]]:
+    """``{option: (section, key, field)}`` of the keys that set a ``Trainer`` option."""
     out: dict[str, tuple[str, str, Field]] = {}
     for section, fields in (("", TOP_LEVEL), *SCHEMA.items()):
         for key, f in fields.items():
-            if f.arg is None:
-                continue
-            owner, _, name = f.arg.rpartition(".")
-            if owner == prefix:
-                out[name] = (section, key, f)
+            if f.arg is not None:
+                out[f.arg] = (section, key, f)
     return out
 
 
-def trainer_defaults(prefix: str = "") -> dict[str, Any]:
-    """The ``Trainer`` arguments' defaults (``prefix="fit"``: ``fit``'s), from the schema.
-
-    Arguments marked ``REQUIRED`` have none and are left out.
+def trainer_defaults() -> dict[str, Any]:
+    """The library's defaults of the options the config sets (``{"config.seed": 0, ...,
+    "fit.epochs": None}``), as the schema states them (``SAME`` or ``arg_default``).
 
     Example:
-        >>> trainer_defaults()["keep_checkpoints"], trainer_defaults("fit")["validation_freq"]
+        >>> trainer_defaults()["checkpoint.keep"], trainer_defaults()["fit.validation_freq"]
         (3, 1)
     """
+    return {name: copy.deepcopy(f.default if f.arg_default is SAME else f.arg_default)
+            for name, (_, _, f) in _args().items()}
+
+
+def _values(cfg: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """``{name: value}`` of the options ``<prefix>.<name>`` a validated config sets."""
     out = {}
-    for name, (_, _, f) in _args(prefix).items():
-        if f.arg_default is REQUIRED:
-            continue
-        out[name] = copy.deepcopy(f.default if f.arg_default is SAME else f.arg_default)
+    for arg, (section, key, _) in _args().items():
+        owner, _, name = arg.rpartition(".")
+        if owner == prefix:
+            out[name] = cfg[key] if not section else cfg[section][key]
     return out
 
 
-def trainer_kwargs(cfg: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The ``Trainer`` arguments (``prefix="fit"``: ``fit``'s) a validated config sets.
+def trainer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``Trainer`` arguments a validated config sets: ``loss``, and ``config``,
+    ``checkpoint``, ``logging`` (``TrainConfig``, ``CheckpointConfig``, ``LoggingConfig``).
 
     Example:
-        >>> from jaxdist._src.train.config import load_config
-        >>> trainer_kwargs(load_config(raw={"checkpoint": {"keep": 5}}))["keep_checkpoints"]
+        >>> from jaxdist._src.job.config import load_config, trainer_options
+        >>> trainer_options(load_config(raw={"checkpoint": {"keep": 5}}))["checkpoint"].keep
         5
     """
-    return {name: cfg[key] if not section else cfg[section][key]
-            for name, (section, key, _) in _args(prefix).items()}
+    from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
+
+    return {**_values(cfg, ""),
+            "config": TrainConfig(**_values(cfg, "config")),
+            "checkpoint": CheckpointConfig(**_values(cfg, "checkpoint")),
+            "logging": LoggingConfig(**_values(cfg, "logging"))}
 
 
 def fit_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``Trainer.fit``'s arguments from a validated config (``epochs`` only without ``steps``).
 
     Example:
-        >>> from jaxdist._src.train.config import load_config
+        >>> from jaxdist._src.job.config import load_config
         >>> fit_kwargs(load_config(raw={"train": {"steps": 7}}))["epochs"] is None
         True
     """
-    out = trainer_kwargs(cfg, "fit")
+    out = _values(cfg, "fit")
     if out.get("steps") is not None:
         out["epochs"] = None
     return out

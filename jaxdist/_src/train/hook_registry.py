@@ -1,0 +1,52 @@
+"""Which ``TrainerHook`` the ``Trainer`` delegates to, per strategy class.
+
+``hook_for(strategy)`` is called once, in ``Trainer.__init__``: the hook registered for the
+strategy's class (nearest in its MRO), else ``SyncHook`` (the synchronous strategies).
+``ParameterServerStrategy`` gets the parameter-server hooks (``parameter_server_hook``).
+
+Example:
+    >>> hook_for(jaxdist.MirroredStrategy())
+    SyncHook()
+    >>> register_trainer_hook(MyStrategy, MyHook)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
+from jaxdist._src.train import hooks
+from jaxdist._src.train.parameter_server.coordinated import parameter_server_hook
+
+_HOOKS: dict[type, Callable[[Any], hooks.TrainerHook]] = {}
+
+
+def register_trainer_hook(strategy_class: type,
+                          hook: Callable[[Any], hooks.TrainerHook]) -> None:
+    """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
+
+    Example:
+        >>> register_trainer_hook(MyStrategy, MyHook)
+    """
+    _HOOKS[strategy_class] = hook
+
+
+def hook_for(strategy: Any) -> hooks.TrainerHook:
+    """The hook of ``strategy``'s class (nearest in its MRO), else ``SyncHook``.
+
+    Example:
+        >>> hook_for(jaxdist.MirroredStrategy())
+        SyncHook()
+    """
+    for cls in type(strategy).__mro__:
+        hook = _HOOKS.get(cls)
+        if hook is not None:
+            return hook(strategy)
+    return hooks.SyncHook(strategy)
+
+
+# Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
+register_trainer_hook(ParameterServerStrategy, parameter_server_hook)
+
+__all__ = ["hook_for", "register_trainer_hook"]

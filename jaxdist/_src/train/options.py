@@ -1,0 +1,173 @@
+"""The ``Trainer``'s options, grouped as a job config groups them: ``TrainConfig``,
+``CheckpointConfig`` and ``LoggingConfig`` (the config's ``train``, ``checkpoint`` and
+``logging`` sections). These dataclasses hold the library's defaults, written once; the job
+config's schema names, for each key, the field it sets.
+
+``Trainer(..., **kwargs)`` also takes each field under its flat name (``checkpoint_dir=``,
+``log_every_steps=``, ...): ``FLAT_NAMES`` maps those names to ``(group, field)``.
+
+Example:
+    >>> from jaxdist.train import CheckpointConfig, TrainConfig
+    >>> CheckpointConfig(dir="/tmp/ckpt", every_steps=50).keep
+    3
+    >>> TrainConfig(global_batch_size=64).steps_per_execution
+    1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How the ``Trainer`` trains (a job config's ``train`` section, with ``seed`` and
+    ``data.shuffle``).
+
+    Attributes:
+        global_batch_size: examples per step over all replicas (``None``: ``fit``'s
+            ``batch_size``, the batch size of an already batched dataset, else 32).
+        steps_per_execution: steps per compiled dispatch (TF's ``steps_per_execution``).
+        seed: seed of the data order.
+        shuffle: reshuffle the training data every epoch.
+        precision: ``"float32"`` or ``"bfloat16"`` (Keras' ``mixed_bfloat16``).
+        batch_norm: ``"sync"`` (statistics over the global batch) or ``"per_replica"``.
+        halt_on_nan: raise ``NaNLossError`` when the loss is NaN or inf.
+        metrics: Keras metrics (``None``: ``["accuracy"]`` when ``accuracy``).
+        weighted_metrics: Keras' ``weighted_metrics``.
+        accuracy: compute accuracy when ``metrics`` is ``None``.
+
+    Example:
+        >>> TrainConfig(global_batch_size=64, steps_per_execution=4).seed
+        0
+    """
+
+    global_batch_size: int | None = None
+    steps_per_execution: int = 1
+    seed: int = 0
+    shuffle: bool = True
+    precision: str = "float32"
+    batch_norm: str = "sync"
+    halt_on_nan: bool = True
+    metrics: Sequence[Any] | None = None
+    weighted_metrics: Sequence[Any] | None = None
+    accuracy: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often the ``Trainer`` checkpoints (a job config's ``checkpoint`` section).
+
+    Attributes:
+        dir: the checkpoint directory (``None``: no checkpoints); ``fit`` resumes from the
+            latest checkpoint in it (TF's ``BackupAndRestore``).
+        every_steps: save every this many steps (and at the end of ``fit``).
+        keep: keep the newest K checkpoints.
+        resume: resume from ``dir`` at the start of ``fit``.
+
+    Example:
+        >>> CheckpointConfig(dir="/tmp/ckpt").every_steps
+        100
+    """
+
+    dir: str | None = None
+    every_steps: int = 100
+    keep: int = 3
+    resume: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """What the ``Trainer`` writes (a job config's ``logging`` section).
+
+    Attributes:
+        dir: the parent of the run directories: each ``Trainer`` writes ``metrics.jsonl`` and
+            TensorBoard events into its own new ``<dir>/<timestamp>`` (or ``<dir>/<run_name>``)
+            (``None``: console only).
+        run_name: the run directory's name instead of the start time.
+        every_steps: training metrics are logged every this many steps.
+        tensorboard: write TensorBoard event files.
+        progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
+
+    Example:
+        >>> LoggingConfig(dir="runs", every_steps=50).tensorboard
+        True
+    """
+
+    dir: str | None = None
+    run_name: str | None = None
+    every_steps: int = 10
+    tensorboard: bool = True
+    progress_bar: str = "auto"
+
+
+#: The ``Trainer`` keyword arguments of the groups' fields: ``{name: (group, field)}``.
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    **{f.name: ("config", f.name) for f in dataclasses.fields(TrainConfig)},
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every_steps": ("checkpoint", "every_steps"),
+    "keep_checkpoints": ("checkpoint", "keep"),
+    "resume": ("checkpoint", "resume"),
+    "log_dir": ("logging", "dir"),
+    "run_name": ("logging", "run_name"),
+    "log_every_steps": ("logging", "every_steps"),
+    "tensorboard": ("logging", "tensorboard"),
+    "progress_bar": ("logging", "progress_bar"),
+}
+
+_CLASSES = {"config": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def resolve(config: TrainConfig | None, checkpoint: CheckpointConfig | None,
+            logging: LoggingConfig | None, flat: Mapping[str, Any]
+            ) -> tuple[TrainConfig, CheckpointConfig, LoggingConfig]:
+    """The three groups from the ``Trainer``'s arguments: the groups given (default: the
+    defaults) with the flat keyword arguments ``flat`` applied.
+
+    Raises:
+        TypeError: a group of the wrong type, an unknown keyword (naming the field it may
+            mean), or a flat keyword for a group that was also given.
+
+    Example:
+        >>> resolve(None, None, None, {"checkpoint_dir": "/tmp/c"})[1].dir
+        '/tmp/c'
+    """
+    given = {"config": config, "checkpoint": checkpoint, "logging": logging}
+    for group, value in given.items():
+        if value is not None and not isinstance(value, _CLASSES[group]):
+            raise TypeError(f"Trainer({group}=...) takes a jaxdist.train."
+                            f"{_CLASSES[group].__name__}, got {type(value).__name__}: "
+                            f"{value!r}")
+    changes: dict[str, dict[str, Any]] = {g: {} for g in _CLASSES}
+    for name, value in flat.items():
+        if name not in FLAT_NAMES:
+            raise TypeError(_unknown_message(name))
+        group, field = FLAT_NAMES[name]
+        if given[group] is not None:
+            raise TypeError(f"Trainer() got {name}={value!r} and {group}="
+                            f"{_CLASSES[group].__name__}(...); set {field}= in the "
+                            f"{_CLASSES[group].__name__} instead")
+        changes[group][field] = value
+    out = [dataclasses.replace(given[g] or cls(), **changes[g]) for g, cls in _CLASSES.items()]
+    return out[0], out[1], out[2]
+
+
+def _unknown_message(name: str) -> str:
+    known = {**FLAT_NAMES, **{f"{g}.{f.name}": (g, f.name) for g, cls in _CLASSES.items()
+                              for f in dataclasses.fields(cls)}}
+    near = difflib.get_close_matches(name, list(FLAT_NAMES), n=1)
+    hint = ""
+    if near:
+        group, field = known[near[0]]
+        hint = (f"; did you mean {near[0]}= (or {group}="
+                f"{_CLASSES[group].__name__}({field}=...))?")
+    return (f"Trainer() got an unexpected keyword argument {name!r}{hint} The options are "
+            f"Trainer(model, optimizer, loss, strategy=..., config=TrainConfig(...), "
+            f"checkpoint=CheckpointConfig(...), logging=LoggingConfig(...)) "
+            f"(jaxdist.train), or their fields by name: {', '.join(sorted(FLAT_NAMES))}")
+
+
+__all__ = ["FLAT_NAMES", "CheckpointConfig", "LoggingConfig", "TrainConfig", "resolve"]
