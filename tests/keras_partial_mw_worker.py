@@ -1,5 +1,5 @@
 """One task of Keras ``fit`` / ``evaluate`` across processes (run by
-tests/test_keras_partial_batches.py and tests/test_keras_input.py).
+tests/internal/test_keras_partial_batches.py and tests/internal/test_keras_input.py).
 
 Every run is one program, the same on every process, as a TF multi-worker Keras program is:
 

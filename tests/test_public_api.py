@@ -40,38 +40,7 @@ SRC_IMPORT_ALLOWED: dict[str, str] = {
 # Test files that import jaxdist._src and belong to parallel work on the same modules (the
 # Trainer, the Keras adapter, the transport, the import layers, the docstrings): they move to
 # tests/internal/ or to public names once that work is merged. This list only shrinks.
-PENDING_MOVE: dict[str, str] = {
-    "test_coordinator_basic.py": "the coordinator's worker thread moves (transport work)",
-    "test_coordinator_direct.py": "the direct transport moves to jaxdist/_src/transport",
-    "test_coordinator_fault.py": "the coordinator's worker thread moves (transport work)",
-    "test_coordinator_launch.py": "the coordinator's worker thread moves (transport work)",
-    "test_coordinator_restart.py": "the coordinator's worker thread moves (transport work)",
-    "test_coordinator_signing.py": "the coordinator's worker thread moves (transport work)",
-    "test_coordinator_unit.py": "the coordinator's worker thread moves (transport work)",
-    "test_docstrings.py": "the doctest runner is being rewritten",
-    "test_keras_input.py": "the Keras adapter is being rewritten",
-    "test_keras_load_weights.py": "the Keras adapter is being rewritten",
-    "test_keras_mw.py": "the Keras adapter is being rewritten",
-    "test_keras_partial_batches.py": "the Keras adapter is being rewritten",
-    "test_keras_ps.py": "the Keras adapter is being rewritten",
-    "test_keras_ps_coordinator.py": "the Keras adapter is being rewritten",
-    "test_keras_sync.py": "the Keras adapter is being rewritten",
-    "test_ps_direct.py": "the direct transport moves to jaxdist/_src/transport",
-    "test_ps_wire.py": "the wire format moves to jaxdist/_src/transport",
-    "test_ps_wire_fuzz.py": "the wire format moves to jaxdist/_src/transport",
-    "test_train_callbacks.py": "the Trainer is being rewritten",
-    "test_train_cli.py": "the Trainer's CLI moves to jaxdist/_src/job",
-    "test_train_config.py": "the Trainer's config moves to jaxdist/_src/job",
-    "test_train_coordinator.py": "the Trainer is being rewritten",
-    "test_train_coordinator_cluster.py": "the Trainer is being rewritten",
-    "test_train_inputs.py": "the Trainer is being rewritten",
-    "test_train_keras_metrics.py": "the Trainer is being rewritten",
-    "test_train_metrics.py": "the Trainer is being rewritten",
-    "test_train_model_state.py": "the Trainer is being rewritten",
-    "test_train_ps.py": "the Trainer is being rewritten",
-    "test_train_runs.py": "the Trainer is being rewritten",
-    "test_train_trainer.py": "the Trainer is being rewritten",
-}
+PENDING_MOVE: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------- reading the surface

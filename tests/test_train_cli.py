@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxdist._src.train.metrics import read_metrics
+from jaxdist.train import read_metrics
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -99,7 +99,7 @@ def _final_params(ckpt_dir, step):
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from jaxdist._src.train.checkpoint import Checkpointer
+    from jaxdist.train import Checkpointer
 
     ckpt = Checkpointer(ckpt_dir)
     assert ckpt.latest_step() == step

@@ -10,8 +10,8 @@ from coordinator_util import ChiefResolver, by_value, coordinator_for, start_clu
 from flax import nnx
 
 import jaxdist
-from jaxdist._src.ps import optimizers as O
-from jaxdist._src.train.keras_metrics import SparseTopKCategoricalAccuracy
+from jaxdist.ps import optimizers as O
+from jaxdist.train.metrics import SparseTopKCategoricalAccuracy
 
 pytestmark = pytest.mark.slow
 by_value(__name__)
@@ -94,7 +94,7 @@ def test_coordinator_trains_on_a_grain_map_dataset_as_on_the_same_arrays():
     a generator is refused with the inputs that work."""
     import grain
 
-    from jaxdist._src.train.data import DataError
+    from jaxdist.train import DataError
 
     x, y = _data()
     ds = grain.MapDataset.source([(x[i], y[i]) for i in range(len(y))]).batch(16)

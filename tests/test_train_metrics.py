@@ -3,7 +3,7 @@
 import io
 import math
 
-from jaxdist._src.train.metrics import MetricsLogger, read_metrics
+from jaxdist.train import MetricsLogger, read_metrics
 
 
 def test_jsonl_tensorboard_and_log_lines(tmp_path):

@@ -19,7 +19,7 @@ start and a client refuses to connect, with a message saying how to fix it.
 per-task certificates (``jaxdist._src.cluster.pki``) and set the environment for each task.
 
 Example:
-    >>> from jaxdist._src.cluster.pki import local_pki
+    >>> from jaxdist.testing.tls import local_pki
     >>> pki = local_pki(["ps:0", "worker:0"])
     >>> os.environ.update(pki.identities["worker:0"].env())   # as a task's launcher sets it
     >>> tls = resolve_tls()                 # from TF_CONFIG / the environment
@@ -96,7 +96,7 @@ class TLSConfig:
         Example:
             >>> import grpc
             >>> from concurrent import futures
-            >>> from jaxdist._src.cluster.pki import local_pki
+            >>> from jaxdist.testing.tls import local_pki
             >>> pki = local_pki(["ps:0"])
             >>> tls = pki.identities["ps:0"]
             >>> server = grpc.server(futures.ThreadPoolExecutor(1))
@@ -114,7 +114,7 @@ class TLSConfig:
 
         Example:
             >>> import grpc
-            >>> from jaxdist._src.cluster.pki import local_pki
+            >>> from jaxdist.testing.tls import local_pki
             >>> pki = local_pki(["worker:0"])
             >>> tls = pki.identities["worker:0"]
             >>> channel = grpc.secure_channel("127.0.0.1:2222", tls.channel_credentials())

@@ -23,7 +23,7 @@ from jaxdist._src.train.parameter_server.coordinated import (
     worker_share,
 )
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "parameter_server_coordinator.yaml"
 SPE = 2 * (1437 // 2 // 32)  # steps per epoch: 2 workers x 22 whole batches of their share
 

@@ -239,7 +239,7 @@ def test_input_across_processes_matches_one_device(tmp_path):
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
     sys.path.insert(0, here)
     import keras_partial_mw_worker as w
 
@@ -287,7 +287,7 @@ def test_readme_dataset_example_runs_as_written(devices):
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = text[text.index("**`jaxdist.Dataset` and `tf.data.Dataset` as Keras input.**"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ns: dict = {}

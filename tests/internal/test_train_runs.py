@@ -22,7 +22,7 @@ from jaxdist._src.train import runs
 from jaxdist._src.train.metrics import MetricsLogger, read_metrics
 from jaxdist._src.train.trainer import Trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GBS = 16
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from jaxdist.testing import LocalCluster
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
 def _reference(tmp_path, epochs):

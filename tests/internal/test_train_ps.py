@@ -24,7 +24,7 @@ from jaxdist._src.ps import optimizers as O
 from jaxdist._src.train.metrics import read_metrics
 from jaxdist._src.train.parameter_server.between_graph import ParameterServerHook
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "parameter_server.yaml"
 
 

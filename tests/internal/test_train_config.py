@@ -8,7 +8,7 @@ import pytest
 from jaxdist._src.job import strategy_registry
 from jaxdist._src.job.config import ConfigError, Field, check_replicas, load_config, schema_help
 
-CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 TRAIN_CONFIGS = [p for p in CONFIGS
                  if p.stem in ("default", "one_device", "mirrored", "central_storage", "tpu")]
 

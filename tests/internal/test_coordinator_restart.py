@@ -24,7 +24,8 @@ from jaxdist._src.ps import optimizers as O
 
 pytestmark = pytest.mark.slow
 by_value(__name__)
-CHIEF = [sys.executable, os.path.join(os.path.dirname(__file__), "coordinator_chief.py")]
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHIEF = [sys.executable, os.path.join(TESTS, "coordinator_chief.py")]
 
 
 @pytest.fixture(scope="module")

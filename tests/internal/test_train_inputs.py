@@ -253,7 +253,7 @@ def _cli(tmp_path, *overrides):
 
     from jaxdist._src.job.cli import main
 
-    config = pathlib.Path(__file__).parent.parent / "configs" / "one_device.yaml"
+    config = pathlib.Path(__file__).resolve().parents[2] / "configs" / "one_device.yaml"
     args = ["--config", str(config)]
     for o in ("logging.progress_bar=never", "logging.tensorboard=false", "model.name=mlp",
               "model.hidden_sizes=[8]", "train.global_batch_size=16", "train.steps=2",
