@@ -7,6 +7,10 @@ before JAX initialises its backend:
 * ``JAX_PLATFORMS=cuda,cpu python -m pytest`` runs it on the GPUs (the host CPU stays
   available for what lives there, e.g. CentralStorage's parameter device).
 
+On CPU the suite compiles at ``--xla_backend_optimization_level=0`` (about a third less CPU
+time), unless ``XLA_FLAGS`` names a level or ``JAXDIST_TEST_XLA_DEFAULT_OPT=1`` asks for XLA's
+default.
+
 A test states what it needs and is skipped, with the reason, when that is absent; everything
 else runs on whatever devices exist:
 
@@ -27,8 +31,19 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 # Older spelling, honoured by every jaxlib; JAX_NUM_CPU_DEVICES wins where both are read.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count="
-                               + os.environ["JAX_NUM_CPU_DEVICES"]).strip()
+    _flags = (_flags + " --xla_force_host_platform_device_count="
+              + os.environ["JAX_NUM_CPU_DEVICES"]).strip()
+# On CPU, LLVM's optimisation passes are most of the suite's run time (it compiles many small
+# programs and runs each a few steps): level 0 takes about a third less CPU time. XLA's own
+# passes are the same; LLVM forms no fused multiply-adds at level 0, so results can differ in
+# the last bits (a program that amplifies rounding reruns itself at the default level, see
+# tests/test_programs.py). LocalCluster's tasks inherit the flag. To choose: name a level in
+# XLA_FLAGS, or set JAXDIST_TEST_XLA_DEFAULT_OPT=1 for XLA's default.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags
+        and os.environ.get("JAXDIST_TEST_XLA_DEFAULT_OPT") != "1"):
+    _flags += " " + FAST_COMPILE_FLAG
+os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -80,9 +80,51 @@ def wait_until(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class FileGate:
+    """A gate that functions running on the cluster's worker processes wait at until the test
+    opens it (a file on this machine: the tasks run here), instead of sleeping "long enough".
+
+    Example:
+        >>> gate = FileGate()
+        >>> rv = coordinator.schedule(gate.wait_then, args=(7,))  # holds a worker
+        >>> gate.open(); rv.fetch()
+        7
+    """
+
+    def __init__(self, timeout: float = 60.0):
+        import tempfile
+        import uuid
+
+        self.path = os.path.join(tempfile.gettempdir(), f"jaxdist-gate-{uuid.uuid4().hex}")
+        self.timeout = timeout
+
+    def wait_then(self, value=None):
+        """Blocks until the gate opens (at most ``timeout`` s: a hang guard), then returns
+        ``value``."""
+        deadline = time.monotonic() + self.timeout
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the test never opened the gate {self.path}")
+            time.sleep(0.01)
+        return value
+
+    def open(self) -> None:
+        with open(self.path, "w"):
+            pass
+
+    def close(self) -> None:
+        """Removes the file (the gate is then closed again)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
 def by_value(module_name: str) -> None:
-    """Ships the test module's functions by value (workers cannot import test modules)."""
+    """Ships the test module's functions by value (workers cannot import test modules), and
+    this module's (a ``FileGate`` travels to the workers)."""
     cloudpickle.register_pickle_by_value(sys.modules[module_name])
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def in_process_worker(tls="task", index: int = 0, token: str | None = None,

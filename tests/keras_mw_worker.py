@@ -1,4 +1,4 @@
-"""One task of a Keras ``fit`` under MultiWorkerMirroredStrategy (run by tests/internal/test_keras_mw.py).
+"""One task of a Keras ``fit`` under MultiWorkerMirroredStrategy (tests/internal/test_keras_mw.py).
 
 Every process runs the same program on the whole data with the global batch size, as in TF's
 multi-worker Keras tutorial; ``fit`` shards it (``AutoShardPolicy.DATA``: process p keeps rows

@@ -53,14 +53,15 @@ def test_killing_a_worker_makes_the_survivor_name_it():
         c.wait_for_output("worker:1", r"^step 3 ", 90)
         killed = time.monotonic()
         c.kill("worker:1")
-        c.wait_for_output("worker:0", r"PeerLostError", timeout + 5)
+        c.wait_for_output("worker:0", r"PeerLostError", 2 * timeout)
         detected = time.monotonic() - killed
         code = c.wait("worker:0", 30)
         out = c.output("worker:0")
     assert code == 1, out  # the typed error, then exit status 1 (no SIGABRT at exit)
     assert "jaxdist.PeerLostError: worker:0: lost peer task(s) worker:1" in out
     assert "exception not rethrown" not in out
-    assert detected <= timeout, f"took {detected:.1f}s"
+    # A hang guard, not a speed claim: --timeout 10 named it (the default would take 30 s).
+    assert detected <= 2 * timeout, f"took {detected:.1f}s"
 
 
 @pytest.mark.timeout(60)

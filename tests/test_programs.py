@@ -137,10 +137,35 @@ def _param(name: str):
     return pytest.param(name, marks=marks, id=name)
 
 
+# Programs whose tolerance was established at XLA's default LLVM optimisation level: they
+# amplify rounding so much that the suite's level 0 (tests/conftest.py: no fused multiply-adds)
+# alone moves their 4-device result past it (flax_mnist_tutorial's test loss: 8e-4 apart at the
+# default level, 5e-3 at level 0). They run at the default level, in a pytest process of their
+# own, with the same tolerance.
+DEFAULT_OPT_LEVEL = ("flax_mnist_tutorial",)
+
+
+def _rerun_at_the_default_opt_level(name: str) -> None:
+    from conftest import FAST_COMPILE_FLAG
+
+    env = dict(os.environ, JAXDIST_TEST_XLA_DEFAULT_OPT="1")
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if f != FAST_COMPILE_FLAG)
+    test = f"{os.path.abspath(__file__)}::test_program_on_4_devices_matches_1_device[{name}]"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
+                          timeout=570)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [_param(n) for n in IN_PROCESS])
 def test_program_on_4_devices_matches_1_device(name):
     _need(DEVICES)
+    if name in DEFAULT_OPT_LEVEL and "xla_backend_optimization_level=0" in os.environ.get(
+            "XLA_FLAGS", ""):
+        _rerun_at_the_default_opt_level(name)
+        return
     program = importlib.import_module(f"programs.{name}")
     ref = program.main(None)
     got = program.main(jaxdist.MirroredStrategy(jax.local_devices()[:DEVICES]))

@@ -50,7 +50,8 @@ def test_help_lists_the_options():
 
 
 @pytest.mark.slow
-def test_default_config_reaches_95_percent(tmp_path):
+@pytest.mark.parametrize("timed", [False, pytest.param(True, marks=pytest.mark.timing)])
+def test_default_config_reaches_95_percent(tmp_path, timed):
     start = time.time()
     out = _run("default.yaml", f"logging.dir={tmp_path}")
     wall = time.time() - start
@@ -65,7 +66,7 @@ def test_default_config_reaches_95_percent(tmp_path):
     assert list((run / "train").glob("events.out.tfevents*"))
     assert list((run / "validation").glob("events.out.tfevents*"))
     assert "[validation]" in out.stdout  # plain log lines when stdout is not a terminal
-    assert wall < 60
+    assert wall < 60 or not timed  # a speed claim: only in the `timing` run
 
 
 @pytest.mark.slow

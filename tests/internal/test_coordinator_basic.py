@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from coordinator_util import by_value, coordinator_for, start_cluster, strategy_for, wait_until
+from coordinator_util import (
+    FileGate,
+    by_value,
+    coordinator_for,
+    start_cluster,
+    strategy_for,
+    wait_until,
+)
 
 import jaxdist
 from jaxdist._src.coordinator import (
@@ -169,15 +176,17 @@ def test_per_worker_values_and_datasets(coordinator):
 
 
 def test_first_error_cancels_pending_and_is_raised_once(coordinator):
+    gate = FileGate()
+
     def slow(i):
         time.sleep(0.05)
         return i
 
     def bad():
-        # Fails after the 30 functions below are queued (a sub-millisecond failure could be
-        # raised by one of those schedule calls instead: TF raises it from the next
-        # schedule or join, whichever comes first).
-        time.sleep(0.3)
+        # Fails once the 30 functions below are queued (a failure before could be raised by
+        # one of those schedule calls instead: TF raises it from the next schedule or join,
+        # whichever comes first).
+        gate.wait_then()
         raise ValueError("bad value 42: expected something else")
 
     before = [coordinator.schedule(slow, args=(i,)) for i in range(2)]
@@ -187,7 +196,9 @@ def test_first_error_cancels_pending_and_is_raised_once(coordinator):
     with pytest.raises(ValueError, match="bad value 42") as info:
         for i in range(30):
             pending.append(coordinator.schedule(slow, args=(i,)))
+        gate.open()
         coordinator.join()
+    gate.close()
     assert len(pending) == 30, "the error was raised while scheduling"
     # one typed line and one note on the chief; the worker's frames stay on the error
     notes = getattr(info.value, "__notes__", [])
@@ -286,16 +297,14 @@ def _spy_batches(coordinator) -> list[list[int]]:
     return batches
 
 
-def _gates(coordinator, seconds: float) -> list[RemoteValue]:
-    """Keeps both workers busy for ``seconds`` so that what is scheduled next queues up."""
-    def gate(s):
-        time.sleep(s)
-        return -1
-
-    rvs = [coordinator.schedule(gate, args=(seconds,)) for _ in range(2)]
+def _gates(coordinator) -> tuple[list[RemoteValue], FileGate]:
+    """Keeps both workers busy until the returned gate opens, so that what is scheduled
+    before that queues up."""
+    gate = FileGate()
+    rvs = [coordinator.schedule(gate.wait_then, args=(-1,)) for _ in range(2)]
     wait_until(lambda: all(w.current is not None for w in coordinator._workers), 10,
                "both workers busy")
-    return rvs
+    return rvs, gate
 
 
 def _spy_messages(coordinator) -> list[int]:
@@ -320,9 +329,11 @@ def test_a_queue_goes_out_in_batches_and_results_come_back_in_place(coordinator)
         time.sleep(0.002)
         return np.int64(i * i), os.getpid(), time.monotonic_ns()
 
-    gates = _gates(coordinator, 0.5)
+    gates, gate = _gates(coordinator)
     rvs = [coordinator.schedule(square, args=(i,)) for i in range(40)]
+    gate.open()
     coordinator.join()
+    gate.close()
     assert [rv.fetch()[0] for rv in rvs] == [i * i for i in range(40)]
     # Each worker ran its closures in queue order: its two calls in flight never interleave.
     for worker in ("worker:0", "worker:1"):
@@ -351,10 +362,12 @@ def test_an_error_in_the_middle_of_a_batch_fails_only_that_closure(coordinator):
             raise ValueError(f"closure {i} failed")
         return i
 
-    _gates(coordinator, 0.5)
+    _, gate = _gates(coordinator)
     rvs = [coordinator.schedule(step, args=(i,)) for i in range(30)]
+    gate.open()
     with pytest.raises(ValueError, match="closure 12 failed"):
         coordinator.join()
+    gate.close()
     coordinator.join()  # raised once
     ids = [rv._name for rv in rvs]
     assert all(rv.status is RemoteValueStatus.READY for rv in rvs)

@@ -47,7 +47,7 @@ def test_idle_timeout_is_a_typed_error_naming_the_directory(tmp_path):
     with pytest.raises(EvaluatorTimeoutError, match=r"evaluator:0: no new checkpoint in .*ckpt "
                        r"within 0.3 s \(no checkpoint yet; expected up to step 10\)"):
         ev.start()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # a hang guard: the 0.3 s idle timeout ended it
     assert not (tmp_path / "ckpt").exists()  # read only: nothing created
 
 

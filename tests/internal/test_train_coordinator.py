@@ -137,11 +137,12 @@ def _steps_run(out: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_launch_coordinator_trains_digits_end_to_end(tmp_path):
+@pytest.mark.parametrize("timed", [False, pytest.param(True, marks=pytest.mark.timing)])
+def test_launch_coordinator_trains_digits_end_to_end(tmp_path, timed):
     proc, wall = _launch(tmp_path, "train.epochs=12")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert wall < 60, wall
+    assert wall < 60 or not timed, wall  # a speed claim: only in the `timing` run
     end = _records(tmp_path)[-1]
     assert end["event"] == "end" and end["step"] == 12 * SPE
     assert end["val_accuracy"] >= 0.95, (end, wall)

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import re
-import time
 
 import jax
 import numpy as np
@@ -62,7 +61,6 @@ def test_two_trainers_write_two_runs_that_tensorboard_overlays(data, tmp_path, c
 
     first = _trainer(log_dir=tmp_path)
     first.fit(data, epochs=2, validation_data=data, verbose=1)
-    time.sleep(0.01)
     second = _trainer(log_dir=tmp_path, run_name="again")
     second.fit(data, epochs=1, verbose=1)
     assert first.run_dir != second.run_dir == str(tmp_path / "again")
