@@ -171,7 +171,7 @@ def shell_dir(tmp_path_factory):
 
 
 def _is_slow(block: Block) -> bool:
-    return "jaxdist.launch" in block.code or "run under" in block.notes
+    return any(s in block.code for s in ("jaxdist.launch", "LocalCluster")) or "run under" in block.notes
 
 
 def _params(blocks):
@@ -245,11 +245,22 @@ def _chain(block: Block) -> list[Block]:
 def test_python_block(block, tmp_path, monkeypatch):
     if "topology=" in block.code and importlib.util.find_spec("libtpu") is None:
         pytest.skip("compiles for a TPU topology: needs libtpu (pip install -e '.[tpu]')")
-    monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__main__"}
-    for part in _chain(block):
-        code = compile(part.code, part.id, "exec")
-        exec(code, namespace)  # noqa: S102 - the documentation's own sample
+    chain = _chain(block)
+    # A continued block runs in the namespace and directory its named block left (as the next
+    # cell of a notebook) when that block ran in this session; else the chain runs from the top.
+    cwd, namespace = _NAMESPACES.get((block.path, chain[0].notes.get("name")), (None, None))
+    if namespace is not None and len(chain) > 1:
+        chain = chain[-1:]
+    else:
+        cwd, namespace = tmp_path, {"__name__": "__main__"}
+    monkeypatch.chdir(cwd)
+    for part in chain:
+        exec(compile(part.code, part.id, "exec"), namespace)  # noqa: S102 - the docs' sample
+        if "name" in part.notes:
+            _NAMESPACES[(part.path, part.notes["name"])] = (cwd, namespace)
+
+
+_NAMESPACES: dict[tuple[pathlib.Path, str], tuple[pathlib.Path, dict]] = {}
 
 
 @pytest.mark.parametrize("block", _params(
