@@ -107,7 +107,7 @@ def shell_commands(code: str) -> list[str]:
             continue
         cur += line
         # a trailing comment after the command (`cmd   # what it does`)
-        out.append(re.sub(r"\s+#\s.*$", "", cur).strip())
+        out.append(" ".join(re.sub(r"\s+#\s.*$", "", cur).split()))
         cur = ""
     if cur:
         out.append(cur.strip())
@@ -173,7 +173,8 @@ def fresh_dir(tmp_path_factory):
 
 
 def _is_slow(block: Block) -> bool:
-    return any(s in block.code for s in ("jaxdist.launch", "LocalCluster")) or "run under" in block.notes
+    multi_process = any(s in block.code for s in ("jaxdist.launch", "LocalCluster"))
+    return multi_process or "run under" in block.notes
 
 
 def _params(blocks):
@@ -343,11 +344,71 @@ def header_commands(path: pathlib.Path) -> list[str]:
         if s.endswith("\\"):
             cur += s[:-1] + " "
             continue
-        cmds.append(re.sub(r"\s+#\s.*$", "", cur + s).strip())
+        cmds.append(" ".join(re.sub(r"\s+#\s.*$", "", cur + s).split()))
         cur = ""
     return cmds
 
 
+def _val_accuracy(output: str) -> float:
+    m = re.findall(r"\[end\] .*val_accuracy=([0-9.]+)", output)
+    return float(m[-1]) if m else -1.0
+
+
+def _trained(out: str) -> bool:
+    return "[train]" in out
+
+
+# What each header command claims, checked on its output (exit code, then a predicate). A
+# command not listed must exit 0 and train (a resumed, finished run trains nothing).
+HEADER_CLAIMS = {
+    ("default.yaml", 0): (0, lambda out: _trained(out) and _val_accuracy(out) >= 0.95,
+                          "trains and reaches >= 95% validation accuracy"),
+    ("default.yaml", 1): (0, lambda out: re.search(r"\[end\] step \d+ epoch=5 ", out),
+                          "trains 5 epochs"),
+    ("mirrored.yaml", 1): (0, lambda out: _trained(out) and "with 4 replica(s)" in out,
+                           "trains on 4 CPU replicas"),
+    ("one_device.yaml", 1): ("gpu", _trained, "trains on the GPU"),
+    ("multi_worker.yaml", 0): (0, lambda out: _trained(out) and _val_accuracy(out) >= 0.95,
+                               "trains to about 97% validation accuracy"),
+    ("multi_worker.yaml", 1): (0, lambda out: _trained(out)
+                               and "evaluated the final checkpoint" in out,
+                               "trains, and the evaluator evaluates the final checkpoint"),
+    ("tpu.yaml", 0): ("no tpu", lambda out: "no TPU" in out, "exits 1 with 'no TPU: ...'"),
+    ("tpu.yaml", 2): ("libtpu", lambda out: "HBM" in out, "prints per-chip memory"),
+}
+
+
 def test_config_headers_name_commands():
-    assert {p.name: header_commands(p) for p in CONFIGS if p.name != "kubeflow_tfjob.yaml"
-            and not header_commands(p)} == {}
+    assert {p.name for p in CONFIGS if not header_commands(p)} == {"kubeflow_tfjob.yaml"}
+
+
+@pytest.mark.parametrize("config", [pytest.param(p, id=p.name, marks=[pytest.mark.slow])
+                                    for p in CONFIGS if header_commands(p)])
+def test_config_header_commands_do_what_they_say(config, fresh_dir):
+    """The header's commands, in order, in one directory (as a reader runs them)."""
+    import jax
+
+    cwd = fresh_dir()
+    for i, cmd in enumerate(header_commands(config)):
+        want, check, claim = HEADER_CLAIMS.get((config.name, i), (0, _trained, "trains"))
+        if want == "gpu":
+            if not any(d.platform == "gpu" for d in jax.devices()):
+                continue  # the comment says: on a machine with a GPU
+            want = 0
+        elif want == "libtpu":
+            if importlib.util.find_spec("libtpu") is None:
+                continue  # the comment says: needs libtpu
+            want = 0
+        elif want == "no tpu":
+            want = 1 if not any(d.platform == "tpu" for d in jax.devices()) else 0
+        if i == 0 and cmd in _SHELL_RESULTS:  # the docs ran it in a fresh directory too
+            proc = _SHELL_RESULTS[cmd]
+        else:
+            proc = run_command(cmd, cwd)
+            if i == 0:
+                _SHELL_RESULTS[cmd] = proc
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == want, _fail_output(f"{config.name} line {cmd!r} "
+                                                     f"(expected exit {want})", proc)
+        assert check(out), (f"{config.name}: {cmd!r} should: {claim}; it printed:\n"
+                            + out[-3000:])
