@@ -173,8 +173,10 @@ def fresh_dir(tmp_path_factory):
 
 
 def _is_slow(block: Block) -> bool:
+    """Blocks that start processes: marked `slow` (CI's main pass runs them; the one-device pass
+    skips them, as their processes set their own devices)."""
     multi_process = any(s in block.code for s in ("jaxdist.launch", "LocalCluster"))
-    return multi_process or "run under" in block.notes
+    return multi_process or "run under" in block.notes or block.lang in SHELL
 
 
 def _params(blocks):
