@@ -1,5 +1,5 @@
-"""The README's custom training loop, copied from README.md as written, on 4 replicas
-(as many as exist where there are fewer).
+"""The README's custom training loop (its model and data included), copied from README.md as
+written, on 4 replicas (as many as exist where there are fewer).
 
 The data ends with a partial batch of 29 rows (64 + 29 rows, GLOBAL_BATCH = 64): TF splits it
 16 / 13 / 0 / 0 over 4 replicas and ``compute_average_loss`` divides by the global batch size;
@@ -60,12 +60,11 @@ def test_readme_custom_loop_runs_on_4_replicas_with_a_partial_last_batch():
     code = _readme_loop()
     assert "jaxdist.MirroredStrategy()" in code
     code = code.replace("jaxdist.MirroredStrategy()", "jaxdist.MirroredStrategy(jax.devices()[:4])")
-    rng = np.random.RandomState(0)
-    x = rng.randn(64 + 29, 8).astype(np.float32)
-    y = rng.randint(0, 4, 64 + 29).astype(np.int32)
-    ns = {"MyModel": MyModel, "x": x, "y": y}
+    ns = {}
     exec(compile(code, str(README), "exec"), ns)
     assert ns["strategy"].num_replicas_in_sync == len(jax.devices()[:4])
+    x, y = ns["x_train"], ns["y_train"]
+    assert len(x) == 64 + 29
     want = _reference(x, y, ns["GLOBAL_BATCH"])
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5),

@@ -1,0 +1,430 @@
+"""Every code block of README.md, docs/*.md and BENCHMARKS.md runs as written, and every command
+in a config's header comment (configs/*.yaml) does what it says.
+
+A block runs by its language:
+
+* ``python``: executed as a script, in this process (in a fresh namespace, in a temporary
+  working directory), or, under a ``<!-- run under: COMMAND -->`` annotation, as a script file
+  passed to that command (``python -m jaxdist.launch --workers 2 -- python`` + the file) in a
+  subprocess;
+* ``bash`` / ``sh`` / unlabelled: every command line (``\\`` continuations joined, ``#``
+  comments dropped) must be ``[VAR=value ...] python ...``; each runs in a subprocess in a
+  new temporary directory that holds the repository's ``configs/`` and ``tests/`` and must
+  exit 0. An identical command in several blocks runs once;
+* ``json``: parsed (one document, or JSON lines); a ``TF_CONFIG`` (one with ``"cluster"``) is
+  read by ``TFConfigClusterResolver``;
+* ``yaml``: a config section; merged into ``configs/default.yaml`` and validated by the job
+  config loader.
+
+Annotations are HTML comments on the lines just above a block (invisible on GitHub, visible in
+the source):
+
+* ``<!-- not run: REASON -->``: the block cannot run here (``pip install``, Kubernetes,
+  output listings, diagrams, another library's code); counted and listed, never silent;
+* ``<!-- name: NAME -->`` / ``<!-- run after: NAME -->``: a python block that continues the
+  block named NAME (earlier in the same file) runs after it, in one namespace;
+* ``<!-- run under: COMMAND -->``: see above (a block that needs a cluster).
+
+A block that is not marked and does not run fails the test naming its file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+COMMAND_TIMEOUT = 240  # seconds per documented command (a launcher job takes ~20 s on 2 cores)
+
+_FENCE = re.compile(r"^(```+)\s*([\w+-]*)\s*$")
+_NOTE = re.compile(r"^<!--\s*(not run|name|run after|run under)\s*:\s*(.*?)\s*-->\s*$")
+SHELL = {"bash", "sh", "shell", "console", ""}
+
+
+@dataclasses.dataclass
+class Block:
+    path: pathlib.Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    notes: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def parse_blocks(path: pathlib.Path) -> list[Block]:
+    """The fenced blocks of a markdown file with the annotations just above each."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        notes, k = {}, i - 1
+        while k >= 0 and (not lines[k].strip() or _NOTE.match(lines[k].strip())):
+            n = _NOTE.match(lines[k].strip())
+            if n:
+                notes.setdefault(n.group(1), n.group(2))
+            k -= 1
+        end = i + 1
+        while end < len(lines) and not lines[end].startswith(m.group(1)):
+            end += 1
+        if end == len(lines):
+            raise AssertionError(f"{path}:{i + 1}: code block never closed")
+        blocks.append(Block(path, i + 1, m.group(2).lower(), "\n".join(lines[i + 1:end]) + "\n",
+                            notes))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [b for p in DOCS for b in parse_blocks(p)]
+RUN_BLOCKS = [b for b in ALL_BLOCKS if "not run" not in b.notes]
+
+
+def shell_commands(code: str) -> list[str]:
+    """The logical command lines of a shell block (continuations joined, comments dropped)."""
+    out, cur = [], ""
+    for raw in code.splitlines():
+        line = raw.rstrip()
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.endswith("\\"):
+            cur += line[:-1] + " "
+            continue
+        cur += line
+        # a trailing comment after the command (`cmd   # what it does`)
+        out.append(" ".join(re.sub(r"\s+#\s.*$", "", cur).split()))
+        cur = ""
+    if cur:
+        out.append(cur.strip())
+    return out
+
+
+def split_command(cmd: str) -> tuple[dict[str, str], list[str]]:
+    """``VAR=value ... python args`` -> (env, argv); raises ValueError for anything else."""
+    words = shlex.split(cmd)
+    env = {}
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if not words or words[0] not in ("python", "python3"):
+        raise ValueError(f"{cmd!r} is not a `python ...` command")
+    if any(w in ("|", "&&", "||", ";", ">", "<") or w.startswith(("[", "$(")) for w in words):
+        raise ValueError(f"{cmd!r} is not one plain command (a pipe, a redirection or a "
+                         f"[placeholder])")
+    return env, [sys.executable, *words[1:]]
+
+
+def command_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a reader's shell has: this repository importable, `python` on PATH,
+    JAX on the CPU (as the suite), no forced device count (the command sets its own)."""
+    env = dict(os.environ)
+    for key in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "TF_CONFIG", "JAXDIST_CLUSTER_TOKEN"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def work_dir(tmp: pathlib.Path) -> pathlib.Path:
+    """A working directory with the repository's configs/ and tests/ (what the commands name)."""
+    for name in ("configs", "tests", "benchmarks"):
+        link = tmp / name
+        if not link.exists():
+            link.symlink_to(ROOT / name)
+    return tmp
+
+
+def run_command(cmd: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    env, argv = split_command(cmd)
+    return subprocess.run(argv, cwd=cwd, env=command_env(env), capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+def _fail_output(what: str, proc: subprocess.CompletedProcess) -> str:
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    return f"{what} exited {proc.returncode}:\n{tail}"
+
+
+_SHELL_RESULTS: dict[str, subprocess.CompletedProcess] = {}
+
+
+@pytest.fixture(scope="module")
+def fresh_dir(tmp_path_factory):
+    """A new working directory per command: each documented command runs as on a fresh
+    checkout (no earlier run's checkpoint to resume)."""
+    return lambda: work_dir(tmp_path_factory.mktemp("doc-command"))
+
+
+def _is_slow(block: Block) -> bool:
+    """Blocks that start processes: marked `slow` (CI's main pass runs them; the one-device pass
+    skips them, as their processes set their own devices)."""
+    multi_process = any(s in block.code for s in ("jaxdist.launch", "LocalCluster"))
+    return multi_process or "run under" in block.notes or block.lang in SHELL
+
+
+def _params(blocks):
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if _is_slow(b) else [])
+            for b in blocks]
+
+
+# ------------------------------------------------------------------ the inventory
+
+def test_every_block_runs_or_is_marked():
+    """Each block is of a kind this file runs, or carries `<!-- not run: REASON -->`."""
+    problems = []
+    names = {}
+    for b in ALL_BLOCKS:
+        if "not run" in b.notes:
+            if not b.notes["not run"]:
+                problems.append(f"{b.id}: `not run` without a reason")
+            if b.lang == "python":  # not run, but valid Python that can be pasted
+                try:
+                    compile(b.code, b.id, "exec")
+                except SyntaxError as e:
+                    problems.append(f"{b.id}: not valid Python: {e}")
+            continue
+        if "name" in b.notes:
+            names[(b.path, b.notes["name"])] = b
+        if "run after" in b.notes and (b.path, b.notes["run after"]) not in names:
+            problems.append(f"{b.id}: runs after {b.notes['run after']!r}, which no earlier "
+                            f"block of {b.path.name} is named")
+        if b.lang in ("python", "json", "yaml"):
+            continue
+        if b.lang in SHELL:
+            try:
+                cmds = shell_commands(b.code)
+                if not cmds:
+                    raise ValueError("no command")
+                for c in cmds:
+                    split_command(c)
+            except ValueError as e:
+                problems.append(f"{b.id}: {e}; fix the block or mark it <!-- not run: ... -->")
+            continue
+        problems.append(f"{b.id}: a {b.lang!r} block cannot be run; mark it <!-- not run: ... -->")
+    assert not problems, "\n".join(problems)
+
+
+def test_inventory_is_reported(capsys):
+    """Prints the counts (`pytest -s -k inventory`): blocks found, run, marked not run."""
+    not_run = [b for b in ALL_BLOCKS if "not run" in b.notes]
+    with capsys.disabled():
+        print(f"\ndoc blocks: {len(ALL_BLOCKS)} found, {len(ALL_BLOCKS) - len(not_run)} run, "
+              f"{len(not_run)} marked not run")
+        for b in not_run:
+            print(f"  not run  {b.id}: {b.notes['not run']}")
+    assert ALL_BLOCKS
+
+
+# ------------------------------------------------------------------ python blocks
+
+def _chain(block: Block) -> list[Block]:
+    chain = [block]
+    while "run after" in chain[0].notes:
+        want = chain[0].notes["run after"]
+        prev = [b for b in RUN_BLOCKS if b.path == block.path and b.line < chain[0].line
+                and b.notes.get("name") == want]
+        assert prev, f"{block.id}: no earlier block named {want!r}"
+        chain.insert(0, prev[-1])
+    return chain
+
+
+@pytest.mark.parametrize("block", _params(
+    [b for b in RUN_BLOCKS if b.lang == "python" and "run under" not in b.notes]))
+def test_python_block(block, tmp_path, monkeypatch):
+    if "topology=" in block.code and importlib.util.find_spec("libtpu") is None:
+        pytest.skip("compiles for a TPU topology: needs libtpu (pip install -e '.[tpu]')")
+    chain = _chain(block)
+    # A continued block runs in the namespace and directory its named block left (as the next
+    # cell of a notebook) when that block ran in this session; else the chain runs from the top.
+    cwd, namespace = _NAMESPACES.get((block.path, chain[0].notes.get("name")), (None, None))
+    if namespace is not None and len(chain) > 1:
+        chain = chain[-1:]
+    else:
+        cwd, namespace = tmp_path, {"__name__": "__main__"}
+    monkeypatch.chdir(cwd)
+    for part in chain:
+        exec(compile(part.code, part.id, "exec"), namespace)  # noqa: S102 - the docs' sample
+        if "name" in part.notes:
+            _NAMESPACES[(part.path, part.notes["name"])] = (cwd, namespace)
+
+
+_NAMESPACES: dict[tuple[pathlib.Path, str], tuple[pathlib.Path, dict]] = {}
+
+
+@pytest.mark.parametrize("block", _params(
+    [b for b in RUN_BLOCKS if b.lang == "python" and "run under" in b.notes]))
+def test_python_block_under_a_cluster(block, tmp_path):
+    later = [b for b in RUN_BLOCKS if b.path == block.path and b.line > block.line
+             and "run under" in b.notes and "name" in block.notes
+             and b.notes.get("run after") == block.notes["name"]]
+    if later:  # one cluster for both: the continuation runs this block first
+        pytest.skip(f"runs as the start of {later[0].id}")
+    cwd = work_dir(tmp_path)
+    script = cwd / "doc_block.py"
+    script.write_text("".join(p.code for p in _chain(block)))
+    cmd = f"{block.notes['run under']} {script.name}"
+    proc = run_command(cmd, cwd)
+    assert proc.returncode == 0, _fail_output(f"{block.id} under {cmd!r}", proc)
+
+
+# ------------------------------------------------------------------ shell blocks
+
+@pytest.mark.parametrize("block", _params(
+    [b for b in RUN_BLOCKS if b.lang in SHELL]))
+def test_shell_block(block, fresh_dir):
+    for cmd in shell_commands(block.code):
+        if cmd not in _SHELL_RESULTS:
+            _SHELL_RESULTS[cmd] = run_command(cmd, fresh_dir())
+        proc = _SHELL_RESULTS[cmd]
+        assert proc.returncode == 0, _fail_output(f"{block.id}: {cmd!r}", proc)
+
+
+# ------------------------------------------------------------------ data blocks
+
+@pytest.mark.parametrize("block", _params(
+    [b for b in RUN_BLOCKS if b.lang == "json"]))
+def test_json_block(block, monkeypatch):
+    try:
+        doc = json.loads(block.code)
+    except json.JSONDecodeError:  # JSON lines (metrics.jsonl): one object per line
+        docs = [json.loads(line) for line in block.code.splitlines() if line.strip()]
+        assert all(isinstance(d, dict) for d in docs), block.id
+        return
+    if "cluster" in doc:
+        from jaxdist.cluster_resolver import TFConfigClusterResolver
+
+        monkeypatch.setenv("TF_CONFIG", block.code)
+        resolver = TFConfigClusterResolver()
+        assert resolver.cluster_spec().jobs, block.id
+
+
+@pytest.mark.parametrize("block", _params(
+    [b for b in RUN_BLOCKS if b.lang == "yaml"]))
+def test_yaml_block(block, tmp_path):
+    import yaml
+
+    from jaxdist.train import load_config
+
+    cfg = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+    cfg.update(yaml.safe_load(block.code))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    load_config(str(path))
+
+
+# ------------------------------------------------------------------ config headers
+
+def header_commands(path: pathlib.Path) -> list[str]:
+    """The commands in a config's header comment (`#   python ...` lines, continued with `\\`)."""
+    text = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text.append(line[1:])
+    cmds, cur = [], ""
+    for line in text:
+        s = line.strip()
+        if not cur and not re.match(r"^([A-Z_][A-Z0-9_]*=\S+\s+)*python3?\s", s):
+            continue
+        if s.endswith("\\"):
+            cur += s[:-1] + " "
+            continue
+        cmds.append(" ".join(re.sub(r"\s+#\s.*$", "", cur + s).split()))
+        cur = ""
+    return cmds
+
+
+def _val_accuracy(output: str) -> float:
+    m = re.findall(r"\[end\] .*val_accuracy=([0-9.]+)", output)
+    return float(m[-1]) if m else -1.0
+
+
+def _trained(out: str) -> bool:
+    return "[train]" in out
+
+
+# What each header command claims, checked on its output (exit code, then a predicate). A
+# command not listed must exit 0 and train (a resumed, finished run trains nothing); it runs
+# for one epoch (`--set train.epochs=1` appended: the claim holds as well, and a line that
+# would resume the line before it still trains nothing). The commands whose claims need every
+# epoch (an accuracy) run as written; the docs run them too, and their runs are shared.
+FULL = {("default.yaml", 0), ("default.yaml", 1), ("multi_worker.yaml", 0),
+        ("multi_worker.yaml", 1)}
+HEADER_CLAIMS = {
+    ("default.yaml", 0): (0, lambda out: _trained(out) and _val_accuracy(out) >= 0.95,
+                          "trains and reaches >= 95% validation accuracy"),
+    ("default.yaml", 1): (0, lambda out: re.search(r"\[end\] step \d+ epoch=5 ", out),
+                          "trains 5 epochs"),
+    ("mirrored.yaml", 1): (0, lambda out: _trained(out) and "with 4 replica(s)" in out,
+                           "trains on 4 CPU replicas"),
+    ("one_device.yaml", 1): ("gpu", _trained, "trains on the GPU"),
+    ("multi_worker.yaml", 0): (0, lambda out: _trained(out) and _val_accuracy(out) >= 0.95,
+                               "trains to about 97% validation accuracy"),
+    ("multi_worker.yaml", 1): (0, lambda out: _trained(out)
+                               and "evaluated the final checkpoint" in out,
+                               "trains, and the evaluator evaluates the final checkpoint"),
+    ("tpu.yaml", 0): ("no tpu", lambda out: "no TPU" in out, "exits 1 with 'no TPU: ...'"),
+    ("tpu.yaml", 2): ("libtpu", lambda out: "HBM" in out, "prints per-chip memory"),
+}
+
+
+def test_config_headers_name_commands():
+    assert {p.name for p in CONFIGS if not header_commands(p)} == {"kubeflow_tfjob.yaml"}
+
+
+@pytest.mark.parametrize("config", [pytest.param(p, id=p.name, marks=[pytest.mark.slow])
+                                    for p in CONFIGS if header_commands(p)])
+def test_config_header_commands_do_what_they_say(config, fresh_dir):
+    """The header's commands, in order, in one directory (as a reader runs them); see
+    HEADER_CLAIMS for what is checked and which run one epoch."""
+    import jax
+    import yaml
+
+    cwd = fresh_dir()
+    # Without a checkpoint directory no line can resume another: each line's run is the same
+    # as in a fresh directory.
+    independent = (yaml.safe_load(config.read_text()).get("checkpoint") or {}).get("dir") is None
+    for i, cmd in enumerate(header_commands(config)):
+        want, check, claim = HEADER_CLAIMS.get((config.name, i), (0, _trained, "trains"))
+        if want == "gpu":
+            if not any(d.platform == "gpu" for d in jax.devices()):
+                continue  # the comment says: on a machine with a GPU
+            want = 0
+        elif want == "libtpu":
+            if importlib.util.find_spec("libtpu") is None:
+                continue  # the comment says: needs libtpu
+            want = 0
+        elif want == "no tpu":
+            want = 1 if not any(d.platform == "tpu" for d in jax.devices()) else 0
+        # The docs may have run the same command in a fresh directory: the same run for the
+        # first line, and for a line with a checkpoint directory of its own.
+        if (i == 0 or independent or "checkpoint.dir=" in cmd) and cmd in _SHELL_RESULTS:
+            proc = _SHELL_RESULTS[cmd]
+        elif (config.name, i) in FULL:
+            proc = run_command(cmd, cwd)
+            if i == 0 or independent:
+                _SHELL_RESULTS[cmd] = proc
+        else:
+            proc = run_command(cmd + " --set train.epochs=1", cwd)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == want, _fail_output(f"{config.name} line {cmd!r} "
+                                                     f"(expected exit {want})", proc)
+        assert check(out), (f"{config.name}: {cmd!r} should: {claim}; it printed:\n"
+                            + out[-3000:])
