@@ -574,7 +574,7 @@ def trainer_hooks(scope: bool = True) -> Iterator[None]:
         scope: whether a jaxdist scope enters it (``False``: a model's own hook, for one call).
 
     Example:
-        >>> with trainer_hooks():
+        >>> with trainer_hooks():  # doctest: +SKIP
         ...     model.fit(x, y)
     """
     global _COUNT

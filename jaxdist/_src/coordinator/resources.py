@@ -7,8 +7,9 @@ build failed is broken: the closures that take it fail with ``ClosureInputError`
 
 Example:
     >>> resources = PerWorkerResources()
-    >>> values = resources.create(make_dataset, (dataset_fn,), "dataset", num_workers=2)
-    >>> [rid for rid, fn, args in resources.specs()]
+    >>> values = resources.create(  # doctest: +SKIP
+    ...     make_dataset, (dataset_fn,), "dataset", num_workers=2)
+    >>> [rid for rid, fn, args in resources.specs()]  # doctest: +SKIP
     [0]
 """
 
@@ -42,7 +43,8 @@ class PerWorkerResources:
         """Registers ``fn(*args)`` to build on every worker; its reference for each worker.
 
         Example:
-            >>> it = resources.create(make_iterator, (datasets,), "iterator", num_workers=2)
+            >>> it = resources.create(  # doctest: +SKIP
+            ...     make_iterator, (datasets,), "iterator", num_workers=2)
         """
         rid = next(self._ids)
         with self._lock:

@@ -17,8 +17,8 @@ event) and reads no private attribute of another object.
 Example:
     >>> settings = SenderSettings(num_workers=2, rpc_timeout=60.0, closure_timeout=3600.0,
     ...                           ps_rpc_timeout=60.0, join_timeout=600.0)
-    >>> w = WorkerThread(state, queue, client, resources, settings, stopping)
-    >>> w.start()
+    >>> w = WorkerThread(state, queue, client, resources, settings, stopping)  # doctest: +SKIP
+    >>> w.start()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ class WorkerThread:
         stopping: set when the coordinator shuts down: the sender threads end.
 
     Example:
-        >>> w = WorkerThread(state, queue, client, resources, settings, stopping)
-        >>> w.start()
-        >>> w.join(time.monotonic() + 10.0)       # after stopping.set() and queue.stop()
+        >>> w = WorkerThread(state, queue, client, resources, settings, stopping)  # doctest: +SKIP
+        >>> w.start()  # doctest: +SKIP
+        >>> w.join(time.monotonic() + 10.0)  # after stop  # doctest: +SKIP
     """
 
     def __init__(self, state: WorkerState, queue: ClosureQueue, client: WorkerClient,

@@ -11,6 +11,6 @@ It sits on the Trainer library (``jaxdist._src.train``), never the other way rou
 
 Example:
     >>> from jaxdist._src.job.cli import main
-    >>> main(["--config", "configs/default.yaml", "--print-config"])
+    >>> main(["--config", "configs/default.yaml", "--print-config"])  # doctest: +SKIP
     0
 """

@@ -2,7 +2,8 @@
 checkpoints (``jaxdist._src.train.evaluator.SidecarEvaluator``) with the job's model and data.
 
 Example:
-    >>> records = run_sidecar(load_config("configs/multi_worker.yaml"), "evaluator:0")
+    >>> records = run_sidecar(  # doctest: +SKIP
+    ...     load_config("configs/multi_worker.yaml"), "evaluator:0")
 """
 
 from __future__ import annotations

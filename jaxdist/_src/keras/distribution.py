@@ -112,7 +112,7 @@ class StrategyDistribution(keras.distribution.DataParallel):
         ``jaxdist._src.keras.model_strategy``).
 
         Example:
-            >>> with StrategyDistribution(strategy).scope():
+            >>> with StrategyDistribution(strategy).scope():  # doctest: +SKIP
             ...     model.fit(x, y)
         """
         with model_strategy.hooks(), super().scope():

@@ -109,6 +109,7 @@ def check_multi_process_callbacks(callbacks: Any) -> None:
         ValueError: naming the callback and its ``jaxdist.keras`` replacement.
 
     Example:
+        >>> import jaxdist.keras
         >>> check_multi_process_callbacks([jaxdist.keras.ModelCheckpoint("ckpt.keras")])
     """
     import jax
@@ -237,7 +238,7 @@ def add_model_hooks(model: Any) -> None:
     jaxdist's trainer hooks for that call, so the model keeps its strategy outside the scope.
 
     Example:
-        >>> add_model_hooks(model)
+        >>> add_model_hooks(model)  # doctest: +SKIP
     """
     for name in ("compile", *_ENTRY_POINTS):
         ki.set_instance_method(model, name, _model_hook(name))
@@ -270,7 +271,7 @@ def hooks(scope: bool = True) -> Any:
     module docstring); ``scope``: whether a jaxdist scope enters it (not a model's own hook).
 
     Example:
-        >>> with hooks():
+        >>> with hooks():  # doctest: +SKIP
         ...     model.compile(optimizer="sgd", loss="mse")   # records the current strategy
     """
     ki.register_trainer_hooks(_factories())

@@ -688,7 +688,7 @@ def wrap_make_function(original: Any) -> Any:
     padded batches) for models under a jaxdist distribution; Keras's own for any other.
 
     Example:
-        >>> make_function = wrap_make_function(keras_make_function)
+        >>> make_function = wrap_make_function(keras_make_function)  # doctest: +SKIP
     """
 
     @functools.wraps(original)

@@ -18,7 +18,7 @@ scopes only; Keras's check itself runs only under a Keras distribution). Keras v
 3.15 have no such check and warn nothing: then nothing is wrapped.
 
 Example:
-    >>> check = wrap_check(keras_check)
+    >>> check = wrap_check(keras_check)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def wrap_check(original: Any) -> Any:
     """Keras's mixed-sharding check (``original``), skipped for state on one device.
 
     Example:
-        >>> check = wrap_check(keras_check)
+        >>> check = wrap_check(keras_check)  # doctest: +SKIP
     """
 
     @functools.wraps(original)

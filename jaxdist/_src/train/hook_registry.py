@@ -7,7 +7,6 @@ strategy's class (nearest in its MRO), else ``SyncHook`` (the synchronous strate
 Example:
     >>> hook_for(jaxdist.MirroredStrategy())
     SyncHook()
-    >>> register_trainer_hook(MyStrategy, MyHook)
 """
 
 from __future__ import annotations
@@ -27,7 +26,15 @@ def register_trainer_hook(strategy_class: type,
     """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
 
     Example:
+        >>> from jaxdist._src.train.hooks import SyncHook
+        >>> class MyStrategy(jaxdist.MirroredStrategy):
+        ...     pass
+        >>> class MyHook(SyncHook):
+        ...     pass
         >>> register_trainer_hook(MyStrategy, MyHook)
+        >>> type(hook_for(MyStrategy(jax.devices()[:1]))).__name__
+        'MyHook'
+        >>> del _HOOKS[MyStrategy]   # (this example unregisters it; a program keeps it)
     """
     _HOOKS[strategy_class] = hook
 
