@@ -35,6 +35,17 @@ SRC_IMPORT_ALLOWED: dict[str, str] = {
     "coordinator_util.py": "helper of the coordinator tests: in_process_worker runs a worker task "
                            "inside the test process (WorkerServer, WorkerRuntime, TaskInfo have "
                            "no public face; a real worker is `python -m jaxdist.server`)",
+    # TensorFlow's own tests stay in tests/tf_compat/ (the project's rule); these test TF's
+    # internal helpers, whose jaxdist counterparts are private too.
+    "tf_compat/test_tf_cluster_coordinator.py": "TF's CoordinatedClosureQueueTest tests TF's "
+                                                "_CoordinatedClosureQueue (jaxdist's ClosureQueue)",
+    "tf_compat/test_tf_cross_device_ops.py": "TF's test resolves device strings (TF's "
+                                             "device_util; jaxdist's resolve_device)",
+    "tf_compat/test_tf_distribute_lib.py": "TF's test reaches distribute_lib internals (the "
+                                           "default strategy, InputContext)",
+    "tf_compat/test_tf_multi_worker_util.py": "TF's multi_worker_util (jaxdist's "
+                                              "cluster.validation)",
+    "tf_compat/test_tf_slurm_cluster_resolver.py": "TF's Slurm host-list expansion helpers",
 }
 
 # Test files that import jaxdist._src and belong to parallel work on the same modules (the

@@ -231,8 +231,8 @@ def test_an_earlier_failure_cancels_the_call_in_flight_and_its_closures():
 
 
 def test_the_worker_thread_reads_no_private_attribute_of_another_object():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "jaxdist", "_src", "coordinator", "worker_thread.py")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(repo, "jaxdist", "_src", "coordinator", "worker_thread.py")
     with open(path, encoding="utf-8") as f:
         bad = _private_reads(ast.parse(f.read()))
     assert not bad, "private attributes read across the WorkerThread's interface:\n" + \

@@ -26,10 +26,10 @@ def register_trainer_hook(strategy_class: type,
     """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
 
     Example:
-        >>> from jaxdist._src.train.hooks import SyncHook
+        >>> from jaxdist.train import TrainerHook
         >>> class MyStrategy(jaxdist.MirroredStrategy):
         ...     pass
-        >>> class MyHook(SyncHook):
+        >>> class MyHook(TrainerHook):
         ...     pass
         >>> register_trainer_hook(MyStrategy, MyHook)
         >>> type(hook_for(MyStrategy(jax.devices()[:1]))).__name__
