@@ -30,7 +30,8 @@ def register_trainer_hook(strategy_class: type,
         >>> class MyStrategy(jaxdist.MirroredStrategy):
         ...     pass
         >>> class MyHook(TrainerHook):
-        ...     pass
+        ...     def __init__(self, strategy):
+        ...         self.strategy = strategy
         >>> register_trainer_hook(MyStrategy, MyHook)
         >>> type(hook_for(MyStrategy(jax.devices()[:1]))).__name__
         'MyHook'
