@@ -234,7 +234,7 @@ def test_multi_worker_dropout_and_sync_batch_norm_equal_one_mirrored_process(dat
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "state.npz"
-    script = os.path.join(root, "tests", "mw_model_state_worker.py")
+    script = os.path.join(root, "tests", "internal", "mw_model_state_worker.py")
     with LocalCluster(workers=2, devices_per_process=2, cwd=root,
                       env={"PYTHONPATH": root}) as c:
         c.start([sys.executable, script, str(out)])
