@@ -213,6 +213,7 @@ def test_a_wrong_argument_is_a_type_error_naming_the_fix():
 
 
 # ---------------------------------------------------------------------- batch_size at fit
+@pytest.mark.devices(2)  # the refused batch size is one that does not divide across 2 replicas
 def test_batch_size_at_fit_equals_global_batch_size_at_construction(data):
     strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     with strategy.scope():
