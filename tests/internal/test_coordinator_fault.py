@@ -208,7 +208,11 @@ def test_exactly_once_evaluation_despite_a_lost_worker(cluster, strategy, coordi
     killer.join()
     visited = sorted(v for p in parts for v in p)
     assert visited == list(range(40))  # every example exactly once
-    assert float(attempts.pull()["n"]) >= 9  # ... although a shard ran twice
+    # ... although worker:0 was lost in the middle of a shard (its function had started; the
+    # shard ran again elsewhere). Whether that first run's counter push reached the ps before
+    # the kill is a race, so the count is 8 or 9.
+    assert coordinator.worker_states()[0].downs == 1
+    assert float(attempts.pull()["n"]) >= 8
 
 
 def test_worker_killed_mid_batch_reruns_only_the_closures_without_an_answer(
