@@ -18,16 +18,10 @@ from typing import Any
 
 import jax
 
+from jaxdist._src.compat.versions import outside_range
+
 #: The JAX releases the adapters below are written for: (lowest, first unsupported).
 SUPPORTED = ((0, 10, 2), (0, 11, 0))
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def check_version(version: str | None = None) -> str | None:
@@ -38,12 +32,7 @@ def check_version(version: str | None = None) -> str | None:
         'jaxdist supports jax >= 0.10.2, < 0.11.0; found jax 0.9.0'
     """
     found = jax.__version__ if version is None else version
-    low, high = SUPPORTED
-    if low <= _version(found) < high:
-        return None
-    fmt = ".".join
-    return (f"jaxdist supports jax >= {fmt(map(str, low))}, < {fmt(map(str, high))}; "
-            f"found jax {found}")
+    return outside_range("jaxdist", "jax", found, SUPPORTED)
 
 
 def warn_if_unsupported() -> None:

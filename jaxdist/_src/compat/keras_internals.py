@@ -41,6 +41,8 @@ from typing import Any
 
 import keras
 
+from jaxdist._src.compat.versions import outside_range
+
 #: The Keras releases the adapters below are written for: (lowest, first unsupported).
 SUPPORTED = ((3, 8, 0), (4, 0, 0))
 
@@ -56,14 +58,6 @@ PRIVATE_ATTRIBUTES = frozenset({
 })
 
 
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def check_version(version: str | None = None) -> str | None:
     """``None`` for a supported Keras, else a sentence saying which range is supported.
 
@@ -72,12 +66,7 @@ def check_version(version: str | None = None) -> str | None:
         'jaxdist.keras supports keras >= 3.8.0, < 4.0.0; found keras 3.7.0'
     """
     found = getattr(keras, "__version__", "0") if version is None else version
-    low, high = SUPPORTED
-    if low <= _version(found) < high:
-        return None
-    fmt = ".".join
-    return (f"jaxdist.keras supports keras >= {fmt(map(str, low))}, < {fmt(map(str, high))}; "
-            f"found keras {found}")
+    return outside_range("jaxdist.keras", "keras", found, SUPPORTED)
 
 
 def warn_if_unsupported() -> None:
