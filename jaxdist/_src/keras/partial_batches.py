@@ -72,6 +72,37 @@ import numpy as np
 from jaxdist._src.compat import keras_internals as ki
 
 _DataAdapter = ki.data_adapter_base()
+
+
+class _JaxBackendAdapter(_DataAdapter):
+    """A Keras data adapter that feeds the Keras JAX backend only."""
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
+
+
+class _WrappingAdapter(_JaxBackendAdapter):
+    """An adapter over another (``self._inner``): its batch count, partial-batch flag and epoch
+    hooks are the inner adapter's."""
+
+    _inner: Any
+
+    @property
+    def num_batches(self) -> int | None:
+        return self._inner.num_batches
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return self._inner.has_partial_batch
+
+    def on_epoch_begin(self) -> None:
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self._inner.on_epoch_end()
 tree = keras.tree
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _SUM_REDUCTIONS = ("sum", "none", None)
@@ -169,7 +200,7 @@ def _untagged(x: Any) -> Any:
     return x.dataset if isinstance(x, _PolicyDataset) else x
 
 
-class DatasetAdapter(_DataAdapter):
+class DatasetAdapter(_JaxBackendAdapter):
     """A ``jaxdist.Dataset`` or ``tf.data.Dataset`` as Keras input: its elements are the global
     batches (this process's rows of them once ``source`` is sharded across processes).
 
@@ -236,12 +267,6 @@ class DatasetAdapter(_DataAdapter):
     def get_jax_iterator(self) -> Iterator[Any]:
         return ki.jax_batches(self._batches())
 
-    def get_tf_dataset(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
-    def get_torch_dataloader(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
     @property
     def num_batches(self) -> int | None:
         cardinality = getattr(self._dataset, "cardinality", None)
@@ -272,7 +297,7 @@ def _broadcast_seed() -> int:
     return int(multihost_utils.broadcast_one_to_all(seed))
 
 
-class ProcessRowsAdapter(_DataAdapter):
+class ProcessRowsAdapter(_WrappingAdapter):
     """Keras's adapter for arrays under several processes: every process reads the same
     global batches (``batch_size`` rows) and keeps its own rows of each
     (``AutoShardPolicy.DATA``, as TF shards in-memory data). Keras's shuffle draws its
@@ -321,36 +346,16 @@ class ProcessRowsAdapter(_DataAdapter):
     def get_jax_iterator(self) -> Iterator[Any]:
         return self._rows(self._inner.get_numpy_iterator())
 
-    def get_tf_dataset(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
-    def get_torch_dataloader(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
-    @property
-    def num_batches(self) -> int | None:
-        return self._inner.num_batches
-
     @property
     def batch_size(self) -> int | None:
         return self._share(self._inner.batch_size)
 
     @property
-    def has_partial_batch(self) -> bool | None:
-        return self._inner.has_partial_batch
-
-    @property
     def partial_batch_size(self) -> int | None:
         return self._share(self._inner.partial_batch_size)
 
-    def on_epoch_begin(self) -> None:
-        self._inner.on_epoch_begin()
 
-    def on_epoch_end(self) -> None:
-        self._inner.on_epoch_end()
-
-
-class PaddedAdapter(_DataAdapter):
+class PaddedAdapter(_WrappingAdapter):
     """Keras input whose batches always divide over the replicas (see the module docstring).
 
     Args:
@@ -439,33 +444,14 @@ class PaddedAdapter(_DataAdapter):
         for batch in self._inner.get_numpy_iterator():
             yield self._prepare(batch)
 
-    def get_tf_dataset(self) -> Any:
-        raise NotImplementedError("jaxdist.keras pads batches for the Keras JAX backend only")
-
-    def get_torch_dataloader(self) -> Any:
-        raise NotImplementedError("jaxdist.keras pads batches for the Keras JAX backend only")
-
-    @property
-    def num_batches(self) -> int | None:
-        return self._inner.num_batches
-
     @property
     def batch_size(self) -> int | None:
         return self._inner.batch_size
 
     @property
-    def has_partial_batch(self) -> bool | None:
-        return self._inner.has_partial_batch
-
-    @property
     def partial_batch_size(self) -> int | None:
         return self._inner.partial_batch_size
 
-    def on_epoch_begin(self) -> None:
-        self._inner.on_epoch_begin()
-
-    def on_epoch_end(self) -> None:
-        self._inner.on_epoch_end()
 
 
 # ----------------------------------------------------------------------------------------------
