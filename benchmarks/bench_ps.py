@@ -23,20 +23,12 @@ import time
 
 import numpy as np
 
+from jaxdist.testing import pick_free_ports
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "bench-token"
 MiB = 1 << 20
 MAX_BYTES = 256 * MiB
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _env(cluster: dict, task_type: str, index: int) -> dict[str, str]:
@@ -133,7 +125,7 @@ class _TCPPeer:
     plain TCP, or TLS with the ps's certificates when the ps speaks TLS."""
 
     def __init__(self):
-        port = _free_ports(1)[0]
+        port = pick_free_ports(1)[0]
         env = dict(os.environ, PYTHONPATH=REPO)
         if not os.environ.get("JAXDIST_INSECURE"):
             from jaxdist.testing.tls import task_tls
@@ -200,7 +192,7 @@ def _transfer_times(sizes: list[int], repeats: int
     """
     from jaxdist.ps import PSClient
 
-    cluster = {"ps": [f"127.0.0.1:{_free_ports(1)[0]}"]}
+    cluster = {"ps": [f"127.0.0.1:{pick_free_ports(1)[0]}"]}
     proc = _start_ps(cluster, 0)
     tcp = _TCPPeer()
     out: dict[int, dict[str, float]] = {}
@@ -361,7 +353,7 @@ def _worker(steps: int, hidden: int, local: bool) -> None:
 def _async_steps_per_s(num_ps: int, steps: int, hidden: int, local: bool = False,
                        workers: int = 2) -> tuple[float, float]:
     """(total steps/s, slowest worker's steps/s) of ``workers`` asynchronous workers."""
-    ports = _free_ports(num_ps + workers)
+    ports = pick_free_ports(num_ps + workers)
     cluster = {"ps": [f"127.0.0.1:{p}" for p in ports[:num_ps]],
                "worker": [f"127.0.0.1:{p}" for p in ports[num_ps:]]}
     ps = [] if local else [_start_ps(cluster, i) for i in range(num_ps)]

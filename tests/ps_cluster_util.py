@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from jaxdist.testing import pick_free_ports
 from jaxdist.testing.tls import install_process_tls, task_tls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,15 +20,7 @@ CLIENT_TLS = install_process_tls()  # this process speaks mutual TLS to the task
 
 
 def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+    return pick_free_ports(n)
 
 
 def make_cluster(num_ps: int, num_workers: int) -> dict[str, list[str]]:

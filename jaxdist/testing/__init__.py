@@ -11,5 +11,6 @@ Example:
 """
 
 from jaxdist._src.cluster.harness import LocalCluster, python_command
+from jaxdist._src.cluster.local import pick_free_ports
 
-__all__ = ["LocalCluster", "python_command"]
+__all__ = ["LocalCluster", "pick_free_ports", "python_command"]

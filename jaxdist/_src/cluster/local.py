@@ -23,7 +23,67 @@ from jaxdist._src.cluster.resolver import TOKEN_ENV
 HOST = "127.0.0.1"
 
 
+# Ports are drawn from [_PORT_FLOOR, the kernel's first ephemeral port): the kernel hands
+# ephemeral ports to outgoing connections, so a port it picked for us (bind to port 0) and that
+# we release again can be taken by any process's next connect() before our server binds it.
+_PORT_FLOOR = 10000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (Linux), or None where it cannot be read."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def pick_free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct ports that are free on ``host`` now and that no outgoing connection takes.
+
+    Where the kernel's ephemeral range is known (Linux), the ports come from below it, so no
+    process's outgoing connection can take one before the server that gets it binds it; a port
+    is never handed out twice by one process. Elsewhere the OS picks them.
+
+    Example:
+        >>> a, b = pick_free_ports(2)
+        >>> a != b and 0 < a < 65536
+        True
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    ephemeral = _ephemeral_range()
+    if ephemeral is None or ephemeral[0] - _PORT_FLOOR < 1000:
+        return _os_picked_ports(n, host)
+    ports: list[int] = []
+    with _handed_out_lock:
+        for _ in range(64 * max(n, 1)):
+            if len(ports) == n:
+                break
+            port = secrets.randbelow(ephemeral[0] - _PORT_FLOOR) + _PORT_FLOOR
+            if port in _handed_out or port in ports or not _bindable(host, port):
+                continue
+            ports.append(port)
+        _handed_out.update(ports)
+    if len(ports) < n:
+        ports += _os_picked_ports(n - len(ports), host, avoid=ports)
+    return ports
+
+
+def _os_picked_ports(n: int, host: str, avoid: Sequence[int] = ()) -> list[int]:
     """``n`` distinct ports that were free on ``host`` a moment ago (the OS picked them)."""
     socks, ports = [], []
     try:
@@ -32,7 +92,7 @@ def pick_free_ports(n: int, host: str = HOST) -> list[int]:
             s.bind((host, 0))
             socks.append(s)
             port = s.getsockname()[1]
-            if port not in ports:
+            if port not in ports and port not in avoid:
                 ports.append(port)
     finally:
         for s in socks:
