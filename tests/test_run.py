@@ -117,16 +117,19 @@ def test_second_call_same_shapes_does_not_recompile(strategy):
     with jax.log_compiles(True):
         strategy.run(fn, args=(w, xd))
         n_traces = len(traces)
-        compiled = strategy.extended._run_cache[next(reversed(strategy.extended._run_cache))]
-        size_before = compiled.jitted._cache_size()
+        size_before = _compiled_versions(strategy, fn)
         strategy.run(fn, args=(w, xd))
         strategy.run(fn, args=(w + 1, xd))
     assert len(traces) == n_traces, "the second call with the same shapes retraced fn"
-    assert compiled.jitted._cache_size() == size_before == 1
+    assert _compiled_versions(strategy, fn) == size_before == 1
     # A new shape compiles once more.
     _, xd2 = _dist(strategy, rows=16)
     strategy.run(fn, args=(w, xd2))
-    assert compiled.jitted._cache_size() == 2
+    assert _compiled_versions(strategy, fn) == 2
+
+
+def _compiled_versions(strategy, fn) -> int:
+    return strategy.extended._compiled_versions(fn)
 
 
 def test_run_inside_user_jit(strategy):

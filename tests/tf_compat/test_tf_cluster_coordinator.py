@@ -683,7 +683,12 @@ class TestClusterCoordinator:
         gc.collect()
 
         # There shouldn't be any live iterator objects (jaxdist: none that a restarted
-        # worker would rebuild).
+        # worker would rebuild). jaxdist: join() returns when the last closure has its answer;
+        # the worker thread that sent it drops its reference a moment later (bounded wait).
+        deadline = time.monotonic() + 10
+        while coordinator._live_resources("iterator") and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gc.collect()
         assert coordinator._live_resources("iterator") == []
 
     # jaxdist-only (not in TF's file)

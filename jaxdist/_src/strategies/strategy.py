@@ -48,6 +48,12 @@ from jaxdist._src.strategies.run_options import RunOptions
 from jaxdist._src.values import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
+_MISS = object()  # a _tree_call that cannot serve a call
+
+
+class _FastMiss(Exception):
+    """Raised while a ``_tree_call`` traces a signature that only ``_run_flat`` handles."""
+
 _RUN_CACHE_SIZE = 128
 _RETRACE_WARNING_AFTER = 8
 
@@ -146,6 +152,9 @@ class StrategyExtended:
         self._donate_masks: dict[Any, tuple[int, ...]] = {}
         self._new_fn_counts: dict[Any, int] = {}
         self._fast: dict[Any, _FastEntry] = {}  # (fn, args treedef, donation) -> checked call
+        # (fn, donation) -> one jax.jit over run's whole argument tuple (``_tree_call``), or
+        # False once such a call missed (the flatten-and-match path serves that pair then).
+        self._tree_calls: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ placement
     @property
@@ -291,11 +300,19 @@ class StrategyExtended:
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
         if not kwargs and type(args) is tuple:
-            # The steady state: the same function with arguments of the same structure,
-            # shapes and placement as a call already checked costs one flatten, a check per
-            # leaf and the compiled call (``_FastEntry``).
-            leaves, treedef = jax.tree.flatten(args)
             donate = getattr(self._call_options, "donate", ())
+            # The steady state in one process: one jax.jit over the whole argument tuple, whose
+            # C++ dispatch checks structure, shapes and placement (``_tree_call``).
+            try:
+                call = self._tree_calls.get((fn, donate))
+            except TypeError:  # an unhashable function
+                call = None
+            if call:
+                out = self._dispatch_tree(fn, donate, call, args)
+                if out is not _MISS:
+                    return out
+            # Otherwise one flatten, a check per leaf and the compiled call (``_FastEntry``).
+            leaves, treedef = jax.tree.flatten(args)
             try:
                 entry = self._fast.get((fn, treedef, donate))
             except TypeError:  # an unhashable function
@@ -338,6 +355,31 @@ class StrategyExtended:
 
     def _run_flat(self, fn: Callable, args, kwargs, remember: bool = False) -> Any:
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
+        kinds, statics, dyn, partial, tracing = self._classify(leaves)
+        donate = getattr(self._call_options, "donate", ())
+        if donate:
+            donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
+        key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
+        compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
+        dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
+        if tracing:
+            return compiled.raw(*dyn)
+        if remember and not kwargs and "empty" not in kinds and type(args) is tuple:
+            call = self._remember(fn, args, compiled, kinds, statics, dyn)
+            if call:
+                out = self._dispatch_tree(fn, getattr(self._call_options, "donate", ()), call,
+                                          args)
+                if out is not _MISS:
+                    return out
+        return self._dispatch(compiled, dyn)
+
+    def _classify(self, leaves: list[Any]):
+        """Sorts ``run``'s flat argument leaves: ``(kinds, statics, dyn, partial, tracing)``.
+
+        ``kinds`` has one entry per leaf: ``"pr"`` (a ``PerReplica``), ``"arr"`` (an array or
+        number, passed whole), ``"empty"`` (an array of size 0, rebuilt inside) or
+        ``"static"`` (a hashable constant); ``dyn`` holds the ``pr`` and ``arr`` leaves.
+        """
         n = self._num_replicas
         kinds: list[str] = []
         statics: list[Any] = []
@@ -378,17 +420,7 @@ class StrategyExtended:
                     ) from None
                 kinds.append("static")
                 statics.append(leaf)
-        donate = getattr(self._call_options, "donate", ())
-        if donate:
-            donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
-        key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
-        compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
-        dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
-        if tracing:
-            return compiled.raw(*dyn)
-        if remember and not kwargs and "empty" not in kinds and type(args) is tuple:
-            self._remember(fn, args, compiled, kinds, statics, dyn)
-        return self._dispatch(compiled, dyn)
+        return kinds, statics, dyn, partial, tracing
 
     def _remember(self, fn, args: tuple, compiled, kinds, statics, dyn) -> None:
         """Records a checked call's signature for ``_run``'s fast path (``_FastEntry``)."""
@@ -397,14 +429,76 @@ class StrategyExtended:
             return
         entry = _FastEntry.build(compiled, kinds, statics, leaves, dyn, self._num_replicas)
         if entry is None:
-            return
+            return None
         donate = getattr(self._call_options, "donate", ())
         try:
             self._fast[(fn, treedef, donate)] = entry
         except TypeError:
-            return
+            return None
         while len(self._fast) > _RUN_CACHE_SIZE:
             self._fast.pop(next(iter(self._fast)))
+        if statics or not self._one_process:
+            return None
+        call = self._tree_calls.get((fn, donate))
+        if call is None:
+            call = self._tree_calls[(fn, donate)] = self._tree_call(fn, donate)
+            while len(self._tree_calls) > _RUN_CACHE_SIZE:
+                self._tree_calls.pop(next(iter(self._tree_calls)))
+        return call
+
+    def _compiled_versions(self, fn: Callable) -> int:
+        """How many executables ``run`` holds for ``fn`` (one per argument signature): what
+        tests count to check that a call compiled nothing new."""
+        count = sum(c.jitted._cache_size() for c in self._run_cache.values() if c.fn is fn)
+        return count + sum(call._cache_size() for (f, _), call in self._tree_calls.items()
+                           if f is fn and call)
+
+    def _tree_call(self, fn: Callable, donate: tuple[int, ...]) -> Callable:
+        """One ``jax.jit`` over ``run``'s whole argument tuple, for one process's devices.
+
+        Its C++ dispatch does what the checks of ``_run_flat`` do, for arguments of any
+        structure, shapes and placement it has seen: a new signature traces ``_tree_body``,
+        which classifies the leaves as ``_run_flat`` does and raises ``_FastMiss`` for what
+        only ``_run_flat`` handles (constants, empty arrays, flax NNX objects, Keras state).
+        """
+
+        def tree_body(*args):
+            leaves, treedef = jax.tree.flatten(((tuple(args), {})), is_leaf=is_per_replica)
+            kinds, statics, dyn, partial, _ = self._classify(leaves)
+            if statics:  # a constant or empty array (jit refuses the former anyway)
+                raise _FastMiss
+            if nnx_state._nnx() is not None and nnx_state.split_args(
+                    fn, args, {}, is_per_replica) is not None:
+                raise _FastMiss
+            if any(hook(fn, args, {}) is not None for hook in _RUN_STATE_HOOKS):
+                raise _FastMiss
+            mask = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
+            key = (fn, treedef, tuple(kinds), (), partial, mask)
+            compiled = self._lookup(key, fn, treedef, kinds, [], partial, mask)
+            return compiled.raw(*dyn)
+
+        return jax.jit(tree_body, donate_argnums=donate)
+
+    def _dispatch_tree(self, fn: Callable, donate: tuple[int, ...], call: Callable,
+                       args: tuple) -> Any:
+        """Calls a ``_tree_call``, bounding the steps in flight; ``_MISS`` when it cannot.
+
+        A miss (``_FastMiss`` at a new signature's trace, or jit refusing an argument: a
+        non-array leaf, an array on other devices) happens before anything runs; the pair
+        then goes the flatten-and-match way, whose checks name what is wrong.
+        """
+        self._throttle.before_dispatch()
+        try:
+            out = call(*args)
+        except (_FastMiss, TypeError, ValueError):
+            self._tree_calls[(fn, donate)] = False
+            return _MISS
+        leaves = jax.tree.leaves(out)
+        if leaves and isinstance(leaves[0], jax.core.Tracer):
+            return out  # under a user's jax.jit: nothing to throttle
+        posted = self._post_run(out)
+        self._throttle.after_dispatch(leaves if posted is out else posted)
+        return posted
 
     def _dispatch(self, compiled, dyn: list[Any]) -> Any:
         """Calls a compiled step, bounding the steps in flight."""
