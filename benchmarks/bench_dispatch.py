@@ -77,14 +77,15 @@ def _host_batches(n: int, sizes):
 
 
 def _bounded(call, steps: int):
-    """Runs ``call`` ``steps`` times, waiting on step k-2 before step k (as jaxdist does)."""
+    """Runs ``call`` ``steps`` times, waiting on step k-2 before dispatching step k (as
+    jaxdist does): at most 2 steps in flight."""
     pending = []
     out = None
     for _ in range(steps):
+        if len(pending) >= 2:
+            jax.block_until_ready(pending.pop(0))
         out = call()
         pending.append(out)
-        if len(pending) > 2:
-            jax.block_until_ready(pending.pop(0))
     jax.block_until_ready(out)
 
 

@@ -15,6 +15,8 @@ from jaxdist._src.strategies.strategy import Strategy, StrategyExtended
 
 
 class _DefaultExtended(StrategyExtended):
+    _plain_run = False  # its _run calls fn as it is
+
     def __init__(self, strategy):
         super().__init__(strategy, (jax.local_devices()[0],))
 

@@ -146,6 +146,8 @@ def _global_devices(group: ProcessGroup) -> list[Any]:
 class MultiWorkerExtended(StrategyExtended):
     """``StrategyExtended`` of ``MultiWorkerMirroredStrategy`` (adds the task's role)."""
 
+    _plain_run = False  # its _run does more per call
+
     def __init__(self, strategy: Strategy, resolver: Any, options: CommunicationOptions):
         self._resolver = resolver
         self._options = options

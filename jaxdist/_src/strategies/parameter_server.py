@@ -58,6 +58,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
         timeout: seconds any RPC or wait may take before a typed error.
     """
 
+    _plain_run = False  # its _run does more per call
+
     def __init__(self, strategy: Strategy, info: TaskInfo, compute_devices: Sequence[Any],
                  variable_partitioner: Any, ps_strategy: Any, max_staleness: int | None,
                  timeout: float):

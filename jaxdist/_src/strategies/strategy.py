@@ -51,6 +51,28 @@ _SCALAR_TYPES = (int, float, bool, complex)
 _MISS = object()  # a _tree_call that cannot serve a call
 
 
+def _last_leaf(out: Any) -> Any:
+    """The last array of a step's outputs, found without flattening them (``None`` if the
+    outputs are not nested tuples, lists, dicts and arrays): ``return params, loss`` gives the
+    loss. The step throttle waits on it."""
+    x = out
+    for _ in range(8):
+        t = type(x)
+        if t is tuple or t is list:
+            if not x:
+                return None
+            x = x[-1]
+        elif t is dict:
+            if not x:
+                return None
+            x = x[next(reversed(x))]
+        elif t is PerReplica:
+            x = x.stacked
+        else:
+            break
+    return x if isinstance(x, jax.Array) else None
+
+
 class _FastMiss(Exception):
     """Raised while a ``_tree_call`` traces a signature that only ``_run_flat`` handles."""
 
@@ -113,6 +135,10 @@ class StrategyExtended:
         max_steps_in_flight: bound on dispatched-but-unfinished ``run`` calls (see
             ``StepThrottle``).
     """
+
+    #: Whether ``_run`` is this class's (``Strategy.run`` may then call a function's
+    #: steady-state jit itself); a subclass whose ``_run`` adds work per call sets it False.
+    _plain_run = True
 
     def __init__(
         self,
@@ -493,11 +519,18 @@ class StrategyExtended:
         except (_FastMiss, TypeError, ValueError):
             self._tree_calls[(fn, donate)] = False
             return _MISS
-        leaves = jax.tree.leaves(out)
-        if leaves and isinstance(leaves[0], jax.core.Tracer):
-            return out  # under a user's jax.jit: nothing to throttle
+        marker = _last_leaf(out)
+        if marker is None:
+            leaves = jax.tree.leaves(out)
+            if leaves and isinstance(leaves[0], jax.core.Tracer):
+                return out  # under a user's jax.jit: nothing to throttle
+        elif isinstance(marker, jax.core.Tracer):
+            return out
         posted = self._post_run(out)
-        self._throttle.after_dispatch(leaves if posted is out else posted)
+        if posted is out:
+            self._throttle.after_dispatch(out, marker)
+        else:
+            self._throttle.after_dispatch(posted)
         return posted
 
     def _dispatch(self, compiled, dyn: list[Any]) -> Any:
@@ -1156,18 +1189,32 @@ class Strategy:
             if not isinstance(options, RunOptions):
                 raise TypeError(f"options must be jaxdist.RunOptions, got {options!r}")
             donate = options.donate_argnums
-        self._extended._check_not_mixing()
+        ext = self._extended
+        ext._check_not_mixing()
         merged = ctx_lib.merged_from()
         if merged is not None and merged.axis_name is not None and merged.strategy is self:
             # run inside a merge_call's merge function, inside this strategy's compiled step:
             # the trace is already per replica, so fn runs in the replica context it came from.
             with ctx_lib.enter_replica(self, merged):
                 return fn(*args, **(kwargs or {}))
-        call_options = self._extended._call_options
-        previous = getattr(call_options, "donate", ())
-        call_options.donate = donate
         try:
-            return self._extended._run(fn, args, kwargs)
+            if ext._plain_run and not kwargs and type(args) is tuple:
+                # The steady state: this function's jit over the whole argument tuple.
+                try:
+                    call = ext._tree_calls.get((fn, donate))
+                except TypeError:  # an unhashable function
+                    call = None
+                if call:
+                    out = ext._dispatch_tree(fn, donate, call, args)
+                    if out is not _MISS:
+                        return out
+            call_options = ext._call_options
+            previous = getattr(call_options, "donate", ())
+            call_options.donate = donate
+            try:
+                return ext._run(fn, args, kwargs)
+            finally:
+                call_options.donate = previous
         except NotImplementedError as e:
             if "Closing over inputs to shard_map" not in str(e):
                 raise
@@ -1178,8 +1225,6 @@ class Strategy:
                 f"an argument instead: strategy.run(fn, args=(state, ...)) (a pytree of arrays, "
                 f"e.g. a flax nnx module's state, is passed whole to every replica)."
             ) from e
-        finally:
-            call_options.donate = previous
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.

@@ -411,6 +411,8 @@ class _CompileOnlyExtended(StrategyExtended):
     ``experimental_compile`` does) works as on a TPU.
     """
 
+    _plain_run = False  # its _run does more per call
+
     def __init__(self, strategy: Strategy, devices: Sequence[Any], topology: Topology):
         super().__init__(strategy, devices)
         self._topology = topology

@@ -84,8 +84,9 @@ class WatchedSteps(StepThrottle):
         self._thread: threading.Thread | None = None
         self.training_thread_waiting = False  # the training thread is in a bounded wait
 
-    def after_dispatch(self, outputs: Any) -> None:
-        """Records the outputs of a step just dispatched and hands them to the waiter."""
+    def after_dispatch(self, outputs: Any, marker: Any = None) -> None:
+        """Records the outputs of a step just dispatched and hands them to the waiter (which
+        waits on all of them: ``marker`` is accepted as ``StepThrottle`` takes it)."""
         step = _Step([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
         with self._lock:
             self._pending.append(step)  # type: ignore[arg-type]
