@@ -85,3 +85,110 @@ def test_a_value_placed_on_another_strategys_devices_after_the_fast_path():
     parts = a.experimental_local_results(out)
     assert {d for p in parts for d in p.devices()} <= set(first_devices(4)[:2])
     np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in parts]), (x + 1) * 2)
+
+
+# The steady state in one process is one jax.jit over run's whole argument tuple: a signature
+# it has not seen traces again, and what only the per-leaf path handles falls back to it.
+
+
+def _warm(strategy, fn, args, times=3):
+    out = None
+    for _ in range(times):
+        out = strategy.run(fn, args=args)
+    return out
+
+
+@pytest.mark.devices(2)
+def test_a_partial_batch_after_full_ones_gives_the_rows_it_holds(strategy):
+    def total(xb):
+        return jaxdist.get_replica_context().all_reduce("SUM", xb.sum())
+
+    full = np.ones((4, 3), np.float32)
+    _warm(strategy, total, (_batch(strategy, full),))
+    part = next(iter(strategy.experimental_distribute_dataset(
+        jaxdist.Dataset.from_tensor_slices(np.ones((3, 3), np.float32)).batch(4))))
+    out = strategy.run(total, args=(part,))
+    assert float(strategy.experimental_local_results(out)[0]) == 9.0  # 3 rows, not 4
+
+
+@pytest.mark.devices(2)
+def test_a_per_replica_value_of_another_replica_count_is_named(strategy):
+    x = np.ones((4, 3), np.float32)
+    _warm(strategy, _double, (_batch(strategy, x),))
+    three = jaxdist.MirroredStrategy(first_devices(3)) if len(jax.devices()) >= 3 else None
+    if three is None:
+        pytest.skip("needs 3 devices for a PerReplica of 3 replicas")
+    with pytest.raises(ValueError, match="PerReplica value has 3 replicas, but .* has 2"):
+        strategy.run(_double, args=(_batch(three, np.ones((6, 3), np.float32)),))
+
+
+@pytest.mark.devices(2)
+def test_a_constant_argument_after_the_steady_state_takes_the_full_path(strategy):
+    def scaled(xb, mode):
+        return xb.sum() * (10.0 if mode == "ten" else 1.0)
+
+    xd = _batch(strategy, np.ones((4, 3), np.float32))
+    _warm(strategy, scaled, (xd, 1.0))
+    out = strategy.run(scaled, args=(xd, "ten"))
+    assert float(strategy.reduce("SUM", out, axis=None)) == 120.0
+    out = strategy.run(scaled, args=(xd, 1.0))  # and back
+    assert float(strategy.reduce("SUM", out, axis=None)) == 12.0
+
+
+@pytest.mark.devices(2)
+def test_under_a_users_jit_after_the_steady_state(strategy):
+    xd = _batch(strategy, np.arange(12, dtype=np.float32).reshape(4, 3))
+    eager = _warm(strategy, _step, (jnp.ones(3), xd, 2.0))
+
+    @jax.jit
+    def outer(w, xb):
+        return strategy.run(_step, args=(w, xb, 2.0))
+
+    inside = outer(jnp.ones(3), xd)
+    np.testing.assert_allclose(strategy.experimental_local_results(inside)[0],
+                               strategy.experimental_local_results(eager)[0])
+
+
+@pytest.mark.devices(2)
+def test_donation_in_the_steady_state_consumes_the_donated_state(strategy):
+    def step(w, xb):
+        g = jaxdist.get_replica_context().all_reduce("SUM", xb.sum(0))
+        return w - 0.1 * g, g.sum()
+
+    xd = _batch(strategy, np.ones((4, 3), np.float32))
+    donate = jaxdist.RunOptions(donate_argnums=(0,))
+    with strategy.scope():
+        w = jnp.zeros(3)
+    for i in range(4):
+        old = w
+        w, _ = strategy.run(step, args=(w, xd), options=donate)
+        assert old.is_deleted(), f"call {i}: the donated state is still alive"
+    np.testing.assert_allclose(np.asarray(w), np.full(3, -1.6), rtol=1e-6)  # 4 x 0.1 x 4
+
+
+@pytest.mark.devices(2)
+def test_an_nnx_module_after_arrays_for_the_same_function_is_trained(strategy):
+    """An NNX module's steps write its state back: a call with a module never runs in the
+    steady-state jit that a call with plain arrays of the same function set up."""
+    nnx = pytest.importorskip("flax.nnx")
+    import collections
+
+    def step(model, xb):
+        new = model.kernel[...] + jaxdist.get_replica_context().all_reduce("SUM", xb.sum())
+        if isinstance(model, nnx.Module):
+            model.kernel[...] = new
+        return new.sum()
+
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.zeros(2))
+
+    Params = collections.namedtuple("Params", "kernel")
+    xd = _batch(strategy, np.ones((4, 3), np.float32))
+    out = _warm(strategy, step, (strategy.place(Params(jnp.zeros(2))), xd))
+    assert float(out) == 24.0
+    assert strategy.extended._tree_calls.get((step, ())), "no steady-state jit was set up"
+    model = Holder()
+    strategy.run(step, args=(model, xd))
+    strategy.run(step, args=(model, xd))
+    np.testing.assert_allclose(np.asarray(model.kernel[...]), [24.0, 24.0])
