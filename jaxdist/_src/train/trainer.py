@@ -94,6 +94,17 @@ def _state_property(name: str, doc: str) -> property:
     return property(get, set_, doc=doc)
 
 
+def _call_batch_size(batch_size: Any, method: str) -> int | None:
+    """``evaluate``/``predict``'s ``batch_size`` argument, checked (``None``: not given)."""
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
+            batch_size < 1):
+        raise ValueError(f"{method}(batch_size=...) must be a positive integer, got "
+                         f"{batch_size!r}")
+    return int(batch_size)
+
+
 class Trainer(TrainerHandle):
     """Trains a flax nnx model with an optax optimizer under a distribution strategy.
 
@@ -317,14 +328,6 @@ class Trainer(TrainerHandle):
                                  f"size, but {e}; pass batch_size=... (or re-batch the data)"
                                  ) from None
         return self._global_batch_size
-
-    @property
-    def _eval_batch_size(self) -> int:
-        """Evaluation batches: ``global_batch_size`` real rows, padded (masked) to a multiple
-        of the mesh's replicas when the chief's devices do not divide it."""
-        b, n = self._global_batch_size, self._mesh_replicas
-        return -(-b // n) * n
-
 
     # ------------------------------------------------------------------ replica functions
     def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
@@ -559,24 +562,30 @@ class Trainer(TrainerHandle):
 
     @callbacks_lib.with_callbacks("test")
     def evaluate(self, data: Any, y: Any = None, sample_weight: Any = None,
+                 batch_size: int | None = None,
                  callback_list: Any = None) -> dict[str, float]:
         """Mean loss and accuracy over every example of ``data`` (arrays or a stream, as in
         ``fit``). With sample weights, the loss is ``sum(w * loss) / examples`` (Keras); the
         ``metrics`` (accuracy included) are not weighted, the ``weighted_metrics`` are
         (``sum(w * hit) / sum(w)``), as in Keras.
 
+        ``batch_size`` (Keras' argument): rows per evaluation batch for this call only
+        (default: the trainer's ``global_batch_size``); the results do not depend on it.
+
         ``callbacks=[...]`` get ``on_test_begin``, ``on_test_batch_begin(i)`` and
         ``on_test_batch_end(i, logs)`` for every global batch ``i`` (``logs``: the results
         over the batches so far, as Keras), and ``on_test_end(results)``; ``fit`` calls the
         same hooks of its callbacks when it validates."""
         d = inputs_lib.source(data, y, sample_weight, what="evaluate data")
-        self._batch_size_for(d, None, "evaluate data")
+        batch_size = _call_batch_size(batch_size, "evaluate")
+        if batch_size is None:
+            self._batch_size_for(d, None, "evaluate data")
         self._check_shapes(self._example(d), "evaluate data")
         totals: list[Any] = []
         params = self._current_params()
         cbs = callback_list
         batch_logs = cbs is not None and cbs.overrides("on_test_batch_end")
-        batches = self._distribute(self._eval_chunks(d, labels=True))
+        batches = self._distribute(self._eval_chunks(d, labels=True, batch_size=batch_size))
         for i, (xb, yb, wb, mb) in enumerate(batches):
             if cbs is not None:
                 cbs.on_test_batch_begin(i)
@@ -614,9 +623,11 @@ class Trainer(TrainerHandle):
         return {name: m.result(total[name]) for name, m, _ in self._metric_specs}
 
     @callbacks_lib.with_callbacks("predict")
-    def predict(self, x: Any, callback_list: Any = None) -> np.ndarray:
+    def predict(self, x: Any, batch_size: int | None = None,
+                callback_list: Any = None) -> np.ndarray:
         """The model's outputs for every row of ``x`` (an array, a dict of feature arrays or a
-        stream of batches; labels in it are ignored), batched by ``global_batch_size``.
+        stream of batches; labels in it are ignored), batched by ``batch_size`` (Keras'
+        argument, for this call only; default: the trainer's ``global_batch_size``).
 
         ``callbacks=[...]`` get ``on_predict_begin``, ``on_predict_batch_begin(i)`` and
         ``on_predict_batch_end(i, {"outputs": the batch's outputs})`` for every global batch
@@ -627,11 +638,14 @@ class Trainer(TrainerHandle):
             d: Any = data_lib.ArrayData(feats, np.zeros((np.shape(first)[0],), np.int32))
         else:
             d = inputs_lib.StreamSource(x, "predict data")
-        self._batch_size_for(d, None, "predict data")
+        batch_size = _call_batch_size(batch_size, "predict")
+        if batch_size is None:
+            self._batch_size_for(d, None, "predict data")
         outs, n = [], 0
         params = self._current_params()
         cbs = callback_list
-        for i, (xb, mb) in enumerate(self._distribute(self._eval_chunks(d, labels=False))):
+        chunks = self._eval_chunks(d, labels=False, batch_size=batch_size)
+        for i, (xb, mb) in enumerate(self._distribute(chunks)):
             if cbs is not None:
                 cbs.on_predict_batch_begin(i)
             with _inline_on_coordinator(self.strategy):
@@ -747,17 +761,19 @@ class Trainer(TrainerHandle):
                 f"(or steps=N), as Keras needs for such data")
         return n * train.rows_per_element() // self.global_batch_size
 
-    def _eval_chunks(self, d: Any, labels: bool):
+    def _eval_chunks(self, d: Any, labels: bool, batch_size: int | None = None):
         """Global batches of ``d`` (this process's rows), the last padded: ``(x, y, w, mask)``
-        or, without ``labels``, ``(x, mask)``."""
-        b = self.global_batch_size
+        or, without ``labels``, ``(x, mask)``; ``batch_size`` rows each (default
+        ``global_batch_size``)."""
+        b = self.global_batch_size if batch_size is None else batch_size
         if isinstance(d, data_lib.ArrayData):
             batches = data_lib.eval_batches(d, b)
         else:
             batches = (data_lib.pad_batch(x, y if y is not None else
                                           np.zeros((inputs_lib._rows(x),), np.int32), w, b)
                        for x, y, w in d.batches(b, epoch=0, pad_last=True))
-        eb = self._eval_batch_size
+        n = self._mesh_replicas
+        eb = -(-b // n) * n  # padded (masked) to a multiple of the mesh's replicas
         for x, y, w, m in batches:
             if labels and isinstance(d, inputs_lib.StreamSource):
                 _check_batch_labels(y, d.what, self.loss_fn)
