@@ -327,16 +327,9 @@ class StrategyExtended:
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
         if not kwargs and type(args) is tuple:
             donate = getattr(self._call_options, "donate", ())
-            # The steady state in one process: one jax.jit over the whole argument tuple, whose
-            # C++ dispatch checks structure, shapes and placement (``_tree_call``).
-            try:
-                call = self._tree_calls.get((fn, donate))
-            except TypeError:  # an unhashable function
-                call = None
-            if call:
-                out = self._dispatch_tree(fn, donate, call, args)
-                if out is not _MISS:
-                    return out
+            out = self._run_steady(fn, donate, args)
+            if out is not _MISS:
+                return out
             # Otherwise one flatten, a check per leaf and the compiled call (``_FastEntry``).
             leaves, treedef = jax.tree.flatten(args)
             try:
@@ -504,6 +497,18 @@ class StrategyExtended:
             return compiled.raw(*dyn)
 
         return jax.jit(tree_body, donate_argnums=donate)
+
+    def _run_steady(self, fn: Callable, donate: tuple[int, ...], args: tuple) -> Any:
+        """The steady state in one process: ``fn``'s jit over the whole argument tuple, whose
+        C++ dispatch checks structure, shapes and placement (``_tree_call``); ``_MISS`` when
+        there is none or it cannot serve ``args``."""
+        try:
+            call = self._tree_calls.get((fn, donate))
+        except TypeError:  # an unhashable function
+            return _MISS
+        if not call:
+            return _MISS
+        return self._dispatch_tree(fn, donate, call, args)
 
     def _dispatch_tree(self, fn: Callable, donate: tuple[int, ...], call: Callable,
                        args: tuple) -> Any:
@@ -1199,15 +1204,9 @@ class Strategy:
                 return fn(*args, **(kwargs or {}))
         try:
             if ext._plain_run and not kwargs and type(args) is tuple:
-                # The steady state: this function's jit over the whole argument tuple.
-                try:
-                    call = ext._tree_calls.get((fn, donate))
-                except TypeError:  # an unhashable function
-                    call = None
-                if call:
-                    out = ext._dispatch_tree(fn, donate, call, args)
-                    if out is not _MISS:
-                        return out
+                out = ext._run_steady(fn, donate, args)
+                if out is not _MISS:
+                    return out
             call_options = ext._call_options
             previous = getattr(call_options, "donate", ())
             call_options.donate = donate
