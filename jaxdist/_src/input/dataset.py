@@ -644,8 +644,9 @@ class Dataset:
                 idx = rows(epoch)
                 m = len(idx)
                 stop = m - m % batch_size if drop_remainder else m
+                leaves, treedef = jax.tree.flatten(tensors)  # once per epoch, not per batch
                 for s in range(0, stop, batch_size):
-                    yield _gather(tensors, idx[s:s + batch_size])
+                    yield treedef.unflatten(_gather(leaves, idx[s:s + batch_size]))
 
             out = self._derive(sliced, card)
             out._static_batch = batch_size if drop_remainder else None
@@ -947,23 +948,22 @@ class _RepeatedRange:
         return np.asarray(list(self), dtype or np.int64)
 
 
-def _gather(tensors: Any, idx: Any) -> Any:
-    """The rows ``idx`` of every array: a read-only view when they are consecutive, else a
-    read-only copy."""
+def _gather(leaves: list[Any], idx: Any) -> list[Any]:
+    """The rows ``idx`` of every array of ``leaves``: a read-only view when they are
+    consecutive, else a read-only copy."""
     if isinstance(idx, range) and idx.step == 1:
         start, stop = idx.start, idx.stop
-        return jax.tree.map(lambda a: _frozen(a[start:stop]), tensors)
+        return [_frozen(a[start:stop]) for a in leaves]
     idx = np.asarray(idx, np.int64)
     if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and np.all(np.diff(idx) == 1):
         start, stop = int(idx[0]), int(idx[-1]) + 1
-        return jax.tree.map(lambda a: _frozen(a[start:stop]), tensors)
-
-    def take(a: np.ndarray) -> np.ndarray:
-        out = a[idx]
-        out.flags.writeable = False
-        return out
-
-    return jax.tree.map(take, tensors)
+        return [_frozen(a[start:stop]) for a in leaves]
+    out = []
+    for a in leaves:
+        taken = a[idx]
+        taken.flags.writeable = False
+        out.append(taken)
+    return out
 
 
 # ------------------------------------------------------------------------ from_generator
