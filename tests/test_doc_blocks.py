@@ -10,7 +10,8 @@ A block runs by its language:
 * ``bash`` / ``sh`` / unlabelled: every command line (``\\`` continuations joined, ``#``
   comments dropped) must be ``[VAR=value ...] python ...``; each runs in a subprocess in a
   new temporary directory that holds the repository's ``configs/`` and ``tests/`` and must
-  exit 0. An identical command in several blocks runs once;
+  exit 0. An identical command in several blocks runs once (and a config header's line that is
+  one of them shares its run);
 * ``json``: parsed (one document, or JSON lines); a ``TF_CONFIG`` (one with ``"cluster"``) is
   read by ``TFConfigClusterResolver``;
 * ``yaml``: a config section; merged into ``configs/default.yaml`` and validated by the job
@@ -26,6 +27,11 @@ the source):
 * ``<!-- run under: COMMAND -->``: see above (a block that needs a cluster).
 
 A block that is not marked and does not run fails the test naming its file and line.
+
+The commands (shell blocks, blocks under a cluster, config headers) of the selected tests start
+in one background thread, in test order, when the module's first test starts, so they run while
+this process runs the in-process blocks; a test whose command has not started yet runs it
+itself. ``JAXDIST_DOC_PREFETCH=0`` runs each command in its own test instead.
 """
 
 from __future__ import annotations
