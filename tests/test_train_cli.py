@@ -40,9 +40,8 @@ def _records(log_dir) -> list:
 
 
 @pytest.mark.slow
-def test_help_lists_the_options():
-    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--help"], env=_env(),
-                         capture_output=True, text=True, timeout=60)
+def test_help_lists_the_options(cli_runs):
+    out, _ = cli_runs["help"]
     assert out.returncode == 0
     for word in ("--config", "--set", "global_batch_size", "steps_per_execution",
                  "central_storage", "cross_device_ops", "halt_on_nan", "every_steps"):
@@ -81,10 +80,10 @@ _BAD_CONFIGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_config_runs(tmp_path_factory):
+def cli_runs(tmp_path_factory):
     """Each bad config's run, ``{index: (CompletedProcess, its logging.dir)}``, plus the missing
-    config file's (index ``"missing"``): the processes start together and are waited for
-    together (each exits at start-up; most of their time is importing)."""
+    config file's (``"missing"``) and ``--help``'s (``"help"``): the processes start together
+    and are waited for together (each exits at start-up; most of their time is importing)."""
     procs = {}
     try:
         for i, (overrides, devices, _) in enumerate(_BAD_CONFIGS):
@@ -95,6 +94,9 @@ def bad_config_runs(tmp_path_factory):
         procs["missing"] = (subprocess.Popen(
             _cmd("no_such.yaml"), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True), None)
+        procs["help"] = (subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.train", "--help"], env=_env(), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), None)
         runs = {}
         for key, (proc, log_dir) in procs.items():
             stdout, stderr = proc.communicate(timeout=120)
@@ -110,8 +112,8 @@ def bad_config_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index, message", [(i, m) for i, (_, _, m) in enumerate(_BAD_CONFIGS)])
-def test_bad_config_exits_2(index, message, bad_config_runs):
-    out, log_dir = bad_config_runs[index]
+def test_bad_config_exits_2(index, message, cli_runs):
+    out, log_dir = cli_runs[index]
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
@@ -119,8 +121,8 @@ def test_bad_config_exits_2(index, message, bad_config_runs):
 
 
 @pytest.mark.slow
-def test_missing_config_file_exits_2(bad_config_runs):
-    out, _ = bad_config_runs["missing"]
+def test_missing_config_file_exits_2(cli_runs):
+    out, _ = cli_runs["missing"]
     assert out.returncode == 2 and "no such file" in out.stderr
 
 
