@@ -10,7 +10,7 @@ workers' direct ports (the default) and over gRPC only.
 
 Example:
     $ python -m benchmarks.bench_coordinator            # 10 rounds of 600 steps per mode
-    $ python -m benchmarks.bench_coordinator --quick    # 2 rounds of 60 steps
+    $ python -m benchmarks.bench_coordinator --quick    # 2 rounds of 20 steps
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    steps = args.steps or (60 if args.quick else 600)
+    steps = args.steps or (20 if args.quick else 600)
     rounds = args.rounds or (2 if args.quick else 10)
     warmup = 5
     from benchmarks.common import print_machine
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name:<32} | {sps:>8.1f} | {ratio:>6.3f} |")
     print(f"(ratio: the median of the per-round ratios; target >= 0.95; per-round ratios "
           f"{min(c / b for c, b in zip(cos, bgs)):.3f}-{max(c / b for c, b in zip(cos, bgs)):.3f})")
-    n = 600 if args.quick else 3000
+    n = 200 if args.quick else 3000
     direct, grpc_only = noop_closures_per_s(n, True), noop_closures_per_s(n, False)
     print(f"\nno-op closures, 2 workers, {n} scheduled: {direct:.0f}/s over the workers' direct "
           f"ports, {grpc_only:.0f}/s over gRPC only (JAXDIST_COORDINATOR_DIRECT=0): "

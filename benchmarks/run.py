@@ -16,8 +16,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 QUICK_ARGS = {
-    "bench_strategy_step": ["--steps", "4", "--repeats", "2", "--devices", "1", "8"],
-    "bench_multi_worker": ["--steps", "5", "--repeats", "2"],
+    "bench_strategy_step": ["--steps", "2", "--repeats", "2", "--devices", "1", "8"],
+    "bench_multi_worker": ["--steps", "2", "--repeats", "2"],
     "bench_steps_per_execution": ["--steps", "64", "--repeats", "1", "--ks", "1", "4", "64"],
 }
 

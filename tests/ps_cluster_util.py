@@ -47,14 +47,16 @@ def task_env(cluster: dict, task_type: str, index: int, token: str | None = TOKE
     return env
 
 
-def start_ps(cluster: dict, index: int, token: str | None = TOKEN,
-             checkpoint_dir: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
-    """Starts ``python -m jaxdist.server`` for ps ``index``; returns once it listens."""
+def _spawn_ps(cluster: dict, index: int, token: str | None,
+              checkpoint_dir: str | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxdist.server"]
     if checkpoint_dir:
         cmd += ["--checkpoint_dir", checkpoint_dir]
-    proc = subprocess.Popen(cmd, env=task_env(cluster, "ps", index, token), cwd=REPO,
+    return subprocess.Popen(cmd, env=task_env(cluster, "ps", index, token), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_listening(proc: subprocess.Popen, index: int, timeout: float) -> subprocess.Popen:
     deadline = time.monotonic() + timeout
     lines = []
     while time.monotonic() < deadline:
@@ -68,6 +70,27 @@ def start_ps(cluster: dict, index: int, token: str | None = TOKEN,
             return proc
     proc.kill()
     raise RuntimeError(f"ps:{index} did not start: {''.join(lines)[-2000:]}")
+
+
+def start_ps(cluster: dict, index: int, token: str | None = TOKEN,
+             checkpoint_dir: str | None = None, timeout: float = 60.0) -> subprocess.Popen:
+    """Starts ``python -m jaxdist.server`` for ps ``index``; returns once it listens."""
+    return _wait_listening(_spawn_ps(cluster, index, token, checkpoint_dir), index, timeout)
+
+
+def start_all_ps(cluster: dict, token: str | None = TOKEN, checkpoint_dir: str | None = None,
+                 timeout: float = 60.0) -> list[subprocess.Popen]:
+    """``start_ps`` for every ps task of ``cluster``, started together; returns once all
+    listen (or kills them all and raises)."""
+    procs = [_spawn_ps(cluster, i, token, checkpoint_dir) for i in range(len(cluster["ps"]))]
+    try:
+        for i, proc in enumerate(procs):
+            _wait_listening(proc, i, timeout)
+    except BaseException:
+        for proc in procs:
+            stop(proc)
+        raise
+    return procs
 
 
 def run_workers(cluster: dict, script: str, args: list[str], timeout: float = 120.0,

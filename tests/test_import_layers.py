@@ -20,6 +20,7 @@ upward arrow, an arrow the doc does not allow and a doc out of step are known to
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -446,8 +447,14 @@ def test_checker_refuses_a_doc_table_it_cannot_read(text, message):
 
 
 # ---------------------------------------------------------------------- the package itself
+@functools.cache
+def _jaxdist_graph() -> dict[str, frozenset[str]]:
+    """``module_graph()`` of the package, read once for the tests below (read-only)."""
+    return {m: frozenset(t) for m, t in module_graph().items()}
+
+
 def test_no_import_circle_between_files():
-    cycles = [c for c in find_cycles(module_graph()) if c not in KNOWN_CYCLES]
+    cycles = [c for c in find_cycles(_jaxdist_graph()) if c not in KNOWN_CYCLES]
     assert not cycles, "import circles between files:\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
 
@@ -455,7 +462,7 @@ def test_no_import_circle_between_files():
 def test_known_exceptions_are_still_needed():
     """An entry that no longer applies should be deleted (the lists only shrink); a warning
     says so, so that the fix landing in parallel does not turn this test red."""
-    graph = module_graph()
+    graph = _jaxdist_graph()
     stale = [f"{a} -> {b}" for a, b in sorted(KNOWN_EXCEPTIONS) if b not in graph.get(a, ())]
     cycles = find_cycles(graph)
     stale += [" <-> ".join(c) for c in KNOWN_CYCLES if c not in cycles]
@@ -467,7 +474,7 @@ def test_known_exceptions_are_still_needed():
 def test_only_allowed_arrows_between_packages():
     missing = _PACKAGES - set(ALLOWED)
     assert not missing, f"packages without a layer in ALLOWED: {sorted(missing)}"
-    bad = layer_violations(module_graph(), exceptions=KNOWN_EXCEPTIONS)
+    bad = layer_violations(_jaxdist_graph(), exceptions=KNOWN_EXCEPTIONS)
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
 
 
@@ -482,35 +489,70 @@ def test_only_arrows_the_doc_table_allows():
     doc = _doc_table()
     missing = _PACKAGES - set(doc)
     assert not missing, f"packages without a row in docs/architecture.md: {sorted(missing)}"
-    bad = layer_violations(module_graph(), doc, exceptions=KNOWN_EXCEPTIONS)
+    bad = layer_violations(_jaxdist_graph(), doc, exceptions=KNOWN_EXCEPTIONS)
     assert not bad, "imports that docs/architecture.md's table does not allow:\n" + "\n".join(bad)
 
 
+# Importing ``jaxdist.a.b`` runs ``import jaxdist`` first (Python imports the parents of a
+# module before it), and that import is the same in every fresh interpreter. So a module that
+# ``import jaxdist`` loads imports alone exactly when ``import jaxdist`` does, and any other
+# module imports alone exactly when it imports in the state ``import jaxdist`` leaves. The
+# script imports jaxdist once, then forks one child per other module from that state: each
+# child runs only that module's own jaxdist code (the third-party packages, imported once
+# before jaxdist, stay imported: they import nothing of jaxdist).
 _IMPORT_EACH = """
-import importlib, json, sys, traceback
-import jax, numpy  # stay imported: only jaxdist is re-imported for each module
-failed = {}
-for name in json.loads(sys.argv[1]):
-    for key in [k for k in sys.modules if k == "jaxdist" or k.startswith("jaxdist.")]:
-        del sys.modules[key]
-    try:
-        importlib.import_module(name)
-    except BaseException:
-        failed[name] = traceback.format_exc(limit=-3)
-print(json.dumps(failed))
+import importlib, json, os, sys, traceback
+import jax, numpy, flax, optax, keras, grpc, orbax  # third-party only: stay imported
+names = json.loads(sys.argv[1])
+failed, forked = {}, []
+try:
+    import jaxdist
+except BaseException:
+    failed["jaxdist"] = traceback.format_exc(limit=-3)
+    loaded = []
+else:
+    loaded = sorted(k for k in sys.modules if k == "jaxdist" or k.startswith("jaxdist."))
+    for name in names:
+        if name in sys.modules:
+            continue
+        forked.append(name)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: import one module, write its traceback if it fails
+            os.close(read)
+            code = 0
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                os.write(write, traceback.format_exc(limit=-3).encode())
+                code = 1
+            os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            error = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code or error:
+            failed[name] = error or f"the child importing it exited with {code}"
+print(json.dumps({"failed": failed, "loaded": loaded, "forked": forked}))
 """
 
 
 def test_every_module_imports_alone():
-    modules = sorted(m for m in module_graph() if not m.endswith("__main__"))
+    modules = sorted(m for m in _jaxdist_graph() if not m.endswith("__main__"))
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=os.path.dirname(ROOT) + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(modules)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = out["failed"]
     assert not failed, "modules that fail to import alone:\n" + "\n".join(
         f"{k}:\n{v}" for k, v in failed.items())
+    # Every module was checked: loaded by ``import jaxdist`` or imported in a child of its own.
+    assert set(modules) <= set(out["loaded"]) | set(out["forked"]), \
+        sorted(set(modules) - set(out["loaded"]) - set(out["forked"]))
+    assert out["forked"], "every module loaded with jaxdist: no child imported one alone"
     assert len(modules) > 50  # the walk found the package
 
 

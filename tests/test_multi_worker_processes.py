@@ -27,17 +27,24 @@ def test_two_processes_match_one_process_with_all_devices(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
     env.pop("TF_CONFIG", None)
-    ref = subprocess.run(_linreg("--strategy", "mirrored", "--out", str(ref_out)), env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    with LocalCluster(workers=2, devices_per_process=2) as c:
-        c.start(_linreg("--out", str(mw_out), "--timeout", "30"))
-        codes = c.join(timeout=120)
-        assert codes == {"worker:0": 0, "worker:1": 0}, c.describe()
-        # every process saw the same (all-reduced) losses
-        losses = [[ln for ln in c.output(n).splitlines() if ln.startswith("step ")]
-                  for n in ("worker:0", "worker:1")]
-        assert losses[0] == losses[1] and len(losses[0]) == STEPS
+    # The one-process reference runs while the cluster runs (they are independent).
+    ref = subprocess.Popen(_linreg("--strategy", "mirrored", "--out", str(ref_out)), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with LocalCluster(workers=2, devices_per_process=2) as c:
+            c.start(_linreg("--out", str(mw_out), "--timeout", "30"))
+            codes = c.join(timeout=120)
+            assert codes == {"worker:0": 0, "worker:1": 0}, c.describe()
+            # every process saw the same (all-reduced) losses
+            losses = [[ln for ln in c.output(n).splitlines() if ln.startswith("step ")]
+                      for n in ("worker:0", "worker:1")]
+            assert losses[0] == losses[1] and len(losses[0]) == STEPS
+        ref_output, _ = ref.communicate(timeout=120)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+    assert ref.returncode == 0, ref_output
     a, b = json.loads(ref_out.read_text()), json.loads(mw_out.read_text())
     assert (a["num_replicas"], b["num_replicas"], b["process_count"]) == (4, 4, 2)
     np.testing.assert_allclose(b["w"], a["w"], rtol=1e-5, atol=1e-6)

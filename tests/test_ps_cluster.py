@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ps_cluster_util import TOKEN, free_ports, make_cluster, run_workers, start_ps, stop
+from ps_cluster_util import (
+    TOKEN,
+    free_ports,
+    make_cluster,
+    run_workers,
+    start_all_ps,
+    start_ps,
+    stop,
+)
 
 import jaxdist
 from jaxdist.ps import PSAuthenticationError, PSClient, PSUnavailableError
@@ -72,7 +80,7 @@ def test_unreachable_ps_raises_typed_error_quickly():
 def test_ps_restart_restores_checkpoint(tmp_path):
     cluster = make_cluster(2, 1)
     ckpt = str(tmp_path / "ckpt")
-    procs = [start_ps(cluster, i, checkpoint_dir=ckpt) for i in range(2)]
+    procs = start_all_ps(cluster, checkpoint_dir=ckpt)
     try:
         strategy = jaxdist.ParameterServerStrategy(
             _Resolver(cluster), variable_partitioner=jaxdist.FixedShardsPartitioner(2),
@@ -104,7 +112,7 @@ def test_ps_restart_restores_checkpoint(tmp_path):
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_async_training_two_workers_converges(num_ps):
     cluster = make_cluster(num_ps, 2)
-    procs = [start_ps(cluster, i) for i in range(num_ps)]
+    procs = start_all_ps(cluster)
     try:
         outs = run_workers(cluster, "ps_train_worker.py", ["80", "-1", "0", str(num_ps - 1)])
     finally:
@@ -134,7 +142,7 @@ def test_bounded_staleness_waits_for_slow_worker():
 
 def test_sparse_embedding_two_ps_matches_dense_reference():
     cluster = make_cluster(2, 1)
-    procs = [start_ps(cluster, i) for i in range(2)]
+    procs = start_all_ps(cluster)
     try:
         strategy = jaxdist.ParameterServerStrategy(_Resolver(cluster),
                                                    compute_devices=jax.devices()[:1])

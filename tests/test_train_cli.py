@@ -40,9 +40,8 @@ def _records(log_dir) -> list:
 
 
 @pytest.mark.slow
-def test_help_lists_the_options():
-    out = subprocess.run([sys.executable, "-m", "jaxdist.train", "--help"], env=_env(),
-                         capture_output=True, text=True, timeout=60)
+def test_help_lists_the_options(cli_runs):
+    out, _ = cli_runs["help"]
     assert out.returncode == 0
     for word in ("--config", "--set", "global_batch_size", "steps_per_execution",
                  "central_storage", "cross_device_ops", "halt_on_nan", "every_steps"):
@@ -69,8 +68,7 @@ def test_default_config_reaches_95_percent(tmp_path, timed):
     assert wall < 60 or not timed  # a speed claim: only in the `timing` run
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides, devices, message", [
+_BAD_CONFIGS = [
     (["train.epochs=ten"], 2, "train.epochs: 'ten' (str) is not an int"),
     (["strategy.name=multi_gpu"], 2, "strategy.name: 'multi_gpu' is not a known strategy"),
     (["model.name=transformer"], 2, "model.name: 'transformer' is not valid"),
@@ -78,18 +76,53 @@ def test_default_config_reaches_95_percent(tmp_path, timed):
      "train.global_batch_size: 30 does not divide across the 4 replicas"),
     (["strategy.devices=[/cpu:9]"], 2, "strategy: 'mirrored' cannot be built"),
     (["optimiser.name=sgd"], 2, "optimiser: unknown key"),
-])
-def test_bad_config_exits_2(overrides, devices, message, tmp_path):
-    out = _run("default.yaml", f"logging.dir={tmp_path}", *overrides, devices=devices)
-    assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], out.stderr
-    assert not list(tmp_path.rglob("metrics.jsonl"))  # nothing ran
+]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Each bad config's run, ``{index: (CompletedProcess, its logging.dir)}``, plus the missing
+    config file's (``"missing"``) and ``--help``'s (``"help"``): the processes start together
+    and are waited for together (each exits at start-up; most of their time is importing)."""
+    procs = {}
+    try:
+        for i, (overrides, devices, _) in enumerate(_BAD_CONFIGS):
+            log_dir = tmp_path_factory.mktemp(f"bad{i}")
+            procs[i] = (subprocess.Popen(
+                _cmd("default.yaml", f"logging.dir={log_dir}", *overrides), env=_env(devices),
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), log_dir)
+        procs["missing"] = (subprocess.Popen(
+            _cmd("no_such.yaml"), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True), None)
+        procs["help"] = (subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.train", "--help"], env=_env(), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), None)
+        runs = {}
+        for key, (proc, log_dir) in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            runs[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                         log_dir)
+        return runs
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.slow
-def test_missing_config_file_exits_2():
-    out = _run("no_such.yaml")
+@pytest.mark.parametrize("index, message", [(i, m) for i, (_, _, m) in enumerate(_BAD_CONFIGS)])
+def test_bad_config_exits_2(index, message, cli_runs):
+    out, log_dir = cli_runs[index]
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not list(log_dir.rglob("metrics.jsonl"))  # nothing ran
+
+
+@pytest.mark.slow
+def test_missing_config_file_exits_2(cli_runs):
+    out, _ = cli_runs["missing"]
     assert out.returncode == 2 and "no such file" in out.stderr
 
 
@@ -113,14 +146,17 @@ def _final_params(ckpt_dir, step):
 
 @pytest.mark.slow
 def test_sigkill_then_restart_equals_uninterrupted(tmp_path):
+    steps_total = 160
     common = ["data.name=synthetic", "data.num_examples=2000", "data.num_features=16",
-              "model.hidden_sizes=[32]", "train.global_batch_size=16", "train.steps=300",
-              "train.validation_freq=0", "checkpoint.every_steps=20", "checkpoint.keep=2",
-              "logging.every_steps=50"]
+              "model.hidden_sizes=[32]", "train.global_batch_size=16",
+              f"train.steps={steps_total}", "train.validation_freq=0",
+              "checkpoint.every_steps=20", "checkpoint.keep=2", "logging.every_steps=50"]
+    # The uninterrupted run and the run to kill are independent: they run at the same time.
     straight = tmp_path / "straight"
-    out = _run("mirrored.yaml", *common, f"checkpoint.dir={straight / 'ckpt'}",
-               f"logging.dir={straight}")
-    assert out.returncode == 0, out.stderr[-2000:]
+    straight_proc = subprocess.Popen(
+        _cmd("mirrored.yaml", *common, f"checkpoint.dir={straight / 'ckpt'}",
+             f"logging.dir={straight}"),
+        env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     killed = tmp_path / "killed"
     ckpt = killed / "ckpt"
@@ -137,19 +173,23 @@ def test_sigkill_then_restart_equals_uninterrupted(tmp_path):
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        _, straight_err = straight_proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, straight_proc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert straight_proc.returncode == 0, straight_err[-2000:]
     assert proc.returncode == -signal.SIGKILL
     steps = sorted(int(p.name) for p in ckpt.glob("*") if p.name.isdigit())
-    assert steps and steps[-1] < 300, steps
+    assert steps and steps[-1] < steps_total, steps
 
     out = _run("mirrored.yaml", *common, f"checkpoint.dir={ckpt}", f"logging.dir={killed}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"Resumed from checkpoint at step {steps[-1]}" in out.stdout
 
-    a, meta_a = _final_params(straight / "ckpt", 300)
-    b, meta_b = _final_params(ckpt, 300)
+    a, meta_a = _final_params(straight / "ckpt", steps_total)
+    b, meta_b = _final_params(ckpt, steps_total)
     assert meta_a == meta_b
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
