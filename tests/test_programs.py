@@ -81,13 +81,13 @@ XFAIL: dict[str, str] = {}
 
 IN_PROCESS = [
     "flax_mnist_example",
-    "flax_mnist_tutorial",
     "keras_mnist_convnet",
     "keras_text_classification",
     "keras_timeseries_classification",
     "keras_structured_data",
     "tf_distribute_keras",
     "tf_custom_training",
+    "flax_mnist_tutorial",   # last: its own process (DEFAULT_OPT_LEVEL) runs meanwhile
 ]
 
 
@@ -141,30 +141,61 @@ def _param(name: str):
 # amplify rounding so much that the suite's level 0 (tests/conftest.py: no fused multiply-adds)
 # alone moves their 4-device result past it (flax_mnist_tutorial's test loss: 8e-4 apart at the
 # default level, 5e-3 at level 0). They run at the default level, in a pytest process of their
-# own, with the same tolerance.
+# own, with the same tolerance. That process starts with the module's first program test and
+# runs alongside the in-process ones (they are last in IN_PROCESS, so the wait is short).
 DEFAULT_OPT_LEVEL = ("flax_mnist_tutorial",)
 
 
-def _rerun_at_the_default_opt_level(name: str) -> None:
+def _at_level_0() -> bool:
+    return "xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+
+
+def _start_at_the_default_opt_level(name: str, log_path) -> subprocess.Popen:
     from conftest import FAST_COMPILE_FLAG
 
     env = dict(os.environ, JAXDIST_TEST_XLA_DEFAULT_OPT="1")
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if f != FAST_COMPILE_FLAG)
     test = f"{os.path.abspath(__file__)}::test_program_on_4_devices_matches_1_device[{name}]"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                          cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
-                          timeout=570)
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+            cwd=os.path.dirname(HERE), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def default_opt_level_runs(request, tmp_path_factory):
+    """name -> (pytest process, its log) of each selected DEFAULT_OPT_LEVEL program, started
+    when the first program test of the module starts (none where the suite is not at level 0:
+    those programs then run in-process as the others)."""
+    runs = {}
+    if _at_level_0() and jax.local_device_count() >= DEVICES:
+        selected = {item.callspec.params.get("name") for item in request.session.items
+                    if getattr(item, "originalname", "") == TEST_NAME
+                    and hasattr(item, "callspec")}
+        for name in DEFAULT_OPT_LEVEL:
+            if name in selected:
+                log = tmp_path_factory.mktemp(name) / "pytest.log"
+                runs[name] = (_start_at_the_default_opt_level(name, log), log)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+TEST_NAME = "test_program_on_4_devices_matches_1_device"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [_param(n) for n in IN_PROCESS])
-def test_program_on_4_devices_matches_1_device(name):
+def test_program_on_4_devices_matches_1_device(name, default_opt_level_runs):
     _need(DEVICES)
-    if name in DEFAULT_OPT_LEVEL and "xla_backend_optimization_level=0" in os.environ.get(
-            "XLA_FLAGS", ""):
-        _rerun_at_the_default_opt_level(name)
+    if name in default_opt_level_runs:
+        proc, log = default_opt_level_runs[name]
+        proc.wait(timeout=570)
+        output = log.read_text()
+        assert proc.returncode == 0 and "1 passed" in output, output[-4000:]
         return
     program = importlib.import_module(f"programs.{name}")
     ref = program.main(None)
@@ -174,8 +205,13 @@ def test_program_on_4_devices_matches_1_device(name):
 
 def _launch_env() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
-    for key in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+    for key in ("TF_CONFIG", "JAX_NUM_CPU_DEVICES"):
         env.pop(key, None)  # the launcher gives each task its own
+    # Of the suite's XLA flags the tasks keep the optimisation level (they compile as this
+    # process does); the launcher gives each its device count.
+    level = [f for f in env.pop("XLA_FLAGS", "").split() if "xla_backend_optimization_level" in f]
+    if level:
+        env["XLA_FLAGS"] = " ".join(level)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.dirname(HERE), HERE, env.get("PYTHONPATH")) if p)
     return env
@@ -187,15 +223,28 @@ def test_multi_worker_with_keras_on_2_processes_matches_1_device(tmp_path):
     """TF's multi-worker Keras tutorial as each task of ``python -m jaxdist.launch
     --workers 2 --devices-per-process 2`` (4 replicas on one global mesh), against the same
     program on 1 device over the same global batches."""
-    program = importlib.import_module("programs.tf_multi_worker_with_keras")
-    ref = program.main(None, num_workers=2)
     out = tmp_path / "result"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
-         "--", sys.executable, "-m", "programs.tf_multi_worker_with_keras", str(out),
-         str(tmp_path)],
-        cwd=HERE, env=_launch_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    log = tmp_path / "launch.log"
+    # The cluster starts first; the 1-device reference runs here while its tasks start up.
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.launch", "--workers", "2",
+             "--devices-per-process", "2", "--", sys.executable, "-m",
+             "programs.tf_multi_worker_with_keras", str(out), str(tmp_path)],
+            cwd=HERE, env=_launch_env(), stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        program = importlib.import_module("programs.tf_multi_worker_with_keras")
+        ref = program.main(None, num_workers=2)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:  # the reference failed, or the cluster ran past its timeout
+            proc.terminate()     # the launcher stops its tasks on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
     for i in range(2):
         got = json.loads((tmp_path / f"result.{i}.json").read_text())
         assert got.pop("replicas") == DEVICES
