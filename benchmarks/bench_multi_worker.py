@@ -90,7 +90,8 @@ def worker(args: argparse.Namespace) -> int:
         jd["p"], jd["o"] = p, o
 
     # -- hand-written jax.distributed -------------------------------------------------------
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,))
     rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     hw = {"p": jax.device_put(init_params(), rep)}
     hw["o"] = jax.device_put(tx.init(hw["p"]), rep)

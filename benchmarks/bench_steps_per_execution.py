@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     if bad:
         raise SystemExit(f"--steps {args.steps} is not a multiple of k={bad}")
     mesh = jax.make_mesh((strategy.num_replicas_in_sync,), ("data",),
-                         devices=list(strategy.extended.worker_devices))
+                         devices=list(strategy.extended.worker_devices),
+                         axis_types=(jax.sharding.AxisType.Auto,))
     rep = NamedSharding(mesh, P())
     rows, stacked = NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))
     model = MLP(FEATURES, [HIDDEN], CLASSES, rngs=nnx.Rngs(0))

@@ -153,7 +153,8 @@ def _prefetch_to_device(sharding, size: int = 2):
 
 def _bounded_loop(step, devices):
     """A runner calling ``step`` on prefetched batches, waiting on step k-2 before step k."""
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=list(devices))
+    mesh = jax.make_mesh((len(devices),), ("data",), devices=list(devices),
+                         axis_types=(jax.sharding.AxisType.Auto,))
     rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     params = jax.device_put(init_params(), rep)
     state = {"p": params, "o": jax.device_put(optax.sgd(LR).init(params), rep)}
