@@ -36,12 +36,15 @@ def _worker(tmp_path, out, epochs, kill_after):
             str(epochs), str(kill_after)]
 
 
-def _run(tmp_path, out, epochs, kill_after=-1):
+def _run(tmp_path, out, epochs, kill_after=-1, meanwhile=lambda: None):
+    """Runs the job on a LocalCluster; calls ``meanwhile()`` while it runs and returns the
+    exit codes, the cluster's description and what ``meanwhile`` returned."""
     cmd = _worker(tmp_path, out, epochs, kill_after)
     with LocalCluster(workers=2, devices_per_process=2, env={"KERAS_BACKEND": "jax"}) as c:
         c.start(cmd)
+        result = meanwhile()
         codes = c.join(timeout=150)
-        return codes, c.describe()
+        return codes, c.describe(), result
 
 
 def _assert_same(got, ref, epochs=slice(None)):
@@ -56,9 +59,10 @@ def _assert_same(got, ref, epochs=slice(None)):
 def test_fit_across_processes_matches_one_device_and_resumes(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ref = _reference(epochs=3)
-    # A job killed (every process, abruptly) after its 2nd epoch ...
-    codes, why = _run(tmp_path, tmp_path / "killed", epochs=3, kill_after=1)
+    # A job killed (every process, abruptly) after its 2nd epoch (the one-device reference is
+    # computed while it runs) ...
+    codes, why, ref = _run(tmp_path, tmp_path / "killed", epochs=3, kill_after=1,
+                           meanwhile=lambda: _reference(epochs=3))
     assert codes == {"worker:0": 17, "worker:1": 17}, why
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "e1.weights.h5", "e2.weights.h5"]

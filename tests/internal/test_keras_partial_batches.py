@@ -257,28 +257,36 @@ def test_input_across_processes_matches_one_device(tmp_path):
     import keras_partial_mw_worker as w
 
     runs = [r for r in w.RUNS if r != "tfdata" or importlib.util.find_spec("tensorflow")]
-    x, y = w.data()
-    plain = w.model()
-    want = {"history": plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                                 verbose=0).history,
-            "eval": plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
-            "weights": plain.get_weights()}
-    shuffled = w.model()
-    ds = w.dataset(x, y)
-    batches = list(ds) + list(ds)  # epochs 0 and 1 (each pass reshuffles)
-    want_ds = {"history": shuffled.fit((b for b in batches), steps_per_epoch=3, epochs=2,
-                                       verbose=0).history}
-    want_ds["eval"] = shuffled.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
-    want_ds["weights"] = shuffled.get_weights()
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     for k in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
         env.pop(k, None)
-    proc = subprocess.run(
+    # The job starts first; the one-device references are computed while it runs.
+    job = subprocess.Popen(
         [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
          "--", sys.executable, os.path.join(here, "keras_partial_mw_worker.py"),
          str(tmp_path / "out"), ",".join(runs)],
-        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        x, y = w.data()
+        plain = w.model()
+        want = {"history": plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                     verbose=0).history,
+                "eval": plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+                "weights": plain.get_weights()}
+        shuffled = w.model()
+        ds = w.dataset(x, y)
+        batches = list(ds) + list(ds)  # epochs 0 and 1 (each pass reshuffles)
+        want_ds = {"history": shuffled.fit((b for b in batches), steps_per_epoch=3, epochs=2,
+                                           verbose=0).history}
+        want_ds["eval"] = shuffled.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+        want_ds["weights"] = shuffled.get_weights()
+        output, _ = job.communicate(timeout=360)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, output[-4000:]
     for i in range(2):
         out = json.loads((tmp_path / f"out.{i}.json").read_text())
         assert (out["processes"], out["replicas"]) == (2, 4)
