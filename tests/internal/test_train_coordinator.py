@@ -149,7 +149,7 @@ def digits_run(tmp_path_factory):
     ckpts = sorted(p.name for p in (tmp_path / "ckpt" / "ps-0").iterdir()) \
         if (tmp_path / "ckpt" / "ps-0").is_dir() else []
     files = sorted(p.name for p in run_dirs[0].iterdir()) if len(run_dirs) == 1 else None
-    records = _records(tmp_path) if run_dirs else []
+    records = _records(tmp_path) if run_dirs and proc.returncode == 0 else []
     return {"path": tmp_path, "proc": proc, "wall": wall, "run_dirs": run_dirs,
             "ckpts": ckpts, "files": files, "records": records}
 
