@@ -276,12 +276,19 @@ def test_a_plain_model_after_jaxdist_keras_trains_as_in_a_process_without_jaxdis
         pytest.skip(f"needs 2 devices, {len(devices)} available")
     out = tmp_path / "plain.npz"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, "-c", _PLAIN, str(out)], check=True, timeout=300, env=env)
-    with jk.scope(jaxdist.MirroredStrategy(devices[:2])):  # jaxdist.keras used first
-        model = _compiled_model()
-        model.fit(np.ones((6, 3), "float32"), np.ones((6, 2), "float32"), batch_size=4,
-                  verbose=0)
-    got = _plain_fit()
+    # The process without jaxdist runs while this one trains (they share nothing).
+    plain = subprocess.Popen([sys.executable, "-c", _PLAIN, str(out)], env=env)
+    try:
+        with jk.scope(jaxdist.MirroredStrategy(devices[:2])):  # jaxdist.keras used first
+            model = _compiled_model()
+            model.fit(np.ones((6, 3), "float32"), np.ones((6, 2), "float32"), batch_size=4,
+                      verbose=0)
+        got = _plain_fit()
+        assert plain.wait(timeout=300) == 0
+    finally:
+        if plain.poll() is None:
+            plain.kill()
+            plain.wait()
     want = np.load(out)
     for i, w in enumerate(got):
         np.testing.assert_array_equal(w, want[f"arr_{i}"], err_msg=f"weight {i}")

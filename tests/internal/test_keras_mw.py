@@ -19,23 +19,16 @@ from jaxdist.testing import LocalCluster
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
-def _reference(tmp_path, epochs):
-    ref_json = str(tmp_path / "ref.json")
-    code = (
-        f"import sys, json, numpy as np; sys.path.insert(0, {HERE!r}); "
-        "import keras_mw_worker as w; x, y = w.data(); m = w.model(); "
-        f"h = m.fit(x, y, batch_size=w.GLOBAL_BATCH, epochs={epochs}, shuffle=False, "
-        "verbose=0).history; "
-        "json.dump({'history': {k: [float(v) for v in vs] for k, vs in h.items()}, "
-        f"'weights': [np.asarray(a).tolist() for a in m.get_weights()]}}, open({ref_json!r}, 'w'))"
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", JAX_NUM_CPU_DEVICES="1")
-    env.pop("TF_CONFIG", None)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((tmp_path / "ref.json").read_text())
+def _reference(epochs):
+    """One device (this process's default device, no strategy) over the same global batches."""
+    sys.path.insert(0, HERE)
+    import keras_mw_worker as w
+
+    x, y = w.data()
+    m = w.model()
+    h = m.fit(x, y, batch_size=w.GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0).history
+    return {"history": {k: [float(v) for v in vs] for k, vs in h.items()},
+            "weights": [np.asarray(a) for a in m.get_weights()]}
 
 
 def _worker(tmp_path, out, epochs, kill_after):
@@ -43,12 +36,15 @@ def _worker(tmp_path, out, epochs, kill_after):
             str(epochs), str(kill_after)]
 
 
-def _run(tmp_path, out, epochs, kill_after=-1):
+def _run(tmp_path, out, epochs, kill_after=-1, meanwhile=lambda: None):
+    """Runs the job on a LocalCluster; calls ``meanwhile()`` while it runs and returns the
+    exit codes, the cluster's description and what ``meanwhile`` returned."""
     cmd = _worker(tmp_path, out, epochs, kill_after)
     with LocalCluster(workers=2, devices_per_process=2, env={"KERAS_BACKEND": "jax"}) as c:
         c.start(cmd)
+        result = meanwhile()
         codes = c.join(timeout=150)
-        return codes, c.describe()
+        return codes, c.describe(), result
 
 
 def _assert_same(got, ref, epochs=slice(None)):
@@ -63,9 +59,10 @@ def _assert_same(got, ref, epochs=slice(None)):
 def test_fit_across_processes_matches_one_device_and_resumes(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ref = _reference(tmp_path, epochs=3)
-    # A job killed (every process, abruptly) after its 2nd epoch ...
-    codes, why = _run(tmp_path, tmp_path / "killed", epochs=3, kill_after=1)
+    # A job killed (every process, abruptly) after its 2nd epoch (the one-device reference is
+    # computed while it runs) ...
+    codes, why, ref = _run(tmp_path, tmp_path / "killed", epochs=3, kill_after=1,
+                           meanwhile=lambda: _reference(epochs=3))
     assert codes == {"worker:0": 17, "worker:1": 17}, why
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "e1.weights.h5", "e2.weights.h5"]

@@ -71,6 +71,19 @@ def _run(model, x=X, y=Y, **kw):
     }
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(rows: int = 70, weighted: bool = False):
+    """``_run`` of plain Keras on one device over the first ``rows`` rows (computed once per
+    module: several tests compare with the same reference, and read it only)."""
+    key = (rows, weighted)
+    if key not in _REFERENCES:
+        kw = {"sample_weight": W[:rows]} if weighted else {}
+        _REFERENCES[key] = _run(_model(), X[:rows], Y[:rows], **kw)
+    return _REFERENCES[key]
+
+
 def _assert_same(got, want):
     assert got["hist"].keys() == want["hist"].keys()
     for k in want["hist"]:
@@ -91,7 +104,7 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
 def test_uneven_sizes_match_one_device(four, rows, weighted):
     kw = {"sample_weight": W[:rows]} if weighted else {}
-    want = _run(_model(), X[:rows], Y[:rows], **kw)
+    want = _reference(rows, weighted)
     got = _run(_in(four), X[:rows], Y[:rows], **kw)
     _assert_same(got, want)
     assert got["pred"].shape == (rows, 2) and got["one"].shape == (1, 2)
@@ -99,10 +112,10 @@ def test_uneven_sizes_match_one_device(four, rows, weighted):
 
 def test_without_padding_the_numbers_differ(four, monkeypatch):
     # The test above can fail: with the mask ignored (every padded row real), the numbers move.
+    want = _reference()  # plain Keras, computed (or cached) before the patch
     monkeypatch.setattr(partial_batches, "_weights", lambda model, sw, mask: (
         partial_batches.jnp.ones(mask.shape), partial_batches.jnp.ones(mask.shape),
         partial_batches.jnp.float32(mask.shape[0])))
-    want = _run(_model(), X, Y)
     got = _run(_in(four), X, Y)
     with pytest.raises(AssertionError):
         _assert_same(got, want)
@@ -176,7 +189,7 @@ def test_fit_a_jaxdist_dataset(four):
 @pytest.mark.devices(5)
 def test_central_storage_partial_batches(devices):
     strategy = jaxdist.CentralStorageStrategy(devices[1:5], devices[0])
-    _assert_same(_run(_in(strategy)), _run(_model()))
+    _assert_same(_run(_in(strategy)), _reference())
 
 
 def test_what_cannot_be_masked_raises(four):
@@ -244,28 +257,36 @@ def test_input_across_processes_matches_one_device(tmp_path):
     import keras_partial_mw_worker as w
 
     runs = [r for r in w.RUNS if r != "tfdata" or importlib.util.find_spec("tensorflow")]
-    x, y = w.data()
-    plain = w.model()
-    want = {"history": plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
-                                 verbose=0).history,
-            "eval": plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
-            "weights": plain.get_weights()}
-    shuffled = w.model()
-    ds = w.dataset(x, y)
-    batches = list(ds) + list(ds)  # epochs 0 and 1 (each pass reshuffles)
-    want_ds = {"history": shuffled.fit((b for b in batches), steps_per_epoch=3, epochs=2,
-                                       verbose=0).history}
-    want_ds["eval"] = shuffled.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
-    want_ds["weights"] = shuffled.get_weights()
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     for k in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
         env.pop(k, None)
-    proc = subprocess.run(
+    # The job starts first; the one-device references are computed while it runs.
+    job = subprocess.Popen(
         [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",
          "--", sys.executable, os.path.join(here, "keras_partial_mw_worker.py"),
          str(tmp_path / "out"), ",".join(runs)],
-        env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        env=env, cwd=os.path.dirname(here), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        x, y = w.data()
+        plain = w.model()
+        want = {"history": plain.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                     verbose=0).history,
+                "eval": plain.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+                "weights": plain.get_weights()}
+        shuffled = w.model()
+        ds = w.dataset(x, y)
+        batches = list(ds) + list(ds)  # epochs 0 and 1 (each pass reshuffles)
+        want_ds = {"history": shuffled.fit((b for b in batches), steps_per_epoch=3, epochs=2,
+                                           verbose=0).history}
+        want_ds["eval"] = shuffled.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+        want_ds["weights"] = shuffled.get_weights()
+        output, _ = job.communicate(timeout=360)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, output[-4000:]
     for i in range(2):
         out = json.loads((tmp_path / f"out.{i}.json").read_text())
         assert (out["processes"], out["replicas"]) == (2, 4)

@@ -376,7 +376,14 @@ class _Trickle:
     def sendmsg(self, buffers):
         self.calls += 1
         assert len(buffers) <= direct._MAX_IOV
-        data = b"".join(bytes(b) for b in buffers)[:self.step]
+        data, want = [], self.step  # copy only the bytes this call sends (not every buffer)
+        for b in buffers:
+            view = memoryview(b).cast("B")[:want]
+            data.append(bytes(view))
+            want -= len(view)
+            if not want:
+                break
+        data = b"".join(data)
         self.sock.sendall(data)
         return len(data)
 
@@ -387,13 +394,16 @@ class _Trickle:
 @pytest.mark.parametrize("step", [1, 7, 1000, 1 << 30])
 def test_gathered_sends_survive_partial_writes_and_many_arrays(step, monkeypatch):
     monkeypatch.setattr(direct, "_MAX_IOV", 2)  # several sendmsg calls even without partials
+    # Arrays of _SMALL bytes and more leave as their own buffers (no copy); a 4 KiB threshold
+    # takes that path with arrays small enough that 7-byte writes finish quickly.
+    monkeypatch.setattr(direct, "_SMALL", 4 << 10)
     a, b = socket.socketpair()
     rng = np.random.default_rng(step)
     arrays = {f"a{i}": rng.normal(size=(i % 7) * 5).astype(np.float32) for i in range(150)}
-    if step > 1:  # arrays of 256 KiB and more leave as their own buffers (no copy)
-        arrays["big"] = rng.normal(size=300_000).astype(np.float32)
-        arrays["big16"] = rng.normal(size=(300, 500)).astype(ml_dtypes.bfloat16)
-        arrays["big8"] = rng.integers(0, 255, 270_001).astype(np.uint8)
+    if step > 1:
+        arrays["big"] = rng.normal(size=3_000).astype(np.float32)
+        arrays["big16"] = rng.normal(size=(30, 150)).astype(ml_dtypes.bfloat16)
+        arrays["big8"] = rng.integers(0, 255, 8_193).astype(np.uint8)
         arrays["z"] = np.zeros(3, np.int64)
     trickle = _Trickle(a, step)
     try:

@@ -60,20 +60,20 @@ def test_launcher_evaluator_evaluates_each_new_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--evaluator",
            "--devices-per-process", "2", "--evaluator-grace", "60", "--",
            sys.executable, "-m", "jaxdist.train", "--config", "configs/multi_worker.yaml"]
-    for s in ("train.epochs=3", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
+    for s in ("train.epochs=2", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
               f"logging.dir={logs}", "logging.progress_bar=never",
               "evaluator.poll_seconds=0.2", "evaluator.idle_timeout_seconds=60"):
         cmd += ["--set", s]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "[evaluator:0] evaluator:0: evaluated the final checkpoint (step 66); done" in out
+    assert "[evaluator:0] evaluator:0: evaluated the final checkpoint (step 44); done" in out
     with open(logs / "eval" / "metrics.jsonl") as f:
         evals = [json.loads(line) for line in f]
     steps = [r["step"] for r in evals]
     assert all(r["event"] == "evaluation" for r in evals)
-    assert steps == sorted(set(steps)) and steps[-1] == 66
-    assert set(steps) <= {20, 40, 60, 66}
+    assert steps == sorted(set(steps)) and steps[-1] == 44
+    assert set(steps) <= {20, 40, 44}
     assert list((logs / "eval").rglob("events.out.tfevents.*"))
     with open(pathlib.Path(latest_run(logs)) / "metrics.jsonl") as f:
         chief = [json.loads(line) for line in f]
@@ -128,14 +128,14 @@ def test_launcher_evaluator_reads_parameter_server_checkpoints(tmp_path):
     cmd = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--ps", "2",
            "--evaluator", "--evaluator-grace", "60", "--",
            sys.executable, "-m", "jaxdist.train", "--config", "configs/parameter_server.yaml"]
-    for s in ("train.epochs=3", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
+    for s in ("train.epochs=2", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=20",
               "checkpoint.keep=2", f"logging.dir={logs}", "logging.progress_bar=never",
               "evaluator.poll_seconds=0.2", "evaluator.idle_timeout_seconds=60"):
         cmd += ["--set", s]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    final = 3 * (1437 // 2 // 32)   # the chief's steps: its half of every epoch
+    final = 2 * (1437 // 2 // 32)   # the chief's steps: its half of every epoch
     assert f"evaluator:0: evaluated the final checkpoint (step {final}); done" in out, out[-3000:]
     with open(logs / "eval" / "metrics.jsonl") as f:
         evals = [json.loads(line) for line in f]

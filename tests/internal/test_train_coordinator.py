@@ -136,41 +136,62 @@ def _steps_run(out: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"(worker:\d) (\d+)", line)}
 
 
+E2E_EPOCHS = 12
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """One ``jaxdist.launch --coordinator`` run of E2E_EPOCHS epochs, shared: the end-to-end
+    test reads it, the relaunch test resumes from its checkpoint (one launch fewer)."""
+    tmp_path = tmp_path_factory.mktemp("coordinator")
+    proc, wall = _launch(tmp_path, f"train.epochs={E2E_EPOCHS}")
+    run_dirs = sorted((tmp_path / "logs").iterdir()) if (tmp_path / "logs").is_dir() else []
+    ckpts = sorted(p.name for p in (tmp_path / "ckpt" / "ps-0").iterdir()) \
+        if (tmp_path / "ckpt" / "ps-0").is_dir() else []
+    files = sorted(p.name for p in run_dirs[0].iterdir()) if len(run_dirs) == 1 else None
+    records = _records(tmp_path) if run_dirs and proc.returncode == 0 else []
+    return {"path": tmp_path, "proc": proc, "wall": wall, "run_dirs": run_dirs,
+            "ckpts": ckpts, "files": files, "records": records}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("timed", [False, pytest.param(True, marks=pytest.mark.timing)])
-def test_launch_coordinator_trains_digits_end_to_end(tmp_path, timed):
-    proc, wall = _launch(tmp_path, "train.epochs=12")
+def test_launch_coordinator_trains_digits_end_to_end(digits_run, timed):
+    proc, wall = digits_run["proc"], digits_run["wall"]
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert wall < 60 or not timed, wall  # a speed claim: only in the `timing` run
-    end = _records(tmp_path)[-1]
-    assert end["event"] == "end" and end["step"] == 12 * SPE
+    end = digits_run["records"][-1]
+    assert end["event"] == "end" and end["step"] == E2E_EPOCHS * SPE
     assert end["val_accuracy"] >= 0.95, (end, wall)
     runs = _steps_run(out)
-    assert sum(runs.values()) == 12 * SPE and min(runs.values()) > 0, runs  # both worked
+    assert sum(runs.values()) == E2E_EPOCHS * SPE and min(runs.values()) > 0, runs  # both
     # the chief asked the ps to checkpoint the final step; every server task stopped cleanly
-    assert (tmp_path / "ckpt" / "ps-0" / f"ckpt-{end['step']}").is_dir()
+    assert f"ckpt-{end['step']}" in digits_run["ckpts"], digits_run["ckpts"]
     for task in ("ps:0", "worker:0", "worker:1"):
         assert f"[{task}] jaxdist.server {task} stopped" in out, out[-3000:]
     assert "all training tasks finished" in out
     # The chief's own validation runs there on purpose: no "not scheduled" warning per batch.
     assert "without using `ClusterCoordinator.schedule`" not in out, out[-3000:]
-    (run,) = (tmp_path / "logs").iterdir()  # one run directory: the chief's
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert len(digits_run["run_dirs"]) == 1  # one run directory: the chief's
+    assert digits_run["files"] == ["config.yaml", "metrics.jsonl"]
 
 
 @pytest.mark.slow
-def test_relaunch_resumes_from_the_ps_checkpoint(tmp_path):
-    proc, _ = _launch(tmp_path, "train.epochs=1")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert len(list((tmp_path / "logs").iterdir())) == 1  # the second run gets its own dir
-    proc, _ = _launch(tmp_path, "train.epochs=2")
+def test_relaunch_resumes_from_the_ps_checkpoint(digits_run):
+    # Relaunched with one more epoch, the job resumes from the first run's last checkpoint.
+    first, tmp_path = digits_run["proc"], digits_run["path"]
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert len(digits_run["run_dirs"]) == 1  # the second run gets its own dir
+    done = E2E_EPOCHS * SPE
+    proc, _ = _launch(tmp_path, f"train.epochs={E2E_EPOCHS + 1}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert f"Resumed from checkpoint at step {SPE}" in out
+    assert len(list((tmp_path / "logs").iterdir())) == 2
+    assert f"Resumed from checkpoint at step {done}" in out
     records = _records(tmp_path)
-    assert min(r["step"] for r in records) > SPE and records[-1]["step"] == 2 * SPE
-    assert sum(_steps_run(out).values()) == SPE        # only the second epoch ran
+    assert min(r["step"] for r in records) > done and records[-1]["step"] == done + SPE
+    assert sum(_steps_run(out).values()) == SPE        # only the last epoch ran
     assert records[-1]["val_accuracy"] > 0.85
 
 

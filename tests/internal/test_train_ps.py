@@ -43,28 +43,41 @@ def _cfg(tmp_path, *overrides):
                                 "logging.progress_bar=never", *overrides])
 
 
-def test_in_process_training_reaches_the_accuracy_bar(tmp_path):
+@pytest.fixture(scope="module")
+def six_epochs(tmp_path_factory):
+    """One in-process 6-epoch run, shared: one test reads it, the other resumes from its ps
+    checkpoint (one run fewer)."""
+    tmp_path = tmp_path_factory.mktemp("ps_job")
     t0 = time.monotonic()
     history = run_job(_cfg(tmp_path, "train.epochs=6"), strategy=_local_strategy())
+    wall = time.monotonic() - t0
+    pointer = json.loads((tmp_path / "ckpt" / "checkpoint").read_text())
+    task_dirs = [d for d in (tmp_path / "ckpt").iterdir() if d.is_dir()]
+    kept = [sorted(int(d.name[5:]) for d in t.iterdir() if d.name.startswith("ckpt-"))
+            for t in task_dirs]
+    return {"path": tmp_path, "history": history, "wall": wall, "pointer": pointer,
+            "kept": kept}
+
+
+def test_in_process_training_reaches_the_accuracy_bar(six_epochs):
+    history = six_epochs["history"]
     assert history.history["val_accuracy"][-1] >= 0.95, history.history
-    assert time.monotonic() - t0 < 120
+    assert six_epochs["wall"] < 120
     end = history.records[-1]
     assert end["event"] == "end"
     assert end["step"] == 6 * (1437 // 32)
     # the chief asked the (in-process) ps to checkpoint at the end
-    assert json.loads((tmp_path / "ckpt" / "checkpoint").read_text())["step"] == end["step"]
+    assert six_epochs["pointer"]["step"] == end["step"]
     # checkpoint.keep (3) prunes the ps checkpoints: the newest three, the final one included
-    (task_dir,) = [d for d in (tmp_path / "ckpt").iterdir() if d.is_dir()]
-    kept = sorted(int(d.name[5:]) for d in task_dir.iterdir() if d.name.startswith("ckpt-"))
+    (kept,) = six_epochs["kept"]
     assert len(kept) == 3 and kept[-1] == end["step"], kept
 
 
-def test_in_process_resume_from_the_ps_checkpoint(tmp_path):
-    run_job(_cfg(tmp_path, "train.epochs=1"), strategy=_local_strategy())
-    history = run_job(_cfg(tmp_path, "train.epochs=2"), strategy=_local_strategy())
+def test_in_process_resume_from_the_ps_checkpoint(six_epochs):
+    history = run_job(_cfg(six_epochs["path"], "train.epochs=7"), strategy=_local_strategy())
     steps = [r["step"] for r in history.records]
     spe = 1437 // 32
-    assert min(steps) > spe and max(steps) == 2 * spe   # continued after epoch 1, not from 0
+    assert min(steps) > 6 * spe and max(steps) == 7 * spe   # continued after epoch 6, not 0
     assert history.history["val_accuracy"][-1] > 0.8
 
 
