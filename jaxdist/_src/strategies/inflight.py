@@ -15,6 +15,21 @@ from typing import Any
 import jax
 
 
+def _waited(x: Any) -> bool:
+    """Waits for ``x``; ``False`` (without waiting) when it was donated to a step dispatched
+    since (that step consumes it, and waiting for that step covers it). JAX 0.11 can say
+    "called on deleted or donated buffer" before ``is_deleted()`` does."""
+    if x.is_deleted():
+        return False
+    try:
+        x.block_until_ready()
+    except Exception as e:
+        if "donated" in str(e) or x.is_deleted():
+            return False
+        raise
+    return True
+
+
 def _wait(leaves: list[Any] | tuple[Any, Any]) -> None:
     """Waits for a step: for its first output not donated since.
 
@@ -29,39 +44,18 @@ def _wait(leaves: list[Any] | tuple[Any, Any]) -> None:
     """
     if type(leaves) is tuple:
         marker, outputs = leaves
-        if not marker.is_deleted():
-            try:
-                marker.block_until_ready()
-                return
-            except Exception as e:
-                if "donated" not in str(e) and not marker.is_deleted():
-                    raise
+        if _waited(marker):
+            return
         leaves = [x for x in jax.tree.leaves(outputs) if hasattr(x, "block_until_ready")]
     for x in leaves:
-        if x.is_deleted():
-            continue
-        try:
-            x.block_until_ready()
-        except Exception as e:
-            # Donated meanwhile (JAX 0.11 can say so before is_deleted() does): try the next.
-            if "donated" in str(e) or x.is_deleted():
-                continue
-            raise
-        return
+        if _waited(x):
+            return
 
 
 def _wait_each(arrays: list[Any]) -> None:
-    """Waits on each array; one donated to a step dispatched since is skipped (that step
-    consumes it, and waiting for that step covers it). JAX 0.11 can say "called on deleted or
-    donated buffer" before ``is_deleted()`` does."""
+    """Waits on each array, skipping those donated since (``_waited``)."""
     for x in arrays:
-        if x.is_deleted():
-            continue
-        try:
-            x.block_until_ready()
-        except Exception as e:
-            if "donated" not in str(e) and not x.is_deleted():
-                raise
+        _waited(x)
 
 
 class StepThrottle:
