@@ -192,3 +192,55 @@ def test_an_nnx_module_after_arrays_for_the_same_function_is_trained(strategy):
     strategy.run(step, args=(model, xd))
     strategy.run(step, args=(model, xd))
     np.testing.assert_allclose(np.asarray(model.kernel[...]), [24.0, 24.0])
+
+
+@pytest.mark.devices(2)
+def test_scope_checks_hold_once_the_steady_state_is_warm(strategy):
+    """In its own scope a call stays on the steady-state jit; in another strategy's scope it
+    is TF's mixing error; inside a merge_call it runs fn in the merged replica context."""
+    x = np.ones((4, 3), np.float32)
+    xd = _batch(strategy, x)
+    with strategy.scope():
+        w = jnp.arange(3.0)
+
+    def step(w, xb):  # arrays only: served by the steady-state jit
+        return _step(w, xb, 2.0)
+
+    for _ in range(3):
+        strategy.run(step, args=(w, xd))
+    assert strategy.extended._tree_calls.get((step, ()))
+    with strategy.scope():  # the scope's context mesh is part of jit's key: one more trace
+        strategy.run(step, args=(w, xd))
+        versions = strategy.extended._compiled_versions(step)
+        for _ in range(3):
+            out = strategy.run(step, args=(w, xd))
+    np.testing.assert_allclose(strategy.experimental_local_results(out)[0],
+                               _expected(w, x, 2.0))
+    assert strategy.extended._compiled_versions(step) == versions
+    other = jaxdist.MirroredStrategy(first_devices(2))
+    with other.scope(), pytest.raises(RuntimeError, match="Mixing different tf.distribute"):
+        strategy.run(step, args=(w, xd))
+    assert strategy.extended._tree_calls.get((step, ()))  # still served by its jit
+
+    contexts = []
+
+    def record(v):
+        contexts.append(jaxdist.get_replica_context())
+        return v * 2
+
+    for _ in range(3):  # record's steady-state jit exists before the merge below uses it
+        strategy.run(record, args=(w,))
+    assert strategy.extended._tree_calls.get((record, ()))
+    contexts.clear()
+
+    def merged(strategy_, value):
+        return strategy_.run(record, args=(value,))
+
+    def step_with_merge(v):
+        ctx = jaxdist.get_replica_context()
+        out = ctx.merge_call(merged, args=(v,))
+        assert contexts and contexts[-1] is ctx  # fn ran in the replica context it came from
+        return out
+
+    out = strategy.run(step_with_merge, args=(w,))
+    np.testing.assert_allclose(strategy.experimental_local_results(out)[0], np.asarray(w) * 2)

@@ -48,6 +48,10 @@ from jaxdist._src.strategies.run_options import RunOptions
 from jaxdist._src.values import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
+_Tracer = jax.core.Tracer
+# Concrete (not traced) jax.Array classes seen among step outputs: a type test is cheaper than
+# isinstance against jax.Array's ABC, and needs no import of JAX's private array module.
+_ARRAY_TYPES: set[type] = set()
 _MISS = object()  # a _tree_call that cannot serve a call
 
 
@@ -55,6 +59,8 @@ def _last_leaf(out: Any) -> Any:
     """The last array of a step's outputs, found without flattening them (``None`` if the
     outputs are not nested tuples, lists, dicts and arrays): ``return params, loss`` gives the
     loss. The step throttle waits on it."""
+    if type(out) is tuple and out and type(out[-1]) in _ARRAY_TYPES:
+        return out[-1]  # the usual ``return state, loss``
     x = out
     for _ in range(8):
         t = type(x)
@@ -70,7 +76,13 @@ def _last_leaf(out: Any) -> Any:
             x = x.stacked
         else:
             break
-    return x if isinstance(x, jax.Array) else None
+    if type(x) in _ARRAY_TYPES:
+        return x
+    if isinstance(x, jax.Array):
+        if not isinstance(x, _Tracer):
+            _ARRAY_TYPES.add(type(x))
+        return x
+    return None
 
 
 class _FastMiss(Exception):
@@ -139,6 +151,8 @@ class StrategyExtended:
     #: Whether ``_run`` is this class's (``Strategy.run`` may then call a function's
     #: steady-state jit itself); a subclass whose ``_run`` adds work per call sets it False.
     _plain_run = True
+    #: Whether this class overrides ``_post_run`` (set for subclasses by ``__init_subclass__``).
+    _posts = False
 
     def __init__(
         self,
@@ -527,16 +541,17 @@ class StrategyExtended:
         marker = _last_leaf(out)
         if marker is None:
             leaves = jax.tree.leaves(out)
-            if leaves and isinstance(leaves[0], jax.core.Tracer):
+            if leaves and isinstance(leaves[0], _Tracer):
                 return out  # under a user's jax.jit: nothing to throttle
-        elif isinstance(marker, jax.core.Tracer):
-            return out
-        posted = self._post_run(out)
-        if posted is out:
-            self._throttle.after_dispatch(out, marker)
-        else:
-            self._throttle.after_dispatch(posted)
-        return posted
+        elif type(marker) not in _ARRAY_TYPES:
+            return out  # a tracer (``_last_leaf`` records concrete array types only)
+        if self._posts:
+            posted = self._post_run(out)
+            if posted is not out:
+                self._throttle.after_dispatch(posted)
+                return posted
+        self._throttle.after_dispatch(out, marker)
+        return out
 
     def _dispatch(self, compiled, dyn: list[Any]) -> Any:
         """Calls a compiled step, bounding the steps in flight."""
@@ -551,7 +566,12 @@ class StrategyExtended:
         return posted
 
     def _post_run(self, out: Any) -> Any:
+        """What ``run`` returns for a step's outputs (a subclass may move them)."""
         return out
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._posts = cls._post_run is not StrategyExtended._post_run
 
     def _donated_dyn_indices(self, treedef, kinds: tuple[str, ...], argnums: tuple[int, ...],
                              num_args: int) -> tuple[int, ...]:
@@ -1195,6 +1215,19 @@ class Strategy:
                 raise TypeError(f"options must be jaxdist.RunOptions, got {options!r}")
             donate = options.donate_argnums
         ext = self._extended
+        if ext._plain_run and not kwargs and type(args) is tuple:
+            # The steady state: outside every scope, or in this strategy's scope and not in a
+            # merge_call (the checks below then have nothing to say).
+            stack = ctx_lib._state.stack
+            if not stack or (stack[-1].strategy is self and stack[-1].merged_from is None):
+                try:
+                    call = ext._tree_calls.get((fn, donate))
+                except TypeError:  # an unhashable function
+                    call = None
+                if call:
+                    out = ext._dispatch_tree(fn, donate, call, args)
+                    if out is not _MISS:
+                        return out
         ext._check_not_mixing()
         merged = ctx_lib.merged_from()
         if merged is not None and merged.axis_name is not None and merged.strategy is self:
