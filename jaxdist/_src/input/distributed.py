@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from jaxdist._src.input import transfer
 from jaxdist._src.input.options import InputContext, InputOptions
 from jaxdist._src.values import PerReplica, PerReplicaSpec
 
@@ -209,13 +210,13 @@ class _Sharder:
         return jax.tree.map(pad_stack, *parts)
 
     def _place_all(self, locals_: list[np.ndarray]) -> list[Any]:
-        """``_place`` of several full batches: one ``device_put`` for all of them (a
-        transfer call per array costs more than the arrays of a small batch)."""
-        if self.multi_process or not self.options.experimental_fetch_to_device or len(locals_) < 2:
+        """``_place`` of several full batches in one transfer (``transfer.put``: a
+        ``device_put`` per array costs more than the arrays of a small batch)."""
+        if self.multi_process or not self.options.experimental_fetch_to_device:
             return [self._place(x) for x in locals_]
-        if self.num_replicas == 1:  # one replica: plain arrays (as _place), one transfer call
-            return jax.device_put([x[0] for x in locals_], self.ext.replicated_sharding)
-        return [PerReplica(a) for a in jax.device_put(locals_, self.sharding)]
+        if self.num_replicas == 1:  # one replica: plain arrays (as _place)
+            return transfer.put([x[0] for x in locals_], self.ext.replicated_sharding)
+        return [PerReplica(a) for a in transfer.put(locals_, self.sharding)]
 
     def _place(self, local: np.ndarray, lengths: tuple[int, ...] | None = None) -> Any:
         if self.num_replicas == 1 and not self.multi_process:
