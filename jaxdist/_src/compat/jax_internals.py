@@ -21,7 +21,7 @@ import jax
 from jaxdist._src.compat.versions import outside_range
 
 #: The JAX releases the adapters below are written for: (lowest, first unsupported).
-SUPPORTED = ((0, 10, 2), (0, 11, 0))
+SUPPORTED = ((0, 10, 2), (0, 12, 0))
 
 
 def check_version(version: str | None = None) -> str | None:
@@ -29,7 +29,7 @@ def check_version(version: str | None = None) -> str | None:
 
     Example:
         >>> check_version("0.9.0")
-        'jaxdist supports jax >= 0.10.2, < 0.11.0; found jax 0.9.0'
+        'jaxdist supports jax >= 0.10.2, < 0.12.0; found jax 0.9.0'
     """
     found = jax.__version__ if version is None else version
     return outside_range("jaxdist", "jax", found, SUPPORTED)
