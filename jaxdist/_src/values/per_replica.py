@@ -92,7 +92,12 @@ class PerReplica:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], aux)
+        if aux is not None:  # lengths: checked against the (maybe mapped) stacked array
+            return cls(children[0], aux)
+        out = object.__new__(cls)  # nothing to check (every step's outputs pass here)
+        out.stacked = children[0]
+        out.lengths = aux
+        return out
 
     def __repr__(self) -> str:
         extra = "" if self.lengths is None else f", lengths={self.lengths}"
