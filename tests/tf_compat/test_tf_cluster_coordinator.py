@@ -570,9 +570,18 @@ class TestClusterCoordinator:
             return [np.asarray(strategy.experimental_local_results(e)).tolist()
                     for e in iterator]
 
-        rvs = [coordinator.schedule(drain, args=(distributed_iterator,)) for _ in range(4)]
-        coordinator.join()
-        by_worker = {rv.worker: rv.fetch() for rv in rvs if rv.fetch()}
+        # Which worker takes a closure is the scheduler's choice: one worker may take several
+        # (a drained iterator then gives []), so schedule until both have drained theirs.
+        by_worker = {}
+        for _ in range(25):
+            rvs = [coordinator.schedule(drain, args=(distributed_iterator,)) for _ in range(2)]
+            coordinator.join()
+            for rv in rvs:
+                if rv.fetch():
+                    assert rv.worker not in by_worker, "a worker's iterator gave elements twice"
+                    by_worker[rv.worker] = rv.fetch()
+            if len(by_worker) == 2:
+                break
         assert len(by_worker) == 2, "both workers should have drained their iterator"
         elements_in_iterator_1, elements_in_iterator_2 = by_worker.values()
         assert sorted(elements_in_iterator_1) == sorted(elements_in_iterator_2)
