@@ -160,7 +160,9 @@ def _jax_extension():
     try:
         from jaxlib import _jax
     except ImportError:  # a jaxlib that names it otherwise: through JAX
-        from jax._src.lib import _jax
+        from jaxdist._src.compat import jax_internals
+
+        return jax_internals.jax_extension()
     return _jax
 
 
