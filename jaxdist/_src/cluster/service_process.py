@@ -11,6 +11,9 @@ process 0 stops it after every client has disconnected.
 
 Run as ``python -m jaxdist._src.cluster.service_process --bind 127.0.0.1:2222 --num-processes 2``;
 it prints ``ready`` once listening and stops on ``stop`` (or ``linger`` s after EOF) on stdin.
+``start_service_process`` runs this file by its path instead (``_BOOT``), so that the service
+imports only jaxlib's C++ extension: not the ``jaxdist`` package, which imports JAX (about 1 s
+of process 0's start-up, on every multi-process job, that every other process waits for).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import threading
 import time
 
 READY = "ready"
+# Runs this file as __main__ without importing the jaxdist package (``python -m`` would) and
+# without putting its directory on sys.path (``python FILE`` would).
+_BOOT = "import runpy, sys; sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 class ServiceProcess:
@@ -78,7 +84,7 @@ def start_service_process(bind_address: str, num_processes: int, heartbeat_timeo
             f"{bind_address} is still in use (a coordination service of a previous run of this "
             f"job, or another program) after {min(timeout_seconds, linger_seconds):g} s"
         )
-    cmd = [sys.executable, "-m", "jaxdist._src.cluster.service_process", "--bind", bind_address,
+    cmd = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), "--bind", bind_address,
            "--num-processes", str(num_processes), "--heartbeat-timeout", str(heartbeat_timeout),
            "--shutdown-timeout", str(shutdown_timeout), "--linger", str(linger_seconds)]
     if recoverable:
@@ -124,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--register-timeout", type=int, default=None)
     p.add_argument("--recoverable", action="store_true")
     args = p.parse_args(argv)
-    from jaxdist._src.compat import jax_internals
-
-    _jax = jax_internals.jax_extension()
+    _jax = _jax_extension()
 
     service = _jax.get_distributed_runtime_service(
         args.bind, args.num_processes, heartbeat_timeout=args.heartbeat_timeout,
@@ -147,6 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.1)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _jax_extension():
+    """jaxlib's C++ extension: what ``jaxdist._src.compat.jax_internals.jax_extension`` returns
+    (``jax._src.lib._jax`` is ``jaxlib._jax``), imported without JAX itself (the service needs
+    nothing else)."""
+    try:
+        from jaxlib import _jax
+    except ImportError:  # a jaxlib that names it otherwise: through JAX
+        from jaxdist._src.compat import jax_internals
+
+        return jax_internals.jax_extension()
+    return _jax
 
 
 def open_connections(port: int) -> int | None:
