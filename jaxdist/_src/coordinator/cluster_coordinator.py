@@ -310,11 +310,21 @@ class ClusterCoordinator:
                 return self._num_replicas
             counts: dict[str, int] = {}
             errors: list[str] = []
-            for w in self._workers:
-                try:
-                    counts[w.state.name] = self._probe_replicas(w.index)
-                except Exception as e:  # noqa: BLE001 - a worker down: ask the others
-                    errors.append(f"{w.state.name}: {e}")
+            # Workers still starting (not listening yet) are asked again, round after round,
+            # until one answers or rpc_timeout has passed since the first round.
+            deadline = time.monotonic() + self._rpc_timeout
+            while not counts:
+                errors = []
+                for w in self._workers:
+                    try:
+                        counts[w.state.name] = self._probe_replicas(w.index)
+                    except WorkerUnavailableError as e:  # down or not up yet: ask the others
+                        errors.append(f"{w.state.name}: {e}")
+                    except Exception as e:  # noqa: BLE001 - a worker that failed: the others
+                        errors.append(f"{w.state.name}: {e}")
+                        deadline = 0.0  # an answer that is an error: no point asking again
+                if not self._workers or time.monotonic() >= deadline:
+                    break
             if not counts:
                 raise WorkerUnavailableError(
                     f"no worker answered the replica-count probe: {errors}",
