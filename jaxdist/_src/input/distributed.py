@@ -223,7 +223,7 @@ class _Sharder:
             # One replica: TF's regroup of one value is the value itself (a plain array).
             if not self.options.experimental_fetch_to_device:
                 return local[0]
-            return jax.device_put(local[0], self.ext.replicated_sharding)
+            return transfer.put([local[0]], self.ext.replicated_sharding)[0]
         if not self.options.experimental_fetch_to_device:
             if self.multi_process:
                 raise ValueError("experimental_fetch_to_device=False needs a single process")
@@ -232,7 +232,7 @@ class _Sharder:
             global_shape = (self.num_replicas, *local.shape[1:])
             arr = jax.make_array_from_process_local_data(self.sharding, local, global_shape)
         else:
-            arr = jax.device_put(local, self.sharding)
+            arr = transfer.put([local], self.sharding)[0]
         return PerReplica(arr, lengths)
 
 

@@ -85,14 +85,6 @@ class StepThrottle:
                 oldest = pending.popleft()  # atomic: another thread may have taken it
             except IndexError:
                 return
-            if type(oldest) is tuple:  # (marker, outputs): the usual case, inlined
-                marker = oldest[0]
-                if not marker.is_deleted():
-                    try:
-                        marker.block_until_ready()
-                        continue
-                    except Exception:  # donated since (JAX 0.11 may say so first)
-                        pass
             _wait(oldest)
 
     def after_dispatch(self, outputs: Any, marker: Any = None) -> None:

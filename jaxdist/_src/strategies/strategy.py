@@ -1215,19 +1215,16 @@ class Strategy:
                 raise TypeError(f"options must be jaxdist.RunOptions, got {options!r}")
             donate = options.donate_argnums
         ext = self._extended
-        if ext._plain_run and not kwargs and type(args) is tuple:
-            # The steady state: outside every scope, or in this strategy's scope and not in a
-            # merge_call (the checks below then have nothing to say).
+        steady = ext._plain_run and not kwargs and type(args) is tuple
+        if steady:
+            # Outside every scope, or in this strategy's scope and not in a merge_call, the
+            # checks below have nothing to say: the steady-state jit first.
             stack = ctx_lib._state.stack
             if not stack or (stack[-1].strategy is self and stack[-1].merged_from is None):
-                try:
-                    call = ext._tree_calls.get((fn, donate))
-                except TypeError:  # an unhashable function
-                    call = None
-                if call:
-                    out = ext._dispatch_tree(fn, donate, call, args)
-                    if out is not _MISS:
-                        return out
+                out = ext._run_steady(fn, donate, args)
+                if out is not _MISS:
+                    return out
+                steady = False  # tried: the per-leaf path below
         ext._check_not_mixing()
         merged = ctx_lib.merged_from()
         if merged is not None and merged.axis_name is not None and merged.strategy is self:
@@ -1236,7 +1233,7 @@ class Strategy:
             with ctx_lib.enter_replica(self, merged):
                 return fn(*args, **(kwargs or {}))
         try:
-            if ext._plain_run and not kwargs and type(args) is tuple:
+            if steady:
                 out = ext._run_steady(fn, donate, args)
                 if out is not _MISS:
                     return out
