@@ -21,10 +21,7 @@ else runs on whatever devices exist:
   do the same inside a test body or a parametrised case.
 """
 
-import atexit
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -47,21 +44,6 @@ if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" no
         and os.environ.get("JAXDIST_TEST_XLA_DEFAULT_OPT") != "1"):
     _flags += " " + FAST_COMPILE_FLAG
 os.environ["XLA_FLAGS"] = _flags
-# Every process of the session (this one, and the clusters, CLI jobs, notebooks and documented
-# commands the tests start, which inherit the environment) keeps the programs XLA compiles in
-# one temporary directory (JAX's persistent compilation cache) and loads them from there
-# instead of compiling the same program again: most jobs the tests start compile what an
-# earlier one did (the same model's steps, the initialisers' small programs). A cached program
-# is the one XLA compiled (its key covers the program, XLA_FLAGS, the devices and the
-# options). JAXDIST_TEST_COMPILATION_CACHE=0, or a JAX_COMPILATION_CACHE_DIR of your own, turns
-# this off.
-if ("JAX_COMPILATION_CACHE_DIR" not in os.environ
-        and os.environ.get("JAXDIST_TEST_COMPILATION_CACHE") != "0"):
-    COMPILATION_CACHE_DIR = tempfile.mkdtemp(prefix="jaxdist-tests-xla-cache-")
-    atexit.register(shutil.rmtree, COMPILATION_CACHE_DIR, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE_DIR
-    # JAX caches only compilations of 1 s or more by default: the tests' are mostly shorter.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
