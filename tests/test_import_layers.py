@@ -39,11 +39,13 @@ ARCHITECTURE_MD = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
 # "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
 # modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
 # package "" and sit above everything (no private module imports a public one).
-_BELOW_STRATEGIES = {"input", "ps", "transport", "cluster", "values"}
+_BELOW_STRATEGIES = {"input", "ps", "transport", "distributed", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
+    # A job's life (preemption, the agreed checkpoint step): over the bring-up in cluster.
+    "distributed": {"cluster", "compat"},
     "input": {"values", "compat"},
     "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator
     "ps": {"transport", "cluster", "values", "compat"},

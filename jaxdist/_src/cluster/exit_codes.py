@@ -1,0 +1,45 @@
+"""The exit codes every jaxdist process uses, so a scheduler (the launcher, Slurm, Kubernetes,
+Ray) can tell what happened from the status alone.
+
+| code | meaning | what a scheduler does |
+|---|---|---|
+| 0 | training finished | nothing |
+| 1 | training failed (an error in the program, the data, a lost peer) | restart if it restarts failures (``--max-restarts``); the job resumes from its latest checkpoint |
+| 2 | bad config, command line or checkpoint (the settings must change) | never restart |
+| 42 | preempted: the job saved a checkpoint of its current step and stopped (TF's restart code) | restart; the job resumes from that checkpoint |
+| 130 / 143 | interrupted by Ctrl-C (SIGINT) / terminated by SIGTERM without a checkpoint | stop |
+
+Example:
+    >>> RESTART_EXIT_CODE
+    42
+    >>> restartable(42), restartable(2)
+    (True, False)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+#: TensorFlow's ``PreemptionCheckpointHandler`` exits with 42 after its preemption checkpoint.
+RESTART_EXIT_CODE = 42
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+def restartable(code: int | None) -> bool:
+    """Whether a task that exited with ``code`` may be restarted: preempted (42), failed (1)
+    or killed by a signal (negative codes, or 128 + a signal other than SIGINT); never a
+    finished task (0), a bad config (2) or an interrupt (130).
+
+    Example:
+        >>> [restartable(c) for c in (0, 1, 2, 42, 130, -9, 137)]
+        [False, True, False, True, False, True, True]
+    """
+    if code is None or code in (EXIT_OK, EXIT_CONFIG, EXIT_INTERRUPTED):
+        return False
+    return True
+
+
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED",
+           "RESTART_EXIT_CODE", "restartable"]
