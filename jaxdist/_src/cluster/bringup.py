@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
@@ -61,6 +61,19 @@ _state: dict[str, Any] = {
     "joining": None,  # the group whose registration timed out (JAX still waits on it)
     "freeze_guard": None,  # FreezeGuard of the joined group
 }
+
+
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def add_shutdown_hook(hook: Callable[[], None]) -> None:
+    """Runs ``hook()`` at the start of ``shutdown``, before the coordination service's client
+    goes away (a thread that uses the client stops there).
+
+    Example:
+        >>> add_shutdown_hook(lambda: None)
+    """
+    _shutdown_hooks.append(hook)
 
 
 def current_group() -> ProcessGroup | None:
@@ -515,6 +528,12 @@ def shutdown(timeout_seconds: float | None = None) -> None:
     Runs automatically at exit; skips the barrier when a peer was lost or this process is
     exiting on an uncaught exception (so the others learn it quickly instead of waiting).
     """
+    while _shutdown_hooks:
+        hook = _shutdown_hooks.pop()
+        try:
+            hook()
+        except Exception as e:  # noqa: BLE001 - shut down anyway
+            log.warning("shutdown hook %r failed: %s", hook, _first_line(e))
     group = _state["group"]
     if group is None or not group.multi_process:
         return
@@ -573,6 +592,7 @@ def should_load_checkpoint() -> bool:
 
 
 __all__ = [
+    "add_shutdown_hook",
     "should_load_checkpoint",
     "should_save_checkpoint",
     "DEFAULT_TIMEOUT_SECONDS",

@@ -1,9 +1,10 @@
 """JAX's distributed runtime (coordination service and client) started the way jaxdist needs.
 
 ``start_runtime`` does what ``jax._src.distributed.State.initialize`` does in JAX 0.10
-(``get_distributed_runtime_client(...).connect()``, the preemption sync manager, everything
+(``get_distributed_runtime_client(...).connect()``, everything
 recorded in ``jax._src.distributed.global_state``, where XLA's backends and gloo look for the
-client), with one difference: process 0 runs the coordination service in a helper process
+client), with two differences: JAX's preemption sync manager is not started (jaxdist owns
+SIGTERM), and process 0 runs the coordination service in a helper process
 (``jaxdist._src.cluster.service_process``) instead of in itself. JAX terminates every process whose
 client loses the service, so a service inside process 0 would take the survivors down with it
 when process 0 dies; a service that outlives it lets them raise ``PeerLostError`` naming it.
@@ -105,7 +106,9 @@ def start_runtime(coordination_address: str, num_processes: int, process_id: int
         raise JoinTimeout(f"not every process registered within {join_timeout:g} s")
     if error is not None:
         raise error
-    state.initialize_preemption_sync_manager()
+    # JAX's preemption service is not started: its notifier would take SIGTERM and tell
+    # nobody. jaxdist answers SIGTERM itself (jaxdist._src.distributed.preemption); orbax
+    # reads "no preemption service" as "no preemption".
     partition = os.environ.get("JAX_PARTITION_INDEX")
     state.partition_index = int(partition) if partition is not None else None
 

@@ -72,6 +72,12 @@ def validate(raw: Any) -> dict[str, Any]:
 
 
 def _cross_checks(cfg: dict[str, Any]) -> None:
+    from jaxdist._src.distributed.termination import TerminationConfigError, check_exit_code
+
+    try:
+        check_exit_code(cfg["preemption"]["exit_code"], "preemption.exit_code")
+    except TerminationConfigError as e:
+        raise ConfigError(str(e)) from None
     data = cfg["data"]
     if data["name"] == "npz" and not data["path"]:
         raise ConfigError("data.path: null is not allowed when data.name is 'npz'; expected "

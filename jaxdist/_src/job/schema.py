@@ -197,6 +197,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
                               "always, never", choices=("auto", "always", "never"),
                               arg="logging.progress_bar"),
     },
+    # How a preemption notice (SIGTERM) is answered while training with a checkpoint.dir.
+    "preemption": {
+        "grace_period": Field(float, 30.0, "seconds between the notice (SIGTERM) and the "
+                              "platform's SIGKILL: every process stops at one agreed step, "
+                              "the chief saves it and all exit with exit_code before then "
+                              "(Kubernetes' terminationGracePeriodSeconds)", minimum=0.001),
+        "exit_code": Field(int, 42, "the exit status after the preemption checkpoint: the "
+                           "code that tells a scheduler to restart the job (1..127, not 2)"),
+    },
     # Used only by an `evaluator` task of TF_CONFIG (side-car evaluation of the checkpoints).
     "evaluator": {
         "log_dir": Field(str, None, "where the evaluator's metrics.jsonl and TensorBoard files "
@@ -333,9 +342,14 @@ def trainer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """
     from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
 
+    from jaxdist._src.distributed.termination import TerminationConfig
+
+    termination = TerminationConfig(grace_period=cfg["preemption"]["grace_period"],
+                                    exit_code=cfg["preemption"]["exit_code"])
     return {**_values(cfg, ""),
             "config": TrainConfig(**_values(cfg, "config")),
-            "checkpoint": CheckpointConfig(**_values(cfg, "checkpoint")),
+            "checkpoint": CheckpointConfig(**_values(cfg, "checkpoint"),
+                                           termination=termination),
             "logging": LoggingConfig(**_values(cfg, "logging"))}
 
 

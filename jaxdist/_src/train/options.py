@@ -67,6 +67,11 @@ class CheckpointConfig:
         every_steps: save every this many steps (and at the end of ``fit``).
         keep: keep the newest K checkpoints.
         resume: resume from ``dir`` at the start of ``fit``.
+        termination: a ``jaxdist.TerminationConfig``: how a preemption notice (SIGTERM, a
+            platform's watcher function) is answered while ``fit`` trains with a ``dir``:
+            every process stops at one agreed step, the chief saves it and every process
+            exits with the restart code (42) within the grace period. ``None``: the
+            defaults (SIGTERM, 30 s, 42).
 
     Example:
         >>> CheckpointConfig(dir="/tmp/ckpt").every_steps
@@ -77,6 +82,7 @@ class CheckpointConfig:
     every_steps: int = 100
     keep: int = 3
     resume: bool = True
+    termination: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "checkpoint_every_steps": ("checkpoint", "every_steps"),
     "keep_checkpoints": ("checkpoint", "keep"),
     "resume": ("checkpoint", "resume"),
+    "termination_config": ("checkpoint", "termination"),
     "log_dir": ("logging", "dir"),
     "run_name": ("logging", "run_name"),
     "log_every_steps": ("logging", "every_steps"),

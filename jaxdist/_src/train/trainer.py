@@ -37,6 +37,7 @@ from flax import nnx
 from jax import lax
 
 from jaxdist._src import strategies as distribute
+from jaxdist._src.distributed import preemption
 from jaxdist._src.input.options import InputOptions
 from jaxdist._src.strategies.cross_device_ops import varying_axes
 from jaxdist._src.train import callbacks as callbacks_lib
@@ -255,6 +256,8 @@ class Trainer(TrainerHandle):
         self._state: TrainState = self._hook.init_state(self.context, self._ms.params,
                                                         self._ms.rest)
         self._resumed = False
+        self._preemption: preemption.PreemptionWatcher | None = None
+        self._preempted = False
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
         # One function object each, so strategy.run reuses its compiled steps.
@@ -539,9 +542,16 @@ class Trainer(TrainerHandle):
             logger.message(f"Resumed from checkpoint at step {self.step} (epoch {self.epoch}, "
                            f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
         self.stop_training = self.stop_training_by_error = False
+        # With checkpoints, a preemption notice stops every process at one step, the chief
+        # saves it and every process exits with the restart code (distributed.preemption).
+        self._preemption = (preemption.install(self.checkpoint_config.termination)
+                            if self.checkpoint_dir is not None else None)
+        self._preempted = False
         try:
-            self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
-                           num_epochs)
+            with (self._preemption.consume() if self._preemption is not None
+                  else contextlib.nullcontext()):
+                self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
+                               num_epochs)
         except BaseException:
             self.stop_training_by_error = True
             raise
@@ -976,6 +986,9 @@ class Trainer(TrainerHandle):
                                     positions, ran_out)
         try:
             for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
+                if self._preemption is not None and self._preemption.should_stop(self.step, kk):
+                    self._preempted = True
+                    break
                 if positions:
                     self._data_position = positions.pop(0)
                 reporter.batch_begin(s + kk - 1)
@@ -1024,6 +1037,14 @@ class Trainer(TrainerHandle):
             epoch_start_time = time.perf_counter()
             ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
                                       cbs, blocks, block_sizes)
+            if self._preempted:
+                reporter.log_train(self._state)
+                saved = self.checkpoint_dir is None or self.last_checkpoint == self.step
+                self._preemption.finish(self.step, (lambda: None) if saved
+                                        else self.save_checkpoint,
+                                        is_chief=self.should_checkpoint)
+                self.stop_training = True  # a custom exit_fn returned: fit stops here
+                return
             if ran_out:  # a stream ended before the epoch length it announced
                 if self.step_in_epoch == 0 and not reporter.epoch_stats:
                     raise data_lib.DataError(
