@@ -1,13 +1,14 @@
 """The exit codes every jaxdist process uses, so a scheduler (the launcher, Slurm, Kubernetes,
 Ray) can tell what happened from the status alone.
 
-| code | meaning | what a scheduler does |
-|---|---|---|
-| 0 | training finished | nothing |
-| 1 | training failed (an error in the program, the data, a lost peer) | restart if it restarts failures (``--max-restarts``); the job resumes from its latest checkpoint |
-| 2 | bad config, command line or checkpoint (the settings must change) | never restart |
-| 42 | preempted: the job saved a checkpoint of its current step and stopped (TF's restart code) | restart; the job resumes from that checkpoint |
-| 130 / 143 | interrupted by Ctrl-C (SIGINT) / terminated by SIGTERM without a checkpoint | stop |
+* 0: training finished; nothing to do.
+* 1: training failed (an error in the program or the data, a lost peer); a scheduler that
+  restarts failures (``--max-restarts``) may restart it: the job resumes from its latest
+  checkpoint.
+* 2: bad config, command line or checkpoint (the settings must change); never restart.
+* 42: preempted: the job saved a checkpoint of the step it stopped at (TF's restart code);
+  restart it, and it resumes from that checkpoint.
+* 130 / 143: interrupted by Ctrl-C (SIGINT) / ended by SIGTERM with nothing to checkpoint.
 
 Example:
     >>> RESTART_EXIT_CODE

@@ -340,9 +340,8 @@ def trainer_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
         >>> trainer_options(load_config(raw={"checkpoint": {"keep": 5}}))["checkpoint"].keep
         5
     """
-    from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
-
     from jaxdist._src.distributed.termination import TerminationConfig
+    from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
 
     termination = TerminationConfig(grace_period=cfg["preemption"]["grace_period"],
                                     exit_code=cfg["preemption"]["exit_code"])
