@@ -146,6 +146,10 @@ class PreemptionWatcher:
     Args:
         config: the ``TerminationConfig`` (grace period, watcher function, exit).
         clock: a monotonic clock (tests).
+        peers: ``fn() -> _Peers | None``: the other processes (default: the joined group's
+            coordination service; tests give a store of their own).
+        task: ``fn() -> (task name, is chief)`` (default: the joined group's).
+        hard_exit: ends the process at once (``os._exit``; tests record instead).
 
     Example:
         >>> watcher = PreemptionWatcher(TerminationConfig())
@@ -155,9 +159,15 @@ class PreemptionWatcher:
     """
 
     def __init__(self, config: TerminationConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 peers: Callable[[], _Peers | None] | None = None,
+                 task: Callable[[], tuple[str, bool]] | None = None,
+                 hard_exit: Callable[[int], Any] = os._exit):
         self.config = config or TerminationConfig()
         self._clock = clock
+        self._peers = peers or _peers
+        self._task = task or _this_task
+        self._hard_exit = hard_exit
         self._lock = threading.Lock()
         self._next = 0                    # the first step this process has not started
         self._stop_at: int | None = None  # this process starts no step >= this
@@ -200,7 +210,7 @@ class PreemptionWatcher:
             if self._own.wait(POLL_SECONDS):
                 break
             try:
-                peers = _peers()
+                peers = self._peers()
                 if peers is not None and peers.peek(_NOTICE_KEY) is not None:
                     break
                 if fn is not None and self._clock() >= next_watch:
@@ -227,8 +237,8 @@ class PreemptionWatcher:
         """Steps 1-3 of the module docstring, on the listener thread."""
         self._noticed_at = self._clock()
         self._start_grace_timer()
-        me, _ = _this_task()
-        peers = _peers()
+        me, _ = self._task()
+        peers = self._peers()
         if self._own.is_set():
             self.notice_from = me
             if peers is not None:
@@ -315,9 +325,9 @@ class PreemptionWatcher:
             is_chief: whether this process saves (default: the chief of the joined group).
             what: what ``save`` writes, for the exit line.
         """
-        me, chief = _this_task()
+        me, chief = self._task()
         is_chief = chief if is_chief is None else is_chief
-        peers = _peers()
+        peers = self._peers()
         outcome = f"no {what} was configured"
         if self.config.save_fn is not None and is_chief:
             save = self.config.save_fn
@@ -380,12 +390,12 @@ class PreemptionWatcher:
 
     def exit_now(self, why: str) -> None:
         """Ends the process at once with the restart code and one line (no checkpoint)."""
-        me, _ = _this_task()
+        me, _ = self._task()
         stop = (f"before the checkpoint of step {self._agreed}" if self._agreed is not None
                 else "without a checkpoint")
         _write_line(f"jaxdist: {me}: {why}: exiting with {self.config.exit_code} at once, "
                     f"{stop}; restart the job to resume from its last checkpoint")
-        os._exit(self.config.exit_code)
+        self._hard_exit(self.config.exit_code)
 
     def _start_grace_timer(self) -> None:
         margin = min(2.0, 0.1 * self.config.grace_period)

@@ -1,0 +1,355 @@
+"""The preemption watcher: SIGTERM and watcher-function notices, the agreement on one step, the
+grace period, a second SIGTERM (``jaxdist._src.distributed.preemption``).
+
+The agreement runs here between simulated processes in threads that share an in-memory
+key-value store with the coordination service's semantics (first writer wins, blocking reads
+with a timeout), stepping in lockstep within a bounded skew as synchronous training does; the
+real multi-process path is in tests/test_preemption_jobs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from jaxdist._src.distributed import preemption
+from jaxdist._src.distributed.preemption import PreemptionError, PreemptionWatcher, _Peers
+from jaxdist._src.distributed.termination import (
+    TerminationConfig,
+    TerminationConfigError,
+    check_exit_code,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_installed_watcher():
+    yield
+    preemption.uninstall()
+
+
+class FakeStore:
+    """The coordination service's key-value calls jaxdist uses, in memory."""
+
+    def __init__(self):
+        self.values: dict[str, str] = {}
+        self.cond = threading.Condition()
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        with self.cond:
+            if key in self.values and not allow_overwrite:
+                raise RuntimeError(f"ALREADY_EXISTS: {key}")
+            self.values[key] = value
+            self.cond.notify_all()
+
+    def key_value_try_get(self, key: str) -> str:
+        with self.cond:
+            if key not in self.values:
+                raise RuntimeError(f"NOT_FOUND: {key}")
+            return self.values[key]
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+
+def _watchers(n: int, store: FakeStore, grace: float = 10.0, exits=None):
+    names = [f"worker:{i}" for i in range(n)]
+    out = []
+    for i in range(n):
+        out.append(PreemptionWatcher(
+            TerminationConfig(grace_period=grace, exit_fn=lambda: None),
+            peers=lambda i=i: _Peers(store, i, n, names),
+            task=lambda i=i: (names[i], i == 0),
+            hard_exit=(exits.append if exits is not None else None) or (lambda code: None)))
+    return out
+
+
+# ---------------------------------------------------------------------- TerminationConfig
+@pytest.mark.parametrize("code", [0, 2, 128, 255, -1, "42", 4.2, True, None])
+def test_exit_codes_that_do_not_mean_restart_are_refused(code):
+    with pytest.raises(TerminationConfigError, match="exit_code"):
+        TerminationConfig(exit_code=code)
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "30", True])
+def test_grace_periods_that_cannot_work_are_refused(seconds):
+    with pytest.raises(TerminationConfigError, match="grace_period"):
+        TerminationConfig(grace_period=seconds)
+
+
+def test_functions_must_be_callable_and_defaults_are_tfs():
+    with pytest.raises(TerminationConfigError, match="exit_fn"):
+        TerminationConfig(exit_fn=42)
+    config = TerminationConfig()
+    assert (config.exit_code, config.grace_period) == (42, 30.0)
+    assert check_exit_code(1) == 1
+    with pytest.raises(SystemExit) as e:
+        config.exit()
+    assert e.value.code == 42
+
+
+# ---------------------------------------------------------------------- one process
+def test_one_process_stops_at_its_next_step():
+    w = PreemptionWatcher(TerminationConfig(grace_period=10), hard_exit=lambda c: None)
+    try:
+        assert not any(w.should_stop(s, 2) for s in (0, 2, 4))
+        w.notice("a test")
+        assert w.wait_for_agreement(5.0) == 6
+        assert w.should_stop(6, 2)
+        assert w.agreed_step == 6 and w.notice_from == "this process"
+    finally:
+        w.close()
+
+
+def test_a_notice_during_a_step_stops_before_the_next(tmp_path):
+    w = PreemptionWatcher(TerminationConfig(grace_period=10), hard_exit=lambda c: None)
+    try:
+        assert not w.should_stop(0)       # step 0 "runs" while the notice arrives
+        w.notice()
+        time.sleep(3 * preemption.POLL_SECONDS)
+        assert w.should_stop(1)           # nothing beyond the step in flight
+    finally:
+        w.close()
+
+
+def test_the_watcher_function_is_a_notice():
+    flag = threading.Event()
+    w = PreemptionWatcher(TerminationConfig(termination_watcher_fn=flag.is_set,
+                                            grace_period=10), hard_exit=lambda c: None)
+    try:
+        w.should_stop(0)
+        assert w.agreed_step is None
+        flag.set()
+        assert w.wait_for_agreement(5.0) == 1
+        assert w.reason == "the termination watcher"
+    finally:
+        w.close()
+
+
+def test_finish_saves_then_exits_with_the_configured_function():
+    calls = []
+    w = PreemptionWatcher(TerminationConfig(grace_period=10, exit_fn=lambda: calls.append("exit")),
+                          hard_exit=lambda c: calls.append(("hard", c)))
+    try:
+        w.notice()
+        step = w.wait_for_agreement(5.0)
+        assert w.should_stop(step)
+        w.finish(step, lambda: calls.append("save"), is_chief=True)
+        assert calls == ["save", "exit"]
+    finally:
+        w.close()
+
+
+def test_the_grace_period_running_out_exits_at_once():
+    exits = []
+    w = PreemptionWatcher(TerminationConfig(grace_period=0.5), hard_exit=exits.append)
+    try:
+        w.notice()
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert exits == [42]
+    finally:
+        w.close()
+
+
+# ---------------------------------------------------------------------- the agreement
+def _simulate(n: int, seed: int, k: int = 2, per_step: float = 0.002):
+    """``n`` simulated processes step in lockstep (none more than ``k`` steps ahead of the
+    slowest, as the steps in flight allow); one gets a notice at a random moment."""
+    rng = random.Random(seed)
+    store = FakeStore()
+    watchers = _watchers(n, store)
+    started = [0] * n        # steps started (= next step)
+    stopped_at: list[int | None] = [None] * n
+    lock = threading.Condition()
+    errors = []
+
+    def proc(i: int) -> None:
+        try:
+            step = 0
+            while step < 10_000:
+                with lock:  # a step needs every process to have started it - k
+                    lock.wait_for(lambda: step - min(started) < k or stopped_at[i] is not None,
+                                  timeout=10)
+                if watchers[i].should_stop(step):
+                    with lock:
+                        stopped_at[i] = step
+                        lock.notify_all()
+                    return
+                with lock:
+                    started[i] = step + 1
+                    lock.notify_all()
+                time.sleep(per_step * rng.random())
+                step += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=proc, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05 + 0.1 * rng.random())
+    victim = rng.randrange(n)
+    watchers[victim].notice("SIGTERM")
+    for t in threads:
+        t.join(30)
+    for w in watchers:
+        w.close()
+    assert not errors, errors
+    return stopped_at, started, watchers, victim
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_process_stops_at_the_same_step_none_has_started(seed):
+    stopped_at, started, watchers, victim = _simulate(3, seed)
+    assert len(set(stopped_at)) == 1, stopped_at
+    agreed = stopped_at[0]
+    assert started == [agreed] * 3          # every step below it ran, none at or above it
+    assert all(w.agreed_step == agreed for w in watchers)
+    assert all(w.notice_from == f"worker:{victim}" for w in watchers)
+    assert all(w.reason == "SIGTERM" for w in watchers)
+
+
+def test_a_silent_peer_is_a_typed_error_within_the_grace_period():
+    store = FakeStore()
+    a, b = _watchers(2, store, grace=1.0)
+    b.close()                       # worker:1 never promises
+    try:
+        a.should_stop(0)
+        a.notice()
+        time.sleep(3 * preemption.POLL_SECONDS)   # the listener promised step 1
+        t0 = time.monotonic()
+        with pytest.raises(PreemptionError, match="worker:1 did not say where it stops"):
+            a.should_stop(1)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        a.close()
+
+
+def test_the_chief_saves_and_the_others_wait_for_it():
+    store = FakeStore()
+    chief, other = _watchers(2, store)
+    events = []
+    try:
+        other.notice()
+        for w in (chief, other):
+            w.wait_for_agreement(5.0)
+        t = threading.Thread(target=other.finish, args=(0, lambda: events.append("no")),
+                             kwargs={"is_chief": False})
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive()         # waiting for the chief's checkpoint
+        chief.finish(0, lambda: events.append("chief saved"), is_chief=True)
+        t.join(5)
+        assert not t.is_alive() and events == ["chief saved"]
+        assert store.values["jaxdist/preemption/saved"] == "0"
+    finally:
+        chief.close()
+        other.close()
+
+
+# ---------------------------------------------------------------------- real signals
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from jaxdist._src.distributed import preemption
+    from jaxdist._src.distributed.termination import TerminationConfig
+    mode = sys.argv[1]
+    w = preemption.install(TerminationConfig(grace_period=float(sys.argv[2])))
+    print("ready", flush=True)
+    if mode == "idle":            # no loop answers notices: SIGTERM ends the process
+        time.sleep(30)
+    with w.consume():
+        step = 0
+        while True:
+            if mode == "hang" and w.reason is not None:
+                time.sleep(30)    # a step that never ends: the grace period must end it
+            if w.should_stop(step):
+                break
+            step += 1
+            time.sleep(0.01)
+        print("stopped at", step, flush=True)
+        if mode == "slow_save":   # a second SIGTERM arrives while saving
+            w.finish(step, lambda: time.sleep(30))
+        w.finish(step, lambda: print("saved", step, flush=True))
+""")
+
+
+def _child(mode: str, grace: float = 10.0) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, mode, str(grace)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.platform("cpu")
+def test_sigterm_in_a_loop_saves_and_exits_42():
+    p = _child("loop")
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 42, err
+    step = int(out.split("stopped at")[1].split()[0])
+    assert f"saved {step}" in out
+    assert f"stopped before step {step}: the checkpoint of step {step} is written; " \
+           f"exiting with 42" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.platform("cpu")
+def test_sigterm_with_no_loop_ends_the_process_as_by_default():
+    p = _child("idle")
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGTERM
+
+
+@pytest.mark.platform("cpu")
+def test_a_second_sigterm_exits_at_once_with_one_line():
+    p = _child("slow_save")
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    line = ""
+    while "stopped at" not in line and time.monotonic() < deadline:
+        line = p.stdout.readline()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 42
+    assert time.monotonic() - t0 < 5
+    assert "a second SIGTERM: exiting with 42 at once" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.platform("cpu")
+def test_a_hung_step_ends_when_the_grace_period_runs_out():
+    p = _child("hang", grace=2.0)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 42
+    assert time.monotonic() - t0 < 6
+    assert "the 2 s grace period ran out: exiting with 42 at once" in err
+
+
+def test_install_only_swaps_the_config_before_a_notice():
+    w = preemption.install(TerminationConfig(grace_period=5))
+    assert signal.getsignal(signal.SIGTERM) == w.on_sigterm
+    w2 = preemption.install(TerminationConfig(grace_period=7))
+    assert w2 is w and w.config.grace_period == 7
+    preemption.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert preemption.installed() is None
+    assert os.getpid() > 0
