@@ -28,6 +28,8 @@ from jaxdist._src.distributed.termination import (
     check_exit_code,
 )
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @pytest.fixture(autouse=True)
 def _no_installed_watcher():
@@ -180,7 +182,7 @@ def _simulate(n: int, seed: int, k: int = 2, per_step: float = 0.002):
             step = 0
             while step < 10_000:
                 with lock:  # a step needs every process to have started it - k
-                    lock.wait_for(lambda: step - min(started) < k or stopped_at[i] is not None,
+                    lock.wait_for(lambda s=step: s - min(started) < k or stopped_at[i] is not None,
                                   timeout=10)
                 if watchers[i].should_stop(step):
                     with lock:
@@ -353,3 +355,19 @@ def test_install_only_swaps_the_config_before_a_notice():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert preemption.installed() is None
     assert os.getpid() > 0
+
+
+# ---------------------------------------------------------------------- the CLI's settings
+@pytest.mark.parametrize("setting,words", [
+    ("preemption.exit_code=2", "preemption.exit_code=2 is not a restart code"),
+    ("preemption.exit_code=300", "preemption.exit_code=300 is not a restart code"),
+    ("preemption.grace_period=0", "preemption.grace_period: 0"),
+])
+def test_bad_preemption_settings_name_the_value(setting, words, capsys):
+    from jaxdist._src.job.cli import main
+
+    code = main(["--config", os.path.join(ROOT, "configs", "default.yaml"), "--set", setting,
+                 "--print-config"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and words in err, err
