@@ -53,8 +53,8 @@ PRIVATE_ATTRIBUTES = frozenset({
     "_flatten_layers", "_flatten_y", "_get_state_sharding_spec", "_inbound_nodes",
     "_jax_state", "_jax_state_synced", "_layout", "_learning_rate", "_load_model_from_fileobj",
     "_loss_tracker", "_losses_override", "_make_function", "_save_model",
-    "_save_model_to_fileobj", "_shape", "_symbolic_build", "_update_metrics_variables",
-    "_value",
+    "_save_model_to_fileobj", "_shape", "_symbolic_build", "_training_metadata_path",
+    "_update_metrics_variables", "_value", "_weights_path",
 })
 
 
@@ -448,6 +448,39 @@ def chief_only_file_callbacks(is_chief: Callable[[], bool]) -> tuple[type, type]
     return ModelCheckpoint, BackupAndRestore
 
 
+def backup_paths(callback: Any) -> tuple[str, str]:
+    """``(weights file, training-metadata JSON)`` of a Keras ``BackupAndRestore``.
+
+    Public replacement: none (Keras names both files in its ``__init__`` only).
+    """
+    return callback._weights_path, callback._training_metadata_path
+
+
+def skip_batches(model: Any, count: int) -> None:
+    """The next ``count`` batches ``model.fit`` reads are consumed without training (a resumed
+    epoch's batches trained before a preemption); then ``model.train_function`` is Keras's own
+    again. Each skipped dispatch reports empty logs.
+
+    Public replacement: none (Keras 3 resumes at epoch boundaries only: ``initial_epoch``).
+    """
+    inner = model.train_function
+    per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    remaining = [int(count)]
+
+    def train_function(state: Any, iterator: Any) -> tuple[Any, Any]:
+        if remaining[0] <= 0:
+            return inner(state, iterator)
+        for _ in range(min(per_call, remaining[0])):
+            next(iterator)
+        remaining[0] -= per_call
+        if remaining[0] <= 0:
+            model.train_function = inner
+        return {}, state
+
+    if count > 0:
+        model.train_function = train_function
+
+
 # ---------------------------------------------------------------------- per-model hooks
 _MODEL_HOOK = "_jaxdist_model_hook"
 
@@ -610,6 +643,7 @@ __all__ = [
     "PRIVATE_ATTRIBUTES",
     "SUPPORTED",
     "array_data_adapter",
+    "backup_paths",
     "call_has_training_arg",
     "check_version",
     "chief_only_file_callbacks",
@@ -637,6 +671,7 @@ __all__ = [
     "numpy_batches",
     "overrides_trainer_method",
     "register_trainer_hooks",
+    "skip_batches",
     "replace_variable_value",
     "scope_values",
     "set_backend_mesh",

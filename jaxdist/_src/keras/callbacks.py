@@ -16,6 +16,8 @@ when ``fit`` starts, so a relaunched job resumes from the chief's last epoch on 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Any
 
@@ -23,6 +25,7 @@ import jax
 import keras
 
 from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.distributed import preemption
 
 
 class TensorBoard(keras.callbacks.Callback):
@@ -118,9 +121,22 @@ class ModelCheckpoint(_ChiefModelCheckpoint):
 
 
 class BackupAndRestore(_ChiefBackupAndRestore):
-    """Keras's ``BackupAndRestore``: every process restores, only the chief backs up.
+    """Keras's ``BackupAndRestore``: every process restores, only the chief backs up, and a
+    preemption notice saves the step every process agreed on before the job exits.
 
-    Takes Keras's arguments (``backup_dir`` on storage every process can read).
+    Takes Keras's arguments (``backup_dir`` on storage every process can read), and:
+
+    Args:
+        save_before_preemption: answer SIGTERM (or ``termination_config``'s watcher) while
+            ``fit`` runs, as TF's Keras does with ``save_before_preemption=True``: every
+            process stops before one agreed batch, the chief backs up the weights, the
+            optimizer state and the position (epoch and batch), and every process exits with
+            the restart code (42). The resumed ``fit`` continues that epoch at that batch
+            (the batches before it are read and skipped, not trained again; the epoch's
+            logged metrics cover the batches trained after the restart). Default True
+            (TF's default is False, which leaves SIGTERM to end the process).
+        termination_config: a ``jaxdist.TerminationConfig`` (grace period, exit code,
+            platform watcher); default ``TerminationConfig()``.
 
     Example:
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
@@ -129,3 +145,58 @@ class BackupAndRestore(_ChiefBackupAndRestore):
         >>> history = model.fit(x, y, epochs=2, verbose=0,
         ...                     callbacks=[jaxdist.keras.BackupAndRestore("backup")])
     """
+
+    def __init__(self, backup_dir: str | os.PathLike, save_freq: str | int = "epoch",
+                 double_checkpoint: bool = False, delete_checkpoint: bool = True,
+                 save_before_preemption: bool = True, termination_config: Any = None):
+        super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
+                         delete_checkpoint=delete_checkpoint)
+        self.save_before_preemption = bool(save_before_preemption)
+        self.termination_config = termination_config
+        self._watching: contextlib.ExitStack | None = None
+        self._calls = 0
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        super().on_train_begin(logs)
+        _, meta_path = ki.backup_paths(self)
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            if meta.get("preempted") and int(meta.get("batch", 0)) > 0:
+                ki.skip_batches(self.model, int(meta["batch"]))
+        self._calls = 0
+        if self.save_before_preemption:
+            watcher = preemption.install(self.termination_config)
+            self._watching = contextlib.ExitStack()
+            self._watching.enter_context(watcher.consume())
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        super().on_epoch_begin(epoch, logs)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_begin(batch, logs)
+        if self._watching is None:
+            return
+        watcher = preemption.installed()
+        if watcher is not None and watcher.should_stop(self._calls):
+            watcher.finish(self._calls, lambda: self._save_preempted(batch),
+                           is_chief=_is_chief(), what="backup")
+        self._calls += 1
+
+    def _save_preempted(self, batch: int) -> None:
+        """Backs up the weights and the position ``(epoch, batch)`` before ``batch``."""
+        weights_path, meta_path = ki.backup_paths(self)
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self.model.save_weights(filepath=weights_path, overwrite=True)
+        tmp = f"{meta_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"epoch": self._epoch, "batch": int(batch), "preempted": True}, f)
+        os.replace(tmp, meta_path)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._watching is not None:
+            self._watching.close()
+            self._watching = None
+        super().on_train_end(logs)

@@ -1,0 +1,101 @@
+"""SIGTERM during a Keras ``fit`` under a jaxdist strategy: ``jaxdist.keras.BackupAndRestore``
+backs up the batch every process agreed on and the job exits 42; the rerun continues that
+epoch at that batch and ends with the weights of an uninterrupted ``fit``, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxdist.testing import LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.platform("cpu")]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "keras_preempt_worker.py")
+EPOCHS = "3"   # 3 x 32 batches
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", JAX_NUM_CPU_DEVICES="2")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=2"
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def _weights(path) -> list[np.ndarray]:
+    with open(path) as f:
+        return [np.asarray(w, np.float32) for w in json.load(f)]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def _wait_for_batch(lines, epoch: int, batch: int) -> None:
+    for line in lines:
+        m = re.match(r"batch (\d+) (\d+)", line)
+        if m and (int(m.group(1)), int(m.group(2))) >= (epoch, batch):
+            return
+    raise AssertionError(f"the fit ended before epoch {epoch} batch {batch}")
+
+
+@pytest.mark.timeout(240)
+def test_keras_fit_in_one_process_resumes_at_the_agreed_batch(tmp_path):
+    run = lambda out, work, sleep: subprocess.run(  # noqa: E731
+        [sys.executable, WORKER, str(out), str(work), EPOCHS, sleep], env=_env(), cwd=HERE,
+        capture_output=True, text=True, timeout=120)
+    ref = run(tmp_path / "ref", tmp_path / "ref_work", "0")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    work = tmp_path / "work"
+    p = subprocess.Popen([sys.executable, WORKER, str(tmp_path / "out"), str(work), EPOCHS,
+                          "20"], env=_env(), cwd=HERE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _wait_for_batch(p.stdout, 1, 5)          # mid-way through the second epoch
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 42, err[-3000:]
+    meta = json.loads((work / "backup" / "training_metadata.json").read_text())
+    assert meta["preempted"] and meta["epoch"] == 1 and 6 <= meta["batch"] < 32, meta
+    assert "the backup of step" in err and "exiting with 42" in err
+    rerun = run(tmp_path / "out", work, "0")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _assert_same(_weights(f"{tmp_path / 'out'}.0.json"), _weights(f"{tmp_path / 'ref'}.0.json"))
+
+
+def _cluster_run(tmp_path, out, work, sleep):
+    with LocalCluster(workers=2, devices_per_process=1, cwd=HERE,
+                      env={"KERAS_BACKEND": "jax"}) as c:
+        c.start([sys.executable, WORKER, str(out), str(work), EPOCHS, sleep])
+        return c, c.join(timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_keras_multi_worker_sigterm_to_one_worker_stops_both(tmp_path):
+    c, codes = _cluster_run(tmp_path, tmp_path / "ref", tmp_path / "ref_work", "0")
+    assert set(codes.values()) == {0}, c.describe()
+    work = tmp_path / "work"
+    with LocalCluster(workers=2, devices_per_process=1, cwd=HERE,
+                      env={"KERAS_BACKEND": "jax"}) as c:
+        c.start([sys.executable, WORKER, str(tmp_path / "out"), str(work), EPOCHS, "20"])
+        c.wait_for_output("worker:0", r"batch 1 [5-9]\b", 120)
+        c.kill("worker:1", signal.SIGTERM)
+        codes = c.join(timeout=60)
+        assert codes == {"worker:0": 42, "worker:1": 42}, c.describe()
+        assert "the chief wrote the backup of step" in c.output("worker:1")
+    c, codes = _cluster_run(tmp_path, tmp_path / "out", work, "0")
+    assert set(codes.values()) == {0}, c.describe()
+    for i in (0, 1):
+        _assert_same(_weights(f"{tmp_path / 'out'}.{i}.json"),
+                     _weights(f"{tmp_path / 'ref'}.{i}.json"))
