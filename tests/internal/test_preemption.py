@@ -371,3 +371,15 @@ def test_bad_preemption_settings_name_the_value(setting, words, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_a_grace_period_shorter_than_a_step_stops_before_training(tmp_path, capsys):
+    from jaxdist._src.job.cli import main
+
+    code = main(["--config", os.path.join(ROOT, "configs", "default.yaml"),
+                 "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "logging.dir=null",
+                 "--set", "logging.progress_bar=never", "--set", "train.epochs=1",
+                 "--set", "preemption.grace_period=0.000001"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "preemption grace period 1e-06 s is shorter than one step" in err[0]

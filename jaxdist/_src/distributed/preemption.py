@@ -57,7 +57,7 @@ from typing import Any
 
 from jaxdist._src.cluster import bringup
 from jaxdist._src.compat import jax_internals
-from jaxdist._src.distributed.termination import TerminationConfig
+from jaxdist._src.distributed.termination import TerminationConfig, TerminationConfigError
 
 log = logging.getLogger(__name__)
 
@@ -418,6 +418,56 @@ class PreemptionWatcher:
             self._thread.join(timeout=2 * POLL_SECONDS + 1.0)
 
 
+class DispatchTimer:
+    """Checks a loop's grace period against its measured step time, at the start of training.
+
+    The first dispatch compiles; the second is timed (``before`` ... ``after`` with the
+    dispatch's outputs, which it waits for) and must take less than the grace period: a
+    preempted process has to finish the dispatch in flight, reach the agreed step and save
+    before the platform's SIGKILL.
+
+    Example:
+        >>> timer = DispatchTimer(TerminationConfig(grace_period=30))
+        >>> for _ in range(3):
+        ...     timer.before()
+        ...     timer.after(None)
+    """
+
+    def __init__(self, config: TerminationConfig, clock: Callable[[], float] = time.perf_counter):
+        self.config, self._clock = config, clock
+        self.count = 0
+        self._t0 = 0.0
+
+    def before(self) -> None:
+        if self.count < 2:
+            self._t0 = self._clock()
+
+    def after(self, outputs: Any, steps: int = 1) -> None:
+        """After a dispatch of ``steps`` steps whose results are ``outputs``.
+
+        Raises:
+            TerminationConfigError: the grace period is shorter than the dispatch.
+        """
+        if self.count >= 2:
+            return
+        self.count += 1
+        if self.count < 2:
+            return
+        import jax
+
+        jax.block_until_ready(outputs)
+        took = self._clock() - self._t0
+        grace = self.config.grace_period
+        if took >= grace:
+            what = "one step" if steps == 1 else f"one dispatch of {steps} steps"
+            raise TerminationConfigError(
+                f"preemption grace period {grace:g} s is shorter than {what} of this "
+                f"training loop ({took:.3g} s measured): a preempted job could not stop "
+                f"and save before the platform's SIGKILL; expected a grace period of at "
+                f"least {2 * took:.2g} s (preemption.grace_period, "
+                f"TerminationConfig(grace_period=...)) or fewer steps_per_execution")
+
+
 _installed: PreemptionWatcher | None = None
 _install_lock = threading.Lock()
 
@@ -465,5 +515,5 @@ def uninstall() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-__all__ = ["POLL_SECONDS", "PreemptionError", "PreemptionWatcher", "install", "installed",
-           "uninstall"]
+__all__ = ["POLL_SECONDS", "DispatchTimer", "PreemptionError", "PreemptionWatcher", "install",
+           "installed", "uninstall"]

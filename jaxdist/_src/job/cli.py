@@ -93,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from jaxdist._src.cluster.tpu_cluster_resolver import TPUNotFoundError
+    from jaxdist._src.distributed.termination import TerminationConfigError
     from jaxdist._src.job.job import run_job
     from jaxdist._src.train.checkpoint import CheckpointMismatchError
     from jaxdist._src.train.data import DataError
@@ -115,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return getattr(e, "exit_code", EXIT_FAILED)
     except CheckpointMismatchError as e:
         print(f"{_PROG}: checkpoint error: {_one_line(e)}", file=err)
+        return EXIT_CONFIG
+    except TerminationConfigError as e:
+        print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
     except TPUNotFoundError as e:
         print(f"{_PROG}: no TPU: {_one_line(e)} (use configs/mirrored.yaml, or set "

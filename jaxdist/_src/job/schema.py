@@ -202,7 +202,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "grace_period": Field(float, 30.0, "seconds between the notice (SIGTERM) and the "
                               "platform's SIGKILL: every process stops at one agreed step, "
                               "the chief saves it and all exit with exit_code before then "
-                              "(Kubernetes' terminationGracePeriodSeconds)", minimum=0.001),
+                              "(Kubernetes' terminationGracePeriodSeconds)", minimum=1e-6),
         "exit_code": Field(int, 42, "the exit status after the preemption checkpoint: the "
                            "code that tells a scheduler to restart the job (1..127, not 2)"),
     },

@@ -257,6 +257,7 @@ class Trainer(TrainerHandle):
                                                         self._ms.rest)
         self._resumed = False
         self._preemption: preemption.PreemptionWatcher | None = None
+        self._dispatch_timer: preemption.DispatchTimer | None = None
         self._preempted = False
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
@@ -547,6 +548,8 @@ class Trainer(TrainerHandle):
         self._preemption = (preemption.install(self.checkpoint_config.termination)
                             if self.checkpoint_dir is not None else None)
         self._preempted = False
+        self._dispatch_timer = (preemption.DispatchTimer(self._preemption.config)
+                                if self._preemption is not None else None)
         try:
             with (self._preemption.consume() if self._preemption is not None
                   else contextlib.nullcontext()):
@@ -982,6 +985,7 @@ class Trainer(TrainerHandle):
             blocks=blocks, block_sizes=block_sizes)
         positions: list[Any] = []
         ran_out = [False]
+        timer = self._dispatch_timer
         inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
                                     positions, ran_out)
         try:
@@ -993,7 +997,11 @@ class Trainer(TrainerHandle):
                     self._data_position = positions.pop(0)
                 reporter.batch_begin(s + kk - 1)
                 before = self.step
+                if timer is not None:
+                    timer.before()
                 self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
+                if timer is not None and timer.count < 2:
+                    timer.after(stats, kk)
                 reporter.record(stats, self._state, self.last_checkpoint)
                 logger.advance(kk)
                 crossed = lambda every: self.step // every > before // every  # noqa: B023
