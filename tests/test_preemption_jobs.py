@@ -9,6 +9,7 @@ rerun trains the reference's epochs, so a lost or repeated step shows in the fin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -74,8 +75,11 @@ def _one_process(*sets: str, timeout: float = 120) -> subprocess.CompletedProces
 @pytest.mark.timeout(240)
 def test_one_process_sigterm_saves_the_next_step_and_the_rerun_matches(tmp_path):
     epochs = "train.epochs=12"          # 12 x 22 = 264 steps
-    ref = _one_process(epochs, f"checkpoint.dir={tmp_path / 'ref'}")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    # The uninterrupted reference runs at the same time as the run to interrupt.
+    ref = subprocess.Popen(
+        python_command("jaxdist.train", *_args("default.yaml", epochs,
+                                                f"checkpoint.dir={tmp_path / 'ref'}")),
+        env=_env(2), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ckpt = tmp_path / "ckpt"
     p = subprocess.Popen(
         python_command("jaxdist.train", *_args(
@@ -97,6 +101,8 @@ def test_one_process_sigterm_saves_the_next_step_and_the_rerun_matches(tmp_path)
     assert f"stopped before step {saved}: the checkpoint of step {saved} is written; " \
            f"exiting with 42" in err
     assert "Traceback" not in err
+    _, ref_err = ref.communicate(timeout=120)
+    assert ref.returncode == 0, ref_err[-3000:]
     rerun = _one_process(epochs, f"checkpoint.dir={ckpt}")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"Resumed from checkpoint at step {saved}" in rerun.stdout
@@ -127,10 +133,13 @@ def _mw_run(ckpt, *sets: str, timeout: float = 120) -> dict[str, int]:
 @pytest.mark.parametrize("victim", ["worker:1", "worker:0"])
 def test_multi_worker_sigterm_to_one_process_stops_both_at_one_step(tmp_path, victim):
     epochs = "train.epochs=8"           # 8 x 22 = 176 steps
-    if victim == "worker:1":
-        _mw_run(tmp_path / "ref", epochs)
     ckpt = tmp_path / "ckpt"
-    with LocalCluster(workers=2, devices_per_process=1, cwd=ROOT) as c:
+    with contextlib.ExitStack() as stack:
+        ref = None
+        if victim == "worker:1":        # the reference runs alongside the run to interrupt
+            ref = stack.enter_context(LocalCluster(workers=2, devices_per_process=1, cwd=ROOT))
+            ref.start(_mw_command(tmp_path / "ref", epochs))
+        c = stack.enter_context(LocalCluster(workers=2, devices_per_process=1, cwd=ROOT))
         c.start(_mw_command(ckpt, _NEVER_ENDS, "logging.every_steps=1",
                             "checkpoint.every_steps=50"))
         seen = int(c.wait_for_output("worker:0", r"\[train\] step ([3-9]\d)\b", 120).group(1))
@@ -145,8 +154,9 @@ def test_multi_worker_sigterm_to_one_process_stops_both_at_one_step(tmp_path, vi
             assert "Traceback" not in out
         assert f"the checkpoint of step {saved} is written" in c.output("worker:0")
         assert f"the chief wrote the checkpoint of step {saved}" in c.output("worker:1")
-    if victim != "worker:1":
-        return
+        if ref is None:
+            return
+        assert set(ref.join(timeout=120).values()) == {0}, ref.describe()
     _mw_run(ckpt, epochs)
     ref_step, ref_params = _final_params(tmp_path / "ref")
     step, params = _final_params(ckpt)

@@ -53,11 +53,10 @@ def _wait_for_batch(lines, epoch: int, batch: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_keras_fit_in_one_process_resumes_at_the_agreed_batch(tmp_path):
-    run = lambda out, work, sleep: subprocess.run(  # noqa: E731
+    run = lambda out, work, sleep: subprocess.Popen(  # noqa: E731
         [sys.executable, WORKER, str(out), str(work), EPOCHS, sleep], env=_env(), cwd=HERE,
-        capture_output=True, text=True, timeout=120)
-    ref = run(tmp_path / "ref", tmp_path / "ref_work", "0")
-    assert ref.returncode == 0, ref.stderr[-3000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ref = run(tmp_path / "ref", tmp_path / "ref_work", "0")   # alongside the run to interrupt
     work = tmp_path / "work"
     p = subprocess.Popen([sys.executable, WORKER, str(tmp_path / "out"), str(work), EPOCHS,
                           "20"], env=_env(), cwd=HERE, stdout=subprocess.PIPE,
@@ -69,33 +68,33 @@ def test_keras_fit_in_one_process_resumes_at_the_agreed_batch(tmp_path):
     meta = json.loads((work / "backup" / "training_metadata.json").read_text())
     assert meta["preempted"] and meta["epoch"] == 1 and 6 <= meta["batch"] < 32, meta
     assert "the backup of step" in err and "exiting with 42" in err
+    _, ref_err = ref.communicate(timeout=120)
+    assert ref.returncode == 0, ref_err[-3000:]
     rerun = run(tmp_path / "out", work, "0")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _, rerun_err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, rerun_err[-3000:]
     _assert_same(_weights(f"{tmp_path / 'out'}.0.json"), _weights(f"{tmp_path / 'ref'}.0.json"))
 
 
-def _cluster_run(tmp_path, out, work, sleep):
-    with LocalCluster(workers=2, devices_per_process=1, cwd=HERE,
-                      env={"KERAS_BACKEND": "jax"}) as c:
-        c.start([sys.executable, WORKER, str(out), str(work), EPOCHS, sleep])
-        return c, c.join(timeout=120)
+def _cluster(out, work, sleep) -> LocalCluster:
+    c = LocalCluster(workers=2, devices_per_process=1, cwd=HERE, env={"KERAS_BACKEND": "jax"})
+    c.start([sys.executable, WORKER, str(out), str(work), EPOCHS, sleep])
+    return c
 
 
 @pytest.mark.timeout(300)
 def test_keras_multi_worker_sigterm_to_one_worker_stops_both(tmp_path):
-    c, codes = _cluster_run(tmp_path, tmp_path / "ref", tmp_path / "ref_work", "0")
-    assert set(codes.values()) == {0}, c.describe()
     work = tmp_path / "work"
-    with LocalCluster(workers=2, devices_per_process=1, cwd=HERE,
-                      env={"KERAS_BACKEND": "jax"}) as c:
-        c.start([sys.executable, WORKER, str(tmp_path / "out"), str(work), EPOCHS, "20"])
+    with _cluster(tmp_path / "ref", tmp_path / "ref_work", "0") as ref, \
+            _cluster(tmp_path / "out", work, "20") as c:   # the reference runs alongside
         c.wait_for_output("worker:0", r"batch 1 [5-9]\b", 120)
         c.kill("worker:1", signal.SIGTERM)
         codes = c.join(timeout=60)
         assert codes == {"worker:0": 42, "worker:1": 42}, c.describe()
         assert "the chief wrote the backup of step" in c.output("worker:1")
-    c, codes = _cluster_run(tmp_path, tmp_path / "out", work, "0")
-    assert set(codes.values()) == {0}, c.describe()
+        assert set(ref.join(timeout=120).values()) == {0}, ref.describe()
+    with _cluster(tmp_path / "out", work, "0") as c:
+        assert set(c.join(timeout=120).values()) == {0}, c.describe()
     for i in (0, 1):
         _assert_same(_weights(f"{tmp_path / 'out'}.{i}.json"),
                      _weights(f"{tmp_path / 'ref'}.{i}.json"))

@@ -218,9 +218,11 @@ class PreemptionWatcher:
                     if fn():
                         self.notice("the termination watcher")
                         break
-            except Exception as e:  # noqa: BLE001 - the service went away: stop listening
-                log.info("preemption listener stops: %s", e)
-                return
+            except Exception as e:  # noqa: BLE001 - the service is unreachable right now:
+                # keep listening (this process's own notice still counts; the agreement then
+                # fails loudly, within the grace period, if the service stays away)
+                log.info("preemption listener: %s", str(e).splitlines()[0] if str(e) else e)
+                self._closed.wait(1.0)
         if self._closed.is_set():
             return
         try:
