@@ -185,6 +185,7 @@ class NetworkNamespaces:
             _ip("-n", self.bridge, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("netns", "exec", self.names[0], "ip", "-br", "addr")  # a program runs inside
 
     def wrap(self, host: int, argv: Sequence[str]) -> list[str]:
         """The command that runs ``argv`` on host ``host`` (``ip netns exec NAME ...``).
