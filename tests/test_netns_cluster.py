@@ -18,6 +18,7 @@ from jaxdist.testing.netns import (
     NetnsCluster,
     NetnsUnavailable,
     NetworkNamespaces,
+    sweep_stale,
     unavailable_reason,
 )
 
@@ -45,6 +46,7 @@ def net():
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
+    sweep_stale()  # namespaces a killed run left behind (never another live run's)
     try:
         hosts = NetworkNamespaces(3)
     except NetnsUnavailable as e:
