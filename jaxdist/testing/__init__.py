@@ -1,8 +1,10 @@
 """``jaxdist.testing``: a multi-process cluster harness for tests (``LocalCluster``).
 
-Submodules: ``jaxdist.testing.tls`` (one throwaway PKI per test process) and
-``jaxdist.testing.workloads`` (``python -m jaxdist.testing.workloads``: small deterministic
-training jobs run as cluster tasks). A wait that runs out raises ``jaxdist.ClusterTimeoutError``.
+Submodules: ``jaxdist.testing.tls`` (one throwaway PKI per test process),
+``jaxdist.testing.netns`` (a multi-host cluster on one Linux machine: hosts as network
+namespaces; root and iproute2) and ``jaxdist.testing.workloads`` (``python -m
+jaxdist.testing.workloads``: small deterministic training jobs run as cluster tasks). A wait
+that runs out raises ``jaxdist.ClusterTimeoutError``.
 
 Example:
     >>> with LocalCluster(workers=2, devices_per_process=1) as c:  # doctest: +SKIP

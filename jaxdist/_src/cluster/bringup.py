@@ -18,9 +18,12 @@ coordination service and gloo listen only on the interface the cluster spec name
 task. What this does not protect (JAX's service itself authenticates nobody) is in
 docs/security.md.
 
-Limitation: the helper process lives on process 0's host and in its own session; if the whole
-host (or pod/container) of process 0 goes away, JAX still terminates the survivors ("the JAX
-distributed service detected fatal errors", exit status 134).
+A process cut off from the coordination service (its link, or the whole host of process 0,
+gone) would be aborted by XLA's heartbeat thread ("the JAX distributed service detected fatal
+errors", SIGABRT); its ``FreezeGuard`` with a ``LinkGuard`` ends it first with one line,
+``jaxdist.PeerLostError: <task>: lost the coordination service (<task 0> at <address>) ...``,
+and status 1 (``jaxdist._src.cluster.link_guard``). The tasks that still reach the service
+name the cut-off task as lost, as for a task that died.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
+from jaxdist._src.cluster.link_guard import LinkGuard
 from jaxdist._src.cluster.process_group import ProcessGroup, process_group
 from jaxdist._src.cluster.runtime import FreezeGuard, join_abandoned, start_runtime
 from jaxdist._src.cluster.waiting import call_with_timeout
@@ -273,9 +277,13 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
                 timeout_seconds=timeout,
             ) from e
         _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
+        client = dist.global_state.client
+        peers = [group.task_name(i) for i in range(group.num_processes)
+                 if i != group.process_id]
+        link = LinkGuard(group.name, group.process_id, peers,
+                         f"{group.task_name(0)} at {group.coordination_address}", hb, client)
         _state["freeze_guard"] = FreezeGuard(
-            group.name, group.process_id, group.num_processes, hb,
-            dist.global_state.client).start()
+            group.name, group.process_id, group.num_processes, hb, client, link=link).start()
         _install_exit_hooks()
         return group
 

@@ -27,7 +27,7 @@ from jaxdist._src.cluster.local import (
     task_env,
     task_list,
 )
-from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist._src.cluster.pki import LOOPBACK_NAMES, LocalPKI, apply_task_security, local_pki
 from jaxdist._src.cluster.tls import TLSConfig
 from jaxdist._src.cluster.validation import task_name
 
@@ -48,6 +48,11 @@ class LocalCluster:
         cwd: working directory of the tasks.
         tls: mutual TLS between the tasks with a throwaway CA (default); ``False``: plaintext
             on loopback (``JAXDIST_INSECURE=1``).
+        cluster: the cluster spec to use (``{"worker": ["host:port", ...], ...}``) instead of
+            free ports on 127.0.0.1 (``jaxdist.testing.netns.NetnsCluster`` names its hosts').
+        tls_hosts: the addresses the certificates are valid for (loopback by default).
+        wrap: ``wrap(task, argv)`` is the command that runs ``argv`` as ``task`` (e.g. inside
+            its host's network namespace); default: ``argv`` itself.
 
     Attributes:
         token: the cluster (ps) token every task holds.
@@ -60,12 +65,16 @@ class LocalCluster:
     def __init__(self, workers: int = 2, ps: int = 0, chief: bool = False,
                  evaluator: bool = False, devices_per_process: int | None = 1,
                  env: dict[str, str] | None = None, echo: IO[str] | None = None,
-                 cwd: str | None = None, tls: bool = True):
-        self.cluster = local_cluster(workers, ps, chief, evaluator)
+                 cwd: str | None = None, tls: bool = True,
+                 cluster: dict[str, list[str]] | None = None,
+                 tls_hosts: Sequence[str] = LOOPBACK_NAMES,
+                 wrap: Callable[[str, Sequence[str]], Sequence[str]] | None = None):
+        self.cluster = cluster or local_cluster(workers, ps, chief, evaluator)
         self.token = new_token()
         self.coordinator_token = new_coordinator_token()
         self.pki: LocalPKI | None = (
-            local_pki([task_name(j, i) for j, i in task_list(self.cluster)] + ["client"])
+            local_pki([task_name(j, i) for j, i in task_list(self.cluster)] + ["client"],
+                      hosts=tls_hosts)
             if tls else None)
         self.tls: TLSConfig | str = self.pki.identities["client"] if self.pki else "insecure"
         if self.pki is not None:  # the keys go when the cluster object does, at the latest
@@ -74,6 +83,7 @@ class LocalCluster:
         self.extra_env = dict(env or {})
         self.echo = echo
         self.cwd = cwd
+        self._wrap = wrap
         self.tasks: dict[str, TaskProcess] = {}
         self._commands: dict[str, list[str]] = {}
         self.history: dict[str, list[TaskProcess]] = {}
@@ -124,6 +134,8 @@ class LocalCluster:
         old = self.tasks.get(name)
         if old is not None and old.running():
             raise RuntimeError(f"{name} is still running (pid {old.pid}); kill it first")
+        if self._wrap is not None:
+            argv = list(self._wrap(name, argv))
         proc = TaskProcess(name, argv, self.env_for(name), echo=self.echo, cwd=self.cwd)
         self.tasks[name] = proc
         self.history.setdefault(name, []).append(proc)

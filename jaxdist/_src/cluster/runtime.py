@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jaxdist._src.cluster.link_guard import LinkGuard
 from jaxdist._src.cluster.service_process import start_service_process
 from jaxdist._src.cluster.waiting import call_with_timeout
 
@@ -130,6 +131,12 @@ class FreezeGuard:
     status 1 before the heartbeat thread aborts it. A wait whose deadline passed while the
     process was stopped returns as soon as it continues, so the guard wakes first.
 
+    With a ``link`` (``LinkGuard``), each wake-up also checks that the coordination service
+    still answers: out of reach for half the heartbeat timeout (a cut link, a lost host), the
+    guard ends the process with one line, ``jaxdist.PeerLostError: <task>: lost the
+    coordination service (<task> at <address>) ...``, and status 1, before XLA's heartbeat
+    thread would abort it.
+
     Example:
         >>> client = None   # the coordination service's client, in a multi-process job
         >>> guard = FreezeGuard("worker:1", 1, 2, heartbeat_timeout=10, client=client)
@@ -141,7 +148,9 @@ class FreezeGuard:
                  heartbeat_timeout: float, client: Any, tick: float = 0.25,
                  exit: Callable[[str, int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[], float] = time.process_time):
+                 cpu_clock: Callable[[], float] = time.process_time,
+                 link: LinkGuard | None = None):
+        self.link = link
         self.name, self.process_id, self.num_processes = name, process_id, num_processes
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.client, self.tick = client, tick
@@ -153,13 +162,17 @@ class FreezeGuard:
                                         daemon=True)
 
     def start(self) -> FreezeGuard:
-        """Starts the guard's daemon thread; returns the guard."""
+        """Starts the guard's daemon thread (and the link guard's); returns the guard."""
+        if self.link is not None:
+            self.link.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         """The guard does nothing more (an orderly shutdown)."""
         self._stop.set()
+        if self.link is not None:
+            self.link.stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick):
@@ -172,8 +185,23 @@ class FreezeGuard:
         now, cpu = self._clock(), self._cpu_clock()
         gap, used = now - self._last, cpu - self._last_cpu
         self._last, self._last_cpu = now, cpu
-        if gap < self.heartbeat_timeout or self._stop.is_set():
+        if self._stop.is_set():
             return False
+        if gap >= self.heartbeat_timeout and self._frozen(gap, used):
+            return True
+        if gap > 4 * self.tick and self.link is not None:
+            # This thread was late (stopped, starved or behind a GIL holder): so may the
+            # link guard's questions have been; count their silence from now on.
+            self.link.restart_window(now)
+            return False
+        if self.link is not None and self.link.lost(now):
+            self._exit(self.link.message(now), 1)
+            return True
+        return False
+
+    def _frozen(self, gap: float, used: float) -> bool:
+        """After a wake-up ``gap`` s late with ``used`` s of CPU time meanwhile: ends the
+        process if it was stopped and the service declared it lost; returns True if so."""
         # A thread holding the GIL that long would have burnt CPU time: the process was
         # stopped only if it used little.
         if used > 0.5 * gap:
