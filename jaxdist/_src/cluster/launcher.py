@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from jaxdist._src.cluster.credentials import new_coordinator_token
+from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE
 from jaxdist._src.cluster.local import (
     TaskProcess,
     exit_status,
@@ -27,6 +28,14 @@ from jaxdist._src.cluster.local import (
     task_list,
 )
 from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
+from jaxdist._src.cluster.restarts import (
+    DEFAULT_RESTART_DELAY,
+    RestartBudget,
+    describe_exit,
+    non_negative_int,
+    non_negative_seconds,
+    restart_scope,
+)
 from jaxdist._src.cluster.validation import task_name
 
 #: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
@@ -89,6 +98,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping tasks")
     p.add_argument("--evaluator-grace", type=float, default=60.0,
                    help="seconds the evaluator may run after training finished")
+    p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
+                   help="restart the job's tasks up to N times when a task is preempted (exit "
+                        f"{RESTART_EXIT_CODE}), fails or is killed: every task of a synchronous "
+                        "job, only the lost worker under --coordinator; the job resumes from "
+                        "its latest checkpoint (default 0: never)")
+    p.add_argument("--restart-delay", type=non_negative_seconds,
+                   default=DEFAULT_RESTART_DELAY, metavar="SECONDS",
+                   help="seconds to wait before each restart (default "
+                        f"{DEFAULT_RESTART_DELAY:g})")
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC on loopback instead of mutual TLS with a throwaway CA "
                         "(sets JAXDIST_INSECURE=1 in every task)")
@@ -115,7 +133,8 @@ class Launcher:
                  devices_per_process: int | None = None, grace: float = 10.0,
                  evaluator_grace: float = 60.0, out=None, coordinator: bool = False,
                  insecure: bool = False, checkpoint_root: str | None = None,
-                 ps_runs_command: bool = False):
+                 ps_runs_command: bool = False, max_restarts: int = 0,
+                 restart_delay: float = DEFAULT_RESTART_DELAY):
         if not command:
             raise ValueError("no command given: python -m jaxdist.launch ... -- COMMAND ...")
         self.command = list(command)
@@ -126,7 +145,12 @@ class Launcher:
         # the chief restores (the servers only need the root).
         self.ps_runs_command = ps_runs_command or (
             not coordinator and serves_its_own_ps_tasks(self.command))
-        self.cluster = local_cluster(workers, ps, chief or coordinator, evaluator)
+        self._counts = (workers, ps, chief or coordinator, evaluator)
+        self.cluster = local_cluster(*self._counts)
+        self.restarts = RestartBudget(max_restarts)
+        if not restart_delay >= 0.0:
+            raise ValueError(f"restart_delay must be seconds >= 0, got {restart_delay!r}")
+        self.restart_delay = float(restart_delay)
         self.token = new_token()
         self.coordinator_token = new_coordinator_token()
         self.insecure = insecure
@@ -159,22 +183,26 @@ class Launcher:
         return list(self.command)
 
     def start(self) -> None:
+        """Starts every task of ``self.cluster``."""
         if not self.insecure and self.pki is None:
             self.pki = local_pki([task_name(j, i) for j, i in task_list(self.cluster)])
         if "ps" in self.cluster:
             os.makedirs(self.checkpoint_root, exist_ok=True)
         for job, i in task_list(self.cluster):
-            name = task_name(job, i)
-            env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
-            apply_task_security(env, job, i, self.pki, self.coordinator_token)
-            # Every task knows the ps tasks' checkpoint root (a program that serves its own
-            # ps tasks, or checks where it may save, reads it here).
-            env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
-            self.tasks[name] = TaskProcess(name, self.argv_for(job), env, echo=self.out,
-                                           echo_lock=self.lock)
+            self._start_task(job, i)
         self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
         if "ps" in self.cluster:
             self._say(f"ps tasks checkpoint under {self.checkpoint_root}")
+
+    def _start_task(self, job: str, i: int) -> None:
+        name = task_name(job, i)
+        env = task_env(self.cluster, job, i, self.token, self.devices_per_process)
+        apply_task_security(env, job, i, self.pki, self.coordinator_token)
+        # Every task knows the ps tasks' checkpoint root (a program that serves its own
+        # ps tasks, or checks where it may save, reads it here).
+        env[CHECKPOINT_ROOT_ENV] = self.checkpoint_root
+        self.tasks[name] = TaskProcess(name, self.argv_for(job), env, echo=self.out,
+                                       echo_lock=self.lock)
 
     def stop_all(self, except_: Sequence[str] = ()) -> None:
         live = [t for n, t in self.tasks.items() if n not in except_ and t.running()]
@@ -204,24 +232,22 @@ class Launcher:
                 signal.signal(s, h)
 
     def _supervise(self) -> int:
-        training = [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
-        if self.coordinator:  # workers serve the chief's functions until stopped
-            training = [n for n in self.tasks if n.startswith("chief:")]
         evaluators = [n for n in self.tasks if n.startswith("evaluator:")]
         done_at: float | None = None
         while True:
             if self._interrupted is not None:
-                self._say(f"interrupted (signal {self._interrupted}): stopping every task")
-                self.stop_all()
-                return 128 + int(self._interrupted)
-            for name, t in self.tasks.items():
+                return self._stop_interrupted()
+            for name, t in list(self.tasks.items()):
                 code = t.returncode
-                if code not in (None, 0):
-                    self._say(f"{name} failed with exit code {exit_status(code)}; stopping the "
-                              f"other tasks")
-                    self.stop_all(except_=[name])
-                    return exit_status(code)
-            if all(self.tasks[n].returncode == 0 for n in training):
+                if code in (None, 0):
+                    continue
+                if not self.restarts.take(code):
+                    return self._fail(name, code)
+                if not self._restart(name, code):
+                    return self._stop_interrupted()
+                done_at = None
+                break
+            if all(self.tasks[n].returncode == 0 for n in self._training()):
                 if done_at is None:
                     done_at = time.monotonic()
                 eval_running = [n for n in evaluators if self.tasks[n].running()]
@@ -230,6 +256,71 @@ class Launcher:
                     self._say("all training tasks finished")
                     return 0
             time.sleep(0.1)
+
+    def _training(self) -> list[str]:
+        """The tasks whose exit 0 means the job is done (the chief alone under a coordinator:
+        its workers serve the chief's functions until stopped)."""
+        if self.coordinator:
+            return [n for n in self.tasks if n.startswith("chief:")]
+        return [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
+
+    def _stop_interrupted(self) -> int:
+        self._say(f"interrupted (signal {self._interrupted}): stopping every task")
+        self.stop_all()
+        return 128 + int(self._interrupted or signal.SIGINT)
+
+    def _fail(self, name: str, code: int) -> int:
+        why = ""
+        if self.restarts.max_restarts and code != 0:
+            why = (f" ({describe_exit(code)}; no restart left: {self.restarts.used} of "
+                   f"{self.restarts.max_restarts} used)" if self.restarts.used
+                   >= self.restarts.max_restarts else f" ({describe_exit(code)}: not restarted)")
+        self._say(f"{name} failed with exit code {exit_status(code)}{why}; stopping the other "
+                  f"tasks")
+        self.stop_all(except_=[name])
+        return exit_status(code)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Waits ``seconds``; False when interrupted meanwhile."""
+        deadline = time.monotonic() + seconds
+        while self._interrupted is None and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self._interrupted is None
+
+    def _restart(self, name: str, code: int) -> bool:
+        """Restarts after ``name`` exited with ``code`` (see ``restarts``); False when the
+        launcher was interrupted meanwhile (nothing is restarted then)."""
+        job, i = name.split(":")[0], int(name.split(":")[1])
+        used, most = self.restarts.used, self.restarts.max_restarts
+        head = (f"{name} exited with {exit_status(code)} ({describe_exit(code)}); "
+                f"restart {used} of {most}")
+        if restart_scope(job, self.coordinator) == "task":
+            self._say(f"{head}: restarting {name} on {self.cluster[job][i]} in "
+                      f"{self.restart_delay:g}s")
+            if not self._sleep(self.restart_delay):
+                return False
+            self._start_task(job, i)
+            return True
+        live = [n for n, t in self.tasks.items() if n != name and t.running()]
+        self._say(f"{head}: restarting every task ({', '.join(self.tasks)}) in "
+                  f"{self.restart_delay:g}s" + (f" after stopping {', '.join(live)}"
+                                                if live else ""))
+        if code == RESTART_EXIT_CODE:
+            # Preempted: the others are saving the agreed checkpoint and exiting on their own.
+            deadline = time.monotonic() + self.grace
+            while any(self.tasks[n].running() for n in live) and time.monotonic() < deadline:
+                if not self._sleep(0.1):
+                    return False
+        self.stop_all()
+        if not self._sleep(self.restart_delay):
+            return False
+        # A fresh cluster: new ports (a new coordination service) and a new cluster token, so
+        # no process of the previous run can join; the same TLS identities and credentials.
+        self.cluster = local_cluster(*self._counts)
+        self.token = new_token()
+        self.tasks = {}
+        self.start()
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,5 +342,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.devices_per_process, args.grace, args.evaluator_grace,
                         coordinator=args.coordinator, insecure=args.insecure,
                         checkpoint_root=args.checkpoint_root,
-                        ps_runs_command=args.ps_runs_command)
+                        ps_runs_command=args.ps_runs_command,
+                        max_restarts=args.max_restarts, restart_delay=args.restart_delay)
     return launcher.run()
