@@ -4,6 +4,7 @@ Tiny programs as tasks (a file per task remembers how often it ran), real launch
 127.0.0.1; the real training restarts are in ``tests/test_restart_training.py``.
 """
 
+import ast
 import json
 import os
 import re
@@ -187,3 +188,32 @@ def test_ctrl_c_while_tasks_run_stops_everything_without_restarting(tmp_path):
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 130, out
     assert "restart" not in out and out.count("[launch] started ") == 1, out
+
+
+@pytest.mark.timeout(120)
+def test_under_a_coordinator_a_killed_worker_is_restarted_alone_on_its_address():
+    """TF2 ``ClusterCoordinator``: the chief tolerates the lost worker (its functions in
+    flight run again elsewhere); the launcher restarts that worker alone, on the same address,
+    and the chief sends it work again. No chief or ps restart, no function lost."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "--coordinator", "--workers", "2", "--ps", "1",
+         "--devices-per-process", "1", "--grace", "3", "--max-restarts", "1",
+         "--restart-delay", "0.5", "--", sys.executable,
+         os.path.join(ROOT, "tests", "restart_coordinator_chief.py")],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    cluster = re.search(r"^\[launch\] started chief:0, worker:0, worker:1, ps:0 on (.*)$",
+                        r.stdout, re.M)
+    assert cluster, out[-4000:]
+    address = ast.literal_eval(cluster.group(1))["worker"][1]
+    assert (f"[launch] worker:1 exited with 137 (killed by SIGKILL); restart 1 of 1: "
+            f"restarting worker:1 on {address} in 0.5s") in r.stdout, out[-4000:]
+    assert r.stdout.count("[launch] started ") == 1   # nothing else restarted
+    assert r.stdout.count(f"[worker:1] jaxdist.server worker:1 listening on {address}") == 2
+    result = json.loads(re.findall(r"^\[chief:0\] (\{.*\})$", r.stdout, re.M)[-1])
+    assert result["new"] and result["old"] not in result["new"], result
+    assert result["step"] >= result["scheduled"], result   # every function ran
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
