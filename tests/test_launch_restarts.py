@@ -217,3 +217,34 @@ def test_under_a_coordinator_a_killed_worker_is_restarted_alone_on_its_address()
     assert result["new"] and result["old"] not in result["new"], result
     assert result["step"] >= result["scheduled"], result   # every function ran
     assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("saves", [True, False])
+def test_sigterm_to_the_launcher_exits_42_when_every_task_saved_and_asked_for_a_restart(
+        tmp_path, saves):
+    """SIGTERM to the launcher (a preempted host) reaches every task; when each saves and
+    exits 42, so does the launcher (a scheduler restarts it); otherwise 143. Never a restart
+    by the launcher itself."""
+    prog = textwrap.dedent("""
+        import os, signal, sys, time
+        code = int(os.environ["ON_SIGTERM"])
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
+        open(os.path.join(os.environ["MEM"], str(os.getpid())), "w").close()
+        time.sleep(60)
+    """)
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--max-restarts", "3",
+         "--grace", "5", "--", sys.executable, "-c", prog],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, MEM=str(mem), ON_SIGTERM="42" if saves else "143"))
+    deadline = time.monotonic() + 30
+    while len(os.listdir(mem)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == (42 if saves else 143), out
+    assert "restart 1" not in out and out.count("[launch] started ") == 1, out
+    assert ("every training task saved and exited with 42" in out) == saves, out

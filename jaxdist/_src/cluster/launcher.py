@@ -265,9 +265,19 @@ class Launcher:
         return [n for n in self.tasks if n.split(":")[0] in ("chief", "worker")]
 
     def _stop_interrupted(self) -> int:
-        self._say(f"interrupted (signal {self._interrupted}): stopping every task")
+        """Stops every task (SIGTERM, then SIGKILL after ``grace``): 130 after Ctrl-C, 143
+        after SIGTERM, or 42 when SIGTERM made every training task save and exit with the
+        restart code (the job asks its scheduler to restart it)."""
+        signum = int(self._interrupted or signal.SIGINT)
+        self._say(f"interrupted (signal {signum}): stopping every task")
         self.stop_all()
-        return 128 + int(self._interrupted or signal.SIGINT)
+        training = [self.tasks[n].returncode for n in self._training()]
+        if signum == signal.SIGTERM and training and all(
+                c == RESTART_EXIT_CODE for c in training):
+            self._say(f"every training task saved and exited with {RESTART_EXIT_CODE} "
+                      f"(preempted): exiting with {RESTART_EXIT_CODE}")
+            return RESTART_EXIT_CODE
+        return 128 + signum
 
     def _fail(self, name: str, code: int) -> int:
         why = ""
