@@ -185,3 +185,47 @@ def test_a_two_process_checkpoint_resumes_on_another_process_count_at_the_same_b
     print(f"{workers} x {devices}: largest difference {worst:.3g} (largest parameter "
           f"{scale:.3g})")
     assert worst <= RESIZE_RTOL * scale, (worst, scale)
+
+
+@pytest.mark.timeout(180)
+def test_a_between_graph_parameter_server_job_restarts_every_task_and_resumes(tmp_path):
+    """Between-graph (no coordinator): a lost worker restarts every task, ps included; the ps
+    task restores the chief's latest checkpoint at start and the workers continue from its
+    step (updates since that checkpoint are lost, as a ps restart loses them)."""
+    mark = uuid.uuid4().hex
+    epochs = 40   # 22 steps an epoch: 880 steps (~2 ms each), far from done at the kill
+    argv = [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--ps", "1",
+            "--devices-per-process", "1", "--grace", "5", "--max-restarts", "1",
+            "--restart-delay", "0.5", "--checkpoint-root", str(tmp_path), "--",
+            sys.executable, "-m", "jaxdist.train", "--config",
+            os.path.join(ROOT, "configs", "parameter_server.yaml"),
+            "--set", "logging.progress_bar=never", "--set", f"train.epochs={epochs}",
+            "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "checkpoint.every_steps=50",
+            "--set", f"logging.dir={tmp_path / 'logs'}", "--set", "strategy.timeout=10"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXDIST_TEST_MARK=mark)
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "[worker:0] [train] step 100 " in line:
+            break
+    assert "[worker:0] [train] step 100 " in lines[-1], "".join(lines)[-4000:]
+    for pid in _pids_of(mark, 1):
+        os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=150)
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out[-4000:]
+    assert ("[launch] worker:1 exited with 137 (killed by SIGKILL); restart 1 of 1: restarting "
+            "every task (worker:0, worker:1, ps:0)") in out, out[-4000:]
+    resumed = [int(s) for s in re.findall(
+        r"\[worker:0\] Resumed from checkpoint at step (\d+) \(epoch", out)]
+    assert len(resumed) == 1 and resumed[0] >= 100 and resumed[0] % 50 == 0, out[-4000:]
+    ends = [r for r in read_metrics(tmp_path / "logs") if r["event"] == "end"]
+    assert [e["step"] for e in ends] == [epochs * 22], ends
