@@ -14,7 +14,23 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
 * exits 0 when every chief/worker task exits 0 (ps tasks, which serve forever, are then
   stopped; an evaluator gets ``--evaluator-grace`` seconds to finish);
 * when a task fails, stops the others and exits with that task's exit code;
-* on Ctrl-C (or SIGTERM) stops every task and exits 130 (143).
+* with ``--max-restarts N``, restarts instead, up to N times, when a task exits with a
+  restartable code (42: preempted, 1: failed, or death by a signal; any other code but 0,
+  2 for a bad config and 130 for an interrupt), reporting each restart
+  (``[launch] worker:1 exited with 42 (preempted); restart 1 of 3: restarting every task
+  (worker:0, worker:1) in 1s``); after N it stops the others and exits with the last failing
+  task's code. What restarts: every task of a synchronous job (MultiWorkerMirrored) and of a
+  between-graph parameter-server job (whose ps tasks restore the chief's latest checkpoint),
+  as a fresh cluster: new ports (a new coordination service) and a new cluster token, the same
+  TLS identities and coordinator credentials; under ``--coordinator`` only a lost worker, on
+  its address (the chief re-sends its functions; a lost chief or ps restarts every task); an
+  evaluator alone. After an exit with 42 the other tasks get ``--grace`` seconds to save and
+  exit on their own before they are stopped; each restart then waits ``--restart-delay``
+  seconds (default 1, no growing back-off). The program resumes from its latest checkpoint
+  (``python -m jaxdist.train`` does with ``checkpoint.dir``), also on another ``--workers``
+  count: the global batch and the position in the data stay;
+* on Ctrl-C stops every task, never restarting, and exits 130; on SIGTERM the same with 143,
+  or 42 when every training task saved a preemption checkpoint and exited with 42.
 
 Who runs what (as TensorFlow's parameter-server guide has it: ps tasks, and with a
 coordinator worker tasks too, run a server and wait; the program runs elsewhere):
@@ -33,6 +49,8 @@ coordinator worker tasks too, run a server and wait; the program runs elsewhere)
 
 Example:
     python -m jaxdist.launch --workers 2 --devices-per-process 2 -- \\
+        python -m jaxdist.train --config configs/multi_worker.yaml
+    python -m jaxdist.launch --workers 2 --devices-per-process 2 --max-restarts 3 -- \\
         python -m jaxdist.train --config configs/multi_worker.yaml
     python -m jaxdist.launch --workers 2 --ps 2 -- python train_between_graph.py
     python -m jaxdist.launch --coordinator --workers 2 --ps 1 -- python train_coordinator.py

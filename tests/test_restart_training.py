@@ -68,7 +68,7 @@ def _run(workers, devices, ckpt, logs, *sets, timeout=120):
 
 
 def _params(ckpt, step=STEPS):
-    from jaxdist._src.train.checkpoint import Checkpointer
+    from jaxdist.train import Checkpointer
 
     state, meta = Checkpointer(ckpt, read_only=True).restore(step)
     assert int(meta["step"]) == step
