@@ -248,3 +248,34 @@ def test_sigterm_to_the_launcher_exits_42_when_every_task_saved_and_asked_for_a_
     assert proc.returncode == (42 if saves else 143), out
     assert "restart 1" not in out and out.count("[launch] started ") == 1, out
     assert ("every training task saved and exited with 42" in out) == saves, out
+
+
+@pytest.mark.timeout(60)
+def test_after_a_42_the_other_tasks_get_the_grace_period_to_save_and_exit_on_their_own(
+        tmp_path):
+    """A preempted job's tasks all exit 42 after the chief's save: the launcher lets the slower
+    ones finish (up to --grace seconds) before it stops them; a SIGTERM would cut the save."""
+    prog = textwrap.dedent("""
+        import json, os, signal, sys, time
+        t = json.loads(os.environ["TF_CONFIG"])["task"]
+        mem = os.environ["MEM"]
+        first = not os.path.exists(os.path.join(mem, "ran"))
+        if t["index"] == 1:
+            open(os.path.join(mem, "ran"), "a").close()
+        signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(mem, "sigterm"), "w")
+                                                 .close(), sys.exit(143)))
+        if first:
+            time.sleep(0.2 if t["index"] == 1 else 2.0)   # worker:0 saves for 2 s
+            sys.exit(42)
+    """)
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--max-restarts", "1",
+         "--restart-delay", "0", "--grace", "10", "--", sys.executable, "-c", prog],
+        capture_output=True, text=True, timeout=50, env=dict(os.environ, MEM=str(mem)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("[launch] worker:1 exited with 42 (preempted); restart 1 of 1: restarting every "
+            "task (worker:0, worker:1) in 0s once worker:0 saved and exited (at most 10s, then "
+            "stopped)") in r.stdout, r.stdout
+    assert not (mem / "sigterm").exists(), r.stdout   # worker:0 exited on its own

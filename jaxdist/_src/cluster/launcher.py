@@ -312,9 +312,14 @@ class Launcher:
             self._start_task(job, i)
             return True
         live = [n for n, t in self.tasks.items() if n != name and t.running()]
+        after = ""
+        if live and code == RESTART_EXIT_CODE:
+            after = (f" once {', '.join(live)} saved and exited (at most {self.grace:g}s, then "
+                     f"stopped)")
+        elif live:
+            after = f" after stopping {', '.join(live)}"
         self._say(f"{head}: restarting every task ({', '.join(self.tasks)}) in "
-                  f"{self.restart_delay:g}s" + (f" after stopping {', '.join(live)}"
-                                                if live else ""))
+                  f"{self.restart_delay:g}s{after}")
         if code == RESTART_EXIT_CODE:
             # Preempted: the others are saving the agreed checkpoint and exiting on their own.
             deadline = time.monotonic() + self.grace
