@@ -15,8 +15,11 @@ task and the cluster (``restart_scope``):
   a lost chief or ps task restarts every task as above;
 * an evaluator (a side-car that follows the checkpoints) alone.
 
-Each restart waits ``delay`` seconds first (1 s by default: a fixed wait, no growing
-back-off, since ``--max-restarts`` already bounds a crash loop).
+Before a restart of every task, the other tasks are stopped (SIGTERM, SIGKILL after
+``--grace`` seconds); after an exit with 42 they are preempted too and first get ``--grace``
+seconds to save and exit on their own. Each restart then waits ``delay`` seconds (1 s by
+default: a fixed wait, no growing back-off, since ``--max-restarts`` already bounds a crash
+loop).
 
 Example:
     >>> describe_exit(42), describe_exit(-9), describe_exit(1)
