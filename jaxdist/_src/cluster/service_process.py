@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--register-timeout", type=int, default=None)
     p.add_argument("--recoverable", action="store_true")
     args = p.parse_args(argv)
+    # A preemption's SIGTERM (a pod's or a Slurm step's, sent to every process) must not end
+    # the service while the job agrees where to stop and saves: it ends with process 0 (stop,
+    # or ``linger`` after process 0 is gone).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _jax = _jax_extension()
 
     service = _jax.get_distributed_runtime_service(
