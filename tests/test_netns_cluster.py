@@ -110,14 +110,15 @@ def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(ne
                                "(worker:0 at 10.213.0.1:23001)"), line
         assert "cut off from peer task(s) worker:0, worker:1" in line
         assert took <= HEARTBEAT, f"worker:2 took {took:.1f} s"  # before XLA's abort
-        # The survivors: the service declares worker:2 lost; their blocked step ends.
+        # The survivors: worker:2's heartbeat stops; their blocked step ends within the
+        # configured timeout (the heartbeat timeout + 1 s; 1 s for the exit to be seen).
         for survivor in ("worker:0", "worker:1"):
             code, took = exits[survivor]
             line = _typed_lines(c.output(survivor), "jaxdist.PeerLostError: ")
             assert code == 1, c.describe()
             assert line.startswith(f"jaxdist.PeerLostError: {survivor}: lost peer task(s) "
-                                   f"worker:2 during a step"), line
-            assert took <= 2 * TIMEOUT + HEARTBEAT + 5, f"{survivor} took {took:.1f} s"
+                                   f"worker:2: no heartbeat for "), line
+            assert took <= TIMEOUT + 1, f"{survivor} took {took:.1f} s"
         # The link back, the tasks run again on their hosts: the job resumes and finishes.
         net.set_link(c.host_of["worker:2"], up=True)
         net.kill_all()  # what outlived its task (worker:0's coordination service)
@@ -154,8 +155,8 @@ def test_losing_the_host_of_the_coordination_service_is_typed_on_both_sides(net)
         line = _typed_lines(c.output("worker:0"), "jaxdist.PeerLostError: ")
         assert code == 1, c.describe()
         assert line.startswith("jaxdist.PeerLostError: worker:0: lost peer task(s) worker:1, "
-                               "worker:2 during a step"), line
-        assert took <= 2 * TIMEOUT + HEARTBEAT + 5, f"worker:0 took {took:.1f} s"
+                               "worker:2: no heartbeat for "), line
+        assert took <= TIMEOUT + 1, f"worker:0 took {took:.1f} s"
 
 
 PS_CONFIG = """\

@@ -25,16 +25,20 @@ class _Client:
         self.mode, self.store = "answer", {}
         self.release = threading.Event()
 
-    def key_value_set(self, key, value):
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._answer()
         self.store[key] = value
 
-    def key_value_try_get(self, key):
+    def key_value_dir_get(self, prefix):
+        self._answer()
+        return [(k, v) for k, v in sorted(self.store.items()) if k.startswith(prefix)]
+
+    def _answer(self):
         if self.mode == "fail":
             raise RuntimeError("UNAVAILABLE: failed to connect to all addresses\nmore")
         if self.mode == "hang":
             self.release.wait(5)
             raise RuntimeError("DEADLINE_EXCEEDED")
-        return self.store[key]
 
 
 def _guards(clock, client, hb=4.0):
@@ -114,3 +118,59 @@ def test_a_frozen_process_is_reported_frozen_not_cut_off():
     assert guard.check() is True
     assert exits[0][0].startswith("jaxdist.ProcessFrozenError: worker:2: this process was "
                                   "stopped for 9.0 s")
+
+
+def _beat(client, q, value):
+    client.store[f"jaxdist/link_guard/{q}"] = str(value)
+
+
+def test_a_silent_peer_is_one_typed_line_while_the_service_answers():
+    clock, client = _Clock(), _Client()
+    link, guard, exits = _guards(clock, client)      # hb 4 s: a peer silent 5 s is lost
+    for t in range(8):
+        _beat(client, 0, t)
+        _beat(client, 1, t)
+        link.ask()
+        assert not _tick(clock, guard, 0.5)
+    for t in range(8, 30):                           # worker:1 stops beating
+        _beat(client, 0, t)
+        link.ask()
+        if _tick(clock, guard, 0.25):
+            break
+    (line, status), = exits
+    assert status == 1 and "\n" not in line
+    assert line.startswith("jaxdist.PeerLostError: worker:2: lost peer task(s) worker:1: no "
+                           "heartbeat for 5.0 s (heartbeat timeout 4 s) while the coordination "
+                           "service (worker:0 at 10.213.0.1:23001) answers this task"), line
+
+
+def test_a_peer_that_left_in_order_or_this_tasks_own_silence_is_not_a_lost_peer():
+    clock, client = _Clock(), _Client()
+    link, guard, exits = _guards(clock, client)
+    _beat(client, 0, 1)
+    _beat(client, 1, 1)
+    link.ask()
+    client.store["jaxdist/link_guard/1"] = "left"    # worker:1 shut down in order
+    for t in range(2, 40):
+        _beat(client, 0, t)
+        link.ask()
+        assert not _tick(clock, guard, 0.25), exits
+    # this task's own questions go unanswered: the service's silence, not worker:0's
+    client.mode = "hang"
+    asking = threading.Thread(target=link.ask, daemon=True)
+    asking.start()
+    try:
+        assert not _tick(clock, guard, 1.75) and exits == []
+    finally:
+        client.release.set()
+        asking.join(5)
+    assert link.silent_peers(clock.now) == []
+
+
+def test_stop_marks_this_task_left():
+    clock, client = _Clock(), _Client()
+    link, _, _ = _guards(clock, client)
+    link.ask()
+    link.stop()
+    assert client.store["jaxdist/link_guard/2"] == "left"
+

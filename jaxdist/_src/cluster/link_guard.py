@@ -9,13 +9,23 @@ SIGABRT), and jaxlib 0.10 offers no callback that works from Python (see
 ``jaxdist._src.cluster.runtime``). So the earliest such abort comes ``heartbeat_timeout / 2 +
 1`` seconds after the link went down.
 
-``LinkGuard`` asks the service a cheap question (a key-value lookup of this task's own key)
-every ``interval`` seconds on a daemon thread, one question at a time. A question unanswered
+``LinkGuard`` asks the service a cheap question every ``interval`` seconds on a daemon thread,
+one question at a time: it sets this task's own heartbeat key (a counter) and reads every
+task's. A question unanswered
 (or failing) for ``heartbeat_timeout / 2`` seconds, the deadline XLA's own heartbeat has, means
 the service is out of reach: ``FreezeGuard``, which wakes every quarter second, then ends the
 process with ``jaxdist.PeerLostError: <task>: lost the coordination service ...`` naming the
 task that hosts it and the peers behind the cut. Its decision comes at most ``heartbeat_timeout
 / 2 + interval + tick`` seconds after the cut, before XLA's earliest abort.
+
+The other side of the cut still reaches the service, but its step waits inside XLA for a peer
+that is gone. The counters say so without asking the service's liveness view (a barrier among
+the live tasks): a peer whose counter has not moved for ``heartbeat_timeout`` + 1 s while this
+task's own questions are answered is lost, the rule the service applies to its own
+heartbeats. ``FreezeGuard`` then ends the process with ``jaxdist.PeerLostError: <task>: lost
+peer task(s) <peer> ...``, well within the step timeout (``CommunicationOptions.timeout_seconds``,
+twice the heartbeat timeout). A task that leaves in order (``stop``) marks its key ``left``
+first, so a peer still finishing its work never takes it for lost.
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-_PROBE_KEY = "jaxdist/link_guard/{}"
+_PROBE_DIR = "jaxdist/link_guard/"
+_PROBE_KEY = _PROBE_DIR + "{}"
+_LEFT = "left"
+#: Seconds past the heartbeat timeout before a silent peer counts as lost.
+PEER_MARGIN = 1.0
 
 
 class LinkGuard:
@@ -45,8 +59,8 @@ class LinkGuard:
 
     Example:
         >>> class Client:                    # a service that answers
-        ...     def key_value_set(self, key, value): self.value = value
-        ...     def key_value_try_get(self, key): return self.value
+        ...     def key_value_set(self, key, value, allow_overwrite=False): self.value = value
+        ...     def key_value_dir_get(self, key): return [(key + "1", self.value)]
         >>> guard = LinkGuard("worker:1", 1, ["worker:0"], "worker:0 at 10.0.0.1:2222", 4,
         ...                   Client(), interval=0.01).start()
         >>> time.sleep(0.1)
@@ -67,7 +81,8 @@ class LinkGuard:
         self._asked: float | None = None  # when the oldest unanswered question was asked
         self._since = clock()  # questions asked before this do not count (see restart_window)
         self._error: BaseException | None = None
-        self._set = False
+        self._beats = 0
+        self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its counter, when it moved)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxdist-link-guard",
                                         daemon=True)
@@ -78,8 +93,22 @@ class LinkGuard:
         return self
 
     def stop(self) -> None:
-        """Stops asking (an orderly shutdown)."""
+        """Stops asking (an orderly shutdown): marks this task ``left`` for its peers (at most
+        one second's wait for the service)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        done = threading.Event()
+
+        def leave() -> None:
+            try:
+                self.client.key_value_set(self._key, _LEFT, allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the service is gone: nobody is watching
+                pass
+            done.set()
+
+        threading.Thread(target=leave, name="jaxdist-link-guard-leave", daemon=True).start()
+        done.wait(1.0)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -92,15 +121,52 @@ class LinkGuard:
         if self._asked is None:
             self._asked = self._clock()
         try:
-            if not self._set:
-                self.client.key_value_set(self._key, "1")
-                self._set = True
-            self.client.key_value_try_get(self._key)
+            self._beats += 1
+            self.client.key_value_set(self._key, str(self._beats), allow_overwrite=True)
+            entries = self.client.key_value_dir_get(_PROBE_DIR)
         except Exception as e:  # noqa: BLE001 - the service did not answer; keep the window
             self._error = e
             return False
+        now = self._clock()
+        for key, value in entries:
+            try:
+                q = int(key.rsplit("/", 1)[-1])
+            except ValueError:
+                continue
+            seen = self._seen.get(q)
+            if q != self.process_id and (seen is None or seen[0] != value):
+                self._seen[q] = (value, now)
         self._asked, self._error = None, None
         return True
+
+    def _peer_name(self, q: int) -> str:
+        i = q if q < self.process_id else q - 1
+        return self.peers[i] if 0 <= i < len(self.peers) else f"process {q}"
+
+    def silent_peers(self, now: float) -> list[tuple[str, float]]:
+        """``(name, seconds)`` of the peers whose heartbeat has not moved for the heartbeat
+        timeout + ``PEER_MARGIN`` while this task's own questions are answered."""
+        if self._asked is not None or self._stop.is_set():
+            return []     # this task's own link waits: that is ``lost``'s to judge
+        limit = self.heartbeat_timeout + PEER_MARGIN
+        out = []
+        for q, (value, moved) in sorted(self._seen.items()):
+            silent = now - max(moved, self._since)
+            if value != _LEFT and silent >= limit:
+                out.append((self._peer_name(q), silent))
+        return out
+
+    def peer_message(self, now: float) -> str:
+        """The one line ``FreezeGuard`` ends the process with when peers went silent."""
+        silent = self.silent_peers(now)
+        names = ", ".join(name for name, _ in silent)
+        longest = max((s for _, s in silent), default=0.0)
+        return (
+            f"jaxdist.PeerLostError: {self.name}: lost peer task(s) {names}: no heartbeat for "
+            f"{longest:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s) while the "
+            f"coordination service ({self.service}) answers this task (a lost link or host, "
+            f"or a dead process); the training cluster is broken; exiting. Restart the job "
+            f"(it resumes from the last checkpoint)")
 
     def restart_window(self, now: float) -> None:
         """Counts only from ``now`` on (after this process was stopped or starved: the

@@ -197,6 +197,9 @@ class FreezeGuard:
         if self.link is not None and self.link.lost(now):
             self._exit(self.link.message(now), 1)
             return True
+        if self.link is not None and self.link.silent_peers(now):
+            self._exit(self.link.peer_message(now), 1)
+            return True
         return False
 
     def _frozen(self, gap: float, used: float) -> bool:
