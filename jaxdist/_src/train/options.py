@@ -132,6 +132,8 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "checkpoint_every_steps": ("checkpoint", "every_steps"),
     "keep_checkpoints": ("checkpoint", "keep"),
     "resume": ("checkpoint", "resume"),
+    "allow_changes": ("checkpoint", "allow_changes"),
+    "allow_finished": ("checkpoint", "allow_finished"),
     "termination_config": ("checkpoint", "termination"),
     "log_dir": ("logging", "dir"),
     "run_name": ("logging", "run_name"),
