@@ -87,8 +87,13 @@ def trainer_settings(strategy: Any, global_batch_size: int | None, seed: int, sh
     return dict(zip(TRAINER_KEYS, values))
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as JSON keeps it (tuples become lists), so old and new compare equal."""
+def plain(value: Any) -> Any:
+    """``value`` as JSON keeps it (tuples become lists), so old and new compare equal.
+
+    Example:
+        >>> plain({"sizes": (128, 64)})
+        {'sizes': [128, 64]}
+    """
     return json.loads(json.dumps(value, default=str))
 
 
@@ -128,8 +133,8 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]
         >>> differences({"a": 1, "b": [1]}, {"a": 2, "b": (1,), "c": 3})
         [('a', 1, 2)]
     """
-    return [(k, recorded[k], _plain(v)) for k, v in current.items()
-            if k in recorded and _plain(recorded[k]) != _plain(v)]
+    return [(k, recorded[k], plain(v)) for k, v in current.items()
+            if k in recorded and plain(recorded[k]) != plain(v)]
 
 
 def describe(diffs: Sequence[tuple[str, Any, Any]]) -> str:
@@ -164,7 +169,7 @@ class RunRecord:
     def __init__(self, directory: str | os.PathLike, settings: Mapping[str, Any],
                  allow_changes: Sequence[str] = (), writer: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
-        self.settings = {k: _plain(v) for k, v in settings.items()}
+        self.settings = {k: plain(v) for k, v in settings.items()}
         self.allow_changes = tuple(allow_changes)
         self.writer = writer
         self.recorded: dict[str, Any] | None = None
@@ -327,4 +332,4 @@ def check_not_finished(directory: str | os.PathLike, epochs: int | None,
 
 __all__ = ["RECORD_FILE", "TRAINER_KEYS", "RunRecord", "SettingsChangedError",
            "TrainingCompleteError", "check_not_finished", "convert_position", "describe",
-           "differences", "finished_message", "read_record", "trainer_settings"]
+           "differences", "finished_message", "plain", "read_record", "trainer_settings"]

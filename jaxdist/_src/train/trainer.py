@@ -859,14 +859,16 @@ class Trainer(TrainerHandle):
         return self._hook.epoch_order(self.context, num_examples, epoch)
 
     def _record(self) -> run_record.RunRecord:
-        """The record of the settings written with this trainer's checkpoints."""
+        """The record of the settings written with this trainer's checkpoints (its settings
+        as they are now: a later ``fit`` may take another batch size)."""
+        ck = self.checkpoint_config
+        settings = {**run_record.trainer_settings(
+            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
+            self.batch_norm), **(ck.settings or {})}
         if self._run_record is None:
-            ck = self.checkpoint_config
-            settings = {**run_record.trainer_settings(
-                self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
-                self.batch_norm), **(ck.settings or {})}
             self._run_record = run_record.RunRecord(
                 self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
+        self._run_record.settings = run_record.plain(settings)
         return self._run_record
 
     def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
