@@ -6,6 +6,7 @@ number of devices)."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -125,6 +126,16 @@ def test_changed_global_batch_keeps_epochs_meaning_epochs(tmp_path, capsys):
     assert _record(tmp_path)["position"] == {"step": 102, "epoch": 3, "step_in_epoch": 0}
     ends = [r for r in read_metrics(tmp_path / "runs") if r["event"] == "end"]
     assert ends[-1]["epoch"] == 3 and ends[-1]["step"] == 102
+
+
+def test_a_record_without_checkpoints_describes_nothing(tmp_path, capsys):
+    assert _train(tmp_path, capsys, "train.steps=10")[0] == 0
+    for step in (tmp_path / "ckpt").iterdir():
+        if step.name != RECORD_FILE:
+            shutil.rmtree(step)
+    status, out, err = _train(tmp_path, capsys, "train.steps=10", "optimizer.learning_rate=0.1")
+    assert status == 0, err                          # a new run: no comparison, no resume
+    assert _record(tmp_path)["settings"]["optimizer.learning_rate"] == 0.1
 
 
 def test_old_checkpoint_without_a_record_resumes_with_a_note(tmp_path, capsys):

@@ -21,6 +21,7 @@ Example:
     >>> record = RunRecord("ckpt", {"train.global_batch_size": 64, "seed": 0})
     >>> record.check()                 # the first run: no record yet, nothing to compare
     []
+    >>> os.makedirs("ckpt/100")              # the checkpoint (orbax writes it)
     >>> record.saved(step=100, epoch=4, step_in_epoch=10)
     >>> RunRecord("ckpt", {"train.global_batch_size": 32, "seed": 0}).check()
     Traceback (most recent call last):
@@ -102,7 +103,8 @@ def _show(value: Any) -> str:
 
 
 def read_record(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The record in checkpoint directory ``directory``, or ``None`` when it has none.
+    """The record in checkpoint directory ``directory``, or ``None`` when it has none (or
+    nothing else: a record whose checkpoints were deleted describes nothing).
 
     Raises:
         CheckpointMismatchError: the file is there but is not a record jaxdist wrote.
@@ -118,6 +120,8 @@ def read_record(directory: str | os.PathLike) -> dict[str, Any] | None:
             f"{path} is not a readable run record ({type(e).__name__}: {e}); expected the JSON "
             f"jaxdist writes next to its checkpoints: remove it, or use another "
             f"checkpoint.dir") from None
+    if not any(not name.startswith(RECORD_FILE) for name in os.listdir(directory)):
+        return None
     if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
         raise CheckpointMismatchError(
             f"{path} is not a run record (no 'settings' mapping); expected the JSON jaxdist "
