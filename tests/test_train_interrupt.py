@@ -12,8 +12,6 @@ import time
 
 import pytest
 
-from jaxdist._src.job.interrupt import main_module
-
 ROOT = pathlib.Path(__file__).parent.parent
 
 
@@ -85,10 +83,3 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, moment, attempt):
     assert status == 130, stderr
     assert stderr.splitlines() == ["python -m jaxdist.train: interrupted"], stderr
 
-
-def test_main_module_reads_the_interpreter_command_line():
-    assert main_module(["python", "-u", "-m", "jaxdist.train", "-c", "x.yaml"]) == \
-        "jaxdist.train"
-    assert main_module(["python", "-X", "dev", "-m", "jaxdist.train"]) == "jaxdist.train"
-    assert main_module(["python", "-m", "pytest", "-m", "slow"]) == "pytest"
-    assert main_module(["python", "train.py"]) is None

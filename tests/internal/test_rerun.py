@@ -17,15 +17,17 @@ from flax import nnx
 
 import jaxdist
 from jaxdist._src.job.cli import main
-from jaxdist._src.train.checkpoint import CheckpointMismatchError
-from jaxdist._src.train.run_record import (
-    RECORD_FILE,
+from jaxdist._src.job.interrupt import main_module
+from jaxdist._src.train.run_record import RECORD_FILE
+from jaxdist.train import (
+    CheckpointMismatchError,
     SettingsChangedError,
+    Trainer,
     TrainingCompleteError,
+    read_metrics,
 )
-from jaxdist.train import Trainer, read_metrics
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parent.parent.parent
 
 
 def _train(tmp_path, capsys, *sets, config="one_device.yaml"):
@@ -232,3 +234,11 @@ def test_trainer_refuses_a_resume_with_another_global_batch(tmp_path):
         _fit(ckpt, 8, epochs=2)
     assert e.value.exit_code == 3
     assert _fit(ckpt, 8, epochs=2, allow_finished=True).step == 12
+
+
+def test_main_module_reads_the_interpreter_command_line():
+    assert main_module(["python", "-u", "-m", "jaxdist.train", "-c", "x.yaml"]) == \
+        "jaxdist.train"
+    assert main_module(["python", "-X", "dev", "-m", "jaxdist.train"]) == "jaxdist.train"
+    assert main_module(["python", "-m", "pytest", "-m", "slow"]) == "pytest"
+    assert main_module(["python", "train.py"]) is None
