@@ -884,6 +884,8 @@ class Trainer(TrainerHandle):
             self.context, self._state, steps_per_epoch)
         if self.last_checkpoint is None:
             return None
+        if not self._hook.local_state:   # the ps hooks derive the position from the step
+            return notes + record.notes_after_restore(self.last_checkpoint)
         self._state, more = record.converted(self._state, self.global_batch_size,
                                              steps_per_epoch, fresh)
         return notes + more + record.notes_after_restore(self.last_checkpoint)
