@@ -15,6 +15,10 @@ Example:
 
 import sys
 
+# isort: off
+# First: `python -m jaxdist.train` answers Ctrl-C (one line, exit 130) from its first import on.
+from jaxdist._src.job import startup as _startup  # noqa: F401
+# isort: on
 from jaxdist import cluster_resolver, coordinator, data, ps, tpu
 from jaxdist._src import publish as _publish
 from jaxdist._src.cluster.errors import (

@@ -286,7 +286,13 @@ def test_cli_checkpoint_of_another_model_exits_2_in_one_line(tmp_path, capsys):
     rc = _cli(tmp_path, "data.name=synthetic", "data.num_examples=128", "data.num_features=4",
               "model.hidden_sizes=[16]", "train.steps=4", ckpt)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
+    assert rc == 2 and len(err) == 1, err   # the recorded settings say so first
+    assert "was trained with other settings: model.hidden_sizes: [8] -> [16]" in err[0]
+    rc = _cli(tmp_path, "data.name=synthetic", "data.num_examples=128", "data.num_features=4",
+              "model.hidden_sizes=[16]", "train.steps=4", ckpt,
+              "checkpoint.allow_changes=[model.hidden_sizes]")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err   # allowed, the arrays still cannot be restored
     assert "was written for another model" in err[0]
     assert "(4, 8) there and (4, 16) here" in err[0] or "(8,) there and (16,) here" in err[0]
     assert err[0].endswith("use another checkpoint.dir or checkpoint.resume=false")

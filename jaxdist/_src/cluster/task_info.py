@@ -133,4 +133,38 @@ def evaluator_task(environ: Mapping[str, str] | None = None) -> str | None:
     return f"evaluator:{resolver.task_id or 0}"
 
 
-__all__ = ["TOKEN_ENV", "TaskInfo", "cluster_dict", "cluster_token", "evaluator_task", "task_info"]
+def launched_tasks(environ: Mapping[str, str] | None = None) -> tuple[int, str] | None:
+    """How many processes the environment says run this program, and where it says so:
+    ``TF_CONFIG``'s tasks (every job: what a launcher or Kubeflow starts), else an ``srun``
+    step's tasks (``SLURM_STEP_NUM_TASKS``); ``None`` when neither names a cluster.
+
+    Example:
+        >>> launched_tasks({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, '
+        ...                 '"task": {"type": "worker", "index": 1}}'})
+        (2, 'TF_CONFIG (worker:1 of worker x2)')
+        >>> launched_tasks({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"})
+        (4, 'srun (SLURM_STEP_NUM_TASKS=4, SLURM_PROCID=3)')
+        >>> launched_tasks({}) is None
+        True
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("TF_CONFIG")
+    if raw:
+        from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+
+        resolver = TFConfigClusterResolver(tf_config=raw)
+        cluster = cluster_dict(resolver)
+        if cluster:
+            jobs = ", ".join(f"{job} x{len(tasks)}" for job, tasks in cluster.items())
+            me = f"{resolver.task_type}:{resolver.task_id or 0} of " if resolver.task_type \
+                else ""
+            return sum(len(t) for t in cluster.values()), f"TF_CONFIG ({me}{jobs})"
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "")
+    if tasks.isdigit() and env.get("SLURM_PROCID") is not None:
+        return int(tasks), (f"srun (SLURM_STEP_NUM_TASKS={tasks}, "
+                            f"SLURM_PROCID={env['SLURM_PROCID']})")
+    return None
+
+
+__all__ = ["TOKEN_ENV", "TaskInfo", "cluster_dict", "cluster_token", "evaluator_task",
+           "launched_tasks", "task_info"]

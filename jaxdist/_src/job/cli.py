@@ -1,8 +1,11 @@
 """``python -m jaxdist.train --config configs/default.yaml [--set section.key=value ...]``.
 
 Exit status: 0 when training finishes, 2 for a bad config (or command line, labels of the wrong
-kind for the loss, a data file that is not .npz, a checkpoint written for another model), 1 when
-training fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130 when interrupted.
+kind for the loss, a data file that is not .npz, a checkpoint written for another model or with
+other settings, a checkpoint directory that cannot be written, a one-process strategy started as
+several tasks), 3 when the checkpoint already completes the configured training (nothing to
+train), 1 when training fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130
+when interrupted (``jaxdist._src.cluster.exit_codes``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a model with a jaxdist strategy, as a YAML config describes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="config keys (section.key, type, default):\n" + schema_help() + "\n\n"
-               "exit status: 0 done, 1 training failed, 2 bad config, 130 interrupted.\n"
+               "exit status: 0 done, 1 training failed, 2 bad config, 3 nothing to train "
+               "(the checkpoint completes the config), 130 interrupted.\n"
                "docs: docs/trainer.md",
     )
     p.add_argument("--config", "-c", required=True, metavar="FILE",
@@ -95,8 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxdist._src.cluster.tpu_cluster_resolver import TPUNotFoundError
     from jaxdist._src.distributed.termination import TerminationConfigError
     from jaxdist._src.job.job import run_job
-    from jaxdist._src.train.checkpoint import CheckpointMismatchError
+    from jaxdist._src.train.checkpoint import CheckpointDirError, CheckpointMismatchError
     from jaxdist._src.train.data import DataError
+    from jaxdist._src.train.run_record import TrainingCompleteError
     from jaxdist._src.train.runs import RunDirError
     from jaxdist._src.train.trainer import NaNLossError
 
@@ -105,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
-    except RunDirError as e:
+    except (RunDirError, CheckpointDirError) as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG
     except NaNLossError as e:
@@ -114,9 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"{_PROG}: data error: {_one_line(e)}", file=err)
         return getattr(e, "exit_code", EXIT_FAILED)
-    except CheckpointMismatchError as e:
+    except TrainingCompleteError as e:
+        print(f"{_PROG}: {_one_line(e)}", file=err)
+        return e.exit_code
+    except CheckpointMismatchError as e:  # another model, or other settings
         print(f"{_PROG}: checkpoint error: {_one_line(e)}", file=err)
-        return EXIT_CONFIG
+        return e.exit_code
     except TerminationConfigError as e:
         print(f"{_PROG}: config error: {_one_line(e)}", file=err)
         return EXIT_CONFIG

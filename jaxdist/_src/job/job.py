@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._src.job import strategy_registry
+from jaxdist._src.job import rerun, strategy_registry
 from jaxdist._src.job.config import ConfigError, check_replicas, fit_kwargs, trainer_options
 from jaxdist._src.job.optimizers import (  # noqa: F401 - also public here
     learning_rate_from_config,
@@ -96,24 +96,32 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         from jaxdist._src.cluster.task_info import evaluator_task
         from jaxdist._src.job.sidecar import run_sidecar
 
+        rerun.check_one_copy(cfg)  # e.g. `jaxdist.launch --workers 2` of a one-process config
         # Only the strategies that read TF_CONFIG look at it: a stale one in the environment
         # does not change (or break) a single-host job.
         task = evaluator_task() if strategy_registry.uses_tf_config(cfg["strategy"]["name"]) \
             else None
         if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
             return run_sidecar(cfg, task)
+        rerun.check_resume(cfg)  # before the strategy starts: every process stops together
         strategy = build_strategy(cfg)
     else:
         check_replicas(cfg, strategy.num_replicas_in_sync)
+        rerun.check_resume(cfg)
     train, val = data_lib.from_config(cfg["data"])
     num_classes = cfg["model"]["num_classes"]
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
     # e.g. parameter servers run their own optimizer spec
     optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
+    import dataclasses
+
+    options = trainer_options(cfg)  # the checkpoints record the settings that shape training
+    options["checkpoint"] = dataclasses.replace(options["checkpoint"],
+                                                settings=rerun.shaping_settings(cfg))
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
-        trainer = Trainer(model, optimizer, strategy=strategy, **trainer_options(cfg))
+        trainer = Trainer(model, optimizer, strategy=strategy, **options)
     run_dir = trainer.run_dir  # this run's own directory (chief only)
     if run_dir is not None:
         from jaxdist._src.job.config import dump

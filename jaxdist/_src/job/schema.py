@@ -175,6 +175,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "keep": Field(int, 3, "keep the last K checkpoints", minimum=1, arg="checkpoint.keep"),
         "resume": Field(bool, True, "resume from the latest checkpoint in 'dir'",
                         arg="checkpoint.resume"),
+        "allow_changes": Field(list, [], "settings (keys such as optimizer.learning_rate) that "
+                               "may differ from those the checkpoint was trained with; the "
+                               "change is recorded in <dir>/run_settings.json (any other "
+                               "difference stops the job with exit 2)", item=str,
+                               arg="checkpoint.allow_changes",
+                               arg_default=()),  # Trainer: a tuple
+        "allow_finished": Field(bool, False, "resume from a checkpoint that already completes "
+                                "the configured epochs/steps: train nothing, only evaluate "
+                                "(otherwise exit 3)", arg="checkpoint.allow_finished"),
     },
     "logging": {
         "dir": Field(str, "runs/default", "parent of the run directories: each run writes "

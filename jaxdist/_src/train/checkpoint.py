@@ -32,6 +32,68 @@ class CheckpointMismatchError(ValueError):
     exit_code = 2
 
 
+class CheckpointDirError(ValueError):
+    """A checkpoint directory that cannot be created or written (the chief's).
+
+    ``exit_code`` is 2 for the CLI: the config must change before the job can run.
+    """
+
+    exit_code = 2
+
+
+def check_checkpoint_dir(directory: str | os.PathLike, create: bool = False) -> str:
+    """Checks that the chief can write checkpoints into ``directory``: it is a writable
+    directory, or can be created (its nearest existing parent is a writable directory);
+    creates it when ``create``. Returns its absolute path.
+
+    Raises:
+        CheckpointDirError: one line naming the path and what was expected.
+
+    Example:
+        >>> check_checkpoint_dir("run/ckpt")                  # can be created
+        '/.../run/ckpt'
+        >>> _ = open("file", "w").close()
+        >>> check_checkpoint_dir("file/ckpt")
+        Traceback (most recent call last):
+            ...
+        CheckpointDirError: checkpoint.dir 'file/ckpt' cannot be created: /.../file is a file; \
+expected a directory, or a path where one can be created
+    """
+    path = os.path.abspath(os.fspath(directory))
+    shown = f"checkpoint.dir {os.fspath(directory)!r}"
+    expected = "expected a directory, or a path where one can be created"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        problem = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+        raise CheckpointDirError(f"{shown} {problem}; {expected}")
+    if not _writable(existing):
+        where = "" if existing == path else f" (its parent {existing} is not)"
+        raise CheckpointDirError(
+            f"{shown} is not writable{where}; expected a directory this process can write "
+            f"checkpoints into")
+    if create:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise CheckpointDirError(f"{shown} cannot be created: {e.strerror or e}; "
+                                     f"{expected}") from None
+    return path
+
+
+def _writable(directory: str) -> bool:
+    """Whether a file can be created in ``directory`` (tried: root ignores mode bits but not
+    read-only mounts)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
 def _key_name(k: Any) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(k, attr):
@@ -72,7 +134,7 @@ class Checkpointer:
         )
         self.read_only = read_only
         if not read_only:
-            os.makedirs(self.directory, exist_ok=True)
+            check_checkpoint_dir(directory, create=True)
         absl_log = logging.getLogger("absl")
         level = absl_log.level
         if read_only:  # orbax warns about each option read-only mode overrides: expected here

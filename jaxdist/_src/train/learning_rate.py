@@ -112,5 +112,30 @@ def set_learning_rate(opt_state: Any, value: float) -> Any:
     return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_injected)
 
 
+def with_hyperparams_of(opt_state: Any, fresh: Any) -> Any:
+    """``opt_state`` (e.g. restored from a checkpoint) with the injected hyperparameters
+    (learning rate, weight decay, ...) of ``fresh`` (the state of the optimizer as now
+    configured); its moments and update count are kept. States without injected
+    hyperparameters, or of another structure, come back unchanged.
+
+    Example:
+        >>> import optax
+        >>> old = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).init(jnp.zeros(3))
+        >>> new = optax.inject_hyperparams(optax.adam)(learning_rate=0.1).init(jnp.zeros(3))
+        >>> round(get_learning_rate(with_hyperparams_of(old, new)), 6)
+        0.1
+    """
+    fresh_states = iter(_injected_states(fresh))
+    if len(_injected_states(opt_state)) != len(_injected_states(fresh)):
+        return opt_state
+
+    def replace(node: Any) -> Any:
+        if not _is_injected(node):
+            return node
+        return node._replace(hyperparams=dict(next(fresh_states).hyperparams))
+
+    return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_injected)
+
+
 __all__ = ["HOW_TO_INJECT", "get_learning_rate", "has_learning_rate", "is_scheduled",
-           "set_learning_rate"]
+           "set_learning_rate", "with_hyperparams_of"]

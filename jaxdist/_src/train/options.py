@@ -72,10 +72,22 @@ class CheckpointConfig:
             every process stops at one agreed step, the chief saves it and every process
             exits with the restart code (42) within the grace period. ``None``: the
             defaults (SIGTERM, 30 s, 42).
+        allow_changes: settings (config-key names, e.g. ``"train.global_batch_size"``) that
+            may differ from those recorded with the checkpoint: the resume goes on and the
+            change is recorded (``jaxdist._src.train.run_record``); any other difference
+            stops ``fit`` with ``SettingsChangedError``.
+        allow_finished: resume even when the checkpoint already completes the training asked
+            for (``fit`` then trains nothing and only evaluates); otherwise
+            ``TrainingCompleteError``.
+        settings: more settings that shaped training, recorded with each checkpoint and
+            compared on resume besides the ``Trainer``'s own (the CLI adds its config's
+            model, optimizer and data keys).
 
     Example:
         >>> CheckpointConfig(dir="/tmp/ckpt").every_steps
         100
+        >>> CheckpointConfig(dir="/tmp/ckpt", allow_changes=["optimizer.learning_rate"]).keep
+        3
     """
 
     dir: str | None = None
@@ -83,6 +95,9 @@ class CheckpointConfig:
     keep: int = 3
     resume: bool = True
     termination: Any = None
+    allow_changes: Sequence[str] = ()
+    allow_finished: bool = False
+    settings: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +132,8 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     "checkpoint_every_steps": ("checkpoint", "every_steps"),
     "keep_checkpoints": ("checkpoint", "keep"),
     "resume": ("checkpoint", "resume"),
+    "allow_changes": ("checkpoint", "allow_changes"),
+    "allow_finished": ("checkpoint", "allow_finished"),
     "termination_config": ("checkpoint", "termination"),
     "log_dir": ("logging", "dir"),
     "run_name": ("logging", "run_name"),

@@ -43,7 +43,7 @@ from jaxdist._src.strategies.cross_device_ops import varying_axes
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
-from jaxdist._src.train import keras_metrics
+from jaxdist._src.train import keras_metrics, run_record
 from jaxdist._src.train import loop as loop_lib
 from jaxdist._src.train import options as options_lib
 from jaxdist._src.train.callbacks import History
@@ -259,6 +259,7 @@ class Trainer(TrainerHandle):
         self._preemption: preemption.PreemptionWatcher | None = None
         self._dispatch_timer: preemption.DispatchTimer | None = None
         self._preempted = False
+        self._run_record: run_record.RunRecord | None = None   # the settings of checkpoints
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
         # One function object each, so strategy.run reuses its compiled steps.
@@ -532,7 +533,13 @@ class Trainer(TrainerHandle):
         num_epochs = epochs if steps is None and epochs is not None else -(-total // spe)
         cbs = self._callback_list(callbacks, history, {"epochs": num_epochs, "steps": spe,
                                                        "verbose": verbose})
-        self._maybe_resume(spe)
+        notes = self._maybe_resume(spe)
+        if notes is not None:  # restored a checkpoint: count the epochs from its position
+            if steps is None:
+                total = self.step + max(0, (num_epochs - self.epoch) * spe - self.step_in_epoch)
+            if self.step >= total and not self.checkpoint_config.allow_finished:
+                raise run_record.TrainingCompleteError(run_record.finished_message(
+                    self._run_record.directory, self.step, num_epochs, steps))
         logger = MetricsLogger(
             self.run_dir, total_steps=total, initial_step=self.step,
             tensorboard=self.tensorboard, progress_bar=self.progress_bar,
@@ -542,6 +549,8 @@ class Trainer(TrainerHandle):
         if self.last_checkpoint is not None and self.step > 0:
             logger.message(f"Resumed from checkpoint at step {self.step} (epoch {self.epoch}, "
                            f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
+        for note in notes or ():
+            logger.message(f"Note: {note}")
         self.stop_training = self.stop_training_by_error = False
         # With checkpoints, a preemption notice stops every process at one step, the chief
         # saves it and every process exits with the restart code (distributed.preemption).
@@ -849,17 +858,44 @@ class Trainer(TrainerHandle):
         # e.g. this worker's share
         return self._hook.epoch_order(self.context, num_examples, epoch)
 
-    def _maybe_resume(self, steps_per_epoch: int) -> None:
+    def _record(self) -> run_record.RunRecord:
+        """The record of the settings written with this trainer's checkpoints (its settings
+        as they are now: a later ``fit`` may take another batch size)."""
+        ck = self.checkpoint_config
+        settings = {**run_record.trainer_settings(
+            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
+            self.batch_norm), **(ck.settings or {})}
+        if self._run_record is None:
+            self._run_record = run_record.RunRecord(
+                self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
+        self._run_record.settings = run_record.plain(settings)
+        return self._run_record
+
+    def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
+        """Restores the latest checkpoint (the first ``fit`` only) once its recorded settings
+        match (``run_record``); returns note lines, or ``None`` when nothing was restored."""
         if self.checkpoint_dir is None or not self.resume or self._resumed:
-            return
+            return None
         self._resumed = True  # only the first fit resumes; later calls continue in memory
+        record = self._record()
+        notes = record.check()   # raises SettingsChangedError before anything is restored
+        fresh = self._state.opt_state
         self._state, self._restored_position = self._hook.resume(
             self.context, self._state, steps_per_epoch)
+        if self.last_checkpoint is None:
+            return None
+        if not self._hook.local_state:   # the ps hooks derive the position from the step
+            return notes + record.notes_after_restore(self.last_checkpoint)
+        self._state, more = record.converted(self._state, self.global_batch_size,
+                                             steps_per_epoch, fresh)
+        return notes + more + record.notes_after_restore(self.last_checkpoint)
 
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
         if self.checkpoint_dir is not None:
             self._state = self._hook.save(self.context, self._state, self._data_position)
+            if self.last_checkpoint == self.step:
+                self._record().saved(self.step, self.epoch, self.step_in_epoch)
 
     def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
                      chunks: Sequence[tuple[int, int]]):
