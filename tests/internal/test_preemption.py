@@ -77,7 +77,7 @@ def _watchers(n: int, store: FakeStore, grace: float = 10.0, exits=None):
 
 
 # ---------------------------------------------------------------------- TerminationConfig
-@pytest.mark.parametrize("code", [0, 2, 128, 255, -1, "42", 4.2, True, None])
+@pytest.mark.parametrize("code", [0, 2, 3, 128, 255, -1, "42", 4.2, True, None])
 def test_exit_codes_that_do_not_mean_restart_are_refused(code):
     with pytest.raises(TerminationConfigError, match="exit_code"):
         TerminationConfig(exit_code=code)

@@ -144,17 +144,18 @@ class LinkGuard:
         return self.peers[i] if 0 <= i < len(self.peers) else f"process {q}"
 
     def silent_peers(self, now: float) -> list[tuple[str, float]]:
-        """``(name, seconds)`` of the peers whose heartbeat has not moved for the heartbeat
-        timeout + ``PEER_MARGIN`` while this task's own questions are answered."""
+        """``(name, seconds)`` of the lost peers: once one peer's heartbeat has not moved for the
+        heartbeat timeout + ``PEER_MARGIN`` while this task's own questions are answered, every
+        peer silent for half the heartbeat timeout or more."""
         if self._asked is not None or self._stop.is_set():
             return []     # this task's own link waits: that is ``lost``'s to judge
-        limit = self.heartbeat_timeout + PEER_MARGIN
-        out = []
-        for q, (value, moved) in sorted(self._seen.items()):
-            silent = now - max(moved, self._since)
-            if value != _LEFT and silent >= limit:
-                out.append((self._peer_name(q), silent))
-        return out
+        silence = [(self._peer_name(q), now - max(moved, self._since))
+                   for q, (value, moved) in sorted(self._seen.items()) if value != _LEFT]
+        if not any(s >= self.heartbeat_timeout + PEER_MARGIN for _, s in silence):
+            return []
+        # One peer is lost: so is every other one silent for longer than a healthy counter
+        # ever is (a cut host's tasks stop together, a few hundredths of a second apart).
+        return [(name, s) for name, s in silence if s >= self.limit]
 
     def peer_message(self, now: float) -> str:
         """The one line ``FreezeGuard`` ends the process with when peers went silent."""

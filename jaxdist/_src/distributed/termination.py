@@ -14,7 +14,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist._src.cluster.exit_codes import EXIT_CONFIG, EXIT_OK, RESTART_EXIT_CODE
+from jaxdist._src.cluster.exit_codes import (
+    EXIT_ALREADY_DONE,
+    EXIT_CONFIG,
+    EXIT_OK,
+    RESTART_EXIT_CODE,
+)
 
 #: Seconds between the notice (SIGTERM) and the platform's SIGKILL when nothing says otherwise:
 #: Kubernetes' default ``terminationGracePeriodSeconds``.
@@ -31,8 +36,8 @@ class TerminationConfigError(ValueError):
 def check_exit_code(code: Any, what: str = "exit_code") -> int:
     """``code`` as the exit status a preempted process ends with, or ``TerminationConfigError``.
 
-    It must be an integer in 1..255 that no other outcome uses: not 0 (done), 2 (bad config),
-    130 (interrupted) or 128 + a signal number above that.
+    It must be an integer in 1..127 that no other outcome uses: not 0 (done), 2 (bad config)
+    or 3 (already done); 128 and above mean a death by signal.
 
     Example:
         >>> check_exit_code(42)
@@ -46,11 +51,11 @@ def check_exit_code(code: Any, what: str = "exit_code") -> int:
         raise TerminationConfigError(
             f"{what}={code!r}: expected an integer exit status in 1..127 (default "
             f"{RESTART_EXIT_CODE}, the code that tells a scheduler to restart the job)")
-    if not 1 <= code <= 127 or code == EXIT_CONFIG or code == EXIT_OK:
+    if not 1 <= code <= 127 or code in (EXIT_OK, EXIT_CONFIG, EXIT_ALREADY_DONE):
         raise TerminationConfigError(
             f"{what}={code} is not a restart code: expected 1..127 other than {EXIT_CONFIG} "
-            f"(bad config) — 0 means done and 128 and above mean killed by a signal; default "
-            f"{RESTART_EXIT_CODE}")
+            f"(bad config) and {EXIT_ALREADY_DONE} (already done) — 0 means done and 128 and "
+            f"above mean killed by a signal; default {RESTART_EXIT_CODE}")
     return code
 
 

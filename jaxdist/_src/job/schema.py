@@ -213,7 +213,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                               "the chief saves it and all exit with exit_code before then "
                               "(Kubernetes' terminationGracePeriodSeconds)", minimum=1e-6),
         "exit_code": Field(int, 42, "the exit status after the preemption checkpoint: the "
-                           "code that tells a scheduler to restart the job (1..127, not 2)"),
+                           "code that tells a scheduler to restart the job (1..127, not 2 or 3)"),
     },
     # Used only by an `evaluator` task of TF_CONFIG (side-car evaluation of the checkpoints).
     "evaluator": {
