@@ -12,7 +12,8 @@ A ``Checkpoint(**objects)`` names the objects a custom training loop keeps (TF's
   and keep the attribute current in the loop (``ckpt.params, ckpt.opt_state = step(...)``);
   wrapping it in an ``nnx.Variable`` gives in-place restores instead;
 * a JSON scalar (``int``, ``float``, ``bool``, ``str``; e.g. ``epoch=0``): kept in the
-  checkpoint's JSON record, restored as the attribute's value.
+  checkpoint's JSON record, restored as the attribute's value (a restore sets every scalar the
+  checkpoint holds, e.g. the ``checkpointed_runs`` a ``PreemptionCheckpointHandler`` records).
 
 Attributes set later (``ckpt.epoch = 3``) are tracked too. A Keras model is refused: Keras models
 are saved by ``jaxdist.keras.BackupAndRestore``.
@@ -175,13 +176,12 @@ class Checkpoint:
     def _assign(self, arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """Puts restored state back: NNX objects in place, pytrees and scalars as attributes."""
         nnx = _nnx()
+        scalars = dict(meta.get("scalars", {}))
         for name, value in list(self._objects.items()):
             kind = _kind(name, value)
             if kind == "json":
-                if name in meta.get("scalars", {}):
-                    object.__setattr__(self, name, meta["scalars"][name])
-                    self._objects[name] = meta["scalars"][name]
-            elif kind == "variable":
+                continue
+            if kind == "variable":
                 value.set_value(_from_saved(arrays[name], value.get_value()))
             elif kind == "nnx":
                 state = nnx.state(value)
@@ -192,6 +192,10 @@ class Checkpoint:
             else:
                 object.__setattr__(self, name, arrays[name])
                 self._objects[name] = arrays[name]
+        for name, value in scalars.items():  # the checkpoint's scalars, tracked or not
+            if not (name in self._objects and _kind(name, self._objects[name]) != "json"):
+                self._objects[name] = value
+                object.__setattr__(self, name, value)
         object.__setattr__(self, _SAVE_COUNTER, int(meta.get(_SAVE_COUNTER, 0)))
 
     def _count_save(self) -> int:
