@@ -235,8 +235,8 @@ class Checkpoint:
         try:
             arrays, _ = self._split()
             what = f"Checkpoint({', '.join(sorted(arrays))})"
-            try:
-                restored, meta = reader.restore(int(base), like=arrays, what=what)
+            try:  # with no arrays to restore into: read the scalars only
+                restored, meta = reader.restore(int(base), like=arrays or None, what=what)
             except CheckpointMismatchError as e:
                 detail = str(e).split("; use another checkpoint.dir")[0]
                 raise CheckpointMismatchError(
