@@ -2,13 +2,15 @@
 ``test_preemption_handler_processes.py``): TF's custom loop on MultiWorkerMirroredStrategy with a
 flax NNX model, ``handler.run`` per step; the chief writes the final state to ``out``.
 
-``python tests/handler_mw_worker.py CKPT_DIR OUT STEPS SLEEP``
+``python tests/handler_mw_worker.py CKPT_DIR OUT STEPS SLEEP [returning-exit]``
+(``returning-exit``: an ``exit_fn`` that returns instead of exiting)
 """
 
 import sys
 
 
-def main(ckpt_dir: str, out: str, steps: int, sleep: float) -> int:
+def main(ckpt_dir: str, out: str, steps: int, sleep: float, returning_exit: bool = False
+         ) -> int:
     import time
 
     import jax
@@ -45,7 +47,10 @@ def main(ckpt_dir: str, out: str, steps: int, sleep: float) -> int:
         checkpoint = jaxdist.Checkpoint(model=model, optimizer=optimizer)
         handler = jaxdist.PreemptionCheckpointHandler(
             strategy.cluster_resolver, checkpoint, ckpt_dir,
-            jaxdist.TerminationConfig(grace_period=20))
+            jaxdist.TerminationConfig(
+                grace_period=20,
+                exit_fn=(lambda: print("exit_fn returned", flush=True)) if returning_exit
+                else None))
     model.train()
     rng = np.random.RandomState(0)
     x = rng.randn(steps * 8, 4).astype(np.float32)
@@ -70,4 +75,5 @@ def main(ckpt_dir: str, out: str, steps: int, sleep: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
+                  sys.argv[5:] == ["returning-exit"]))

@@ -20,8 +20,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handler_mw_wo
 STEPS = 40
 
 
-def _command(ckpt_dir, out, sleep):
-    return [sys.executable, WORKER, str(ckpt_dir), str(out), str(STEPS), str(sleep)]
+def _command(ckpt_dir, out, sleep, *extra):
+    return [sys.executable, WORKER, str(ckpt_dir), str(out), str(STEPS), str(sleep), *extra]
 
 
 def _final(path):
@@ -64,3 +64,19 @@ def test_sigterm_to_one_worker_saves_the_agreed_step_and_the_rerun_finishes_bit_
             assert f"start at {agreed}" in c.output(n), c.describe()
     for a, b in zip(_final(tmp_path / "ref.npz"), _final(tmp_path / "out.npz")):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_fn_that_returns_in_a_multi_process_job_is_an_error_naming_the_step(tmp_path):
+    with LocalCluster(workers=2, devices_per_process=1) as c:
+        c.start(_command(tmp_path / "ckpt", tmp_path / "out.npz", 0.1, "returning-exit"))
+        c.wait_for_output("worker:0", r"^step 3$", 90)
+        c.kill("worker:0", signal.SIGTERM)
+        codes = c.join(timeout=60)
+        assert codes == {"worker:0": 1, "worker:1": 1}, c.describe()
+        for n in ("worker:0", "worker:1"):
+            out = c.output(n)
+            assert "exit_fn returned" in out, c.describe()
+            assert re.search(r"PreemptionError: TerminationConfig.exit_fn returned after the "
+                             r"preemption checkpoint of step \d+ on worker \d: in a "
+                             r"multi-process job every process must exit", out), c.describe()

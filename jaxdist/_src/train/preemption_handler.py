@@ -37,6 +37,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+
 from jaxdist._src.cluster import validation
 from jaxdist._src.distributed import preemption
 from jaxdist._src.distributed.preemption import PreemptionError
@@ -242,7 +244,7 @@ class PreemptionCheckpointHandler:
             # The notice is answered (the process exits, or exit_fn returned): this watcher is
             # done; a process that goes on gets a fresh one below.
             preemption.uninstall()
-        if not _local_mode(self._cluster_resolver):
+        if jax.process_count() > 1:
             raise PreemptionError(
                 f"TerminationConfig.exit_fn returned after the preemption checkpoint of step "
                 f"{step} on worker {self._id_in_cluster}: in a multi-process job every process "
