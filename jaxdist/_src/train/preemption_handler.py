@@ -24,9 +24,10 @@ Differences from TF, each a consequence of jaxdist's agreement:
 Example:
     >>> import jax.numpy as jnp
     >>> ckpt = jaxdist.Checkpoint(params={"w": jnp.zeros(2)})
-    >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "run/ckpt")  # doctest: +SKIP
-    >>> for _ in range(handler.total_run_calls, 10):                           # doctest: +SKIP
+    >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "run/ckpt")
+    >>> for _ in range(handler.total_run_calls, 10):
     ...     ckpt.params = handler.run(lambda p: {"w": p["w"] + 1}, ckpt.params)
+    >>> handler.close()
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class PreemptionCheckpointHandler:
     (``tf.distribute.experimental.PreemptionCheckpointHandler``).
 
     Args:
-        cluster_resolver: the job's cluster resolver (``strategy.cluster_resolver``); ``None``
-            or one with an empty cluster spec for one process (``MirroredStrategy``,
-            ``OneDeviceStrategy``, ``TPUStrategy``, a local ``MultiWorkerMirroredStrategy``).
+        cluster_resolver: the job's cluster resolver (``strategy.cluster_resolver``): it says
+            which process is the chief; ``None`` (``MirroredStrategy``, ``OneDeviceStrategy``)
+            or one with an empty cluster spec (a local ``MultiWorkerMirroredStrategy``) for
+            one process.
         checkpoint_or_checkpoint_manager: a ``jaxdist.Checkpoint`` (the handler manages it in
             ``checkpoint_dir``, keeping one checkpoint) or a ``jaxdist.CheckpointManager``
             (your own, which you may also save with for backups).
