@@ -26,9 +26,9 @@ Where jaxdist differs, the expectation changes and says why:
   ``grace_period=0`` ("save at once", jaxdist's only behaviour) is the default config here.
 * The exit status is jaxdist's restart code 42 where TF's GCE platform config exits with 143.
 
-TF's timings are shortened (the preemption sender polls every 0.05 s instead of 1 s, and each
-step sleeps ``STEP_SLEEP``) so the notice lands while training runs; TF's corner case "training
-finished before the notice" stays handled as TF handles it.
+TF's timings are changed so the notice lands while training runs: the preemption sender polls
+every 0.05 s instead of 1 s, and each step sleeps ``STEP_SLEEP`` (``STEP_SLEEP_MW`` in a worker
+task); TF's corner case "training finished before the notice" stays handled as TF handles it.
 
 By default the multi-worker cases run a covering subset of TF's parameter grid (each input kind
 and each API at least once across processes); ``JAXDIST_TF_FULL_GRID=1`` runs every combination.
@@ -47,7 +47,8 @@ import time
 import pytest
 
 CLUSTER_SIZE = 4
-STEP_SLEEP = 0.01
+STEP_SLEEP = 0.01      # seconds per step in this process (SIGTERM to itself lands at once)
+STEP_SLEEP_MW = 0.03   # per step in a worker task (the notice crosses processes)
 FULL_GRID = os.environ.get("JAXDIST_TF_FULL_GRID") == "1"
 
 
@@ -86,7 +87,8 @@ def _strategy(strategy_option: str):
 def worker_fn(checkpoint_dir, input_arg="checkpoint", strategy_option="MWMS",
               training_started_event=None, training_restarted=None, training_finished=None,
               termination_config=None, api_wrapping_train=True, epochs_to_run=8,
-              steps_per_epoch=15, expect_on_restart="index_1", checkpoint_number=False):
+              steps_per_epoch=15, expect_on_restart="index_1", checkpoint_number=False,
+              step_sleep=STEP_SLEEP):
     """TF's ``PreemptionCheckpointTest.worker_fn`` / ``GceFailureHandlingTest.worker_fn``."""
     import jax.numpy as jnp
     from flax import nnx
@@ -119,7 +121,7 @@ def worker_fn(checkpoint_dir, input_arg="checkpoint", strategy_option="MWMS",
 
     def distributed_train_step(current_epoch, current_step):
         strategy.run(train_step, args=(model,))
-        time.sleep(STEP_SLEEP)
+        time.sleep(step_sleep)
         if current_step == steps_per_epoch - 1:
             print(f"epoch {current_epoch} finished", flush=True)
 
@@ -202,7 +204,7 @@ def _worker_main(argv: list[str]) -> int:
               events["restarted"], events["finished"],
               jaxdist.TerminationConfig(**config_kw), kw.get("api") == "1",
               int(kw["epochs"]), int(kw["steps"]), kw.get("expect", "index_1"),
-              kw.get("checkpoint_number") == "1")
+              kw.get("checkpoint_number") == "1", STEP_SLEEP_MW)
     return 0
 
 
@@ -256,8 +258,12 @@ def _run_mw(tmp_path, wait_grace=0, **kw):
             killed_worker = random.randrange(0, CLUSTER_SIZE)
             c.tasks[f"worker:{killed_worker}"].signal(signal.SIGTERM)
         codes = raise_if_not_all_exit(wait_grace, c, max_wait=120)
-        if events["finished"].is_set() and all(v == 0 for v in codes.values()):
+        if events["finished"].is_set():
+            # TF's corner case: training ended before the notice. The workers exit 0; the one
+            # that got SIGTERM after its loop (nothing left to save) ends as SIGTERM ends it.
             print("training ended before the notice (TF's corner case)")
+            assert set(codes.values()) <= {0, -signal.SIGTERM, 128 + signal.SIGTERM}, \
+                c.describe()
             return c.describe()
         assert set(codes.values()) == {42}, c.describe()   # preempted: restart code
         stops = set(re.findall(r"stopped before step (\d+)", c.describe()))
