@@ -325,6 +325,8 @@ def test_mirrored_custom_loop_resumes_to_the_uninterrupted_result_bit_for_bit(tm
     preemption.uninstall()
     manager = jaxdist.CheckpointManager(jaxdist.Checkpoint(), tmp_path / "cut" / "ckpt", 1)
     assert len(manager.checkpoints) == 1
+    restored = manager.checkpoint.restore(manager.latest_checkpoint)
+    assert restored.checkpointed_runs == first     # exactly the steps run
 
     model, optimizer, second, stopped = _loop(tmp_path / "cut")
     assert not stopped and first + second == STEPS    # resumed where it stopped
