@@ -33,6 +33,7 @@ from jaxdist._src.cluster.errors import (
 from jaxdist._src.cluster.handshake import ClusterAuthenticationError
 from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.coordinator.server import Server
+from jaxdist._src.distributed.termination import TerminationConfig
 from jaxdist._src.input import (
     AutoShardPolicy,
     Dataset,
@@ -125,18 +126,27 @@ def _keras_run_state_hook(fn, args, kwargs):
 _register_run_state_hook(_keras_run_state_hook)
 
 
-def __getattr__(name: str):
-    # jaxdist.Trainer is imported on first use, so `import jaxdist` stays free of flax/optax.
-    if name == "Trainer":
-        from jaxdist._src.train.trainer import Trainer
+_LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, optax and orbax
+    "Checkpoint": "jaxdist._src.train.tracked_checkpoint",
+    "CheckpointManager": "jaxdist._src.train.tracked_checkpoint",
+    "PreemptionCheckpointHandler": "jaxdist._src.train.preemption_handler",
+    "Trainer": "jaxdist._src.train.trainer",
+}
 
-        return Trainer
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
 
 
 __all__ = [
     "AutoShardPolicy",
     "CentralStorageStrategy",
+    "Checkpoint",
+    "CheckpointManager",
     "ClusterAuthenticationError",
     "ClusterConfigError",
     "ClusterError",
@@ -165,6 +175,7 @@ __all__ = [
     "PeerLostError",
     "PerReplica",
     "PerReplicaSpec",
+    "PreemptionCheckpointHandler",
     "ProcessFrozenError",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -177,6 +188,7 @@ __all__ = [
     "TLSConfig",
     "TLSConfigError",
     "TPUStrategy",
+    "TerminationConfig",
     "Trainer",
     "ValueContext",
     "byte_size_load_fn",

@@ -43,6 +43,10 @@ SRC_IMPORT_ALLOWED: dict[str, str] = {
                                              "device_util; jaxdist's resolve_device)",
     "tf_compat/test_tf_distribute_lib.py": "TF's test reaches distribute_lib internals (the "
                                            "default strategy, InputContext)",
+    "tf_compat/test_tf_failure_handling.py": "TF's local-mode tests send SIGTERM to the test "
+                                             "process itself; the fixture gives SIGTERM its "
+                                             "default action back (the preemption watcher's "
+                                             "uninstall has no public face)",
     "tf_compat/test_tf_multi_worker_util.py": "TF's multi_worker_util (jaxdist's "
                                               "cluster.validation)",
     "tf_compat/test_tf_slurm_cluster_resolver.py": "TF's Slurm host-list expansion helpers",
