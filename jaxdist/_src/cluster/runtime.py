@@ -236,8 +236,13 @@ class FreezeGuard:
         return self.process_id in set(out["live"])
 
 
-def _exit_with_line(line: str, status: int) -> None:
-    """Flushes Python's streams, writes ``line`` to stderr and ends the process at once."""
+def write_line(line: str) -> None:
+    """Flushes Python's streams and writes ``line`` to stderr's file descriptor directly (safe
+    from any thread, also while the process is about to end).
+
+    Example:
+        >>> write_line("jaxdist: worker:1: stopping")
+    """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -247,6 +252,11 @@ def _exit_with_line(line: str, status: int) -> None:
         os.write(2, (line + "\n").encode())
     except OSError:
         pass
+
+
+def _exit_with_line(line: str, status: int) -> None:
+    """Writes ``line`` (``write_line``) and ends the process at once."""
+    write_line(line)
     os._exit(status)
 
 
@@ -259,4 +269,4 @@ def join_abandoned() -> bool:
     return _abandoned.is_set()
 
 
-__all__ = ["FreezeGuard", "JoinTimeout", "join_abandoned", "start_runtime"]
+__all__ = ["FreezeGuard", "JoinTimeout", "join_abandoned", "start_runtime", "write_line"]

@@ -144,16 +144,20 @@ def launched_tasks(environ: Mapping[str, str] | None = None) -> tuple[int, str] 
         (2, 'TF_CONFIG (worker:1 of worker x2)')
         >>> launched_tasks({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"})
         (4, 'srun (SLURM_STEP_NUM_TASKS=4, SLURM_PROCID=3)')
-        >>> launched_tasks({}) is None
-        True
+        >>> launched_tasks({}) is None, launched_tasks({"TF_CONFIG": "not json"}) is None
+        (True, True)
     """
     env = os.environ if environ is None else environ
     raw = env.get("TF_CONFIG")
     if raw:
+        from jaxdist._src.cluster.errors import TFConfigError
         from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
 
-        resolver = TFConfigClusterResolver(tf_config=raw)
-        cluster = cluster_dict(resolver)
+        try:
+            resolver = TFConfigClusterResolver(tf_config=raw)
+            cluster = cluster_dict(resolver)
+        except TFConfigError:  # a stale, unreadable TF_CONFIG names no cluster; the
+            cluster = {}       # strategies that read it report it themselves
         if cluster:
             jobs = ", ".join(f"{job} x{len(tasks)}" for job, tasks in cluster.items())
             me = f"{resolver.task_type}:{resolver.task_id or 0} of " if resolver.task_type \

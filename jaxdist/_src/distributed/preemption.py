@@ -49,13 +49,13 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxdist._src.cluster import bringup
+from jaxdist._src.cluster.runtime import write_line
 from jaxdist._src.compat import jax_internals
 from jaxdist._src.distributed.termination import TerminationConfig, TerminationConfigError
 
@@ -73,18 +73,6 @@ _SAVED_KEY = _PREFIX + "saved"
 class PreemptionError(RuntimeError):
     """The processes could not agree on the step to stop at (a peer did not answer within the
     grace period), or the chief's preemption checkpoint failed."""
-
-
-def _write_line(line: str) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    try:
-        os.write(2, (line + "\n").encode())
-    except OSError:
-        pass
 
 
 class _Peers:
@@ -253,7 +241,7 @@ class PreemptionWatcher:
         with self._lock:
             promise = self._next
             self._stop_at = promise
-        _write_line(f"jaxdist: {me}: {self.reason or 'termination notice'} on "
+        write_line(f"jaxdist: {me}: {self.reason or 'termination notice'} on "
                     f"{self.notice_from or me}: this process starts no step from {promise} on "
                     f"until the processes agree where to stop")
         if peers is None:
@@ -353,7 +341,7 @@ class PreemptionWatcher:
             else:
                 outcome = f"the chief wrote the {what} of step {step}"
         self._cancel_grace_timer()
-        _write_line(
+        write_line(
             f"jaxdist: {me}: preempted ({self.reason or 'notice'} on "
             f"{self.notice_from or me}); stopped before step {step}: {outcome}; exiting with "
             f"{self.config.exit_code} (restart the job to resume)")
@@ -395,7 +383,7 @@ class PreemptionWatcher:
         me, _ = self._task()
         stop = (f"before the checkpoint of step {self._agreed}" if self._agreed is not None
                 else "without a checkpoint")
-        _write_line(f"jaxdist: {me}: {why}: exiting with {self.config.exit_code} at once, "
+        write_line(f"jaxdist: {me}: {why}: exiting with {self.config.exit_code} at once, "
                     f"{stop}; restart the job to resume from its last checkpoint")
         self._hard_exit(self.config.exit_code)
 
