@@ -118,6 +118,22 @@ def _pids_of(mark, task_index):
     return pids
 
 
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 90) -> list[str]:
+    """The launcher's output lines up to the first that holds ``marker`` (asserted)."""
+    lines: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            break
+    assert lines and marker in lines[-1], "".join(lines)[-4000:]
+    return lines
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_lost_or_preempted_worker_is_restarted_and_the_job_ends_as_an_uninterrupted_run(
@@ -131,17 +147,7 @@ def test_a_lost_or_preempted_worker_is_restarted_and_the_job_ends_as_an_uninterr
     argv, env = _launch(2, 3, ckpt, logs, f"train.steps={STEPS}", max_restarts=1, mark=mark)
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "[worker:0] [train] step 20 " in line:
-            break
-    assert "[worker:0] [train] step 20 " in lines[-1], "".join(lines)[-4000:]
+    lines = _read_until(proc, "[worker:0] [train] step 20 ")
     pids = _pids_of(mark, 1)
     assert pids, "worker:1 not found"
     for pid in pids:
@@ -206,17 +212,7 @@ def test_a_between_graph_parameter_server_job_restarts_every_task_and_resumes(tm
     env.pop("TF_CONFIG", None)
     proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "[worker:0] [train] step 100 " in line:
-            break
-    assert "[worker:0] [train] step 100 " in lines[-1], "".join(lines)[-4000:]
+    lines = _read_until(proc, "[worker:0] [train] step 100 ")
     for pid in _pids_of(mark, 1):
         os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=150)
