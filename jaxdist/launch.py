@@ -16,9 +16,10 @@ Starts one process per task on this machine, each with its own ``TF_CONFIG`` (fr
 * when a task fails, stops the others and exits with that task's exit code;
 * with ``--max-restarts N``, restarts instead, up to N times, when a task exits with a
   restartable code (42: preempted, 1: failed, or death by a signal; any other code but 0,
-  2 for a bad config and 130 for an interrupt), reporting each restart
-  (``[launch] worker:1 exited with 42 (preempted); restart 1 of 3: restarting every task
-  (worker:0, worker:1) in 1s``); after N it stops the others and exits with the last failing
+  2 for a bad config, 3 for nothing left to train and 130 for an interrupt; after a restart, 3
+  means the run before it finished the training: the job is done, exit 0), reporting each
+  restart (``[launch] worker:1 exited with 42 (preempted); restart 1 of 3: restarting every
+  task (worker:0, worker:1) in 1s``); after N it stops the others and exits with the last failing
   task's code. What restarts: every task of a synchronous job (MultiWorkerMirrored) and of a
   between-graph parameter-server job (whose ps tasks restore the chief's latest checkpoint),
   as a fresh cluster: new ports (a new coordination service) and a new cluster token, the same

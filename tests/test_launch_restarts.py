@@ -35,6 +35,7 @@ FLAKY = textwrap.dedent("""
             os.kill(os.getpid(), int(os.environ["SIGNAL"]))
         sys.exit(int(os.environ.get("CODE", "42")))
     time.sleep(float(os.environ.get("SLEEP", "0")))
+    sys.exit(int(os.environ.get("THEN", "0")) if runs else 0)   # a restarted run's exit code
 """)
 
 
@@ -71,6 +72,25 @@ def test_a_preempted_task_restarts_every_task_of_a_sync_job_on_a_fresh_cluster(t
     assert _configs(r.stdout, "worker:1")[1] == dict(second, task={"type": "worker", "index": 1})
     assert r.stdout.count("[launch] started ") == 2
     assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_job_whose_checkpoint_is_already_complete_is_done(tmp_path):
+    """The run before the restart finished the training (exit 3 after a restart: done, 0);
+    a first run that exits 3 (a rerun of a finished config) keeps its 3."""
+    r = _launch(tmp_path, "--workers", "2", "--max-restarts", "1", "--restart-delay", "0",
+                THEN=3)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[launch] the restarted job's checkpoint already completes its training (exit 3)" \
+        in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+    again = tmp_path / "again"
+    (again / "mem").mkdir(parents=True)
+    for name in ("worker-0", "worker-1"):
+        (again / "mem" / name).write_text("1")   # as if each had run once: both exit 3 now
+    r = _launch(again, "--workers", "2", "--max-restarts", "1", FAILS=0, THEN=3)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "worker:" in r.stdout and "failed with exit code 3" in r.stdout, r.stdout
 
 
 @pytest.mark.timeout(60)

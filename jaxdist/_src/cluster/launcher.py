@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from jaxdist._src.cluster.credentials import new_coordinator_token
-from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE
+from jaxdist._src.cluster.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
 from jaxdist._src.cluster.local import (
     TaskProcess,
     exit_status,
@@ -231,6 +231,12 @@ class Launcher:
             for s, h in old.items():
                 signal.signal(s, h)
 
+    def _finished(self, code: int | None) -> bool:
+        """Whether a task's exit ``code`` means its training is done: 0, or, once the job was
+        restarted, 3 (its checkpoint already completes the training: the run before the
+        restart finished it, e.g. the chief wrote the last checkpoint and then a peer died)."""
+        return code == 0 or (code == EXIT_ALREADY_DONE and self.restarts.used > 0)
+
     def _supervise(self) -> int:
         evaluators = [n for n in self.tasks if n.startswith("evaluator:")]
         done_at: float | None = None
@@ -239,7 +245,7 @@ class Launcher:
                 return self._stop_interrupted()
             for name, t in list(self.tasks.items()):
                 code = t.returncode
-                if code in (None, 0):
+                if code is None or self._finished(code):
                     continue
                 if not self.restarts.take(code):
                     return self._fail(name, code)
@@ -247,12 +253,16 @@ class Launcher:
                     return self._stop_interrupted()
                 done_at = None
                 break
-            if all(self.tasks[n].returncode == 0 for n in self._training()):
+            if all(self._finished(self.tasks[n].returncode) for n in self._training()):
                 if done_at is None:
                     done_at = time.monotonic()
                 eval_running = [n for n in evaluators if self.tasks[n].running()]
                 if not eval_running or time.monotonic() - done_at > self.evaluator_grace:
                     self.stop_all()
+                    if any(self.tasks[n].returncode == EXIT_ALREADY_DONE
+                           for n in self._training()):
+                        self._say(f"the restarted job's checkpoint already completes its "
+                                  f"training (exit {EXIT_ALREADY_DONE})")
                     self._say("all training tasks finished")
                     return 0
             time.sleep(0.1)
