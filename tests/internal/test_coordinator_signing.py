@@ -272,15 +272,15 @@ def evil(_: int) -> _Evil:
 
 
 def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
-    from jaxdist._src.coordinator.answer_pickle import TRUST_ENV, UntrustedPickleError
+    from jaxdist._src.coordinator.answer_codec import TRUST_ENV, UntrustedPickleError
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     CALLS.clear()
     chief = _chief(workers)
     (meta, arrays), = chief.call_stream(0, "RunClosures", *_batch(evil, 0), timeout=10)
-    assert meta["ok"] and "value" in arrays  # the worker's own, correctly MAC'd answer
-    with pytest.raises(UntrustedPickleError, match=r"test_coordinator_signing\._record"):
-        answer_value(arrays)
+    assert meta["ok"] and "pickle" in arrays  # the worker's own, correctly MAC'd answer
+    with pytest.raises(UntrustedPickleError, match=r"worker:0.*test_coordinator_signing\._Evil"):
+        answer_value(arrays, "worker:0")
     assert CALLS == []
     monkeypatch.setenv(TRUST_ENV, "1")  # trusting every worker: the same bytes run code
     assert answer_value(arrays) == "code ran on the chief" and CALLS == [
@@ -291,37 +291,57 @@ def test_a_workers_answer_cannot_run_code_on_the_chief(workers, monkeypatch):
 def test_an_exception_from_a_worker_is_built_only_from_data(monkeypatch):
     import pickle
 
-    from jaxdist._src.coordinator.answer_pickle import TRUST_ENV
+    from jaxdist._src.coordinator.answer_codec import TRUST_ENV
     from jaxdist._src.coordinator.errors import RemoteError
+    from jaxdist._src.coordinator.worker_service import error_arrays
     from jaxdist._src.coordinator.worker_thread import remote_exception
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     CALLS.clear()
     meta = {"task": "worker:1", "type": "ValueError", "message": "m", "traceback": "tb"}
-    error = remote_exception(meta, {"error": to_bytes_array(pickle.dumps(_Evil()))})
-    assert isinstance(error, RemoteError) and CALLS == []
-    error = remote_exception(meta, {"error": to_bytes_array(pickle.dumps(KeyError("k")))})
+    for arrays in ({"error": to_bytes_array(pickle.dumps(_Evil()))},  # a pickle: not decoded
+                   {"error_pickle": to_bytes_array(pickle.dumps(_Evil()))}):  # not trusted
+        error = remote_exception(meta, arrays, "worker:1")
+        assert isinstance(error, RemoteError) and CALLS == []
+        assert error.task == "worker:1"
+    error = remote_exception(meta, error_arrays(KeyError("k")), "worker:1")
     assert type(error) is KeyError and error.args == ("k",)
+    error = remote_exception(meta, error_arrays(FileNotFoundError(2, "gone", "/f")))
+    assert type(error) is FileNotFoundError and error.filename == "/f"
+    # Neither SystemExit nor a type of another module is rebuilt on the chief.
+    for e in (SystemExit(3), _Bad("x")):
+        error = remote_exception(meta, error_arrays(e), "worker:1")
+        assert type(error) is RemoteError and type(e).__name__ in str(error)
+
+
+class _Bad(Exception):
+    pass
 
 
 def test_plain_results_come_back_unchanged():
     import collections
-    import pickle
 
     import ml_dtypes
 
-    from jaxdist._src.coordinator.answer_pickle import loads
+    from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
+    from jaxdist._src.coordinator.worker_service import value_arrays
 
     values = [np.arange(6, dtype=np.float32).reshape(2, 3), np.float16(1.5), np.int64(-3),
-              np.zeros(2, ml_dtypes.bfloat16), np.array([1, "a", None], object),
-              np.array(["ab"]), np.dtype([("a", "<f4")]), np.datetime64("2020-01-02"),
-              collections.OrderedDict(a=1), {"x": [1, (2.5, 3j)], "s": {1}, "b": b"\0"},
-              frozenset({1}), bytearray(b"x"), slice(1, 2), range(3), None, True, "s"]
+              np.zeros(2, ml_dtypes.bfloat16), np.array(["ab"]), np.array([b"xy"]),
+              np.datetime64("2020-01-02"), np.dtype("float16"),
+              np.zeros((0, 3)), collections.OrderedDict(a=1),
+              {"x": [1, (2.5, 3j)], "s": {1}, "b": b"\0", 7: None}, 10**40, frozenset({1}),
+              bytearray(b"x"), slice(1, 2), range(3), None, True, "s"]
     for value in values:
-        got = loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        got = answer_value(value_arrays(value), "worker:0")
         assert type(got) is type(value) and repr(got) == repr(value)
+    big = answer_value(value_arrays(np.arange(3).astype(">i4")))  # arrives little-endian
+    assert big.dtype == np.dtype("<i4") and big.tolist() == [0, 1, 2]
     masked = np.ma.masked_array([1.0, 2.0], mask=[0, 1])
-    got = loads(pickle.dumps(masked))
+    got = answer_value(value_arrays(masked))
     assert type(got) is np.ma.MaskedArray and got.mask.tolist() == [False, True]
-    rec = np.rec.fromrecords([(1, 2.0)], names="a,b")
-    assert loads(pickle.dumps(rec)).b.tolist() == [2.0]
+    # Pointer-bearing and structured dtypes have no form: refused, naming the worker.
+    for value in (np.array([1, "a", None], object), np.dtype([("a", "<f4")]),
+                  np.rec.fromrecords([(1, 2.0)], names="a,b")):
+        with pytest.raises(UntrustedPickleError, match="worker:1"):
+            answer_value(value_arrays(value), "worker:1")

@@ -4,7 +4,6 @@ service, argument checks."""
 import threading
 import time
 
-import cloudpickle
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from jaxdist._src.coordinator import (
     JoinTimeoutError,
     PerWorkerValues,
     RemoteValue,
+    answer_codec,
     closure_pickle,
 )
 from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
@@ -126,7 +126,7 @@ def test_worker_service_runs_functions_and_reports_errors():
 
         meta, arrays = run(bad)
         assert not meta["ok"] and meta["kind"] == "user" and meta["type"] == "KeyError"
-        assert isinstance(cloudpickle.loads(from_bytes_array(arrays["error"])), KeyError)
+        assert isinstance(answer_codec.decode(from_bytes_array(arrays["error"])), KeyError)
         meta, _ = run(lambda r: r, closure_pickle.WorkerResource(5, 0))
         assert meta["kind"] == "missing_resource"
         assert svc.functions_run == 1
@@ -254,15 +254,24 @@ def test_worker_service_runs_a_batch_in_order_each_closure_answered_alone():
         set_current(None)
 
 
-def test_results_of_plain_data_are_pickled_without_cloudpickle():
-    from jaxdist._src.coordinator.worker_service import dumps_value
+def test_results_that_are_not_data_travel_pickled_only_for_a_trusting_chief(monkeypatch):
+    from jaxdist._src.coordinator.answer_codec import TRUST_ENV, UntrustedPickleError
+    from jaxdist._src.coordinator.worker_service import answer_value, value_arrays
 
     plain = {"loss": np.float32(1.5), "xs": [np.arange(3), (1, "a", None)], "b": b"x"}
-    out = cloudpickle.loads(dumps_value(plain))
+    assert sorted(value_arrays(plain)) == ["data"]  # no pickle at all
+    out = answer_value(value_arrays(plain))
     assert out["loss"] == 1.5 and out["xs"][0].tolist() == [0, 1, 2] and out["b"] == b"x"
     fn = lambda x: x + 1  # noqa: E731 - by value: only cloudpickle can send it
-    assert cloudpickle.loads(dumps_value({"f": fn}))["f"](1) == 2
-    assert cloudpickle.loads(dumps_value(np.array([fn], dtype=object)))[0](2) == 3
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+    for value in ({"f": fn}, np.array([fn], dtype=object)):
+        arrays = value_arrays(value)
+        assert sorted(arrays) == ["data", "pickle"]
+        with pytest.raises(UntrustedPickleError, match="worker:2"):
+            answer_value(arrays, "worker:2")
+    monkeypatch.setenv(TRUST_ENV, "1")
+    assert answer_value(value_arrays({"f": fn}))["f"](1) == 2
+    assert answer_value(value_arrays(np.array([fn], dtype=object)))[0](2) == 3
 
 
 def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
@@ -285,11 +294,11 @@ def test_numeric_results_go_as_raw_arrays_and_come_back_with_their_type():
                np.ma.masked_array([1.0, 2.0], mask=[0, 1])]
     for value in pickled:
         arrays = value_arrays(value)
-        assert list(arrays) == ["value"], type(value)
+        assert list(arrays) == ["data"], type(value)
         got = answer_value(arrays)
         assert type(got) is type(value)
         if isinstance(value, np.ndarray):
-            assert got.dtype == value.dtype and np.array_equal(got, value)
+            assert got.dtype == value.dtype.newbyteorder("<") and np.array_equal(got, value)
     # A raw value is copied out of the receive buffer (which is reused).
     buf = np.arange(4, dtype=np.float32)
     got = answer_value({"array": buf})

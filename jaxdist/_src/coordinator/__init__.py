@@ -11,7 +11,7 @@ Example:
     >>> rv.fetch()  # doctest: +SKIP
 """
 
-from jaxdist._src.coordinator.answer_pickle import UntrustedPickleError
+from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
 from jaxdist._src.coordinator.cluster_coordinator import (
     ClusterCoordinator,
     PerWorkerDataset,

@@ -349,8 +349,8 @@ class ClusterCoordinator:
     def _probe_replicas(self, index: int) -> int:
         meta, arrays = self._run_direct(index, _worker_num_replicas, (self._ps_rpc_timeout,))
         if not meta.get("ok"):
-            raise remote_exception(meta, arrays)
-        return int(answer_value(arrays))
+            raise remote_exception(meta, arrays, self._client.task_name(index))
+        return int(answer_value(arrays, self._client.task_name(index)))
 
     def _fetch_resource(self, resource: WorkerResource) -> Any:
         """The value of a per-worker resource, copied from its worker (TF fetches the
@@ -361,10 +361,11 @@ class ClusterCoordinator:
             if broken is not None:
                 raise broken
             meta, arrays = self._run_direct(resource.worker_index, _identity_value, (resource,))
+            sender = self._client.task_name(resource.worker_index)
             if meta.get("ok"):
-                return answer_value(arrays)
+                return answer_value(arrays, sender)
             if meta.get("kind") != "missing_resource" or time.monotonic() > deadline:
-                raise remote_exception(meta, arrays)
+                raise remote_exception(meta, arrays, sender)
             time.sleep(0.05)  # its worker thread has not built it yet
 
     # -------------------------------------------------------------- scheduling

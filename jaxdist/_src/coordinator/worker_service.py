@@ -5,9 +5,10 @@ Methods (bidirectional streams of ``jaxdist._src.transport.wire`` chunks, like t
 * ``Ping`` -> ``{"task", "incarnation", "busy"}``: the coordinator's heartbeat.
 * ``RunClosure`` (meta ``closure_id`` and ``fn_digest``, arrays ``fn`` and ``args``:
   cloudpickle bytes as ``uint8``; ``fn`` is left out once the worker holds the function with
-  that SHA-256) -> ``{"ok": True}`` plus ``value`` (pickled numpy result), or ``{"ok": False,
-  "kind": "user" | "missing_resource" | "missing_function", ...}`` plus ``error`` (the pickled
-  exception).
+  that SHA-256) -> ``{"ok": True}`` plus the result (``value_arrays``: a raw array, or data
+  in ``answer_codec``'s format, never a pickle the chief must load), or ``{"ok": False,
+  "kind": "user" | "missing_resource" | "missing_function", ...}`` plus ``error`` (the
+  exception in that format).
 * ``RunClosures`` (meta ``closures``: a list of ``{"closure_id", "fn_digest"}``, arrays
   ``args.<i>`` and optionally ``fn.<i>`` for closure ``i``; instead of ``args.<i>``, a closure
   whose arguments are all per-worker resources names them, ``"resources": [id, ...]``, and
@@ -67,7 +68,8 @@ import numpy as np
 
 from jaxdist._src.cluster.credentials import WorkerCredential, worker_credential
 from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
-from jaxdist._src.coordinator import answer_pickle, closure_pickle
+from jaxdist._src.coordinator import answer_codec, closure_pickle
+from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
 from jaxdist._src.coordinator.errors import MissingResourceError
 from jaxdist._src.coordinator.signing import (
     AUTH_KEY,
@@ -179,36 +181,7 @@ def _host_value(value: Any) -> Any:
     return jax.device_get(value)
 
 
-_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, np.generic)
-
-
-def _is_plain(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is numpy arrays/scalars and builtins only (nested up to 8 levels in
-    tuples, lists and str-keyed dicts, 1000 elements each): plain ``pickle`` then writes it as
-    cloudpickle would, only faster."""
-    if isinstance(value, np.ndarray):
-        return value.dtype.kind != "O"
-    if isinstance(value, _PLAIN_SCALARS):
-        return True
-    if depth >= 8:
-        return False
-    if type(value) in (tuple, list):
-        return len(value) <= 1000 and all(_is_plain(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return len(value) <= 1000 and all(
-            type(k) is str and _is_plain(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def dumps_value(value: Any) -> bytes:
-    """A function's result pickled for the coordinator (plain ``pickle`` for plain data,
-    cloudpickle for the rest)."""
-    if _is_plain(value):
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return cloudpickle.dumps(value)
-
-
-#: A numeric numpy result up to this size is sent as a raw array, not pickled.
+#: A numeric numpy result up to this size is sent as a raw array, not encoded.
 RAW_VALUE_BYTES = 1 << 20
 
 
@@ -216,13 +189,17 @@ def value_arrays(value: Any) -> dict[str, np.ndarray]:
     """The answer arrays of a function's result.
 
     The common result, a loss (a numpy array or scalar of a numeric dtype), goes as a raw
-    array (``"array"`` / ``"scalar"``): pickling it (numpy's reduce protocol) costs several
-    times what its bytes do, on the worker and again on the coordinator. Anything else is
-    pickled (``"value"``). ``answer_value`` inverts it.
+    array (``"array"`` / ``"scalar"``). Other data goes in ``answer_codec``'s format
+    (``"data"``): the chief rebuilds it from dtypes, shapes and bytes, never by unpickling.
+    A result that is not data goes as a marker naming its type (``"data"``) plus its
+    cloudpickle (``"pickle"``), which only a chief that trusts every worker unpickles.
+    ``answer_value`` inverts it.
 
     Example:
         >>> answer_value(value_arrays(np.float32(0.5)))
         np.float32(0.5)
+        >>> answer_value(value_arrays({"loss": 0.5, "ids": [1, 2]}))
+        {'loss': 0.5, 'ids': [1, 2]}
     """
     kind = "array" if type(value) is np.ndarray else (
         "scalar" if isinstance(value, np.generic) else None)
@@ -230,23 +207,38 @@ def value_arrays(value: Any) -> dict[str, np.ndarray]:
         arr = np.asarray(value)
         if arr.dtype.kind in "biufc" and arr.dtype.isnative and arr.nbytes <= RAW_VALUE_BYTES:
             return {kind: arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)}
-    return {"value": to_bytes_array(dumps_value(value))}
+    try:
+        return {"data": to_bytes_array(answer_codec.encode(value))}
+    except answer_codec.NotDataError as e:
+        where = str(e)
+    return {"data": to_bytes_array(answer_codec.encode_opaque(value, where)),
+            "pickle": to_bytes_array(cloudpickle.dumps(value))}
 
 
-def answer_value(arrays: dict) -> Any:
-    """The result carried by an answer's arrays (``value_arrays``' inverse): a raw array is
-    copied out of the receive buffer; a pickle is unpickled (only after its MAC was checked)
-    as data only (``jaxdist._src.coordinator.answer_pickle``: a worker cannot run code here).
+def answer_value(arrays: dict, sender: str = "") -> Any:
+    """The result carried by an answer's arrays (``value_arrays``' inverse), rebuilt as data
+    (``answer_codec``): a worker cannot run code here nor corrupt this process' memory.
+
+    Args:
+        arrays: the answer's arrays, after its MAC was checked.
+        sender: the worker's name, for messages.
 
     Raises:
-        UntrustedPickleError: the pickle refers to something that is not data.
-        Exception: the pickle cannot be loaded here.
+        UntrustedPickleError: the answer holds no value, bytes that do not decode, a dtype
+            with no raw-bytes form, or a result that is not data (unless every worker is
+            trusted: ``JAXDIST_COORDINATOR_TRUST_WORKER_PICKLES=1``); it names ``sender``.
     """
     if "array" in arrays:
         return np.array(arrays["array"])
     if "scalar" in arrays:
         return np.array(arrays["scalar"])[()]
-    return answer_pickle.loads(from_bytes_array(arrays["value"]))
+    if "data" not in arrays:
+        raise UntrustedPickleError(
+            f"{sender or 'a worker'} answered with no value (arrays "
+            f"{sorted(arrays)[:8]}): expected 'array', 'scalar' or 'data'", sender)
+    if "pickle" in arrays and answer_codec.trusted():
+        return answer_codec.loads_trusted(from_bytes_array(arrays["pickle"]))
+    return answer_codec.decode(from_bytes_array(arrays["data"]), sender)
 
 
 def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
@@ -337,13 +329,19 @@ def split_answers(meta: dict, arrays: dict, most: int) -> list[tuple[dict, dict]
     return out
 
 
-def _pickle_error(e: BaseException) -> bytes:
-    try:
-        payload = cloudpickle.dumps(e)
-        pickle.loads(payload)
-        return payload
-    except Exception:  # noqa: BLE001 - fall back to a description
-        return b""
+def error_arrays(e: BaseException) -> dict[str, np.ndarray]:
+    """An exception's answer arrays: ``"error"`` in ``answer_codec``'s format (its type's
+    names, args and attributes as data), and, for a type the chief does not rebuild, its
+    cloudpickle (``"error_pickle"``) for a chief that trusts every worker."""
+    out = {"error": to_bytes_array(answer_codec.encode(e))}
+    if answer_codec.exception_type(type(e).__module__, type(e).__qualname__) is None:
+        try:
+            payload = cloudpickle.dumps(e)
+            pickle.loads(payload)
+            out["error_pickle"] = to_bytes_array(payload)
+        except Exception:  # noqa: BLE001 - the data form is enough
+            pass
+    return out
 
 
 class WorkerService:
@@ -384,8 +382,7 @@ class WorkerService:
                         e, tb)
         meta = {"ok": False, "kind": kind, "type": type(e).__name__, "message": str(e),
                 "traceback": tb[-8000:], "task": self.task, "incarnation": self.incarnation}
-        payload = _pickle_error(e)
-        return meta, ({"error": to_bytes_array(payload)} if payload else {})
+        return meta, error_arrays(e)
 
     def run_closure(self, meta: dict, arrays: dict,
                     active: Callable[[], bool] | None = None) -> tuple[dict, dict]:
@@ -749,5 +746,5 @@ __all__ = ["ANSWERS_KEY", "BATCH_KEY", "ENV_DIRECT", "FN_DIGEST_KEY", "GROUP_HOL
            "GROUP_KEY", "GROUP_MAX_BYTES", "MAC_KEY", "MAX_BATCH_CLOSURES", "MAX_RESOURCE_ARGS",
            "METHODS", "NONCE_KEY", "RAW_VALUE_BYTES", "RESOURCES_KEY", "SEQ_KEY", "SERVICE_NAME",
            "SESSION_KEY", "WorkerServer", "WorkerService", "answer_value", "direct_enabled",
-           "dumps_value", "group_answers", "item_nonce", "request_refusal", "split_answers",
+           "error_arrays", "group_answers", "item_nonce", "request_refusal", "split_answers",
            "value_arrays"]

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist._src.coordinator import answer_pickle, closure_pickle
+from jaxdist._src.coordinator import answer_codec, closure_pickle
 from jaxdist._src.coordinator.closure_pickle import WorkerResource
 from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist._src.coordinator.errors import CoordinatorError, RemoteError, WorkerUnavailableError
@@ -231,7 +231,8 @@ class WorkerThread:
                 if meta.get("kind") == "missing_resource":
                     self.resources_lost()
                     return False
-                self._resources.mark_broken(rid, remote_exception(meta, arrays))
+                self._resources.mark_broken(
+                    rid, remote_exception(meta, arrays, self.state.name))
                 continue
             if meta.get("incarnation") != self._created_for:
                 # The worker restarted under us: start again with its new incarnation.
@@ -515,7 +516,7 @@ class WorkerThread:
         queue, st = self._queue, self.state
         if meta.get("ok"):
             try:
-                value = answer_value(arrays)
+                value = answer_value(arrays, st.name)
             except Exception as e:  # noqa: BLE001
                 closure.set_error(e, st.name)
                 queue.mark_failed(e)
@@ -537,7 +538,7 @@ class WorkerThread:
         if meta.get("kind") == "cancelled":  # the call was given up before it started
             queue.put_back(closure)
             return
-        error = remote_exception(meta, arrays)
+        error = remote_exception(meta, arrays, st.name)
         closure.set_error(error, st.name)
         queue.mark_failed(error)
 
@@ -627,19 +628,32 @@ def _same(a: tuple | None, b: tuple | None) -> bool:
             and all(x is y for x, y in zip(refs_a, refs_b)))
 
 
-def remote_exception(meta: dict, arrays: dict) -> BaseException:
+def remote_exception(meta: dict, arrays: dict, sender: str | None = None) -> BaseException:
     """The exception a worker sent back, as itself (its type and message), with one note line
     naming the task and the worker's innermost frame; the worker's whole traceback is its
-    ``remote_traceback`` attribute (and in the worker's log), not printed on the chief."""
-    task = meta.get("task")
+    ``remote_traceback`` attribute (and in the worker's log), not printed on the chief.
+
+    ``sender`` is the worker the answer came from (``None``: the name its meta gives)."""
+    task = sender or meta.get("task")
     tb = str(meta.get("traceback") or "")
-    error: BaseException | None = None
-    if "error" in arrays:
+    error: Any = None
+    if "error_pickle" in arrays and answer_codec.trusted():
         try:
-            # Data and exception types only: a worker cannot run code here.
-            error = answer_pickle.loads(from_bytes_array(arrays["error"]))
-        except Exception:  # noqa: BLE001 - fall back to RemoteError
+            error = answer_codec.loads_trusted(from_bytes_array(arrays["error_pickle"]))
+        except Exception:  # noqa: BLE001 - fall back to the data form
             error = None
+    if not isinstance(error, BaseException) and "error" in arrays:
+        try:
+            # Rebuilt from data (answer_codec): a worker cannot run code here.
+            error = answer_codec.decode(from_bytes_array(arrays["error"]), str(task))
+        except answer_codec.UntrustedPickleError as e:
+            error = RemoteError(f"{task}: {meta.get('type')}: {meta.get('message')} (its "
+                                f"encoded form was refused: {e})", task=task,
+                                remote_type=str(meta.get("type")), remote_traceback=tb)
+    if isinstance(error, answer_codec.RemoteException):  # a type the chief does not rebuild
+        error = RemoteError(f"{task}: {error.module}.{error.name}: {meta.get('message')}",
+                            task=task, remote_type=str(meta.get("type")),
+                            remote_traceback=tb)
     if not isinstance(error, BaseException):
         error = RemoteError(f"{task}: {meta.get('type')}: {meta.get('message')}", task=task,
                             remote_type=str(meta.get("type")), remote_traceback=tb)
@@ -648,9 +662,11 @@ def remote_exception(meta: dict, arrays: dict) -> BaseException:
             error.remote_traceback = tb  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - an exception type that refuses attributes
             pass
-        if hasattr(error, "add_note"):
+        try:
             error.add_note(f"raised on {task}{_innermost_frame(tb)} (the worker's traceback: "
                            f"the error's remote_traceback, and that task's log)")
+        except Exception:  # noqa: BLE001 - __notes__ that is not a list
+            pass
     return error
 
 
