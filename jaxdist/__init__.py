@@ -13,7 +13,13 @@ Example:
     >>> out = strategy.run(step, args=(params, batch))
 """
 
+import os
 import sys
+
+# Keras 3 picks its backend when first imported (TensorFlow by default): a program that imports
+# jaxdist first gets Keras on JAX unless it chose a backend itself.
+if "keras" not in sys.modules:
+    os.environ.setdefault("KERAS_BACKEND", "jax")
 
 # isort: off
 # First: `python -m jaxdist.train` answers Ctrl-C (one line, exit 130) from its first import on.
@@ -134,11 +140,18 @@ _LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, opta
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+#: Public submodules imported on first attribute access (``jaxdist.keras.scope`` after
+#: ``import jaxdist``), as ``tf.keras`` resolves after ``import tensorflow``.
+_LAZY_MODULES = ("keras", "launch", "server", "testing", "train")
 
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"jaxdist.{name}")
     raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
 
 

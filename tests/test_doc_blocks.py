@@ -146,7 +146,10 @@ def command_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a reader's shell has: this repository importable, `python` on PATH,
     JAX on the CPU (as the suite), no forced device count (the command sets its own)."""
     env = dict(_READER_ENV or os.environ)
-    for key in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "TF_CONFIG", "JAXDIST_CLUSTER_TOKEN"):
+    # No KERAS_BACKEND either: a documented program chooses its backend itself (importing
+    # jaxdist before keras selects JAX), as it must in a reader's shell.
+    for key in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "TF_CONFIG", "JAXDIST_CLUSTER_TOKEN",
+                "KERAS_BACKEND"):
         env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)

@@ -31,6 +31,27 @@ def test_stored_without_outputs(path):
         if cell.cell_type == "code":
             assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
+# Modules jaxdist's own dependencies bring (pyproject.toml), by import name.
+_WITH_JAXDIST = {"jaxdist", "jax", "jaxlib", "flax", "optax", "numpy", "orbax", "grpc",
+                 "cloudpickle", "yaml", "tqdm", "tensorboardX", "sklearn", "cryptography"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_first_cell_installs_every_module_the_notebook_imports(path):
+    import re
+    import sys
+
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells
+             if c.cell_type == "code"]
+    imported = set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", "\n".join(cells),
+                              re.MULTILINE))
+    outside = sorted(imported - _WITH_JAXDIST - set(sys.stdlib_module_names))
+    first = cells[0]
+    missing = [m for m in outside if f'"{m}"' not in first and f"[{m}]" not in first]
+    assert not missing, (f"{path.name} imports {missing}, which its first cell does not "
+                         f"install (a fresh Colab runtime would fail there)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_runs_top_to_bottom(path, monkeypatch):

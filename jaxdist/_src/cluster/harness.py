@@ -37,6 +37,9 @@ Command = Sequence[str] | Callable[[str, int], Sequence[str]]
 class LocalCluster:
     """Real task processes on 127.0.0.1 with a correct ``TF_CONFIG`` each.
 
+    Its tasks are stopped by ``stop()`` / ``close()``, and, at the latest, when the object
+    goes or the program that made it exits (a notebook kernel after a failed cell).
+
     Args:
         workers: number of worker tasks.
         ps: number of parameter-server tasks.
@@ -85,6 +88,9 @@ class LocalCluster:
         self.cwd = cwd
         self._wrap = wrap
         self.tasks: dict[str, TaskProcess] = {}
+        # A program (a notebook's kernel) that ends without stop() (an error in a later cell)
+        # still stops every task: when this object goes, or at interpreter exit.
+        weakref.finalize(self, _stop_tasks, self.tasks)
         self._commands: dict[str, list[str]] = {}
         self.history: dict[str, list[TaskProcess]] = {}
 
@@ -237,11 +243,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stops every running task (SIGTERM, then SIGKILL)."""
-        for t in self.tasks.values():
-            if t.running():
-                t.signal(15)
-        for t in self.tasks.values():
-            t.stop(grace_seconds=3.0)
+        _stop_tasks(self.tasks)
 
     def describe(self) -> str:
         """Every task's exit code and output tail (for assertion messages)."""
@@ -260,6 +262,15 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stop_tasks(tasks: dict[str, TaskProcess]) -> None:
+    """Stops the tasks still running (SIGTERM, then SIGKILL after 3 s)."""
+    running = [t for t in tasks.values() if t.running()]
+    for t in running:
+        t.signal(15)
+    for t in running:
+        t.stop(grace_seconds=3.0)
 
 
 def _tail(text: str, lines: int = 30) -> str:

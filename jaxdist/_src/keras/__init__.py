@@ -18,8 +18,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,10 +43,21 @@ def require_keras() -> Any:
         >>> keras = jaxdist.keras.require_keras()
     """
     if "keras" not in sys.modules:
-        os.environ.setdefault("KERAS_BACKEND", "jax")
+        chosen = os.environ.get("KERAS_BACKEND", "jax")
+        if chosen != "jax":  # Keras is not loaded yet: jaxdist.keras chooses its backend
+            warnings.warn(f"jaxdist.keras runs Keras on JAX: KERAS_BACKEND={chosen!r} in the "
+                          f"environment is replaced by 'jax' (Keras was not imported yet)",
+                          stacklevel=3)
+        os.environ["KERAS_BACKEND"] = "jax"
     try:
         import keras
     except ImportError as e:
+        if importlib.util.find_spec("keras") is not None:  # installed; its backend failed
+            raise ImportError(
+                f"jaxdist.keras could not import Keras on the backend "
+                f"{os.environ.get('KERAS_BACKEND', 'jax')!r} ({type(e).__name__}: {e}): "
+                f"jaxdist.keras needs the JAX backend: set KERAS_BACKEND=jax before Keras is "
+                f"first imported") from e
         raise ImportError(f"jaxdist.keras needs Keras 3: {_INSTALL}") from e
     version = getattr(keras, "__version__", "0")
     if int(version.split(".")[0]) < 3:
@@ -52,8 +65,9 @@ def require_keras() -> Any:
     backend = keras.backend.backend()
     if backend != "jax":
         raise RuntimeError(
-            f"jaxdist.keras needs the Keras JAX backend, but Keras runs on {backend!r}: set "
-            f"KERAS_BACKEND=jax in the environment before keras is first imported"
+            f"jaxdist.keras needs the Keras JAX backend, but Keras was already imported on "
+            f"{backend!r}: set KERAS_BACKEND=jax in the environment, or import jaxdist (or "
+            f"jaxdist.keras) before keras"
         )
     from jaxdist._src.compat import keras_internals  # noqa: F401  (warns: an untested Keras)
 
