@@ -87,6 +87,7 @@ IN_PROCESS = [
     "keras_structured_data",
     "tf_distribute_keras",
     "tf_custom_training",
+    "jax_spmd_mnist",
     "flax_mnist_tutorial",   # last: its own process (DEFAULT_OPT_LEVEL) runs meanwhile
 ]
 
