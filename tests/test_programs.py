@@ -88,6 +88,7 @@ IN_PROCESS = [
     "tf_distribute_keras",
     "tf_custom_training",
     "jax_spmd_mnist",
+    "keras_custom_train_step",
     "flax_mnist_tutorial",   # last: its own process (DEFAULT_OPT_LEVEL) runs meanwhile
 ]
 
