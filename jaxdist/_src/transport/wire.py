@@ -110,6 +110,39 @@ def _as_wire_array(x: Any) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _layout(meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] | None
+            ) -> tuple[bytes, list[Any], int]:
+    """A message's JSON header, the views its payload is made of, and the payload's size."""
+    specs = []
+    views: list[Any] = []
+    offset = 0
+    for name, x in (arrays or {}).items():
+        arr = _as_wire_array(x)
+        pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
+        if pad and arr.nbytes:
+            views.append(memoryview(bytes(pad)))
+            offset += pad
+        specs.append([name, dtype_name(arr.dtype), list(arr.shape), offset, arr.nbytes])
+        offset += arr.nbytes
+        if arr.nbytes:
+            views.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    header = json.dumps({"meta": dict(meta or {}), "arrays": specs}).encode()
+    return header, views, offset
+
+
+def encoded_nbytes(meta: Mapping[str, Any] | None = None,
+                   arrays: Mapping[str, Any] | None = None) -> int:
+    """The bytes ``encode(meta, arrays)`` yields in all (prefix, header, padded payload).
+
+    Example:
+        >>> msg = ({"step": 1}, {"w": np.ones(3)})
+        >>> encoded_nbytes(*msg) == sum(len(c) for c in encode(*msg))
+        True
+    """
+    header, _, payload = _layout(meta, arrays)
+    return _PREFIX.size + len(header) + payload
+
+
 def encode(
     meta: Mapping[str, Any] | None = None,
     arrays: Mapping[str, Any] | None = None,
@@ -127,20 +160,7 @@ def encode(
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    specs = []
-    views: list[Any] = []
-    offset = 0
-    for name, x in (arrays or {}).items():
-        arr = _as_wire_array(x)
-        pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
-        if pad and arr.nbytes:
-            views.append(memoryview(bytes(pad)))
-            offset += pad
-        specs.append([name, dtype_name(arr.dtype), list(arr.shape), offset, arr.nbytes])
-        offset += arr.nbytes
-        if arr.nbytes:
-            views.append(memoryview(arr.reshape(-1).view(np.uint8)))
-    header = json.dumps({"meta": dict(meta or {}), "arrays": specs}).encode()
+    header, views, offset = _layout(meta, arrays)
     # Each payload byte is copied once, straight from the array into the chunk gRPC sends:
     # full chunks are slices of one array; only the pieces that share a chunk (the header,
     # small arrays, the ends of large ones) are joined.
@@ -374,6 +394,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "encode",
+    "encoded_nbytes",
     "loads_header",
     "message_nbytes",
 ]
