@@ -1,18 +1,23 @@
-"""A ps checkpoint that cannot be written leaves nothing behind (issue 34, point 3 of the
-saves): a full disk, a read-only one, an I/O error. The partial checkpoint is removed, the
+"""A checkpoint that cannot be written leaves nothing behind (issue 34, point 3): a full
+disk, a read-only one, an I/O error. For a ps Save: the partial checkpoint is removed, the
 earlier ones and the service stay, the error says how many bytes were needed and free, and
 ``keep`` (and leftovers of interrupted saves) make room before a save on a short disk, never
-by deleting the newest complete checkpoint.
+by deleting the newest complete checkpoint. The Trainer's orbax checkpoints do the same; the
+small files written through a temporary file (the run record, a dataset cache, the
+pointers) leave no temporary file.
 
 The full disk is real where this process may mount a small tmpfs (root); the other failures
 are injected at the write (``os.fsync`` / ``os.makedirs`` raising the ``OSError``).
 """
 
 import errno
+import json
 import os
+import pickle
 import re
 import subprocess
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +26,8 @@ from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSCheckpointWriteError
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.train.checkpoint import Checkpointer, CheckpointWriteError
+from jaxdist._src.train.run_record import RunRecord, read_record
 
 TOKEN = "checkpoint-space-Secret-5a0c"
 MIB = 1 << 20
@@ -248,3 +255,95 @@ def test_make_room_deletes_only_what_pruning_would(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 10 << 20)  # room enough
     os.makedirs(task_dir / "ckpt-8.tmp-00aa11bb")
     assert checkpoints.make_room(str(tmp_path), "ps:0", keep=1, step=9, needed=1) == []
+
+
+# ---------------------------------------------------------------------- the Trainer's (orbax)
+def _random(floats: int):
+    """Arrays orbax cannot compress (it would make zeros take no room)."""
+    return {"w": jnp.asarray(np.random.default_rng(floats).integers(
+        0, 2**32, floats, dtype=np.uint32))}
+
+
+def test_a_trainer_checkpoint_that_fills_the_disk_is_removed(small_disk):
+    directory = small_disk / "ckpt"
+    ckpt = Checkpointer(directory, keep=1)
+    ckpt.save(1, _random(250_000), {"epoch": 0})  # 1 MB
+    free_before = _free(small_disk)
+    with pytest.raises(CheckpointWriteError, match="No space left on device") as e:
+        ckpt.save(2, _random(900_000), {"epoch": 1})  # 3.6 MB: does not fit next to step 1
+    assert e.value.needed == 3_600_000
+    assert f"it holds 3600000 bytes of arrays, {e.value.free} bytes are free" in str(e.value)
+    assert "step 1 is still the newest" in str(e.value)
+    assert sorted(os.listdir(directory)) == ["1"]  # orbax's temporary directory is gone
+    assert abs(_free(small_disk) - free_before) <= 64 << 10
+    state, meta = ckpt.restore(1, like=_random(250_000))
+    assert meta == {"epoch": 0} and np.array_equal(state["w"], _random(250_000)["w"])
+    ckpt.save(2, _random(250_000), {"epoch": 1})  # the next save fits
+    assert ckpt.all_steps() == [2]
+
+
+def test_trainer_checkpoints_beyond_keep_make_room_first(small_disk):
+    ckpt = Checkpointer(small_disk / "ckpt", keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, _random(250_000), {})
+    assert ckpt.all_steps() == [2, 3]
+    # 2.8 MB: fits only once step 2 (which keep=2 drops after this save) has gone first.
+    assert _free(small_disk) < 2_800_000
+    ckpt.save(4, _random(700_000), {})
+    assert ckpt.all_steps() == [3, 4]
+
+
+def test_a_failed_trainer_save_removes_orbax_temp_dir_on_any_error(tmp_path, monkeypatch):
+    import tensorstore
+
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    ckpt.save(1, _random(1000), {})
+    real = tensorstore.open
+
+    def broken(*args, **kwargs):  # the array store fails as a failing disk would
+        raise ValueError("DATA_LOSS: Error writing local file: Input/output error "
+                         "[os_error_code='5']")
+
+    monkeypatch.setattr(tensorstore, "open", broken)
+    with pytest.raises(CheckpointWriteError, match="Input/output error"):
+        ckpt.save(2, _random(1000), {})
+    monkeypatch.setattr(tensorstore, "open", real)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+    ckpt.save(2, _random(1000), {})
+    assert ckpt.all_steps() == [1, 2]
+
+
+# ---------------------------------------------------------------------- small files
+def test_the_run_record_leaves_no_temp_file_and_keeps_the_old_record(tmp_path, monkeypatch):
+    record = RunRecord(tmp_path, {"seed": 0})
+    record.saved(10, 1, 0)
+    before = read_record(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(json, "dump", full)
+    with pytest.raises(OSError, match="No space left"):
+        record.saved(20, 2, 0)
+    monkeypatch.undo()
+    assert [n for n in os.listdir(tmp_path) if ".tmp" in n] == []
+    assert read_record(tmp_path) == before
+
+
+def test_a_dataset_cache_file_is_not_left_half_written(tmp_path, monkeypatch):
+    import jaxdist
+
+    path = str(tmp_path / "rows")
+    ds = jaxdist.Dataset.range(4).cache(path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pickle, "dump", full)
+    with pytest.raises(OSError, match="No space left"):
+        list(ds)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert [int(v) for v in jaxdist.Dataset.range(4).cache(path)] == [0, 1, 2, 3]
+    assert [n for n in os.listdir(tmp_path) if ".tmp" in n] == []
+    assert [int(v) for v in jaxdist.Dataset.range(9).cache(path)] == [0, 1, 2, 3]  # cached
