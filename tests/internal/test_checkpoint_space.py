@@ -232,6 +232,21 @@ def test_the_client_gets_the_typed_error_on_both_transports(tmp_path, monkeypatc
         server.stop(0)
 
 
+def test_any_other_failure_mid_write_removes_the_temp_directory_too(tmp_path, monkeypatch):
+    svc = ParameterService("ps:0", checkpoint_dir=str(tmp_path))
+    svc.create({"w": np.ones(10, np.float32)}, {})
+    real = checkpoints.wire.encode
+
+    def broken(meta, arrays):
+        yield next(iter(real(meta, arrays)))
+        raise MemoryError("out of memory while encoding")
+
+    monkeypatch.setattr(checkpoints.wire, "encode", broken)
+    with pytest.raises(MemoryError):
+        svc.save(None, 1)
+    assert _listing(tmp_path) == []
+
+
 def test_the_pointer_and_latest_files_leave_no_temp_file(tmp_path, monkeypatch):
     _failing(monkeypatch, "fsync", errno.ENOSPC)
     with pytest.raises(OSError):

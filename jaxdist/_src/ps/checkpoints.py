@@ -335,11 +335,13 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
             os.replace(tmp, final)
             renamed = True
             _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
-        except OSError as e:
+        except BaseException as e:
             _remove(tmp)
             if renamed:  # ``latest`` could not name it: the save failed as a whole
                 _remove(final)
-            raise _write_error(task, task_dir, int(step), needed, e) from None
+            if isinstance(e, OSError):
+                raise _write_error(task, task_dir, int(step), needed, e) from None
+            raise
         if keep is not None:
             prune_checkpoints(directory, task, int(keep), just_saved=int(step))
     return final
@@ -386,9 +388,10 @@ def _write_error(task: str, task_dir: str, step: int, needed: int,
                           "elsewhere",
             errno.EROFS: "the filesystem is read-only: save elsewhere"}.get(
         e.errno, "check that disk")
+    code = f" ({errno.errorcode.get(e.errno, e.errno)})" if e.errno is not None else ""
     return PSCheckpointWriteError(
         f"{task} could not write checkpoint {step} under {task_dir}: "
-        f"{e.strerror or type(e).__name__} ({errno.errorcode.get(e.errno, e.errno)}); "
+        f"{e.strerror or e or type(e).__name__}{code}; "
         f"{space}; the partial checkpoint was removed and {kept}; {hint}",
         task=task, needed=needed, free=free, errno=e.errno)
 
