@@ -1,4 +1,4 @@
-"""A checkpoint that cannot be written leaves nothing behind (issue 34, point 3): a full
+"""A checkpoint that cannot be written leaves nothing behind (issue 34): a full
 disk, a read-only one, an I/O error. For a ps Save: the partial checkpoint is removed, the
 earlier ones and the service stay, the error says how many bytes were needed and free, and
 ``keep`` (and leftovers of interrupted saves) make room before a save on a short disk, never

@@ -1,5 +1,5 @@
-"""A request that names a variable twice is refused before anything is applied (issue 34,
-point 4), on both transports: two arrays of one name, one key twice in a header object, one
+"""A request that names a variable twice is refused before anything is applied (issue 34),
+on both transports: two arrays of one name, one key twice in a header object, one
 variable twice in a pull's ``keys``. Each request is built by hand (a real client never sends
 one) and sent to a real ps server."""
 
