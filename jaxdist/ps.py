@@ -20,6 +20,7 @@ from jaxdist._src.ps import (
     Partitioner,
     PSAuthenticationError,
     PSCheckpointReader,
+    PSCheckpointWriteError,
     PSClient,
     PSError,
     PSInvalidArgumentError,
@@ -48,6 +49,7 @@ __all__ = [
     "MinSizePartitioner",
     "PSAuthenticationError",
     "PSCheckpointReader",
+    "PSCheckpointWriteError",
     "PSClient",
     "PSError",
     "PSInvalidArgumentError",
@@ -68,5 +70,6 @@ __all__ = [
     "split_rows",
 ]
 
-_publish(__name__, PSAuthenticationError, PSError, PSInvalidArgumentError, PSNotFoundError,
-         PSUnavailableError, StalenessTimeoutError, VariablesNotReadyError)
+_publish(__name__, PSAuthenticationError, PSCheckpointWriteError, PSError,
+         PSInvalidArgumentError, PSNotFoundError, PSUnavailableError, StalenessTimeoutError,
+         VariablesNotReadyError)

@@ -32,6 +32,7 @@ _LAZY = {
     "Checkpointer": "jaxdist._src.train.checkpoint",
     "CheckpointDirError": "jaxdist._src.train.checkpoint",
     "CheckpointMismatchError": "jaxdist._src.train.checkpoint",
+    "CheckpointWriteError": "jaxdist._src.train.checkpoint",
     "SettingsChangedError": "jaxdist._src.train.run_record",
     "TrainingCompleteError": "jaxdist._src.train.run_record",
     "MetricsLogger": "jaxdist._src.train.metrics",

@@ -25,9 +25,14 @@ from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_to
 from jaxdist._src.coordinator.errors import WorkerAuthenticationError, WorkerUnavailableError
 from jaxdist._src.coordinator.signing import (
     AUTH_METADATA_KEY,
+    ENV_CLOCK_SKEW,
+    ENV_MAX_AGE,
     MAC_KEY,
     ReplayGuard,
+    RequestSigner,
+    RequestVerifier,
     answer_mac,
+    body_digest,
 )
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
@@ -169,12 +174,14 @@ def test_nothing_a_worker_holds_lets_it_run_code_on_another(workers):
         attacker.close()
     # Nor a request "signed" with its answer key in place of the chief's signature.
     meta, arrays = _batch(add_one, 1)
-    forged = {"s": "x", "t": time.time_ns(), "n": 1, "i": workers[0].service.incarnation,
+    forged = {"s": "x", "t": time.time_ns(), "n": 1, "at": time.time_ns(),
+              "i": workers[0].service.incarnation,
               "sig": hmac.new(keys.answer_key("worker:1"), b"RunClosures",
                               hashlib.sha512).hexdigest()}
     err = _refused(workers[0], "RunClosures", list(wire.encode({**meta, "nonce": "n"}, arrays)),
                    ((AUTH_METADATA_KEY, json.dumps(forged)),))
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "signature does not match" in err.details()
     assert workers[0].service.functions_run == 0
 
 
@@ -249,6 +256,103 @@ def test_the_replay_guard_accepts_each_counter_once_within_its_window():
     assert "forgotten" in g.admit("a", 10, 21)  # and cannot come back
     assert "forgotten" in g.admit("z", 9, 1)  # nor an older session
     assert g.admit("b", 12, 2) is None  # the kept ones go on
+
+
+# ------------------------------------------------------------ signed requests expire
+SECOND = 10**9
+
+
+def _captured(chief: WorkerClient, task: int, x: int):
+    """A ``RunClosures`` request the chief signed for worker ``task`` now and that an attacker
+    took off the wire before it arrived: ``(chunks, metadata)``."""
+    chief.call(task, "Ping", timeout=5)  # the chief learns the worker's incarnation
+    meta, arrays = _batch(add_one, x)
+    signed = {**meta, "nonce": "n"}
+    auth = chief._signer.sign(task, chief._incarnations[task], "RunClosures", signed, arrays)
+    return list(wire.encode(signed, arrays)), ((AUTH_METADATA_KEY, json.dumps(auth)),)
+
+
+def _later(verifier, seconds: float):
+    """The worker's clock as if ``seconds`` had passed since now."""
+    verifier.clock = lambda: time.time_ns() + int(seconds * SECOND)
+
+
+def test_a_request_relayed_after_its_max_age_is_refused_and_inside_it_accepted(workers):
+    chief = _chief(workers)
+    chunks, metadata = _captured(chief, 1, 41)
+    verifier = workers[1]._verifier
+    assert (verifier.max_age, verifier.clock_skew) == (300.0, 30.0)  # the defaults
+    _later(verifier, 300 + 30 + 2)  # relayed 332 s after the chief signed it
+    err = _refused(workers[1], "RunClosures", chunks, metadata)
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "signed 332." in err.details() and "before it arrived" in err.details()
+    assert "a delayed or relayed request" in err.details()
+    _later(verifier, 300 + 30 - 5)  # the same bytes, delivered within the max age + skew
+    out = wire.decode(iter(_send_as_attacker(workers[1], "RunClosures", chunks, metadata)))
+    assert out[0]["ok"] and answer_value(out[1]) == 42
+    chief.close()
+
+
+def test_a_request_from_the_future_beyond_the_clock_skew_is_refused(workers):
+    chief = _chief(workers)
+    chief.call(0, "Ping", timeout=5)
+    chief._signer.clock = lambda: time.time_ns() + 20 * SECOND  # the chief's clock is ahead
+    assert _run(chief, 0, 1) == 2  # within the 30 s skew
+    chief._signer.clock = lambda: time.time_ns() + 45 * SECOND
+    before = workers[0].service.functions_run
+    with pytest.raises(WorkerAuthenticationError, match=r"signed 4\d\.\d s in the future"):
+        _run(chief, 0, 1)
+    assert workers[0].service.functions_run == before
+    chief._signer.clock = time.time_ns
+    assert _run(chief, 0, 3) == 4  # the chief goes on once its clock is right
+    chief.close()
+
+
+def test_the_max_age_and_skew_come_from_the_environment(workers, monkeypatch):
+    monkeypatch.setenv(ENV_MAX_AGE, "5")
+    monkeypatch.setenv(ENV_CLOCK_SKEW, "1")
+    server = in_process_worker(index=1, token=TOKEN, direct_transport=False)[0]
+    try:
+        chief = _chief([workers[0], server])
+        chunks, metadata = _captured(chief, 1, 1)
+        _later(server._verifier, 7)
+        err = _refused(server, "RunClosures", chunks, metadata)
+        assert "more than the 5 s a request may take (+ 1 s clock skew)" in err.details()
+        _later(server._verifier, 5.5)
+        out = wire.decode(iter(_send_as_attacker(server, "RunClosures", chunks, metadata)))
+        assert answer_value(out[1]) == 2
+        chief.close()
+    finally:
+        server.stop(0)
+    monkeypatch.setenv(ENV_MAX_AGE, "soon")
+    with pytest.raises(ValueError, match=f"{ENV_MAX_AGE}='soon': expected a number of seconds"):
+        in_process_worker(index=1, token=TOKEN, direct_transport=False)
+
+
+def test_the_age_bound_is_exact_and_covers_every_signed_method():
+    keys = CoordinatorKeys(TOKEN)
+    signer = RequestSigner(keys, ["worker:0"])
+    verifier = RequestVerifier(keys.worker_credential("worker:0"), "worker:0", "inc",
+                               max_age=10, clock_skew=2)
+    now = time.time_ns()
+    signer.clock = lambda: now
+    digest = body_digest({}, {})
+    for method in ("RunClosures", "Connect", "Ping", "CreateResource", "Stop"):
+        at_bound = signer.sign_digest(0, "inc", method, digest)
+        assert verifier.check(method, at_bound, digest, arrived=now + 12 * SECOND) is None
+        late = signer.sign_digest(0, "inc", method, digest)
+        refusal = verifier.check(method, late, digest, arrived=now + 12 * SECOND + 1)
+        assert refusal.code == "UNAUTHENTICATED" and "before it arrived" in refusal.details
+        early = signer.sign_digest(0, "inc", method, digest)
+        refusal = verifier.check(method, early, digest, arrived=now - 2 * SECOND - 1)
+        assert "in the future" in refusal.details
+    # The issue time is signed: moving it into the window breaks the signature.
+    late = signer.sign_digest(0, "inc", "RunClosures", digest)
+    moved = {**late, "at": now + 11 * SECOND}
+    refusal = verifier.check("RunClosures", moved, digest, arrived=now + 20 * SECOND)
+    assert "signature does not match" in refusal.details
+    without = {k: v for k, v in late.items() if k != "at"}
+    assert "no well-formed" in verifier.check("RunClosures", without, digest).details
 
 
 # ------------------------------------------------------------ nor through its own answers

@@ -147,9 +147,11 @@ def item_nonce(nonce: str, index: int) -> str:
 
 
 def request_refusal(verifier: RequestVerifier, method: str, auth: Any, meta: dict,
-                    arrays: dict, metadata: dict | None = None) -> Refusal | None:
+                    arrays: dict, metadata: dict | None = None,
+                    arrived: int | None = None) -> Refusal | None:
     """Why a request to this worker is refused (``None``: the chief signed it, for this
-    worker, its incarnation and ``method``, and it is not a replay).
+    worker, its incarnation and ``method``, not too long before it ``arrived``
+    (``time.time_ns()``; default: now), and it is not a replay).
 
     Example:
         >>> request_refusal(  # doctest: +SKIP
@@ -164,7 +166,7 @@ def request_refusal(verifier: RequestVerifier, method: str, auth: Any, meta: dic
                 f"the chief (metadata {AUTH_METADATA_KEY!r})")
         return Refusal("UNAUTHENTICATED", f"{verifier.task} refused {method}: the request "
                                           f"carries no coordinator signature")
-    return verifier.check(method, auth, body_digest(meta, arrays))
+    return verifier.check(method, auth, body_digest(meta, arrays), arrived)
 
 
 def _host_value(value: Any) -> Any:
@@ -627,6 +629,7 @@ class WorkerServer(GrpcTaskServer):
 
     def _make_handler(self, method: str):
         def handler(request_iterator, context):
+            arrived = self._verifier.clock()  # a request's age excludes its upload
             metadata = dict(context.invocation_metadata() or ())
             auth = metadata.get(AUTH_METADATA_KEY)
             if auth is None:  # refused before a byte of the request is read
@@ -638,7 +641,8 @@ class WorkerServer(GrpcTaskServer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"{self.service.task} {method}: {type(e).__name__}: {e}")
             # Before any byte is unpickled.
-            refusal = request_refusal(self._verifier, method, auth, meta, arrays, metadata)
+            refusal = request_refusal(self._verifier, method, auth, meta, arrays, metadata,
+                                      arrived)
             if refusal is not None:
                 context.abort(getattr(grpc.StatusCode, refusal.code), refusal.details)
             if method == "RunClosures":

@@ -26,6 +26,7 @@ the devices).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -816,9 +817,14 @@ class Dataset:
             store["elements"] = buf
             if path is not None:
                 tmp = f"{path}.tmp{os.getpid()}"
-                with open(tmp, "wb") as f:
-                    pickle.dump(buf, f)
-                os.replace(tmp, path)
+                try:
+                    with open(tmp, "wb") as f:
+                        pickle.dump(buf, f)
+                    os.replace(tmp, path)
+                except BaseException:  # a full disk: no half-written cache file is left
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
 
         return self._derive(it, self._cardinality)
 

@@ -191,9 +191,14 @@ class BackupAndRestore(_ChiefBackupAndRestore):
         os.makedirs(self.backup_dir, exist_ok=True)
         self.model.save_weights(filepath=weights_path, overwrite=True)
         tmp = f"{meta_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"epoch": self._epoch, "batch": int(batch), "preempted": True}, f)
-        os.replace(tmp, meta_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"epoch": self._epoch, "batch": int(batch), "preempted": True}, f)
+            os.replace(tmp, meta_path)
+        except BaseException:  # a full disk: no temp file is left
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._watching is not None:

@@ -12,6 +12,7 @@ from jaxdist._src.ps.client import LocalClient, PSClient
 from jaxdist._src.ps.embedding import EmbeddingLookup, EmbeddingTable
 from jaxdist._src.ps.errors import (
     PSAuthenticationError,
+    PSCheckpointWriteError,
     PSError,
     PSInvalidArgumentError,
     PSNotFoundError,
@@ -49,6 +50,7 @@ __all__ = [
     "PSAuthenticationError",
     "PSCheckpointReader",
     "PSClient",
+    "PSCheckpointWriteError",
     "PSError",
     "PSInvalidArgumentError",
     "PSNotFoundError",

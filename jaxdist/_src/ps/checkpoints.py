@@ -22,11 +22,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +37,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src.ps.errors import PSError, PSInvalidArgumentError, PSNotFoundError
+from jaxdist._src.ps.errors import (
+    PSCheckpointWriteError,
+    PSError,
+    PSInvalidArgumentError,
+    PSNotFoundError,
+)
 from jaxdist._src.ps.variables import leaf_names
 from jaxdist._src.transport import wire
 
@@ -283,8 +291,16 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
     then ``<task>/latest`` names the step, and with ``keep`` older checkpoints are pruned
     (``prune_checkpoints``). Returns the checkpoint directory.
 
+    When the filesystem has less free space than the checkpoint needs, what pruning would
+    delete after this save goes first (``make_room``): leftovers of interrupted saves, then,
+    with ``keep``, the oldest checkpoints beyond ``keep``; never the newest complete one nor
+    the one the chief's pointer names. A write that fails all the same (a full, read-only or
+    failing disk) removes what it wrote: the earlier checkpoints stay as they were, and
+    ``PSCheckpointWriteError`` says how many bytes were needed and how many are free.
+
     Raises:
         PSInvalidArgumentError: no ``directory``, or ``keep`` < 1.
+        PSCheckpointWriteError: the checkpoint could not be written (nothing of it is left).
 
     Example:
         >>> write_task_checkpoint("/ckpt", "ps:0", 100, {"w": {"kind": "dense",
@@ -299,23 +315,142 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
             task=task,
         )
     task_dir = _task_dir(directory, task)
-    os.makedirs(task_dir, exist_ok=True)
-    final = os.path.join(task_dir, f"ckpt-{int(step)}")
-    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
     meta: dict[str, Any] = {"step": int(step), "task": task, "variables": variables,
                             "markers": sorted(markers)}
-    with open(os.path.join(tmp, "state.jdw"), "wb") as f:
-        for chunk in wire.encode(meta, arrays):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    _remove(final)
-    os.replace(tmp, final)
-    _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
-    if keep is not None:
-        prune_checkpoints(directory, task, int(keep), just_saved=int(step))
+    needed = wire.encoded_nbytes(meta, arrays)
+    final = os.path.join(task_dir, f"ckpt-{int(step)}")
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+    renamed = False
+    with _task_lock(task_dir):
+        try:
+            os.makedirs(task_dir, exist_ok=True)
+            make_room(directory, task, keep, int(step), needed)
+            os.makedirs(tmp)
+            with open(os.path.join(tmp, "state.jdw"), "wb") as f:
+                for chunk in wire.encode(meta, arrays):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            _remove(final)
+            os.replace(tmp, final)
+            renamed = True
+            _atomic_write(os.path.join(task_dir, "latest"), json.dumps({"step": int(step)}))
+        except BaseException as e:
+            _remove(tmp)
+            if renamed:  # ``latest`` could not name it: the save failed as a whole
+                _remove(final)
+            if isinstance(e, OSError):
+                raise _write_error(task, task_dir, int(step), needed, e) from None
+            raise
+        if keep is not None:
+            prune_checkpoints(directory, task, int(keep), just_saved=int(step))
     return final
+
+
+_TASK_LOCKS: dict[str, threading.Lock] = {}
+_TASK_LOCKS_GUARD = threading.Lock()
+
+
+def _task_lock(task_dir: str) -> threading.Lock:
+    """One lock per task directory: saves of one task in this process take turns, so a
+    ``ckpt-*.tmp-*`` found while holding it is a leftover, not a save under way."""
+    key = os.path.abspath(task_dir)
+    with _TASK_LOCKS_GUARD:
+        return _TASK_LOCKS.setdefault(key, threading.Lock())
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged user may still write on the filesystem of ``path`` (the
+    nearest existing parent's), or ``None`` when it cannot be asked."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _write_error(task: str, task_dir: str, step: int, needed: int,
+                 e: OSError) -> PSCheckpointWriteError:
+    free = free_bytes(task_dir)
+    latest = _complete_steps(task_dir)
+    kept = (f"ckpt-{latest[0]} is still its newest complete checkpoint" if latest else
+            "it has no complete checkpoint")
+    space = (f"the checkpoint needs {needed} bytes, {free} are free" if free is not None
+             else f"the checkpoint needs {needed} bytes")
+    hint = {errno.ENOSPC: "free space on that disk, save fewer checkpoints (keep), or save "
+                          "elsewhere",
+            errno.EDQUOT: "raise the disk quota, save fewer checkpoints (keep), or save "
+                          "elsewhere",
+            errno.EROFS: "the filesystem is read-only: save elsewhere"}.get(
+        e.errno, "check that disk")
+    code = f" ({errno.errorcode.get(e.errno, e.errno)})" if e.errno is not None else ""
+    return PSCheckpointWriteError(
+        f"{task} could not write checkpoint {step} under {task_dir}: "
+        f"{e.strerror or e or type(e).__name__}{code}; "
+        f"{space}; the partial checkpoint was removed and {kept}; {hint}",
+        task=task, needed=needed, free=free, errno=e.errno)
+
+
+def _complete_steps(task_dir: str) -> list[int]:
+    """The steps of the complete checkpoints in ``task_dir``, newest first."""
+    try:
+        names = os.listdir(task_dir)
+    except OSError:
+        return []
+    return sorted((int(n[5:]) for n in names if re.fullmatch(r"ckpt-\d+", n)), reverse=True)
+
+
+def _protected_step(directory: str) -> int | None:
+    """The step the chief's pointer names (the last one every ps saved), if any."""
+    try:
+        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+MARGIN_BYTES = 64 << 10  # room kept beyond a checkpoint's own bytes (directories, ``latest``)
+
+
+def make_room(directory: str, task: str, keep: int | None, step: int, needed: int
+              ) -> list[str]:
+    """Before ``task`` saves ``step`` (``needed`` bytes): when its filesystem has less free,
+    deletes what pruning would delete after the save, until there is room: leftovers of
+    interrupted saves (``ckpt-*.tmp-*``) first, then, with ``keep``, the oldest checkpoints
+    beyond the newest ``keep`` (counting ``step``). The newest complete checkpoint and the one
+    the chief's pointer names are never deleted, so a save that still fails leaves one.
+    Returns the deleted paths.
+
+    Example:
+        >>> make_room("/ckpt", "ps:0", keep=2, step=900, needed=4 << 30)  # doctest: +SKIP
+        ['/ckpt/ps-0/ckpt-700.tmp-3f2a9c1b', '/ckpt/ps-0/ckpt-500']
+    """
+    task_dir = _task_dir(directory, task)
+    free = free_bytes(task_dir)
+    if free is None or free >= needed + MARGIN_BYTES:
+        return []
+    names = os.listdir(task_dir)
+    leftovers = sorted(n for n in names if ".tmp-" in n and (
+        _step_of(n) is not None or n.startswith("latest.tmp-")))
+    complete = _complete_steps(task_dir)
+    protected = {_protected_step(directory), *complete[:1]}
+    ranked = sorted({*complete, step}, reverse=True)  # as pruning will see them after the save
+    beyond = [] if keep is None else [s for s in reversed(ranked[keep:])
+                                      if s not in protected and s != step]
+    deleted = []
+    for name in leftovers + [f"ckpt-{s}" for s in beyond]:
+        path = os.path.join(task_dir, name)
+        _remove(path)
+        deleted.append(path)
+        free = free_bytes(task_dir)
+        if free is None or free >= needed + MARGIN_BYTES:
+            break
+    return deleted
 
 
 def read_task_checkpoint(directory: str | None, task: str, step: int | None = None
@@ -377,12 +512,7 @@ def prune_checkpoints(directory: str, task: str, keep: int, just_saved: int) -> 
         ['/ckpt/ps-0/ckpt-500']
     """
     task_dir = os.path.join(directory, task.replace(":", "-"))
-    protected = None
-    try:
-        with open(os.path.join(directory, CHECKPOINT_POINTER)) as f:
-            protected = int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError):
-        pass
+    protected = _protected_step(directory)
     complete, partial = [], []
     for name in os.listdir(task_dir):
         step = _step_of(name)
@@ -409,12 +539,19 @@ def _remove(path: str) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """Writes ``path`` through a temporary file renamed over it; a failed write (a full
+    disk) removes the temporary file and leaves ``path`` as it was."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_checkpoint_pointer(directory: str, step: int, final: bool = False) -> None:
@@ -433,7 +570,9 @@ __all__ = [
     "PSCheckpointReader",
     "check_keep",
     "checkpoint_directory",
+    "free_bytes",
     "latest_step",
+    "make_room",
     "prune_checkpoints",
     "read_task_checkpoint",
     "write_checkpoint_pointer",

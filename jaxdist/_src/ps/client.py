@@ -38,6 +38,7 @@ from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.ps import protocol
 from jaxdist._src.ps.errors import (
     PSAuthenticationError,
+    PSCheckpointWriteError,
     PSError,
     PSInvalidArgumentError,
     PSNotFoundError,
@@ -226,6 +227,8 @@ class PSClient(_Base):
             return PSNotFoundError(details, task=name, address=addr)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return PSInvalidArgumentError(details, task=name, address=addr)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:  # a checkpoint could not be written
+            return PSCheckpointWriteError(details, task=name, address=addr)
         return PSError(f"{name} at {addr} failed {method}: {code}: {details}", task=name,
                        address=addr)
 

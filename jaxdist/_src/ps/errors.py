@@ -40,6 +40,26 @@ class PSInvalidArgumentError(PSError, ValueError):
     """A request a ps task rejected as malformed (shape, dtype, version mismatch, ...)."""
 
 
+class PSCheckpointWriteError(PSError):
+    """A ps task could not write a checkpoint: its disk is full, read-only, or failed.
+
+    The partial checkpoint was removed and the earlier ones are intact; the ps goes on
+    serving. The message says how many bytes the checkpoint needed and how many were free.
+
+    Attributes:
+        needed: bytes the checkpoint file takes (``None`` across the wire: see the message).
+        free: bytes free on its filesystem after the partial write was removed (``None``:
+            unknown).
+        errno: the operating system's error number (``errno.ENOSPC``, ``EROFS``, ``EIO``...).
+    """
+
+    def __init__(self, message: str, task: str | None = None, address: str | None = None,
+                 needed: int | None = None, free: int | None = None,
+                 errno: int | None = None):
+        super().__init__(message, task=task, address=address)
+        self.needed, self.free, self.errno = needed, free, errno
+
+
 class StalenessTimeoutError(PSError):
     """Bounded-staleness (SSP) training waited too long for the slowest worker."""
 
@@ -50,6 +70,7 @@ class VariablesNotReadyError(PSError):
 
 __all__ = [
     "PSAuthenticationError",
+    "PSCheckpointWriteError",
     "PSError",
     "PSInvalidArgumentError",
     "PSNotFoundError",

@@ -36,6 +36,13 @@ def _keys(meta: dict) -> list[str]:
     keys = meta.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise _bad("keys", keys, "a list of variable names")
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        for key in keys:
+            if key in seen:
+                raise PSInvalidArgumentError(f"request field 'keys' names variable "
+                                             f"{key[:100]!r} twice: expected each variable once")
+            seen.add(key)
     return keys
 
 

@@ -27,7 +27,11 @@ import grpc
 
 from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.ps import protocol
-from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError
+from jaxdist._src.ps.errors import (
+    PSCheckpointWriteError,
+    PSInvalidArgumentError,
+    PSNotFoundError,
+)
 from jaxdist._src.ps.service import ParameterService
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.direct_server import CallFailed, DirectServer
@@ -165,6 +169,9 @@ def failure_status(task: str, method: str, e: Exception) -> tuple[grpc.StatusCod
                 f"requests")
     if isinstance(e, PSNotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, PSCheckpointWriteError):  # the ps goes on serving: one line, no trace
+        log.warning("%s %s failed: %s", task, method, e)
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
     if isinstance(e, (PSInvalidArgumentError, wire.WireError, ValueError, TypeError, KeyError)):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{task} {method}: {type(e).__name__}: {e}"
     log.error("%s %s failed", task, method, exc_info=e)

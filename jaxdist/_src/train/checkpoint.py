@@ -3,7 +3,10 @@
 A checkpoint holds the training state (model parameters, other model state, optimizer state) and
 a small JSON record of where training was: the global step, the epoch and the step inside it
 (the data position), and the seed. orbax writes each checkpoint to a temporary directory and
-renames it when complete, so a process killed mid-save leaves the previous checkpoint intact.
+renames it when complete, so a process killed mid-save leaves the previous checkpoint intact;
+a save that fails (a full or read-only disk) removes that temporary directory and raises
+``CheckpointWriteError`` saying the bytes needed and free, and on a short disk the checkpoints
+beyond ``keep`` go before the write (never the newest complete one).
 
 Example:
     >>> ckpt = Checkpointer("run/ckpt", keep=3)
@@ -16,11 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxdist._src.ps.checkpoints import MARGIN_BYTES, free_bytes
+
+#: How orbax names the temporary directory of a checkpoint it is writing (``<step>`` + this).
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class CheckpointMismatchError(ValueError):
@@ -30,6 +39,22 @@ class CheckpointMismatchError(ValueError):
     """
 
     exit_code = 2
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full, read-only or failing disk): what was
+    written of it was removed and the earlier checkpoints are intact. The message says how
+    many bytes it needed and how many were free.
+
+    Attributes:
+        needed: bytes of the arrays it holds (orbax may compress them).
+        free: bytes free on the checkpoint directory's filesystem afterwards (``None``:
+            unknown).
+    """
+
+    def __init__(self, message: str, needed: int, free: int | None):
+        super().__init__(message)
+        self.needed, self.free = needed, free
 
 
 class CheckpointDirError(ValueError):
@@ -133,6 +158,7 @@ class Checkpointer:
             if self._process_local else ocp.options.MultiprocessingOptions()
         )
         self.read_only = read_only
+        self.keep = int(keep)
         if not read_only:
             check_checkpoint_dir(directory, create=True)
         absl_log = logging.getLogger("absl")
@@ -168,14 +194,64 @@ class Checkpointer:
         if self._process_local:
             # The state is replicated over every process's devices: save this process's copy.
             state = jax.device_get(state)
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        needed = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+        self._make_room(int(step), needed)
+        try:
+            self._manager.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+                ),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._remove_partial()
+            free = free_bytes(self.directory)
+            kept = self.all_steps()
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            if len(first) > 400:  # orbax's messages name the OS error last
+                first = f"{first[:200]} ... {first[-200:]}"
+            raise CheckpointWriteError(
+                f"could not write checkpoint {int(step)} under {self.directory}: {first}; "
+                f"it holds {needed} bytes of arrays, {free} bytes are free; the partial "
+                f"checkpoint was removed and "
+                f"{f'step {kept[-1]} is still the newest' if kept else 'there is no other'}"
+                f"; free space on that disk, keep fewer checkpoints, or save elsewhere",
+                needed, free) from e
+
+    def _remove_partial(self) -> list[str]:
+        """Deletes orbax's temporary directories (``<step>.orbax-checkpoint-tmp*``): what a
+        failed or killed save left (only the chief saves, and saves do not overlap)."""
+        removed = []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return removed
+        for name in names:
+            if ORBAX_TMP_MARK in name:
+                path = os.path.join(self.directory, name)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
+    def _make_room(self, step: int, needed: int) -> None:
+        """When the disk has less free space than ``needed``: deletes leftovers of failed
+        saves, then the oldest checkpoints orbax would delete after saving ``step`` (beyond the
+        newest ``keep``), never the newest complete one, until there is room."""
+        free = free_bytes(self.directory)
+        if free is None or free >= needed + MARGIN_BYTES:
+            return
+        self._remove_partial()
+        steps = self.all_steps()
+        newest = steps[-1] if steps else None
+        ranked = sorted({*steps, step}, reverse=True)
+        beyond = [s for s in reversed(ranked[self.keep:]) if s not in (step, newest)]
+        for old in beyond:
+            free = free_bytes(self.directory)
+            if free is None or free >= needed + MARGIN_BYTES:
+                return
+            self._manager.delete(old)
 
     def check_compatible(self, step: int, like: Any, what: str = "model") -> None:
         """Raises ``CheckpointMismatchError`` if checkpoint ``step`` holds arrays of other

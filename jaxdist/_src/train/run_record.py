@@ -32,6 +32,7 @@ train.global_batch_size: 64 -> 32; ...
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -275,10 +276,15 @@ class RunRecord:
         self.recorded = record
         os.makedirs(self.directory, exist_ok=True)
         tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1, sort_keys=False)
+                f.write("\n")
+            os.replace(tmp, self.path)
+        except BaseException:  # a full disk: the old record stays, no temp file is left
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def convert_position(step_in_epoch: int, old_batch: int | None, new_batch: int | None,

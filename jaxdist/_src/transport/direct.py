@@ -273,13 +273,13 @@ def recv_frame(sock: socket.socket, magic: bytes, max_header: int, max_bytes: in
         buf = aligned_empty(pad + hlen + total)
         _recv_exact(sock, memoryview(buf)[pad:], deadline)
         header = _parse(buf[pad:pad + hlen].tobytes())
-        specs = [wire._check_spec(s, total) for s in header.pop("arrays")]
+        specs = wire.check_specs(header.pop("arrays"), total)
         payload = buf[pad + hlen:]
     else:
         raw = bytearray(hlen)
         _recv_exact(sock, memoryview(raw), deadline)
         header = _parse(raw)
-        specs = [wire._check_spec(s, total) for s in header.pop("arrays")]
+        specs = wire.check_specs(header.pop("arrays"), total)
         try:
             payload = pool.take(total) if pool is not None else np.empty(total, np.uint8)
         except (MemoryError, ValueError):

@@ -110,6 +110,39 @@ def _as_wire_array(x: Any) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _layout(meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] | None
+            ) -> tuple[bytes, list[Any], int]:
+    """A message's JSON header, the views its payload is made of, and the payload's size."""
+    specs = []
+    views: list[Any] = []
+    offset = 0
+    for name, x in (arrays or {}).items():
+        arr = _as_wire_array(x)
+        pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
+        if pad and arr.nbytes:
+            views.append(memoryview(bytes(pad)))
+            offset += pad
+        specs.append([name, dtype_name(arr.dtype), list(arr.shape), offset, arr.nbytes])
+        offset += arr.nbytes
+        if arr.nbytes:
+            views.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    header = json.dumps({"meta": dict(meta or {}), "arrays": specs}).encode()
+    return header, views, offset
+
+
+def encoded_nbytes(meta: Mapping[str, Any] | None = None,
+                   arrays: Mapping[str, Any] | None = None) -> int:
+    """The bytes ``encode(meta, arrays)`` yields in all (prefix, header, padded payload).
+
+    Example:
+        >>> msg = ({"step": 1}, {"w": np.ones(3)})
+        >>> encoded_nbytes(*msg) == sum(len(c) for c in encode(*msg))
+        True
+    """
+    header, _, payload = _layout(meta, arrays)
+    return _PREFIX.size + len(header) + payload
+
+
 def encode(
     meta: Mapping[str, Any] | None = None,
     arrays: Mapping[str, Any] | None = None,
@@ -127,20 +160,7 @@ def encode(
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    specs = []
-    views: list[Any] = []
-    offset = 0
-    for name, x in (arrays or {}).items():
-        arr = _as_wire_array(x)
-        pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
-        if pad and arr.nbytes:
-            views.append(memoryview(bytes(pad)))
-            offset += pad
-        specs.append([name, dtype_name(arr.dtype), list(arr.shape), offset, arr.nbytes])
-        offset += arr.nbytes
-        if arr.nbytes:
-            views.append(memoryview(arr.reshape(-1).view(np.uint8)))
-    header = json.dumps({"meta": dict(meta or {}), "arrays": specs}).encode()
+    header, views, offset = _layout(meta, arrays)
     # Each payload byte is copied once, straight from the array into the chunk gRPC sends:
     # full chunks are slices of one array; only the pieces that share a chunk (the header,
     # small arrays, the ends of large ones) are joined.
@@ -214,7 +234,7 @@ def decode(
         raise WireError(f"header length {hlen} runs past the first chunk's "
                         f"{len(first) - start} bytes after the prefix")
     header = _parse_header(first[start : start + hlen])
-    specs = [_check_spec(s, total) for s in header["arrays"]]
+    specs = check_specs(header["arrays"], total)
     got = len(first) - start - hlen
     if got > total:
         raise WireError(f"first chunk carries {got} payload bytes, message declares {total}")
@@ -257,24 +277,37 @@ def _bounded_int(text: str) -> int:
     return value
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise WireError(f"the key {key[:100]!r} appears twice in one object: each "
+                                f"name (a variable, a field) may appear once")
+            seen.add(key)
+    return out
+
+
 def loads_header(raw: bytes | bytearray) -> Any:
-    """Parses a message's JSON header with every integer bounded.
+    """Parses a message's JSON header with every integer bounded and every key unique.
 
     Integers must fit a signed 64-bit integer, so no field of any request can carry a number
     the server would keep, compare or format at unbounded cost (``10**4000`` as a version,
     say). Floats (``NaN`` included) are left to the field that reads them, which checks its
-    range.
+    range. An object that names a key twice (``{"versions": {"w": 1, "w": 2}}``, which JSON
+    parsers resolve differently) is refused.
 
     Raises:
-        WireError: the text is not JSON, nests too deeply, or carries such an integer; the
-            message names it.
+        WireError: the text is not JSON, nests too deeply, carries such an integer, or names
+            a key twice in one object; the message names it.
 
     Example:
         >>> loads_header(b'{"versions": {"w": 3}}')
         {'versions': {'w': 3}}
     """
     try:
-        return json.loads(bytes(raw), parse_int=_bounded_int)
+        return json.loads(bytes(raw), parse_int=_bounded_int, object_pairs_hook=_unique_keys)
     except WireError:
         raise
     except (ValueError, RecursionError) as e:
@@ -326,6 +359,26 @@ def _check_spec(spec: Any, total: int) -> tuple[str, np.dtype, tuple[int, ...], 
     return name, dt, tuple(shape), off, nbytes
 
 
+def check_specs(specs: list[Any], total: int) -> list[tuple[str, np.dtype, tuple[int, ...],
+                                                            int, int]]:
+    """Every array spec of a header checked against the payload (``_check_spec``), each name
+    once: a message naming an array twice (a push carrying two gradients for one variable)
+    is refused before any array is used.
+
+    Raises:
+        WireError: a bad spec, or a name given twice (the message names it).
+    """
+    checked = [_check_spec(s, total) for s in specs]
+    if len({s[0] for s in checked}) != len(checked):
+        seen: set[str] = set()
+        for name, *_ in checked:
+            if name in seen:
+                raise WireError(f"array {name[:100]!r} appears twice in the message: each "
+                                f"name (a variable) may appear once")
+            seen.add(name)
+    return checked
+
+
 def message_nbytes(arrays: Mapping[str, Any]) -> int:
     """Payload bytes the arrays of a message take on the wire."""
     return sum(np.asarray(x).nbytes for x in arrays.values())
@@ -336,10 +389,12 @@ __all__ = [
     "MessageTooLargeError",
     "MAX_WIRE_INT",
     "WireError",
+    "check_specs",
     "decode",
     "dtype_from_name",
     "dtype_name",
     "encode",
+    "encoded_nbytes",
     "loads_header",
     "message_nbytes",
 ]
