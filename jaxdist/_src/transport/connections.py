@@ -49,6 +49,7 @@ import heapq
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -212,7 +213,14 @@ def grpc_options(limits: ConnectionLimits) -> list[tuple[str, Any]]:
 
 
 # ---------------------------------------------------------------------- the gate
-_TCP_INFO_LEN = 104
+_TCP_INFO_LEN = 136  # through tcpi_bytes_received (Linux 4.1)
+#: A connection that has received this many bytes has, as far as the gate can tell, finished
+#: its TLS handshake (a client's side of a mutual-TLS handshake is about 2 KiB: its hello, its
+#: certificate, its proof; an idle or half-TLS connection has received 0 or 5 bytes): it is
+#: closed after every connection that has not, whatever their idle times. (A plaintext
+#: connection has received about 460 bytes after its first call: the idle time alone ranks it
+#: until it has received more.)
+ESTABLISHED_BYTES = 1024
 _TCP_ESTABLISHED = 1
 
 
@@ -224,39 +232,58 @@ class _Watched:
     closed: int = 0  # connections the gate shut down
 
 
+def _socket_fds() -> dict[int, int]:
+    """The process's socket descriptors: fd -> the socket's inode."""
+    out = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode):
+            out[fd] = st.st_ino
+    return out
+
+
+def _classify(fd: int) -> tuple[int, str] | None:
+    """``(local port, peer address)`` of a connected TCP socket; None for anything else."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if dup.type != socket.SOCK_STREAM or dup.family not in (socket.AF_INET,
+                                                                socket.AF_INET6):
+            return None
+        return dup.getsockname()[1], dup.getpeername()[0]
+    except OSError:
+        return None
+    finally:
+        dup.close()
+
+
 def _port_sockets(ports: set[int]) -> Iterator[tuple[int, socket.socket]]:
     """``(port, duplicate)`` for each connected TCP socket of this process whose local port
     is in ``ports`` (the caller closes each duplicate)."""
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return
-    for name in fds:
-        fd = int(name)
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
+    for fd in _socket_fds():
+        got = _classify(fd)
+        if got is None or got[0] not in ports:
             continue
         try:
-            if dup.type != socket.SOCK_STREAM or dup.family not in (socket.AF_INET,
-                                                                    socket.AF_INET6):
-                dup.close()
-                continue
-            port = dup.getsockname()[1]
+            yield got[0], socket.socket(fileno=os.dup(fd))
         except OSError:
-            dup.close()
             continue
-        if port in ports:
-            yield port, dup
-        else:
-            dup.close()
 
 
-def _peer_and_idle(sock: socket.socket) -> tuple[str, float] | None:
-    """The peer's address and seconds since data last went either way; None: not an
-    established connection (the listener, one closing)."""
+def _peer_and_idle(sock: socket.socket) -> tuple[str, tuple[int, float]] | None:
+    """The peer's address and the connection's place in the order of closing: ``(0 if it has
+    received ``ESTABLISHED_BYTES`` else 1, seconds since data last went either way)``, the
+    largest closed first; None: not an established connection (the listener, one closing)."""
     try:
         host = sock.getpeername()[0]
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
@@ -265,7 +292,8 @@ def _peer_and_idle(sock: socket.socket) -> tuple[str, float] | None:
     if info[0] != _TCP_ESTABLISHED:
         return None
     last_sent, _, last_recv = struct.unpack_from("<III", info, 44)
-    return host, min(last_sent, last_recv) / 1000.0
+    received = struct.unpack_from("<Q", info, 128)[0] if len(info) >= 136 else 0
+    return host, (0 if received >= ESTABLISHED_BYTES else 1, min(last_sent, last_recv) / 1000)
 
 
 class ConnectionGate:
@@ -275,6 +303,8 @@ class ConnectionGate:
     starts and ``unwatch``es it when it stops. Per port: a peer address holding more than
     ``max_connections_per_peer`` loses its most idle connections; more than three quarters
     of the port's cap, and the most idle connections of the port are closed down to that.
+    Connections that look unauthenticated (fewer than ``ESTABLISHED_BYTES`` received) go
+    before the others.
 
     Example:
         >>> gate = ConnectionGate.shared()
@@ -291,6 +321,8 @@ class ConnectionGate:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        # a socket's inode -> (local port, peer address), or None: not a TCP connection
+        self._known: dict[int, tuple[int, str] | None] = {}
 
     @classmethod
     def shared(cls) -> ConnectionGate:
@@ -336,35 +368,64 @@ class ConnectionGate:
                     log.exception("connection gate: sweep failed")
 
     def sweep(self, ports: dict[int, _Watched]) -> None:
-        """One look at ``ports``: shuts down the connections past their caps."""
-        conns: dict[int, list[tuple[float, str, socket.socket]]] = {p: [] for p in ports}
-        socks = []
+        """One look at ``ports``: shuts down the connections past their caps.
+
+        A socket's port and peer are read once (cached by its inode); its idle time is read
+        only when its port is over a cap, so a sweep below the caps costs an ``fstat`` per
+        descriptor.
+        """
+        fds = _socket_fds()
+        known = self._known
+        seen: dict[int, tuple[int, str] | None] = {}
+        by_port: dict[int, list[int]] = {p: [] for p in ports}
+        for fd, inode in fds.items():
+            if inode in known:
+                got = known[inode]
+            else:
+                got = _classify(fd)
+                if got is not None and got[0] == 0:
+                    continue  # not bound yet: look again next time
+            seen[inode] = got
+            if got is not None and got[0] in by_port:
+                by_port[got[0]].append(fd)
+        self._known = seen  # forgets the sockets that are gone
+        for port, port_fds in by_port.items():
+            w = ports[port]
+            if len(port_fds) <= min(w.limits.max_connections_per_peer, w.cap * 3 // 4):
+                continue  # under every cap, whatever the addresses
+            self._trim(w, port_fds)
+
+    def _trim(self, w: _Watched, port_fds: list[int]) -> None:
+        socks, items = [], []
         try:
-            for port, dup in _port_sockets(set(ports)):
+            for fd in port_fds:
+                try:
+                    dup = socket.socket(fileno=os.dup(fd))
+                except OSError:
+                    continue
                 socks.append(dup)
                 got = _peer_and_idle(dup)
                 if got is not None:
-                    conns[port].append((got[1], got[0], dup))
-            for port, items in conns.items():
-                w = ports[port]
-                victims = self._victims(items, w)
-                for *_, dup in victims:
-                    with contextlib.suppress(OSError):
-                        dup.shutdown(socket.SHUT_RDWR)
-                if victims:
-                    with self._lock:
-                        w.closed += len(victims)
-                    log.info("%s: closed %d idle connections past the connection caps "
-                             "(max_connections_per_peer=%d, max_connections=%d)", w.name,
-                             len(victims), w.limits.max_connections_per_peer, w.cap)
+                    items.append((got[1], got[0], dup))
+            victims = self._victims(items, w)
+            for *_, dup in victims:
+                with contextlib.suppress(OSError):
+                    dup.shutdown(socket.SHUT_RDWR)
+            if victims:
+                with self._lock:
+                    w.closed += len(victims)
+                log.info("%s: closed %d idle connections past the connection caps "
+                         "(max_connections_per_peer=%d, max_connections=%d)", w.name,
+                         len(victims), w.limits.max_connections_per_peer, w.cap)
         finally:
             for s in socks:
                 s.close()
 
     @staticmethod
-    def _victims(items: list[tuple[float, str, socket.socket]],
-                 w: _Watched) -> list[tuple[float, str, socket.socket]]:
-        per_peer: dict[str, list[tuple[float, str, socket.socket]]] = {}
+    def _victims(items: list[tuple[Any, str, Any]], w: _Watched) -> list[tuple[Any, str, Any]]:
+        """Which of ``items`` (``(order, peer, socket)``, ``_peer_and_idle``'s order: the
+        largest first) to close."""
+        per_peer: dict[str, list[tuple[Any, str, Any]]] = {}
         for item in items:
             per_peer.setdefault(item[1], []).append(item)
         victims, kept = [], []
