@@ -22,8 +22,8 @@ options do:
 
 The gRPC ports also enforce keepalive pings (a client may ping at most every 60 s with no
 call in flight, two strikes and its connection is closed: ``grpc.http2.max_ping_strikes``)
-and ping a silent client every 60 s, closing a connection whose peer does not answer within
-20 s (a host that vanished).
+and, while a call is in flight, ping the client every 60 s, closing the connection when it
+does not answer within 20 s (a host that vanished).
 
 gRPC has no per-address cap, and no choice of which connection to close when full:
 ``ConnectionGate`` is one daemon thread per process that, every ``GATE_SECONDS``, lists the
@@ -181,7 +181,11 @@ _raised = False
 
 def raise_open_files_limit() -> None:
     """Raises the soft open-files limit to the hard one (at most ``MAX_NOFILE``), once per
-    process, silently (a limit that cannot be raised stays as it is)."""
+    process, silently (a limit that cannot be raised stays as it is).
+
+    Example:
+        >>> raise_open_files_limit()   # bind_server calls it
+    """
     global _raised
     if _raised:
         return
