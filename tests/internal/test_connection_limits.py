@@ -240,6 +240,37 @@ def test_a_flood_of_the_worker_grpc_port_passes_and_its_sockets_close():
         server.stop(0)
 
 
+def test_an_authenticated_connection_without_calls_closes_after_the_idle_timeout(pki):
+    """``idle_seconds`` (gRPC's max_connection_idle): the server closes a client's connection
+    that carries no call, and the client's next call reconnects."""
+    from jaxdist._src.transport.connections import _port_sockets
+
+    server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token=TOKEN,
+                             tls=pki.identities["ps"], direct_transport=False,
+                             connections=ConnectionLimits(idle_seconds=1.0)).start()
+    client = PSClient([server.address], TOKEN, timeout=10, tls=pki.identities["client"])
+
+    def server_sockets():
+        socks = [s for _, s in _port_sockets({server.port})]
+        for s in socks:
+            s.close()
+        return len(socks)
+
+    try:
+        client.call(0, "Ping")
+        assert server_sockets() == 1
+        t0 = time.monotonic()
+        while server_sockets() and time.monotonic() - t0 < 5.0:
+            time.sleep(0.1)
+        closed_after = time.monotonic() - t0
+        assert server_sockets() == 0, "the idle connection is still open"
+        assert closed_after < 3.0
+        assert client.call(0, "Ping")[0]["task"] == "ps:0"
+    finally:
+        client.close()
+        server.stop(0)
+
+
 def _open(sock, within=1.0):
     """True if the server has not closed ``sock`` within ``within`` seconds."""
     sock.settimeout(within)
