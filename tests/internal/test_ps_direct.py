@@ -18,7 +18,7 @@ from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSAuthenticationError, PSInvalidArgumentError, PSNotFoundError
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
-from jaxdist._src.transport import direct, direct_server
+from jaxdist._src.transport import direct
 from jaxdist._src.transport.limits import ServerLimits
 from jaxdist._src.transport.memory import RECEIVE_POOL
 
@@ -195,7 +195,7 @@ def test_a_stalled_request_is_cut_after_max_call_seconds():
 
 
 def test_a_silent_connection_is_closed_after_the_handshake_deadline(monkeypatch):
-    monkeypatch.setattr(direct_server, "HANDSHAKE_SECONDS", 0.5)
+    monkeypatch.setenv("JAXDIST_HANDSHAKE_SECONDS", "0.5")
     server = _serve()
     try:
         sock = _connect(server, token=None)

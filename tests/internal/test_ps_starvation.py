@@ -167,7 +167,7 @@ def _closed(sock, within=10.0):
 
 def test_connections_that_never_authenticate_take_no_direct_slot(pki, monkeypatch):
     monkeypatch.setattr(direct_server, "MAX_HANDSHAKES", 32)
-    monkeypatch.setattr(direct_server, "HANDSHAKE_SECONDS", 120.0)  # only the cap closes them
+    monkeypatch.setenv("JAXDIST_HANDSHAKE_SECONDS", "120")  # only the cap closes them
     server = _server(pki)
     stallers = []
     healthy = PSClient([server.address], TOKEN, timeout=10, tls=pki.identities["client"])

@@ -133,10 +133,12 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
 
     Every connection is served at once, by one event loop over non-blocking sockets, and must
     finish its TLS handshake and its proof within ``HANDSHAKE_SECONDS`` of being accepted
-    (else it is closed): a connection that never sends, or sends slowly, holds nothing but
-    its own socket, and a real process is answered as soon as its bytes arrive. At most
-    ``MAX_PENDING`` connections wait at once; past that the oldest is closed (a real
-    process reconnects).
+    (``JAXDIST_HANDSHAKE_SECONDS`` when set; else it is closed): a connection that never
+    sends, or sends slowly, holds nothing but its own socket, and a real process is answered
+    as soon as its bytes arrive. At most ``MAX_PENDING`` connections wait at once, and at most
+    ``MAX_PENDING_PER_PEER`` of one address (or ``JAXDIST_MAX_CONNECTIONS_PER_PEER``, if
+    smaller); past either the oldest of them is closed (a real process reconnects), so a flood
+    from one address pushes out only its own connections.
 
     Args:
         group: the ``ProcessGroup`` (``tasks``, ``num_processes``, ``coordination_address``).
@@ -154,6 +156,8 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
     """
     material = _tls_material() if tls_material == "auto" else tls_material
     ctx = _server_context(material)
+    seconds = _env_limit(HANDSHAKE_SECONDS_ENV, float) or HANDSHAKE_SECONDS
+    per_peer = min(MAX_PENDING_PER_PEER, _env_limit(PER_PEER_ENV, int) or MAX_PENDING_PER_PEER)
     key, gdig = token.encode(), group_digest(group)
     host, port = _split(bind_address or group.coordination_bind_address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -190,12 +194,12 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                     tasks=missing, timeout_seconds=timeout)
             for j in [j for j in pending.values() if j.deadline <= now]:
                 log.info("%s: closed the handshake with %s: it did not finish within %g s",
-                         group.name, j.who, HANDSHAKE_SECONDS)
+                         group.name, j.who, seconds)
                 drop(j)
             wake = min([deadline, now + 1.0, *(j.deadline for j in pending.values())])
             for sk, _ in sel.select(max(0.0, wake - now)):
                 if sk.data is None:
-                    _accept(listener, ctx, sel, pending, drop)
+                    _accept(listener, ctx, sel, pending, drop, seconds, per_peer)
                     continue
                 j = sk.data
                 try:
@@ -236,10 +240,28 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
 
 HANDSHAKE_SECONDS = 10.0  # a connection's whole handshake (TLS and proof) must fit in this
 MAX_PENDING = 256  # connections waiting at once in the handshake (past it: the oldest closes)
+MAX_PENDING_PER_PEER = 64  # ... of them from one address (past it: its oldest closes)
+# The variables of jaxdist._src.transport.connections.ConnectionLimits (the other ports').
+HANDSHAKE_SECONDS_ENV = "JAXDIST_HANDSHAKE_SECONDS"
+PER_PEER_ENV = "JAXDIST_MAX_CONNECTIONS_PER_PEER"
+
+
+def _env_limit(name: str, kind: type) -> Any:
+    """A positive number from the environment variable ``name``; None when unset."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}")
+    return value
 
 
 def _accept(listener: socket.socket, ctx: ssl.SSLContext | None, sel: Any,
-            pending: dict[int, _Joiner], drop: Any) -> None:
+            pending: dict[int, _Joiner], drop: Any, seconds: float, per_peer: int) -> None:
     """Accepts every connection waiting on ``listener`` into the event loop."""
     while True:
         try:
@@ -252,7 +274,10 @@ def _accept(listener: socket.socket, ctx: ssl.SSLContext | None, sel: Any,
                 drop(min(pending.values(), key=lambda j: j.deadline))
             return
         conn.setblocking(False)
-        if len(pending) >= MAX_PENDING:
+        mine = [j for j in pending.values() if j.host == peer[0]]
+        if len(mine) >= per_peer:
+            drop(min(mine, key=lambda j: j.deadline))
+        elif len(pending) >= MAX_PENDING:
             drop(min(pending.values(), key=lambda j: j.deadline))
         try:
             if ctx is not None:
@@ -260,7 +285,7 @@ def _accept(listener: socket.socket, ctx: ssl.SSLContext | None, sel: Any,
         except (OSError, ssl.SSLError):
             conn.close()
             continue
-        j = _Joiner(conn, f"{peer[0]}:{peer[1]}", ctx is not None)
+        j = _Joiner(conn, peer[0], peer[1], ctx is not None, seconds)
         pending[j.fd] = j
         sel.register(conn, j.events, j)
 
@@ -273,12 +298,12 @@ class _Joiner:
     ``False`` (refused; already told ``NO``).
     """
 
-    __slots__ = ("sock", "fd", "who", "deadline", "stage", "inbuf", "out", "pid", "theirs",
-                 "mine", "events", "after_send")
+    __slots__ = ("sock", "fd", "host", "who", "deadline", "stage", "inbuf", "out", "pid",
+                 "theirs", "mine", "events", "after_send")
 
-    def __init__(self, sock: socket.socket, who: str, tls: bool):
-        self.sock, self.fd, self.who = sock, sock.fileno(), who
-        self.deadline = time.monotonic() + HANDSHAKE_SECONDS
+    def __init__(self, sock: socket.socket, host: str, port: int, tls: bool, seconds: float):
+        self.sock, self.fd, self.host, self.who = sock, sock.fileno(), host, f"{host}:{port}"
+        self.deadline = time.monotonic() + seconds
         self.stage = "tls" if tls else "hello"
         self.inbuf, self.out = b"", b""
         self.pid, self.theirs, self.mine = 0, b"", b""

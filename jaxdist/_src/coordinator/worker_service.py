@@ -83,6 +83,7 @@ from jaxdist._src.coordinator.signing import (
 )
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, lookup_resource, set_current
 from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.direct_server import CallFailed, DirectServer
 from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, GrpcTaskServer, bind_server
 from jaxdist._src.transport.limits import ServerLimits
@@ -578,6 +579,8 @@ class WorkerServer(GrpcTaskServer):
             ``JAXDIST_COORDINATOR_DIRECT=0``. Its limits are the ps direct port's
             (``JAXDIST_PS_MAX_REQUEST_BYTES``: larger requests go over gRPC;
             ``JAXDIST_PS_MAX_CALL_SECONDS``: to receive a request, and to send each answer).
+        connections: what connections may hold on both ports (default
+            ``ConnectionLimits.from_env()``, see ``jaxdist._src.transport.connections``).
 
     Raises:
         ValueError: no coordinator credential configured.
@@ -588,7 +591,8 @@ class WorkerServer(GrpcTaskServer):
     def __init__(self, runtime: WorkerRuntime, address: str,
                  coordinator: WorkerCredential | str | None = None,
                  max_workers: int = 8, *, tls: TLSConfig | str | None = None,
-                 direct_transport: bool | None = None):
+                 direct_transport: bool | None = None,
+                 connections: ConnectionLimits | None = None):
         credential = worker_credential(runtime.name, coordinator)
         if credential is None:
             raise ValueError(
@@ -604,15 +608,16 @@ class WorkerServer(GrpcTaskServer):
         self.service = WorkerService(runtime)
         self._verifier = RequestVerifier(credential, runtime.name, self.service.incarnation)
         set_current(runtime)
+        self.connection_limits = connections or ConnectionLimits.from_env()
         self._server, self.address = bind_server(
             runtime.name, address, SERVICE_NAME, METHODS, self._make_handler, max_workers,
-            "jaxdist-worker", tls=self.tls)
+            "jaxdist-worker", tls=self.tls, connections=self.connection_limits)
         use_direct = direct_enabled() if direct_transport is None else direct_transport
         self.direct = DirectServer(
             runtime.name, self.address.rsplit(":", 1)[0], b"", self.tls,
             ServerLimits.from_env(), self._refuse_direct, self.service.incarnation,
             authenticate=self._direct_credential, stream=self._direct_stream,
-            stream_methods=frozenset({"RunClosures"}),
+            stream_methods=frozenset({"RunClosures"}), connections=self.connection_limits,
             # Only the chief's signed credential authenticates here: one peer, every slot.
             max_connections_per_peer=64) if use_direct else None
         self._init_lifecycle()

@@ -34,6 +34,7 @@ from jaxdist._src.ps.errors import (
 )
 from jaxdist._src.ps.service import ParameterService
 from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.direct_server import CallFailed, DirectServer
 from jaxdist._src.transport.grpc_util import (
     CHANNEL_OPTIONS,
@@ -64,6 +65,9 @@ class ParameterServer(GrpcTaskServer):
         direct_transport: also serve the direct socket transport
             (``jaxdist._src.transport.direct``) on a second port of the same host, with the
             same TLS, token and limits (default: on unless ``JAXDIST_PS_DIRECT=0``).
+        connections: what connections may hold on both ports (handshake deadline, idle
+            timeout, caps; default ``ConnectionLimits.from_env()``, see
+            ``jaxdist._src.transport.connections``).
 
     The server confines ``Save`` / ``Restore`` to the service's checkpoint root (see
     ``ParameterService``): a request naming a directory outside it is refused.
@@ -75,13 +79,15 @@ class ParameterServer(GrpcTaskServer):
 
     def __init__(self, service: ParameterService, address: str, token: str | None,
                  max_workers: int = 16, *, tls: TLSConfig | str | None = None,
-                 limits: ServerLimits | None = None, direct_transport: bool | None = None):
+                 limits: ServerLimits | None = None, direct_transport: bool | None = None,
+                 connections: ConnectionLimits | None = None):
         self.service = service
         self._token = require_token(token, service.task, "a parameter server refuses requests "
                                     "without it")
         self.tls = resolve_tls(tls, service.task)
         self.limits = limits or ServerLimits.from_env(max_workers=max_workers)
         self._guard = CallGuard(service.task, self.limits)
+        self.connection_limits = connections or ConnectionLimits.from_env()
         service.confine_checkpoints()
         service.max_wait_seconds = self.limits.max_call_seconds
         tune_malloc()
@@ -91,12 +97,14 @@ class ParameterServer(GrpcTaskServer):
                     min(self.limits.max_request_bytes + (1 << 20), 2**31 - 1))]
         self._server, self.address = bind_server(
             service.task, address, protocol.SERVICE_NAME, protocol.METHODS, self._make_handler,
-            max_workers, "jaxdist-ps", options=options, tls=self.tls)
+            max_workers, "jaxdist-ps", options=options, tls=self.tls,
+            connections=self.connection_limits)
         self.port = int(self.address.rsplit(":", 1)[1])
         use_direct = direct.enabled() if direct_transport is None else direct_transport
         self.direct = DirectServer(
             service.task, self.address.rsplit(":", 1)[0], self._token, self.tls, self.limits,
-            self._run_direct, service.incarnation) if use_direct else None
+            self._run_direct, service.incarnation,
+            connections=self.connection_limits) if use_direct else None
         self._init_lifecycle()
 
     def start(self):

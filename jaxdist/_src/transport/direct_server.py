@@ -1,17 +1,19 @@
 """The server side of the direct transport (``jaxdist._src.transport.direct``): the second port.
 
-One thread accepts connections; each connection gets its own thread. A connection must
-finish its TLS handshake and present the credential within ``HANDSHAKE_SECONDS``; at most
-``MAX_HANDSHAKES`` connections may be in that phase at once (past it the oldest is closed), and
-none of them takes one of the ``max_connections`` serving slots: a connection takes a slot
-only once it has authenticated, so connections that never authenticate cannot keep a client
-off the port. An authenticated peer (its TLS certificate; in plaintext, each connection) holds
-at most ``max_connections_per_peer`` slots. When every slot is taken, a connection idle for
-longer than ``EVICT_IDLE_SECONDS`` (longer than a client reuses a pooled connection, so no
-client is about to send on it) is closed to make room; if none is, the newcomer is refused
-with ``RESOURCE_EXHAUSTED`` and its client uses gRPC. A connection idle for ``IDLE_SECONDS``
-is closed. Each call is bounded by ``ServerLimits.max_call_seconds`` from the first byte of
-its request to the last byte of its response. Malformed frames, a payload over
+One thread accepts connections; each connection gets its own thread. A connection must finish
+its TLS handshake and present the credential within ``handshake_seconds``
+(``ConnectionLimits``, ``HANDSHAKE_SECONDS`` by default); at most ``MAX_HANDSHAKES``
+connections may be in that phase at once, and at most ``max_pending_per_peer`` of one peer
+address (past either, the oldest of them is closed: a flood from one address pushes out only
+its own), and none of them takes one of the ``max_connections`` serving slots: a connection
+takes a slot only once it has authenticated, so connections that never authenticate cannot keep
+a client off the port. An authenticated peer (its TLS certificate; in plaintext, each
+connection) holds at most ``max_connections_per_peer`` slots. When every slot is taken, a
+connection idle for longer than ``EVICT_IDLE_SECONDS`` (longer than a client reuses a pooled
+connection, so no client is about to send on it) is closed to make room; if none is, the
+newcomer is refused with ``RESOURCE_EXHAUSTED`` and its client uses gRPC. A connection idle for
+``IDLE_SECONDS`` is closed. Each call is bounded by ``ServerLimits.max_call_seconds`` from the
+first byte of its request to the last byte of its response. Malformed frames, a payload over
 ``max_request_bytes`` (checked before allocation) or a wrong token get an error frame with the
 gRPC path's status and message, then the connection is closed.
 
@@ -30,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import functools
 import hmac
 import logging
@@ -43,6 +46,7 @@ from typing import Any
 
 from jaxdist._src.cluster.tls import TLSConfig, check_plaintext_allowed
 from jaxdist._src.transport import direct, wire
+from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY
 from jaxdist._src.transport.limits import ServerLimits, certificate_identity
 
@@ -81,6 +85,9 @@ class DirectServer:
         stream: ``stream(method, meta, arrays, active) -> iterator of (meta, arrays)`` serves
             the methods in ``stream_methods``; raises ``CallFailed``.
         stream_methods: the methods answered by ``stream``.
+        connections: the handshake deadline and the per-address cap on connections
+            authenticating at once (``max_connections_per_peer``, at most half of
+            ``MAX_HANDSHAKES``); default ``ConnectionLimits.from_env()``.
     """
 
     def __init__(self, task: str, host: str, token: bytes, tls: TLSConfig | None,
@@ -90,19 +97,24 @@ class DirectServer:
                  authenticate: Callable[[Any], CallFailed | None] | None = None,
                  stream: Callable[[str, dict, dict, Callable[[], bool]],
                                   Iterator[tuple[dict, dict]]] | None = None,
-                 stream_methods: frozenset[str] = frozenset()):
+                 stream_methods: frozenset[str] = frozenset(),
+                 connections: ConnectionLimits | None = None):
         if tls is None:
             check_plaintext_allowed(task, f"{host}:0")
         self.task, self._token, self.limits, self._run = task, token, limits, run
         self._authenticate = authenticate or self._check_token
         self._stream, self._stream_methods = stream, frozenset(stream_methods)
         self._incarnation = incarnation
+        connections = connections or ConnectionLimits.from_env()
+        self.handshake_seconds = connections.handshake_seconds
+        self.max_pending_per_peer = min(connections.max_connections_per_peer,
+                                        MAX_HANDSHAKES // 2)
         self._ctx = direct.server_context(tls) if tls is not None else None
         bind_host = host.strip("[]")
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.bind((bind_host, 0))
-        self._sock.listen(64)
+        self._sock.listen(1024)
         self._sock.settimeout(0.5)
         self.port = self._sock.getsockname()[1]
         self.max_connections = max_connections
@@ -111,7 +123,8 @@ class DirectServer:
                                          else max_connections_per_peer)
         self._stopped = threading.Event()
         self._conns: dict[socket.socket, int] = {}  # raw socket -> its file descriptor
-        self._handshaking: dict[socket.socket, float] = {}  # raw socket -> accepted at
+        # raw socket -> (accepted at, peer address) while it authenticates
+        self._handshaking: dict[socket.socket, tuple[float, str]] = {}
         self._served: dict[socket.socket, list] = {}  # raw socket -> [peer, idle since|None]
         self.refused = 0  # authenticated connections refused for want of a slot
         self._lock = threading.Lock()
@@ -136,28 +149,39 @@ class DirectServer:
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                raw, _ = self._sock.accept()
+                raw, address = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as e:
+                if self._stopped.is_set() or e.errno not in (errno.EMFILE, errno.ENFILE):
+                    return
+                time.sleep(0.05)  # out of file descriptors: handshakes end or give way
+                continue
+            host = address[0]
             with self._lock:
-                if len(self._handshaking) >= MAX_HANDSHAKES:
-                    oldest = min(self._handshaking, key=self._handshaking.__getitem__)
-                    del self._handshaking[oldest]
-                    _shutdown(self._conns[oldest])  # its thread ends at once
-                self._handshaking[raw] = time.monotonic()
+                mine = [r for r, (_, h) in self._handshaking.items() if h == host]
+                if len(mine) >= self.max_pending_per_peer:
+                    self._drop_handshake(min(mine, key=lambda r: self._handshaking[r][0]))
+                elif len(self._handshaking) >= MAX_HANDSHAKES:
+                    self._drop_handshake(min(self._handshaking,
+                                             key=lambda r: self._handshaking[r][0]))
+                self._handshaking[raw] = (time.monotonic(), host)
                 self._conns[raw] = raw.fileno()
             threading.Thread(target=self._serve, args=(raw,), daemon=True,
                              name=f"jaxdist-direct-conn-{self.task}").start()
+
+    def _drop_handshake(self, raw: socket.socket) -> None:
+        """Closes a connection still authenticating (under the lock); its thread ends."""
+        del self._handshaking[raw]
+        _shutdown(self._conns[raw])
 
     # ------------------------------------------------------------------ one connection
     def _serve(self, raw: socket.socket) -> None:
         sock: Any = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = time.monotonic() + HANDSHAKE_SECONDS
-            raw.settimeout(HANDSHAKE_SECONDS)
+            deadline = time.monotonic() + self.handshake_seconds
+            raw.settimeout(self.handshake_seconds)
             if self._ctx is not None:
                 sock = self._ctx.wrap_socket(raw, server_side=True)
             direct.send_frame(sock, direct.HELLO, {"task": self.task,

@@ -18,6 +18,12 @@ from typing import Any
 import grpc
 
 from jaxdist._src.cluster.tls import TLSConfig, add_port, open_channel
+from jaxdist._src.transport.connections import (
+    ConnectionGate,
+    ConnectionLimits,
+    grpc_options,
+    raise_open_files_limit,
+)
 
 # Each method is served twice: under ``service_name`` as a bidirectional stream of chunks, and
 # under ``service_name + UNARY_SUFFIX`` taking a request of one chunk (most requests: pulls,
@@ -85,11 +91,16 @@ def bind_server(
     options: Sequence[tuple[str, Any]] | None = None,
     *,
     tls: TLSConfig | None,
+    connections: ConnectionLimits | None = None,
 ) -> tuple[grpc.Server, str]:
     """A gRPC server with one bidirectional-stream handler per method, bound to ``address``.
 
     ``tls`` is the task's mutual-TLS identity (clients must present a certificate signed by
     its CA); ``None`` serves plaintext, which ``jaxdist._src.cluster.tls`` allows only on loopback.
+    ``connections`` bounds the port's connections (handshake deadline, idle timeout, total
+    cap; default ``ConnectionLimits.from_env()``, see ``jaxdist._src.transport.connections``);
+    ``GrpcTaskServer.start`` adds the per-address cap and the idle-first drop. The soft
+    open-files limit is raised to the hard one first.
 
     Returns:
         ``(server, "host:port")`` with the port actually bound (``address`` may say port 0).
@@ -105,9 +116,11 @@ def bind_server(
     """
     if ":" not in address:
         raise ValueError(f"{task}: address {address!r} is not host:port")
+    raise_open_files_limit()
+    limits = ConnectionLimits.from_env() if connections is None else connections
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_prefix),
-        options=CHANNEL_OPTIONS if options is None else list(options),
+        options=[*(CHANNEL_OPTIONS if options is None else options), *grpc_options(limits)],
     )
     streaming, unary = {}, {}
     for m in methods:
@@ -202,8 +215,10 @@ class ChunkStubs:
 class GrpcTaskServer:
     """Start / stop / wait of a task's gRPC server (the ps and worker servers share it).
 
-    Subclasses set ``self._server`` (from ``bind_server``) and ``self.service`` (with a
-    ``stopped`` event) and may override ``_after_stop``.
+    Subclasses set ``self._server`` (from ``bind_server``), ``self.address``,
+    ``self.connection_limits`` (what they gave ``bind_server``) and ``self.service`` (with a
+    ``stopped`` event) and may override ``_after_stop``. While the server runs,
+    ``ConnectionGate`` watches its port.
 
     Example:
         >>> import os
@@ -219,6 +234,8 @@ class GrpcTaskServer:
 
     _server: grpc.Server
     service: Any
+    address: str
+    connection_limits: ConnectionLimits
     _stop_wait_seconds: float = 5.0
 
     def _init_lifecycle(self) -> None:
@@ -227,6 +244,9 @@ class GrpcTaskServer:
 
     def start(self):
         self._server.start()
+        task = getattr(self.service, "task", "?")
+        ConnectionGate.shared().watch(int(self.address.rsplit(":", 1)[1]), f"{task} gRPC",
+                                      self.connection_limits)
         return self
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -235,6 +255,7 @@ class GrpcTaskServer:
             if self._stopped.is_set():
                 return
             self.service.stopped.set()
+            ConnectionGate.shared().unwatch(int(self.address.rsplit(":", 1)[1]))
             self._server.stop(grace).wait(timeout=(grace or 0) + self._stop_wait_seconds)
             self._stopped.set()
             self._after_stop()
