@@ -1011,7 +1011,11 @@ class _CompiledRun:
         rctx = ReplicaContext(ext._container_strategy, axes)
         if self.partial is not None:
             rctx._set_partial_batch(*self.partial)
-        with ctx_lib.enter_replica(ext._container_strategy, rctx):
+        # A loop carry started from a constant and made per-replica by the body starts
+        # per-replica (as under pmap): JAX's carry type check would refuse it otherwise.
+        carries = (jax_internals.carries_vary_over(axes) if axes is not None
+                   else contextlib.nullcontext())
+        with ctx_lib.enter_replica(ext._container_strategy, rctx), carries:
             self.traces += 1
             return self.fn(*args, **kwargs)
 
