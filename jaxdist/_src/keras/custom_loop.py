@@ -57,6 +57,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from jaxdist._src.strategies.fn_key import function_key
+
 _MAX_DEPTH = 6
 
 
@@ -182,7 +184,7 @@ def run_state_hook(fn: Callable, args: tuple, kwargs: dict) -> Any:
     variables = _variables(objects, keras)
     if not variables:
         return None
-    key = (fn, tuple(id(v) for v in variables))
+    key = (function_key(fn), tuple(id(v) for v in variables))
     try:
         step = _WRAPPERS.get(key)
     except TypeError:

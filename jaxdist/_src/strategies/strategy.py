@@ -35,6 +35,7 @@ from jaxdist._src.strategies.cross_device_ops import (
     outside_context_mesh,
     varying_axes,
 )
+from jaxdist._src.strategies.fn_key import function_key
 from jaxdist._src.strategies.inflight import StepThrottle
 from jaxdist._src.strategies.partial_rows import (
     gather_rows,
@@ -195,6 +196,9 @@ class StrategyExtended:
         # (fn, donation) -> one jax.jit over run's whole argument tuple (``_tree_call``), or
         # False once such a call missed (the flatten-and-match path serves that pair then).
         self._tree_calls: dict[Any, Any] = {}
+        # (function_key(fn), donation) -> that call, shared by the function objects of one key
+        # (a step_fn defined anew inside each train_step call: compiled once).
+        self._shared_calls: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ placement
     @property
@@ -392,7 +396,7 @@ class StrategyExtended:
         donate = getattr(self._call_options, "donate", ())
         if donate:
             donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
-        key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
+        key = (function_key(fn), treedef, tuple(kinds), tuple(statics), partial, donate)
         compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
         dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
         if tracing:
@@ -474,7 +478,15 @@ class StrategyExtended:
             return None
         call = self._tree_calls.get((fn, donate))
         if call is None:
-            call = self._tree_calls[(fn, donate)] = self._tree_call(fn, donate)
+            fkey = function_key(fn)
+            call = self._shared_calls.get((fkey, donate)) if fkey is not fn else None
+            if call is None:
+                call = self._tree_call(fn, donate)
+                if fkey is not fn:
+                    self._shared_calls[(fkey, donate)] = call
+                    while len(self._shared_calls) > _RUN_CACHE_SIZE:
+                        self._shared_calls.pop(next(iter(self._shared_calls)))
+            self._tree_calls[(fn, donate)] = call
             while len(self._tree_calls) > _RUN_CACHE_SIZE:
                 self._tree_calls.pop(next(iter(self._tree_calls)))
         return call
@@ -482,9 +494,12 @@ class StrategyExtended:
     def _compiled_versions(self, fn: Callable) -> int:
         """How many executables ``run`` holds for ``fn`` (one per argument signature): what
         tests count to check that a call compiled nothing new."""
-        count = sum(c.jitted._cache_size() for c in self._run_cache.values() if c.fn is fn)
-        return count + sum(call._cache_size() for (f, _), call in self._tree_calls.items()
-                           if f is fn and call)
+        fkey = function_key(fn)
+        count = sum(c.jitted._cache_size() for c in self._run_cache.values()
+                    if function_key(c.fn) == fkey)
+        calls = {id(call): call for (f, _), call in self._tree_calls.items()
+                 if call and function_key(f) == fkey}
+        return count + sum(call._cache_size() for call in calls.values())
 
     def _tree_call(self, fn: Callable, donate: tuple[int, ...]) -> Callable:
         """One ``jax.jit`` over ``run``'s whole argument tuple, for one process's devices.
@@ -506,7 +521,7 @@ class StrategyExtended:
             if any(hook(fn, args, {}) is not None for hook in _RUN_STATE_HOOKS):
                 raise _FastMiss
             mask = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
-            key = (fn, treedef, tuple(kinds), (), partial, mask)
+            key = (function_key(fn), treedef, tuple(kinds), (), partial, mask)
             compiled = self._lookup(key, fn, treedef, kinds, [], partial, mask)
             return compiled.raw(*dyn)
 
@@ -537,6 +552,9 @@ class StrategyExtended:
             out = call(*args)
         except (_FastMiss, TypeError, ValueError):
             self._tree_calls[(fn, donate)] = False
+            fkey = function_key(fn)
+            if fkey is not fn and (fkey, donate) in self._shared_calls:
+                self._shared_calls[(fkey, donate)] = False
             return _MISS
         marker = _last_leaf(out)
         if marker is None:
@@ -612,8 +630,11 @@ class StrategyExtended:
             warnings.warn(
                 f"strategy.run compiled {count} different function objects for "
                 f"{getattr(fn, '__qualname__', fn)!r} ({code.co_filename}:{code.co_firstlineno}): "
-                f"each new function object (e.g. a lambda or closure created inside the loop) is "
-                f"traced and compiled again. Define the step function once and reuse it.",
+                f"a function defined anew for each call shares a compiled step only when it "
+                f"captures the same objects (or equal numbers and strings); this one captures "
+                f"other values each time (e.g. an array or a new object in its closure or "
+                f"defaults), which are compiled into the step. Pass those values as arguments "
+                f"of strategy.run, or define the step function once and reuse it.",
                 stacklevel=4,
             )
 
