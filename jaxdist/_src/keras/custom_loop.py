@@ -238,11 +238,13 @@ def _padding_masked(metrics: list[Any]) -> Iterator[None]:
 
     frame = ctx_lib._top()
     rctx = None if frame is None else frame.replica_context
-    rows = None if rctx is None else getattr(rctx, "padded_rows", None)
+    # jaxdist's own reads of the row mask (the step's code did not ask: an unmasked loss in
+    # it is still warned about, see ReplicaContext.valid_rows).
+    rows = None if rctx is None else rctx._padded_rows()
     if rows is None or not metrics:
         yield
         return
-    mask = rctx.row_mask(rows)
+    mask = rctx._row_mask(rows)
 
     def masked(update):
         def update_state(*args, sample_weight=None, **kwargs):

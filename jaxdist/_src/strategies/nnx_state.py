@@ -194,7 +194,7 @@ def _sync_on_read(old_leaves: list[Any], new_state: Any) -> Any:
     frame = ctx_lib._top()
     rctx = None if frame is None else frame.replica_context
     axes = None if rctx is None else rctx.axis_name
-    partial = rctx is not None and rctx.padded_rows is not None
+    partial = rctx is not None and rctx._padded_rows() is not None  # not a user read
     kinds = _variable_kinds(new_state)
     new_leaves, treedef = jax.tree.flatten(new_state)
     out = []

@@ -38,7 +38,9 @@ from jaxdist._src.strategies.cross_device_ops import (
 from jaxdist._src.strategies.fn_key import function_key
 from jaxdist._src.strategies.inflight import StepThrottle
 from jaxdist._src.strategies.partial_rows import (
+    batch_dependent_outputs,
     gather_rows,
+    padding_warning,
     per_row_lengths,
     reduce_rows,
     wrap_outputs,
@@ -199,6 +201,7 @@ class StrategyExtended:
         # (function_key(fn), donation) -> that call, shared by the function objects of one key
         # (a step_fn defined anew inside each train_step call: compiled once).
         self._shared_calls: dict[Any, Any] = {}
+        self._padding_warned: set = set()  # functions warned about reducing padding rows
 
     # ------------------------------------------------------------------ placement
     @property
@@ -1009,6 +1012,7 @@ class _CompiledRun:
         self.kinds = tuple(kinds)
         self.statics = tuple(statics)
         self.traces = 0
+        self.row_mask_read = False  # whether the last trace of fn read the row mask
         self.jitted = jax.jit(self.raw, donate_argnums=donate)
 
     def _args(self, dyn: Sequence[Any]):
@@ -1038,7 +1042,27 @@ class _CompiledRun:
                    else contextlib.nullcontext())
         with ctx_lib.enter_replica(ext._container_strategy, rctx), carries:
             self.traces += 1
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
+        self.row_mask_read = rctx._row_mask_read
+        return out
+
+    def _check_padding(self, jaxpr: Any, dyn_kinds: Sequence[str], rows: Sequence[Any]) -> None:
+        """Warns once per function when a padded batch reaches outputs other than per-row ones
+        and the function never read the row mask (a mean over the rows would count padding)."""
+        dependent = batch_dependent_outputs(jaxpr, [k == "pr" for k in dyn_kinds])
+        outputs = [i for i, (d, r) in enumerate(zip(dependent, rows)) if d and r is None]
+        if not outputs:
+            return
+        ext = self.extended
+        key = function_key(self.fn)
+        try:
+            if key in ext._padding_warned:
+                return
+            ext._padding_warned.add(key)
+        except TypeError:  # an unhashable function: warned each time it is compiled
+            pass
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        warnings.warn(padding_warning(name, self.partial, outputs), UserWarning, stacklevel=2)
 
     def raw(self, *dyn):
         ext = self.extended
@@ -1061,7 +1085,11 @@ class _CompiledRun:
             return [x[None] for x in flat]
 
         probe_shapes = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes))
-        out_avals = jax.eval_shape(probe_shapes, *dyn)
+        if self.partial is None:
+            out_avals, probe_jaxpr = jax.eval_shape(probe_shapes, *dyn), None
+        else:  # the jaxpr too: which outputs the padded batch reaches (_check_padding)
+            probe_jaxpr, out_avals = jax.make_jaxpr(probe_shapes, return_shape=True)(*dyn)
+        mask_read = self.row_mask_read
         varying, tree = record["varying"], record["tree"]
         # A partial-batch step: which outputs are per row (partial_rows: a second abstract
         # trace with one more row tells the row axis from a size that only equals it).
@@ -1069,6 +1097,8 @@ class _CompiledRun:
             self.partial, [a.shape for a in out_avals], dyn, dyn_kinds,
             None if self.partial is None else lambda xs: jax.eval_shape(probe_shapes, *xs),
         )
+        if probe_jaxpr is not None and not mask_read:
+            self._check_padding(probe_jaxpr, dyn_kinds, rows)
 
         def body(*xs):
             flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs, axes))]
