@@ -171,3 +171,51 @@ def test_nnx_step_with_compute_average_loss_is_not_warned(strategy):
 
     _, msgs = _run_recording(strategy, unmasked, (model, xb, yb))
     assert len(msgs) == 1 and "row_mask" in msgs[0]
+
+
+def test_keras_custom_loop_and_fit_on_partial_batches_are_not_warned(strategy):
+    """The Keras custom loop of TF's tutorial (compute_average_loss; metrics masked by jaxdist)
+    and Keras' fit are not warned; the same loop with Keras' own mean reduction is."""
+    keras = pytest.importorskip("keras")
+    import jaxdist.keras
+
+    x, y, _ = _batch(strategy, rows=GLOBAL + ROWS)
+    dist = strategy.experimental_distribute_dataset(
+        jaxdist.Dataset.from_tensor_slices((x, y)).batch(GLOBAL))
+    with strategy.scope():
+        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                 reduction=None)
+        mean_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+
+    def make_step(loss_of):
+        def train_step(inputs):
+            xb, yb = inputs
+
+            def forward():
+                predictions = model(xb, training=True)
+                return loss_of(yb, predictions), predictions
+            (loss, predictions), grads = jaxdist.keras.value_and_grad(
+                forward, model.trainable_variables, has_aux=True)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(yb, predictions)
+            return loss
+        return train_step
+
+    masked = make_step(lambda yb, p: jaxdist.compute_average_loss(per_example(yb, p)))
+    unmasked = make_step(mean_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in dist:
+            strategy.run(masked, args=(batch,))
+        assert _padding_warnings(caught) == []
+        with strategy.scope():
+            fit_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            fit_model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd")
+        fit_model.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=0)
+        assert _padding_warnings(caught) == []
+        for batch in dist:
+            strategy.run(unmasked, args=(batch,))
+    assert len(_padding_warnings(caught)) == 1
