@@ -253,6 +253,28 @@ def test_step_fn_defined_inside_train_step_compiles_once(strategy):
     np.testing.assert_allclose(w, expected, rtol=1e-5)
 
 
+def test_update_function_made_anew_compiles_once(strategy):
+    """extended.update with a lambda written in the loop (TF's habit) traces once; another
+    captured number is another function."""
+    with strategy.scope():
+        w = jnp.ones(3)
+    traces = []
+
+    def make(lr):
+        def apply(v, g):
+            traces.append(1)
+            return v - lr * g
+        return apply
+
+    for _ in range(5):
+        w = strategy.extended.update(w, make(0.5), args=(jnp.ones(3),))
+    assert len(traces) == 1
+    np.testing.assert_allclose(w, np.full(3, 1 - 5 * 0.5))
+    w = strategy.extended.update(w, make(0.25), args=(jnp.ones(3),))
+    assert len(traces) == 2
+    np.testing.assert_allclose(w, np.full(3, -1.5 - 0.25))
+
+
 def test_step_fn_capturing_other_values_is_not_reused(strategy):
     """A wrong cache hit would be a silent wrong result: a nested step_fn that captures another
     number, array, object or default each call gives that call's numbers."""

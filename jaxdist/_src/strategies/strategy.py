@@ -986,13 +986,16 @@ _UPDATE_CACHE: dict = {}
 
 
 def _jit_update(fn: Callable) -> Callable:
+    key = function_key(fn)  # an update function made anew with the same captures: one jit
     try:
-        return _UPDATE_CACHE[fn]
+        return _UPDATE_CACHE[key]
     except (KeyError, TypeError):
         pass
     jitted = jax.jit(fn)
     try:
-        _UPDATE_CACHE[fn] = jitted
+        _UPDATE_CACHE[key] = jitted
+        while len(_UPDATE_CACHE) > _RUN_CACHE_SIZE:
+            _UPDATE_CACHE.pop(next(iter(_UPDATE_CACHE)))
     except TypeError:
         pass
     return jitted
