@@ -18,6 +18,7 @@ from jaxdist._src.input.dataset import (
     Dataset,
     TensorSpec,
 )
+from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import AutoShardPolicy, DistributeOptions, Options
 
 #: ``tf.data.experimental``'s names used with distribution.
@@ -26,6 +27,7 @@ experimental = SimpleNamespace(
     AutoShardPolicy=AutoShardPolicy,
     DistributeOptions=DistributeOptions,
     INFINITE_CARDINALITY=INFINITE_CARDINALITY,
+    Optional=Optional,
     UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY,
 )
 
@@ -36,6 +38,7 @@ __all__ = [
     "DistributeOptions",
     "FileListDataset",
     "INFINITE_CARDINALITY",
+    "Optional",
     "Options",
     "TensorSpec",
     "UNKNOWN_CARDINALITY",

@@ -358,3 +358,32 @@ def test_partial_step_outputs_of_the_row_count_size_but_not_per_row_are_not_cut(
     rows = strategy.run(fixed, args=(xb,))
     assert rows.lengths == (2, 2, 1, 1)
     np.testing.assert_allclose(strategy.gather(rows, axis=0), x + 1.0)
+
+
+@pytest.mark.parametrize("buffer", [0, 1])
+def test_get_next_as_optional_is_tfs_optional(strategy, buffer):
+    """TF's ``tf.experimental.Optional``: never ``None``; ``has_value()`` False at the end,
+    ``get_value()`` the batch (a ValueError when empty); not a valid argument of ``run``."""
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    it = iter(strategy.experimental_distribute_dataset(
+        Dataset.from_tensor_slices(x).batch(8),
+        InputOptions(experimental_per_replica_buffer_size=buffer)))
+    full = it.get_next_as_optional()
+    assert isinstance(full, jaxdist.data.Optional) and full.has_value()
+    assert "has_value=True" in repr(full)
+    np.testing.assert_array_equal(strategy.gather(full.get_value(), axis=0), x)
+    empty = it.get_next_as_optional()
+    assert empty is not None and not empty.has_value()
+    assert repr(empty) == "Optional(has_value=False)"
+    with pytest.raises(ValueError, match="does not have a value"):
+        empty.get_value()
+    assert it.get_next_as_optional().has_value() is False  # stays empty
+    with pytest.raises(TypeError):
+        hash(full)
+    with pytest.raises(TypeError, match="neither an array nor hashable"):
+        strategy.run(lambda b: b, args=(empty,))
+    assert jaxdist.data.experimental.Optional is jaxdist.data.Optional
+    assert jaxdist.data.Optional.from_value(np.int32(3)).element_spec == jax.ShapeDtypeStruct(
+        (), np.int32)
+    with pytest.raises(ValueError, match="without an element_spec"):
+        jaxdist.data.Optional().element_spec  # noqa: B018 - the property raises

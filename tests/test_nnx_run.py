@@ -187,6 +187,30 @@ def test_mutation_inside_run_is_visible_outside():
     assert len(strategy.extended._run_cache) == 1  # compiled once, not once per call
 
 
+def test_step_defined_inside_the_loop_compiles_once():
+    """A step function made anew each call (TF's step_fn inside train_step) over NNX objects
+    shares one compiled step when its code and captures are the same."""
+    _need(2)
+    strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])
+    with strategy.scope():
+        layer = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    traces = []
+
+    def train_step(m, x):
+        def step(m, x):
+            traces.append(1)
+            m.kernel[...] = m.kernel[...] * 0.5
+            return jnp.sum(m(x))
+        return strategy.run(step, args=(m, x))
+
+    for i in range(5):
+        train_step(layer, jnp.ones((2, 3)))
+        if i == 0:
+            first = len(traces)
+    assert len(traces) == first
+    assert len(strategy.extended._run_cache) == 1
+
+
 def test_shared_references_survive():
     """A module held by two objects is one module after the step, as under nnx.jit."""
     _need(2)

@@ -205,15 +205,104 @@ def test_python_scalars_are_traced_not_static(strategy):
     np.testing.assert_allclose(out, 0.6, rtol=1e-6)
 
 
-def test_new_function_objects_each_step_warn_once(strategy):
+def test_new_function_objects_capturing_new_arrays_each_step_warn_once(strategy):
+    """A function made anew each step that captures another array each time compiles each
+    time (the array is compiled into the step): one warning names the fix."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(10):
-            strategy.run(lambda x: x + 1, args=(jnp.float32(i),))
+            offset = jnp.float32(i)
+            out = strategy.run(lambda x, offset=offset: x + offset, args=(jnp.float32(i),))
+            assert float(out) == 2 * i  # never another step's offset
     msgs = [str(w.message) for w in caught if "different function objects" in str(w.message)]
-    assert len(msgs) == 1 and "Define the step function once" in msgs[0]
+    assert len(msgs) == 1 and "Pass those values as arguments" in msgs[0]
+
+
+def test_step_fn_defined_inside_train_step_compiles_once(strategy):
+    """TF's custom-loop habit: ``step_fn`` defined inside ``train_step``, a new function object
+    at every call, capturing the same objects and numbers: 30 calls trace and compile once."""
+    import warnings
+
+    _, xd = _dist(strategy)
+    with strategy.scope():
+        w = jnp.arange(3.0)
+    traces = []
+    config = {"scale": 0.5}  # the same object every call
+
+    def train_step(w, xd, lr):
+        def step_fn(w, xb):
+            traces.append(1)
+            loss = jnp.sum((xb @ w) * config["scale"])
+            total = jaxdist.get_replica_context().all_reduce("SUM", loss)
+            return w - lr * total / 100.0
+        return strategy.run(step_fn, args=(w, xd))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expected = np.asarray(w)
+        x = np.arange(24, dtype=np.float32).reshape(8, 3)
+        for step in range(30):
+            w = train_step(w, xd, 0.01)  # a float made by the same literal: equal value
+            expected = expected - 0.01 * np.sum(x @ expected * 0.5) / 100.0
+            if step == 0:
+                traced = len(traces)
+    assert len(traces) == traced, "a step_fn with the same code and captures was traced again"
+    assert not [w_ for w_ in caught if "different function objects" in str(w_.message)]
+    np.testing.assert_allclose(w, expected, rtol=1e-5)
+
+
+def test_update_function_made_anew_compiles_once(strategy):
+    """extended.update with a lambda written in the loop (TF's habit) traces once; another
+    captured number is another function."""
+    with strategy.scope():
+        w = jnp.ones(3)
+    traces = []
+
+    def make(lr):
+        def apply(v, g):
+            traces.append(1)
+            return v - lr * g
+        return apply
+
+    for _ in range(5):
+        w = strategy.extended.update(w, make(0.5), args=(jnp.ones(3),))
+    assert len(traces) == 1
+    np.testing.assert_allclose(w, np.full(3, 1 - 5 * 0.5))
+    w = strategy.extended.update(w, make(0.25), args=(jnp.ones(3),))
+    assert len(traces) == 2
+    np.testing.assert_allclose(w, np.full(3, -1.5 - 0.25))
+
+
+def test_step_fn_capturing_other_values_is_not_reused(strategy):
+    """A wrong cache hit would be a silent wrong result: a nested step_fn that captures another
+    number, array, object or default each call gives that call's numbers."""
+    x, xd = _dist(strategy)
+    sums = x.reshape(4, 2, 3).sum(axis=(1, 2))  # each replica's rows
+
+    def make(kind, v):
+        if kind == "float":
+            return lambda xb: jnp.sum(xb) * v
+        if kind == "array":
+            arr = jnp.full((3,), v)
+            return lambda xb: jnp.sum(xb * arr)
+        if kind == "object":
+            box = {"v": v}
+            return lambda xb: jnp.sum(xb) * box["v"]
+
+        def with_default(xb, v=v):
+            return jnp.sum(xb) * v
+        return with_default
+
+    for kind in ("float", "array", "object", "default"):
+        for v in (1.0, 2.0, 3.0, 2.0):
+            out = strategy.experimental_local_results(strategy.run(make(kind, v), args=(xd,)))
+            np.testing.assert_allclose(np.asarray(out), sums * v, err_msg=kind)
+    # Equal as numbers, different as floats: 0.0 and -0.0 are two steps.
+    signs = [np.signbit(np.asarray(strategy.experimental_local_results(
+        strategy.run(make("float", z), args=(xd,)))[0])) for z in (0.0, -0.0)]
+    assert signs == [False, True]
 
 
 def test_steady_state_run_skips_the_checks_and_falls_back_when_a_leaf_changes(monkeypatch):

@@ -91,3 +91,31 @@ def test_all_gather_invariant_in_a_replica_step():
                         in_specs=jax.sharding.PartitionSpec("r"),
                         out_specs=jax.sharding.PartitionSpec())(jnp.arange(4.0))
     assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.devices(2)
+def test_carries_vary_over_types_a_constant_carry_varying_only_inside_it():
+    """The loop-carry adapter: inside ``carries_vary_over`` a zeros carry that the body makes
+    varying is cast to varying (scan, while_loop); outside it JAX's check refuses as before."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("r",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+
+    def body(x):
+        scanned = jax.lax.scan(lambda c, xt: (c + xt, ()), jnp.zeros(()), x)[0]
+        looped = jax.lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] + x[s[0]]),
+                                    (0, jnp.zeros(())))[1]
+        return (scanned + looped)[None]
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+    with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
+        run(jnp.arange(4.0))
+    with jax_internals.carries_vary_over(("r",)) as hooked:
+        assert hooked
+        out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))(
+            jnp.arange(4.0))
+    assert out.tolist() == [2.0, 10.0]
+    with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
+        jax.jit(jax.shard_map(lambda x: body(x) + 0, mesh=mesh, in_specs=P("r"),
+                              out_specs=P("r")))(jnp.arange(4.0))

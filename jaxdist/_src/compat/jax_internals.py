@@ -13,7 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -118,6 +121,81 @@ def all_gather_invariant() -> Any:
     return agi
 
 
+# ---------------------------------------------------------------------- loop carries
+_carry_state = threading.local()
+_carry_patch_lock = threading.Lock()
+
+
+def _aval_varying(aval: Any) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _install_carry_promotion() -> bool:
+    """Wraps ``jax._src.lax.control_flow.loops._promote_weak_typed_input`` (once, for good).
+
+    ``lax.scan`` and ``lax.while_loop`` (and so ``fori_loop``, ``lax.map``, flax's ``nn.scan``
+    / ``nn.RNN`` and ``nnx.scan``) trace their body, then call that function per carry leaf
+    with the initial value, its type and the body's output type; where it reports a change they
+    trace the body again with the new initial values. Inside ``carries_vary_over(axes)`` the
+    wrapper also casts an initial carry to varying over those axes when the body's output
+    carry varies over them (``jax.lax.pcast(init, axes, to="varying")``, what JAX's error
+    message asks the user to write); elsewhere it is JAX's function. Returns whether it is in
+    place.
+
+    Public replacement: none (JAX asks for the cast by hand; pmap and ``check_vma=False`` do not
+    type the carry at all).
+    """
+    try:
+        from jax._src.lax.control_flow import loops
+    except ImportError:  # pragma: no cover - a JAX without the private module
+        return False
+    original = getattr(loops, "_promote_weak_typed_input", None)
+    if original is None:  # pragma: no cover
+        return False
+    if getattr(original, "_jaxdist_carry_promotion", False):
+        return True
+
+    def promote(in_val, in_aval, out_aval):
+        val, changed = original(in_val, in_aval, out_aval)
+        axes = getattr(_carry_state, "axes", None)
+        if axes:
+            extra = tuple(a for a in axes
+                          if a in _aval_varying(out_aval) and a not in _aval_varying(in_aval))
+            if extra:
+                val = jax.lax.pcast(val, extra, to="varying")
+                changed = True
+        return val, changed
+
+    promote._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    promote.__wrapped__ = original  # type: ignore[attr-defined]
+    loops._promote_weak_typed_input = promote
+    return True
+
+
+@contextlib.contextmanager
+def carries_vary_over(axes: tuple[str, ...]) -> Iterator[bool]:
+    """While tracing inside it, a ``lax.scan`` / ``while_loop`` / ``fori_loop`` carry that
+    starts identical on every replica (a constant such as ``jnp.zeros``) and becomes varying over
+    ``axes`` in the body starts varying instead of failing JAX's carry type check. Yields
+    whether this JAX has the hook (``_install_carry_promotion``). Thread-local; nests.
+
+    A carry component that becomes varying only through another component (a delay line:
+    ``(a, b) -> (x_t, a)``) needs more than the one extra trace JAX makes; such a loop still
+    fails with JAX's message, whose fix (``jax.lax.pcast(init, axis, to="varying")``) works.
+    """
+    with _carry_patch_lock:
+        ok = _install_carry_promotion()
+    previous = getattr(_carry_state, "axes", None)
+    _carry_state.axes = tuple(axes)
+    try:
+        yield ok
+    finally:
+        _carry_state.axes = previous
+
+
 # ---------------------------------------------------------------------- hardware
 def num_tpu_chips() -> int | None:
     """How many TPU chips this machine has (``None`` if this JAX cannot say).
@@ -170,6 +248,7 @@ __all__ = [
     "SUPPORTED",
     "all_gather_invariant",
     "autodiff_tracer_types",
+    "carries_vary_over",
     "check_version",
     "current_trace",
     "distributed_module",

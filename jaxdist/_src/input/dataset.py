@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import Options, as_options
 
 #: ``cardinality()`` of an infinite dataset (``tf.data.INFINITE_CARDINALITY``).
@@ -420,10 +421,10 @@ class Dataset:
 
     # ------------------------------------------------------------------------- iteration
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> DatasetIterator:
         epoch = self._epoch
         self._epoch += 1
-        return self._make_iter(epoch)
+        return DatasetIterator(self._make_iter(epoch))
 
     def as_numpy_iterator(self) -> Iterator[Any]:
         """An iterator over the elements as numpy values (``jax.Array`` leaves converted).
@@ -1041,6 +1042,39 @@ def _structure_error(element: Any, signature: Any) -> str:
     return (f"`generator` yielded an element that did not match the expected structure. The "
             f"expected structure was {signature}, but the yielded element was {element!r}.")
 
+
+
+class DatasetIterator:
+    """``iter(dataset)``: the elements in order, with ``tf.data.Iterator``'s ``get_next`` and
+    ``get_next_as_optional`` (what the default strategy's "distributed" iterator is in TF).
+
+    Example:
+        >>> it = iter(jaxdist.Dataset.range(2))
+        >>> int(it.get_next()), int(next(it)), it.get_next_as_optional().has_value()
+        (0, 1, False)
+    """
+
+    __slots__ = ("_it",)
+
+    def __init__(self, it: Iterator[Any]):
+        self._it = it
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def get_next(self) -> Any:
+        """The next element (``StopIteration`` at the end; TF: ``OutOfRangeError``)."""
+        return next(self._it)
+
+    def get_next_as_optional(self) -> Optional:
+        """The next element as an ``Optional``: no value at the end of the data."""
+        try:
+            return Optional.from_value(next(self._it))
+        except StopIteration:
+            return Optional.empty(None)
 
 __all__ = [
     "AUTOTUNE",

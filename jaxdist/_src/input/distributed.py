@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxdist._src.input import transfer
+from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import InputContext, InputOptions
 from jaxdist._src.values import PerReplica, PerReplicaSpec
 
@@ -394,7 +395,11 @@ class DistributedIterator:
         >>> batches = jaxdist.Dataset.from_tensor_slices(np.ones((16, 3), np.float32)).batch(8)
         >>> it = iter(strategy.experimental_distribute_dataset(batches))
         >>> x = it.get_next()                  # a PerReplica batch
-        >>> maybe = it.get_next_as_optional()  # None at the end of the data
+        >>> maybe = it.get_next_as_optional()  # an Optional: no value at the end of the data
+        >>> maybe.has_value()
+        True
+        >>> it.get_next_as_optional().has_value()
+        False
     """
 
     def __init__(
@@ -437,12 +442,13 @@ class DistributedIterator:
         """The next per-replica batch (raises ``StopIteration`` at the end)."""
         return next(self)
 
-    def get_next_as_optional(self) -> Any:
-        """The next batch, or ``None`` at the end of the data."""
+    def get_next_as_optional(self) -> Optional:
+        """The next batch as an ``Optional`` (``tf.experimental.Optional``): ``has_value()``
+        is False at the end of the data, ``get_value()`` gives the batch."""
         try:
-            return next(self)
+            return Optional.from_value(next(self))
         except StopIteration:
-            return None
+            return Optional._empty_with_spec(self._spec)
 
     def close(self) -> None:
         if self._prefetcher is not None:

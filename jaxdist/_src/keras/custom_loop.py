@@ -57,6 +57,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from jaxdist._src.strategies.fn_key import function_key
+
 _MAX_DEPTH = 6
 
 
@@ -182,7 +184,7 @@ def run_state_hook(fn: Callable, args: tuple, kwargs: dict) -> Any:
     variables = _variables(objects, keras)
     if not variables:
         return None
-    key = (fn, tuple(id(v) for v in variables))
+    key = (function_key(fn), tuple(id(v) for v in variables))
     try:
         step = _WRAPPERS.get(key)
     except TypeError:
@@ -236,11 +238,13 @@ def _padding_masked(metrics: list[Any]) -> Iterator[None]:
 
     frame = ctx_lib._top()
     rctx = None if frame is None else frame.replica_context
-    rows = None if rctx is None else getattr(rctx, "padded_rows", None)
+    # jaxdist's own reads of the row mask (the step's code did not ask: an unmasked loss in
+    # it is still warned about, see ReplicaContext.valid_rows).
+    rows = None if rctx is None else rctx._padded_rows()
     if rows is None or not metrics:
         yield
         return
-    mask = rctx.row_mask(rows)
+    mask = rctx._row_mask(rows)
 
     def masked(update):
         def update_state(*args, sample_weight=None, **kwargs):

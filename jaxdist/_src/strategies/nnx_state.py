@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdist._src.strategies.cross_device_ops import varying_axes
+from jaxdist._src.strategies.fn_key import function_key
 
 #: What replica-view ``run`` does with NNX state that differs across replicas, by variable type
 #: name (the first match along the type's MRO wins; anything else that differs is an error).
@@ -118,7 +119,7 @@ def split_args(fn: Callable, args: tuple, kwargs: dict, is_leaf: Callable[[Any],
     graphdef, state = nnx.split(tuple(nodes))
     new_args, new_kwargs = treedef.unflatten(leaves)
     global_view = is_global_view(fn)
-    key = (fn, graphdef, global_view)
+    key = (function_key(fn), graphdef, global_view)  # a step_fn made anew: one wrapper
     try:
         step = _WRAPPERS.get(key)
     except TypeError:  # an unhashable fn: no cache
@@ -193,7 +194,7 @@ def _sync_on_read(old_leaves: list[Any], new_state: Any) -> Any:
     frame = ctx_lib._top()
     rctx = None if frame is None else frame.replica_context
     axes = None if rctx is None else rctx.axis_name
-    partial = rctx is not None and rctx.padded_rows is not None
+    partial = rctx is not None and rctx._padded_rows() is not None  # not a user read
     kinds = _variable_kinds(new_state)
     new_leaves, treedef = jax.tree.flatten(new_state)
     out = []

@@ -86,6 +86,64 @@ def per_row_lengths(
     ]
 
 
+def batch_dependent_outputs(closed_jaxpr: Any, dependent_inputs: Sequence[bool]) -> list[bool]:
+    """Which outputs of a traced step may depend on the inputs marked True (its batch).
+
+    Follows the data through the step's equations, into ``shard_map`` and ``jit`` bodies
+    (where one equation's inputs and outputs are its body's); any other equation (a loop, a
+    custom derivative) makes all its outputs depend on all its inputs. Conservative: an output
+    marked False does not depend on those inputs.
+
+    Example:
+        >>> jaxpr = jax.make_jaxpr(lambda params, batch: (params + 1, jnp.sum(batch) * params))(
+        ...     jnp.ones(()), jnp.ones(3))
+        >>> batch_dependent_outputs(jaxpr, [False, True])
+        [False, True]
+    """
+    def walk(jaxpr: Any, marked: Sequence[bool]) -> list[bool]:
+        dep: set[int] = {id(v) for v, m in zip(jaxpr.invars, marked) if m}
+        for eqn in jaxpr.eqns:
+            ins = [id(v) in dep for v in eqn.invars]
+            if not any(ins):
+                continue
+            inner = eqn.params.get("jaxpr")
+            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's open jaxpr
+            if (inner is not None and hasattr(inner, "eqns")
+                    and len(inner.invars) == len(eqn.invars)
+                    and len(inner.outvars) == len(eqn.outvars)):
+                outs = walk(inner, ins)
+            else:
+                outs = [True] * len(eqn.outvars)
+            dep.update(id(v) for v, o in zip(eqn.outvars, outs) if o)
+        return [id(v) in dep for v in jaxpr.outvars]
+
+    return walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), list(dependent_inputs))
+
+
+def padding_warning(name: str, partial: Partial, outputs: Sequence[int]) -> str:
+    """The one-time warning for a replica function that reduced a padded batch unmasked.
+
+    Example:
+        >>> print(padding_warning("step_fn", ((32, 31), 32), [0])[:60])
+        strategy.run(step_fn): a partial batch reached this replica
+    """
+    lengths, padded = partial
+    return (
+        f"strategy.run({name}): a partial batch reached this replica function with each "
+        f"replica's rows zero-padded to {padded} (real rows per replica: {list(lengths)}; TF "
+        f"hands each replica only its real rows), and output(s) {list(outputs)} depend on the "
+        f"batch while the function never read the row mask: a mean over the rows, or a sum of "
+        f"anything that is not zero on a zero row (a loss, a bias), counts the padding rows. "
+        f"Mask them: `mask = "
+        f"jaxdist.get_replica_context().row_mask(x.shape[0])` (True for real rows; "
+        f"`ctx.valid_rows` is this replica's real row count), e.g. "
+        f"`jnp.sum(jnp.where(mask, v, 0)) / jnp.sum(mask)`, or scale per-example losses with "
+        f"`jaxdist.compute_average_loss(per_example, global_batch_size=...)`, which masks them. "
+        f"Reading the mask (even outside the reduction) silences this warning; it is given "
+        f"once per function."
+    )
+
+
 def wrap_outputs(flat: Sequence[Any], varying: Sequence[bool],
                  lengths: Sequence[tuple[int, ...] | None]) -> list[Any]:
     """The outputs of a compiled step: ``PerReplica`` for varying leaves (per-row ones of a

@@ -33,6 +33,9 @@ class ReplicaContext:
         self._strategy = strategy
         self._axes = axes
         self._partial: tuple[tuple[int, ...], int] | None = None
+        # Whether the replica function asked which rows are real (valid_rows, padded_rows,
+        # row_mask; compute_average_loss does): a padded step that never asks is warned about.
+        self._row_mask_read = False
         # The trace the replica function starts in (the context is made right before it is
         # called): merge_call looks for control flow between it and its own trace.
         self._home_trace = trace_util.current_trace()
@@ -47,7 +50,11 @@ class ReplicaContext:
         On TF's last partial batch replicas get different numbers of rows (some none); jaxdist
         passes each replica its rows zero-padded to ``padded_rows``. ``compute_average_loss``
         ignores the padding by itself; mask other per-row computations with
-        ``jnp.arange(padded_rows) < ctx.valid_rows``.
+        ``jnp.arange(padded_rows) < ctx.valid_rows`` (``row_mask``): TF's ``reduce_mean(x)``
+        over a replica's rows is ``sum(where(mask, x, 0)) / valid_rows`` here. A replica
+        function that never reads ``valid_rows``, ``padded_rows`` or ``row_mask`` (nor calls
+        ``compute_average_loss``) while a padded batch reaches its non-per-row outputs is
+        warned once.
 
         Example:
             >>> x = jnp.ones((4, 3))
@@ -55,15 +62,31 @@ class ReplicaContext:
             >>> if ctx.valid_rows is not None:
             ...     mask = jnp.arange(x.shape[0]) < ctx.valid_rows
         """
+        self._row_mask_read = True
+        return self._valid_rows()
+
+    def _valid_rows(self) -> Any:
+        """``valid_rows`` for jaxdist's own code: not a read by the replica function."""
         if self._partial is None:
             return None
         lengths = jnp.asarray(self._partial[0], jnp.int32)
         return lengths[self.replica_id_in_sync_group]
 
+    def _padded_rows(self) -> int | None:
+        """``padded_rows`` for jaxdist's own code: not a read by the replica function."""
+        return None if self._partial is None else self._partial[1]
+
+    def _row_mask(self, rows: int) -> Any:
+        """``row_mask`` for jaxdist's own code: not a read by the replica function."""
+        if self._partial is None or rows != self._partial[1]:
+            return jnp.ones((rows,), bool)
+        return jnp.arange(rows) < self._valid_rows()
+
     @property
     def padded_rows(self) -> int | None:
         """The padded per-replica row count on a partial-batch step, else ``None``."""
-        return None if self._partial is None else self._partial[1]
+        self._row_mask_read = True
+        return self._padded_rows()
 
     def row_mask(self, rows: int) -> Any:
         """A bool mask of the real rows among ``rows`` (all True outside a partial step).
@@ -73,9 +96,8 @@ class ReplicaContext:
             >>> jaxdist.get_replica_context().row_mask(x.shape[0])   # a full batch: all True
             Array([ True,  True,  True,  True], dtype=bool)
         """
-        if self._partial is None or rows != self._partial[1]:
-            return jnp.ones((rows,), bool)
-        return jnp.arange(rows) < self.valid_rows
+        self._row_mask_read = True
+        return self._row_mask(rows)
 
     @property
     def strategy(self) -> Strategy:

@@ -35,9 +35,12 @@ from jaxdist._src.strategies.cross_device_ops import (
     outside_context_mesh,
     varying_axes,
 )
+from jaxdist._src.strategies.fn_key import function_key
 from jaxdist._src.strategies.inflight import StepThrottle
 from jaxdist._src.strategies.partial_rows import (
+    batch_dependent_outputs,
     gather_rows,
+    padding_warning,
     per_row_lengths,
     reduce_rows,
     wrap_outputs,
@@ -195,6 +198,10 @@ class StrategyExtended:
         # (fn, donation) -> one jax.jit over run's whole argument tuple (``_tree_call``), or
         # False once such a call missed (the flatten-and-match path serves that pair then).
         self._tree_calls: dict[Any, Any] = {}
+        # (function_key(fn), donation) -> that call, shared by the function objects of one key
+        # (a step_fn defined anew inside each train_step call: compiled once).
+        self._shared_calls: dict[Any, Any] = {}
+        self._padding_warned: set = set()  # functions warned about reducing padding rows
 
     # ------------------------------------------------------------------ placement
     @property
@@ -392,7 +399,7 @@ class StrategyExtended:
         donate = getattr(self._call_options, "donate", ())
         if donate:
             donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
-        key = (fn, treedef, tuple(kinds), tuple(statics), partial, donate)
+        key = (function_key(fn), treedef, tuple(kinds), tuple(statics), partial, donate)
         compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
         dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
         if tracing:
@@ -474,7 +481,15 @@ class StrategyExtended:
             return None
         call = self._tree_calls.get((fn, donate))
         if call is None:
-            call = self._tree_calls[(fn, donate)] = self._tree_call(fn, donate)
+            fkey = function_key(fn)
+            call = self._shared_calls.get((fkey, donate)) if fkey is not fn else None
+            if call is None:
+                call = self._tree_call(fn, donate)
+                if fkey is not fn:
+                    self._shared_calls[(fkey, donate)] = call
+                    while len(self._shared_calls) > _RUN_CACHE_SIZE:
+                        self._shared_calls.pop(next(iter(self._shared_calls)))
+            self._tree_calls[(fn, donate)] = call
             while len(self._tree_calls) > _RUN_CACHE_SIZE:
                 self._tree_calls.pop(next(iter(self._tree_calls)))
         return call
@@ -482,9 +497,12 @@ class StrategyExtended:
     def _compiled_versions(self, fn: Callable) -> int:
         """How many executables ``run`` holds for ``fn`` (one per argument signature): what
         tests count to check that a call compiled nothing new."""
-        count = sum(c.jitted._cache_size() for c in self._run_cache.values() if c.fn is fn)
-        return count + sum(call._cache_size() for (f, _), call in self._tree_calls.items()
-                           if f is fn and call)
+        fkey = function_key(fn)
+        count = sum(c.jitted._cache_size() for c in self._run_cache.values()
+                    if function_key(c.fn) == fkey)
+        calls = {id(call): call for (f, _), call in self._tree_calls.items()
+                 if call and function_key(f) == fkey}
+        return count + sum(call._cache_size() for call in calls.values())
 
     def _tree_call(self, fn: Callable, donate: tuple[int, ...]) -> Callable:
         """One ``jax.jit`` over ``run``'s whole argument tuple, for one process's devices.
@@ -506,7 +524,7 @@ class StrategyExtended:
             if any(hook(fn, args, {}) is not None for hook in _RUN_STATE_HOOKS):
                 raise _FastMiss
             mask = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
-            key = (fn, treedef, tuple(kinds), (), partial, mask)
+            key = (function_key(fn), treedef, tuple(kinds), (), partial, mask)
             compiled = self._lookup(key, fn, treedef, kinds, [], partial, mask)
             return compiled.raw(*dyn)
 
@@ -537,6 +555,9 @@ class StrategyExtended:
             out = call(*args)
         except (_FastMiss, TypeError, ValueError):
             self._tree_calls[(fn, donate)] = False
+            fkey = function_key(fn)
+            if fkey is not fn and (fkey, donate) in self._shared_calls:
+                self._shared_calls[(fkey, donate)] = False
             return _MISS
         marker = _last_leaf(out)
         if marker is None:
@@ -612,8 +633,11 @@ class StrategyExtended:
             warnings.warn(
                 f"strategy.run compiled {count} different function objects for "
                 f"{getattr(fn, '__qualname__', fn)!r} ({code.co_filename}:{code.co_firstlineno}): "
-                f"each new function object (e.g. a lambda or closure created inside the loop) is "
-                f"traced and compiled again. Define the step function once and reuse it.",
+                f"a function defined anew for each call shares a compiled step only when it "
+                f"captures the same objects (or equal numbers and strings); this one captures "
+                f"other values each time (e.g. an array or a new object in its closure or "
+                f"defaults), which are compiled into the step. Pass those values as arguments "
+                f"of strategy.run, or define the step function once and reuse it.",
                 stacklevel=4,
             )
 
@@ -962,13 +986,16 @@ _UPDATE_CACHE: dict = {}
 
 
 def _jit_update(fn: Callable) -> Callable:
+    key = function_key(fn)  # an update function made anew with the same captures: one jit
     try:
-        return _UPDATE_CACHE[fn]
+        return _UPDATE_CACHE[key]
     except (KeyError, TypeError):
         pass
     jitted = jax.jit(fn)
     try:
-        _UPDATE_CACHE[fn] = jitted
+        _UPDATE_CACHE[key] = jitted
+        while len(_UPDATE_CACHE) > _RUN_CACHE_SIZE:
+            _UPDATE_CACHE.pop(next(iter(_UPDATE_CACHE)))
     except TypeError:
         pass
     return jitted
@@ -988,6 +1015,7 @@ class _CompiledRun:
         self.kinds = tuple(kinds)
         self.statics = tuple(statics)
         self.traces = 0
+        self.row_mask_read = False  # whether the last trace of fn read the row mask
         self.jitted = jax.jit(self.raw, donate_argnums=donate)
 
     def _args(self, dyn: Sequence[Any]):
@@ -1011,9 +1039,33 @@ class _CompiledRun:
         rctx = ReplicaContext(ext._container_strategy, axes)
         if self.partial is not None:
             rctx._set_partial_batch(*self.partial)
-        with ctx_lib.enter_replica(ext._container_strategy, rctx):
+        # A loop carry started from a constant and made per-replica by the body starts
+        # per-replica (as under pmap): JAX's carry type check would refuse it otherwise.
+        carries = (jax_internals.carries_vary_over(axes) if axes is not None
+                   else contextlib.nullcontext())
+        with ctx_lib.enter_replica(ext._container_strategy, rctx), carries:
             self.traces += 1
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
+        self.row_mask_read = rctx._row_mask_read
+        return out
+
+    def _check_padding(self, jaxpr: Any, dyn_kinds: Sequence[str], rows: Sequence[Any]) -> None:
+        """Warns once per function when a padded batch reaches outputs other than per-row ones
+        and the function never read the row mask (a mean over the rows would count padding)."""
+        dependent = batch_dependent_outputs(jaxpr, [k == "pr" for k in dyn_kinds])
+        outputs = [i for i, (d, r) in enumerate(zip(dependent, rows)) if d and r is None]
+        if not outputs:
+            return
+        ext = self.extended
+        key = function_key(self.fn)
+        try:
+            if key in ext._padding_warned:
+                return
+            ext._padding_warned.add(key)
+        except TypeError:  # an unhashable function: warned each time it is compiled
+            pass
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        warnings.warn(padding_warning(name, self.partial, outputs), UserWarning, stacklevel=2)
 
     def raw(self, *dyn):
         ext = self.extended
@@ -1036,7 +1088,11 @@ class _CompiledRun:
             return [x[None] for x in flat]
 
         probe_shapes = jax.shard_map(probe, mesh=mesh, in_specs=in_specs, out_specs=P(axes))
-        out_avals = jax.eval_shape(probe_shapes, *dyn)
+        if self.partial is None:
+            out_avals, probe_jaxpr = jax.eval_shape(probe_shapes, *dyn), None
+        else:  # the jaxpr too: which outputs the padded batch reaches (_check_padding)
+            probe_jaxpr, out_avals = jax.make_jaxpr(probe_shapes, return_shape=True)(*dyn)
+        mask_read = self.row_mask_read
         varying, tree = record["varying"], record["tree"]
         # A partial-batch step: which outputs are per row (partial_rows: a second abstract
         # trace with one more row tells the row axis from a size that only equals it).
@@ -1044,6 +1100,8 @@ class _CompiledRun:
             self.partial, [a.shape for a in out_avals], dyn, dyn_kinds,
             None if self.partial is None else lambda xs: jax.eval_shape(probe_shapes, *xs),
         )
+        if probe_jaxpr is not None and not mask_read:
+            self._check_padding(probe_jaxpr, dyn_kinds, rows)
 
         def body(*xs):
             flat = [_as_output(x) for x in jax.tree.leaves(self._call_fn(xs, axes))]
