@@ -89,6 +89,7 @@ IN_PROCESS = [
     "tf_custom_training",
     "jax_spmd_mnist",
     "keras_custom_train_step",
+    "flax_seq2seq",
     "flax_mnist_tutorial",   # last: its own process (DEFAULT_OPT_LEVEL) runs meanwhile
 ]
 
