@@ -56,6 +56,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jaxdist._src.transport.limits import parse_positive
+
 log = logging.getLogger(__name__)
 
 ENV_HANDSHAKE_SECONDS = "JAXDIST_HANDSHAKE_SECONDS"
@@ -82,16 +84,6 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 60_000),
     ("grpc.http2.max_ping_strikes", 2),
 ]
-
-
-def _positive(name: str, text: str, kind: type) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}") from None
-    if not value > 0:
-        raise ValueError(f"{name}={text!r}: expected a positive {kind.__name__}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -143,7 +135,7 @@ class ConnectionLimits:
             if value is not None:
                 return kind(value)
             text = env.get(name)
-            return _positive(name, text, kind) if text else default
+            return parse_positive(name, text, kind) if text else default
 
         return cls(pick(handshake_seconds, ENV_HANDSHAKE_SECONDS, float,
                         DEFAULT_HANDSHAKE_SECONDS),

@@ -78,7 +78,16 @@ def default_max_request_bytes() -> int:
     return max(MIN_DEFAULT_REQUEST_BYTES, limit)
 
 
-def _parse(name: str, text: str, kind: type) -> Any:
+def parse_positive(name: str, text: str, kind: type) -> Any:
+    """``text`` (the value of environment variable ``name``) as a positive ``kind``.
+
+    Raises:
+        ValueError: not a number of that kind, or not positive (the message names ``name``).
+
+    Example:
+        >>> parse_positive("JAXDIST_MAX_CONNECTIONS", "64", int)
+        64
+    """
     try:
         value = kind(text)
     except ValueError:
@@ -136,19 +145,19 @@ class ServerLimits:
         env = os.environ
         if max_request_bytes is None:
             text = env.get(ENV_MAX_REQUEST_BYTES)
-            max_request_bytes = (_parse(ENV_MAX_REQUEST_BYTES, text, int) if text
+            max_request_bytes = (parse_positive(ENV_MAX_REQUEST_BYTES, text, int) if text
                                  else default_max_request_bytes())
         if max_call_seconds is None:
             text = env.get(ENV_MAX_CALL_SECONDS)
-            max_call_seconds = (_parse(ENV_MAX_CALL_SECONDS, text, float) if text
+            max_call_seconds = (parse_positive(ENV_MAX_CALL_SECONDS, text, float) if text
                                 else DEFAULT_MAX_CALL_SECONDS)
         if max_calls_per_client is None:
             text = env.get(ENV_MAX_CALLS_PER_CLIENT)
-            max_calls_per_client = (_parse(ENV_MAX_CALLS_PER_CLIENT, text, int) if text
+            max_calls_per_client = (parse_positive(ENV_MAX_CALLS_PER_CLIENT, text, int) if text
                                     else max(1, max_workers // 2))
         if max_idle_seconds is None:
             text = env.get(ENV_MAX_IDLE_SECONDS)
-            max_idle_seconds = (_parse(ENV_MAX_IDLE_SECONDS, text, float) if text
+            max_idle_seconds = (parse_positive(ENV_MAX_IDLE_SECONDS, text, float) if text
                                 else DEFAULT_MAX_IDLE_SECONDS)
         return cls(int(max_request_bytes), float(max_call_seconds), int(max_calls_per_client),
                    float(max_idle_seconds))
@@ -335,5 +344,6 @@ __all__ = [
     "ServerLimits",
     "certificate_identity",
     "default_max_request_bytes",
+    "parse_positive",
     "peer_identity",
 ]
