@@ -638,6 +638,72 @@ def stock_trainer_method(name: str) -> Any:
     return getattr(_jax_trainer(), name)
 
 
+
+# ---------------------------------------------------------------------- another backend
+_GUARDED = ("compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch")
+_GUARD_STOCK: dict[str, tuple[type, Any]] = {}
+_GUARD_COUNT = 0
+
+
+class _GuardHere(threading.local):
+    reasons: list[str] | None = None  # the innermost scope's refusal last
+
+
+_GUARD_HERE = _GuardHere()
+
+
+def _refusing(name: str, original: Callable) -> Callable:
+    import functools
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _GUARD_HERE.reasons:
+            raise RuntimeError(f"model.{name}() of Keras model "
+                               f"{getattr(self, 'name', self)!r}: {_GUARD_HERE.reasons[-1]}")
+        return original(self, *args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def refuse_training(reason: str) -> Iterator[None]:
+    """Inside the block, ``compile`` / ``fit`` / ``evaluate`` / ``predict`` /
+    ``train_on_batch`` / ``test_on_batch`` of every Keras model raise ``RuntimeError(reason)``
+    on this thread (other threads get Keras's own methods). For a jaxdist scope entered while
+    Keras runs on another backend than JAX: jaxdist cannot distribute such a model, and
+    training it would silently train this process alone. Reference-counted across threads;
+    each method is wrapped on the class that defines it and restored when the last block ends.
+
+    Public replacement: none (Keras has no hook before ``compile`` or ``fit``).
+
+    Example:
+        >>> with refuse_training("Keras runs on the torch backend"):  # doctest: +SKIP
+        ...     model.compile(optimizer="sgd", loss="mse")             # RuntimeError
+    """
+    global _GUARD_COUNT
+    with _LOCK:
+        if _GUARD_COUNT == 0:
+            for name in _GUARDED:
+                owner = next((c for c in keras.Model.__mro__ if name in c.__dict__), None)
+                if owner is not None:
+                    _GUARD_STOCK[name] = (owner, owner.__dict__[name])
+                    setattr(owner, name, _refusing(name, owner.__dict__[name]))
+        _GUARD_COUNT += 1
+    if _GUARD_HERE.reasons is None:
+        _GUARD_HERE.reasons = []
+    _GUARD_HERE.reasons.append(reason)
+    try:
+        yield
+    finally:
+        _GUARD_HERE.reasons.pop()
+        with _LOCK:
+            _GUARD_COUNT -= 1
+            if _GUARD_COUNT == 0:
+                for name, (owner, original) in _GUARD_STOCK.items():
+                    setattr(owner, name, original)
+                _GUARD_STOCK.clear()
+
+
 __all__ = [
     "PRIVATE_ATTRIBUTES",
     "SUPPORTED",
@@ -669,6 +735,7 @@ __all__ = [
     "model_to_bytes",
     "numpy_batches",
     "overrides_trainer_method",
+    "refuse_training",
     "register_trainer_hooks",
     "skip_batches",
     "replace_variable_value",

@@ -1,0 +1,157 @@
+"""One task of TF's "Multi-worker training with Keras" shape
+(tests/test_keras_multi_worker_input.py): ``per_worker_batch_size * num_workers`` global
+batch, ``MultiWorkerMirroredStrategy``, the model built and compiled under
+``strategy.scope()``, ``model.fit`` outside it, on every input kind
+Keras takes. Every process runs the same program on the same input.
+
+The model's first layer (``Fingerprint``) records, in every training step, the ids of the rows
+the step trains on (column 0 of ``x``, dropped before the ``Dense`` layers) on each device, with
+the step number (a counter variable of the layer), through ``jax.debug.callback(...,
+partitioned=True)``: what each process really trains on, not what some reader yields.
+"""
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdist  # noqa: E402
+
+PER_WORKER_BATCH_SIZE = 64
+STEPS_PER_EPOCH, EPOCHS = 3, 2
+# Runs whose global batches are those of one process with the same global batch size.
+SAME_AS_ONE_PROCESS = ("tfdata", "tfdata_data", "arrays", "generator", "pydataset", "dataset")
+RUNS = SAME_AS_ONE_PROCESS + ("pydataset_shuffled", "tfdata_off")
+
+_RECORD: dict[int, list[int]] = defaultdict(list)
+
+
+def _record(step, ids):
+    _RECORD[int(np.asarray(step))].extend(int(i) for i in np.asarray(ids))
+
+
+class Fingerprint(keras.layers.Layer):
+    """Records the row ids (column 0) each training step sees and drops that column."""
+
+    def build(self, input_shape):
+        self.step = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    dtype="int32", name="step")
+
+    def call(self, x, training=None):
+        if training:
+            jax.debug.callback(_record, self.step.value, x[:, 0], partitioned=True)
+            self.step.assign(self.step + 1)
+        return x[:, 1:]
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[1] - 1)
+
+
+def data(global_batch):
+    rows = STEPS_PER_EPOCH * global_batch
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(rows, 5)).astype("float32")
+    ids = np.arange(rows, dtype="float32")[:, None]
+    y = (features @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
+    return np.concatenate([ids, features], axis=1), y
+
+
+def build_and_compile_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), Fingerprint(),
+                              keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return len(self.x) // self.batch
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+
+
+def _generator(x, y, batch):
+    while True:
+        for i in range(0, len(x), batch):
+            yield x[i:i + batch], y[i:i + batch]
+
+
+def fit_kwargs(name, x, y, global_batch, index=0, count=1):
+    """``fit``'s arguments for one run (the tutorial's ``fit(dataset, epochs,
+    steps_per_epoch)`` with each input kind)."""
+    fit = dict(epochs=EPOCHS, verbose=0)
+    if name.startswith("tfdata"):
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        if name == "tfdata":       # the tutorial's pipeline, its shuffle seeded
+            ds = ds.shuffle(len(x), seed=7).repeat().batch(global_batch)
+            return dict(fit, x=ds, steps_per_epoch=STEPS_PER_EPOCH)
+        options = tf.data.Options()
+        if name == "tfdata_data":
+            options.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.DATA)
+            return dict(fit, x=ds.batch(global_batch).with_options(options))
+        # OFF: each worker already reads its own rows; the batch stays the global batch
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        return dict(fit, x=ds.shard(count, index).batch(global_batch).with_options(options))
+    if name == "arrays":
+        return dict(fit, x=x, y=y, batch_size=global_batch, shuffle=False)
+    if name == "generator":
+        return dict(fit, x=_generator(x, y, global_batch), steps_per_epoch=STEPS_PER_EPOCH)
+    if name == "pydataset":
+        return dict(fit, x=Batches(x, y, global_batch), shuffle=False)
+    if name == "pydataset_shuffled":
+        return dict(fit, x=Batches(x, y, global_batch), shuffle=True)
+    if name == "dataset":
+        return dict(fit, x=jaxdist.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+    raise ValueError(name)
+
+
+def run(name, strategy, global_batch, index=0, count=1):
+    """One fit: ``{"steps": {step: sorted row ids this process trained on}, "weights"}``."""
+    x, y = data(global_batch)
+    _RECORD.clear()
+    with strategy.scope():
+        model = build_and_compile_model()
+    model.fit(**fit_kwargs(name, x, y, global_batch, index, count))
+    jax.effects_barrier()
+    out = {"steps": {str(k): sorted(v) for k, v in sorted(_RECORD.items())},
+           "weights": [np.asarray(w).tolist() for w in model.get_weights()]}
+    if name == "tfdata":  # evaluate and predict on the tutorial's input kind too
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+        out["evaluate"] = model.evaluate(ds, verbose=0)
+        out["predict"] = np.asarray(model.predict(ds.map(lambda a, b: a), verbose=0)).tolist()
+    return out
+
+
+def main(out, runs):
+    strategy = jaxdist.MultiWorkerMirroredStrategy()
+    n, i = jax.process_count(), jax.process_index()
+    result = {"processes": n, "replicas": strategy.num_replicas_in_sync}
+    for name in runs:
+        result[name] = run(name, strategy, PER_WORKER_BATCH_SIZE * n, i, n)
+    with open(f"{out}.{i}.json", "w") as f:
+        json.dump(result, f)
+    print("done", i, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else RUNS))
