@@ -170,3 +170,136 @@ def test_a_jaxdist_dataset_under_the_default_strategy_scope():
                             verbose=0)
     assert len(history.history["loss"]) == 2
     assert model.predict(jaxdist.Dataset.from_tensor_slices(x).batch(8), verbose=0).shape == (20, 2)
+
+
+def _tf_policy(ds, name):
+    tf = _tf()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        tf.data.experimental.AutoShardPolicy, name)
+    return ds.with_options(options)
+
+
+def _ids(source):
+    return [np.asarray(b).tolist() for b in source]
+
+
+def test_tf_data_across_processes_follows_its_auto_shard_policy():
+    """TF's meanings with the dataset's batch as the global batch (``B`` rows, ``P``
+    processes): AUTO / DATA keep this process's rows of every global batch; OFF (each process
+    already reads its own data) feeds each global batch as ``P`` steps of ``B/P`` rows; FILE is
+    refused with the fix."""
+    from jaxdist._src.keras import input_adapters
+
+    tf = _tf()
+    ds = tf.data.Dataset.range(20).batch(8)  # 8, 8, 4 rows
+    for policy in ("AUTO", "DATA"):
+        source, pieces = input_adapters.tf_data_source(_tf_policy(ds, policy), 2, 1)
+        assert pieces == 1 and _ids(source) == [[4, 5, 6, 7], [12, 13, 14, 15], [18, 19]]
+    own = _tf_policy(tf.data.Dataset.range(20).shard(2, 1).batch(8), "OFF")  # 1, 3, ... 19
+    source, pieces = input_adapters.tf_data_source(own, 2, 1)
+    assert pieces == 2
+    assert _ids(source) == [[1, 3, 5, 7], [9, 11, 13, 15], [17], [19]]
+    adapter = input_adapters.DatasetAdapter(own, None, source, pieces)
+    assert adapter.num_batches == 4  # 2 global batches, each 2 steps
+    with pytest.raises(ValueError, match=r"AutoShardPolicy.FILE .* set AutoShardPolicy.OFF"):
+        input_adapters.tf_data_source(_tf_policy(ds, "FILE"), 2, 0)
+
+
+def test_an_unseeded_tf_data_shuffle_sharded_by_data_warns():
+    from jaxdist._src.keras import input_adapters
+
+    tf = _tf()
+    tf.random.set_seed(None)  # a global seed (keras.utils.set_random_seed) seeds every shuffle
+    unseeded = tf.data.Dataset.range(16).shuffle(16).batch(8)
+    assert input_adapters.tf_data_has_unseeded_shuffle(unseeded)
+    with pytest.warns(RuntimeWarning, match="shuffle without a seed .* 2 processes"):
+        input_adapters.tf_data_source(unseeded, 2, 0)
+    seeded = tf.data.Dataset.range(16).shuffle(16, seed=3).batch(8)
+    assert not input_adapters.tf_data_has_unseeded_shuffle(seeded)
+    assert not input_adapters.tf_data_has_unseeded_shuffle(tf.data.Dataset.range(4).batch(2))
+    nested = tf.data.Dataset.range(2).interleave(lambda i: tf.data.Dataset.range(4).shuffle(4))
+    assert input_adapters.tf_data_has_unseeded_shuffle(nested)
+    tf.random.set_seed(1)
+    assert not input_adapters.tf_data_has_unseeded_shuffle(
+        tf.data.Dataset.range(16).shuffle(16).batch(8))
+
+
+def test_generator_and_py_dataset_shares_agree_across_processes():
+    """Each process iterates the same generator / PyDataset and keeps its rows of every
+    global batch; a PyDataset shuffled by fit draws its order (Python's random) from one seed,
+    whatever each process's own random state."""
+    import random
+
+    from jaxdist._src.compat import keras_internals as ki
+    from jaxdist._src.keras import input_adapters
+
+    x = np.arange(48, dtype=np.float32)[:, None]
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return x[16 * i:16 * (i + 1)], x[16 * i:16 * (i + 1)]
+
+    shares = []
+    for index, state in ((0, 1), (1, 2)):
+        random.seed(state)
+        adapter = input_adapters.ProcessRowsAdapter(
+            ki.get_data_adapter(Batches(), shuffle=True), 2, index, seed=5)
+        before = random.getstate()
+        shares.append([b[0][:, 0].astype(int).tolist() for b in adapter.get_numpy_iterator()])
+        assert random.getstate() == before  # left untouched
+    steps = [sorted(a + b) for a, b in zip(*shares)]
+    assert all(not set(a) & set(b) for a, b in zip(*shares))
+    assert sorted(s[0] for s in steps) == [0, 16, 32]
+    assert all(s == list(range(s[0], s[0] + 16)) for s in steps)
+
+    def gen():
+        for i in range(0, 48, 16):
+            yield x[i:i + 16], x[i:i + 16]
+
+    got = [b[0][:, 0].astype(int).tolist() for b in input_adapters.ProcessRowsAdapter(
+        ki.get_data_adapter(gen()), 2, 1, seed=None).get_numpy_iterator()]
+    assert got == [list(range(8, 16)), list(range(24, 32)), list(range(40, 48))]
+
+
+def test_a_threaded_py_dataset_shuffle_is_refused_across_processes():
+    from jaxdist._src.keras import input_adapters
+
+    class Threaded(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=2)
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return X[:8], Y[:8]
+
+    with pytest.raises(ValueError, match="shuffle=False .* or workers=1"):
+        input_adapters._refuse_threaded_shuffle(Threaded(), True, 2)
+    input_adapters._refuse_threaded_shuffle(Threaded(), False, 2)
+
+
+@pytest.mark.devices(2)
+def test_a_repeated_seeded_tf_data_shuffle_trains_on_plain_keras_batches(devices):
+    """Keras reads a tf.data dataset with a new iterator for its pre-build peek and another
+    for fit (a seeded shuffle's order depends on how many were made): jaxdist does the same,
+    so fit(steps_per_epoch) on a repeated pipeline sees plain Keras's batches."""
+    tf = _tf()
+
+    def run(strategy):
+        keras.utils.set_random_seed(0)  # TF's shuffle seed is (global seed, seed=3)
+        ds = tf.data.Dataset.from_tensor_slices((X[:64], Y[:64])).shuffle(64, seed=3)
+        ds = ds.repeat().batch(16)
+        with strategy.scope():
+            m = _model()
+        m.fit(ds, epochs=2, steps_per_epoch=4, verbose=0)
+        return [np.asarray(w) for w in m.get_weights()]
+
+    ref = run(jaxdist.get_strategy())
+    got = run(jaxdist.MirroredStrategy(devices[:2]))
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
