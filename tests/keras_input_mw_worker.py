@@ -138,6 +138,11 @@ def run(name, strategy, global_batch, index=0, count=1):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
         out["evaluate"] = model.evaluate(ds, verbose=0)
         out["predict"] = np.asarray(model.predict(ds.map(lambda a, b: a), verbose=0)).tolist()
+        # 70 rows in batches of 32: the last has 6 (3 a process, padded to its 2 replicas)
+        uneven = tf.data.Dataset.from_tensor_slices(x[:70]).batch(32)
+        out["predict_uneven"] = np.asarray(model.predict(uneven, verbose=0)).tolist()
+        out["predict_arrays"] = np.asarray(model.predict(x[:70], batch_size=32,
+                                                         verbose=0)).tolist()
     return out
 
 

@@ -109,7 +109,9 @@ def test_every_input_kind_trains_each_worker_on_its_half_of_each_global_batch(tm
     if "tfdata" in runs:
         for g in got:
             np.testing.assert_allclose(g["tfdata"]["evaluate"], ref["tfdata"]["evaluate"], **TOL)
-            np.testing.assert_allclose(g["tfdata"]["predict"], ref["tfdata"]["predict"], **TOL)
+            for key in ("predict", "predict_uneven", "predict_arrays"):
+                np.testing.assert_allclose(g["tfdata"][key], ref["tfdata"][key], **TOL)
+            assert np.shape(g["tfdata"]["predict_uneven"]) == (70, 1)
 
 
 @pytest.mark.skipif(not HAS_TF, reason="tensorflow (the tfdata test extra) is not installed")

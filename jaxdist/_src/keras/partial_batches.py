@@ -25,7 +25,7 @@ global batches:
 - **Several processes** (``MultiWorkerMirroredStrategy``): each process reads its share of every
   global batch (``jaxdist._src.keras.input_adapters``), pads its own rows to the batch size,
   and every train / test step runs masked, so all processes run the same program whatever
-  their own row counts are. ``predict`` is not padded there; its outputs are gathered, so
+  their own row counts are. ``predict``'s outputs are gathered and its padding dropped, so
   every process gets the predictions of every global batch in row order, as in TF.
 
 The mask reaches the step through ``_CHANNEL``: the padding adapter's generator publishes it
@@ -178,9 +178,9 @@ class PaddedAdapter(WrappingAdapter):
         strategy = distribution.strategy
         me = jax.process_index()
         self._local = sum(d.process_index == me for d in strategy.extended.worker_devices)
-        # Across processes every train / test batch is padded to one size and masked, so all
-        # processes run the same step whatever their own row counts (predict is not padded).
-        self._uniform = jax.process_count() > 1 and kind != "predict" and blocker is None
+        # Across processes every batch is padded to one size and masked, so all processes run
+        # the same step whatever their own row counts (predict keeps the real rows after it).
+        self._uniform = jax.process_count() > 1 and blocker is None
         self._target: int | None = None
         if self._uniform and inner.batch_size:
             self._target = self._round_up(int(inner.batch_size))
@@ -224,14 +224,9 @@ class PaddedAdapter(WrappingAdapter):
             return batch
         if rows != real and self._blocker is not None:
             raise self._unmaskable(real)
-        if rows != real and jax.process_count() > 1 and self._kind == "predict":
-            raise ValueError(
-                f"a predict batch of {real} rows does not divide over the {self._local} "
-                f"replicas of process {jax.process_index()}: across processes predict needs "
-                f"batches divisible by each process's replica count")
         padded = jax.tree.map(lambda x: _pad_rows(x, rows), batch) if rows != real else batch
         mask = None
-        if self._kind != "predict":
+        if self._kind != "predict" or self._uniform:
             sharding = self._distribution._data_sharding
             mask = jax.make_array_from_process_local_data(sharding, np.arange(rows) < real)
         _publish(Rows(mask, real, rows))
@@ -487,15 +482,17 @@ def wrap_make_function(original: Any) -> Any:
     return make_function
 
 
-def _every_process_rows(outputs: Any) -> Any:
-    """``predict``'s outputs of one global batch on every process, in the global batch's row
-    order (as TF's Keras gathers them across workers): each process holds only its own rows
-    of the global arrays the step returns."""
-    if jax.process_count() == 1:
-        return outputs
+def _every_process_rows(outputs: Any, rows: Rows | None) -> Any:
+    """``predict``'s outputs of one global batch on every process, its real rows in the global
+    batch's row order (as TF's Keras gathers them across workers): each process holds only its
+    own (padded) rows of the global arrays the step returns."""
     from jax.experimental import multihost_utils
 
-    return multihost_utils.process_allgather(outputs, tiled=True)
+    outputs = multihost_utils.process_allgather(outputs, tiled=True)
+    if rows is None or rows.mask is None:
+        return outputs
+    real = np.asarray(multihost_utils.process_allgather(rows.mask, tiled=True))
+    return tree.map_structure(lambda o: np.asarray(o)[real], outputs)
 
 
 def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
@@ -519,9 +516,11 @@ def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
         data, rows = _pull(iterator)
         if concatenate_outputs:  # predict: Keras's step, then the real rows
             outputs, state = step_function(state, data)
+            if jax.process_count() > 1:
+                return _every_process_rows(outputs, rows), state
             if rows is not None and rows.real != rows.rows:
                 outputs = tree.map_structure(lambda o: o[:rows.real], outputs)
-            return _every_process_rows(outputs), state
+            return outputs, state
         if rows is None:
             return step_function(state, data)
         return masked_step(state)(state, data, rows.mask)
