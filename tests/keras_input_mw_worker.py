@@ -27,7 +27,7 @@ PER_WORKER_BATCH_SIZE = 64
 STEPS_PER_EPOCH, EPOCHS = 3, 2
 # Runs whose global batches are those of one process with the same global batch size.
 SAME_AS_ONE_PROCESS = ("tfdata", "tfdata_data", "arrays", "generator", "pydataset", "dataset")
-RUNS = SAME_AS_ONE_PROCESS + ("pydataset_shuffled", "tfdata_off")
+RUNS = SAME_AS_ONE_PROCESS + ("pydataset_shuffled", "tfdata_off", "make_or_restore")
 
 _RECORD: dict[int, list[int]] = defaultdict(list)
 
@@ -122,16 +122,50 @@ def fit_kwargs(name, x, y, global_batch, index=0, count=1):
     raise ValueError(name)
 
 
-def run(name, strategy, global_batch, index=0, count=1):
+def make_or_restore_model(checkpoint_dir):
+    """TF's multi-worker tutorial / keras-io: the latest checkpoint, else a new model."""
+    checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
+    if checkpoints:
+        latest_checkpoint = max(checkpoints, key=os.path.getctime)
+        return keras.models.load_model(latest_checkpoint,
+                                       custom_objects={"Fingerprint": Fingerprint})
+    return build_and_compile_model()
+
+
+def _make_or_restore(strategy, x, y, global_batch, checkpoint_dir):
+    """The ``arrays`` run as two jobs: 1 epoch checkpointed by the chief, then a job that
+    restores it inside the scope and fits the second epoch."""
+    from jax.experimental import multihost_utils
+
+    import jaxdist.keras
+
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    for epoch in range(EPOCHS):
+        with strategy.scope():
+            model = make_or_restore_model(checkpoint_dir)
+        callbacks = [jaxdist.keras.ModelCheckpoint(
+            os.path.join(checkpoint_dir, "ckpt-{epoch}.keras"))]
+        model.fit(x, y, batch_size=global_batch, epochs=epoch + 1, initial_epoch=epoch,
+                  shuffle=False, verbose=0, callbacks=callbacks)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint {epoch} written")
+    return model
+
+
+def run(name, strategy, global_batch, index=0, count=1, workdir=None):
     """One fit: ``{"steps": {step: sorted row ids this process trained on}, "weights"}``."""
     x, y = data(global_batch)
     _RECORD.clear()
-    with strategy.scope():
-        model = build_and_compile_model()
-    model.fit(**fit_kwargs(name, x, y, global_batch, index, count))
+    if name == "make_or_restore":
+        model = _make_or_restore(strategy, x, y, global_batch, os.path.join(workdir, "ckpt"))
+    else:
+        with strategy.scope():
+            model = build_and_compile_model()
+        model.fit(**fit_kwargs(name, x, y, global_batch, index, count))
     jax.effects_barrier()
     out = {"steps": {str(k): sorted(v) for k, v in sorted(_RECORD.items())},
-           "weights": [np.asarray(w).tolist() for w in model.get_weights()]}
+           "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+           "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables]}
     if name == "tfdata":  # evaluate and predict on the tutorial's input kind too
         import tensorflow as tf
 
@@ -151,7 +185,7 @@ def main(out, runs):
     n, i = jax.process_count(), jax.process_index()
     result = {"processes": n, "replicas": strategy.num_replicas_in_sync}
     for name in runs:
-        result[name] = run(name, strategy, PER_WORKER_BATCH_SIZE * n, i, n)
+        result[name] = run(name, strategy, PER_WORKER_BATCH_SIZE * n, i, n, out + ".work")
     with open(f"{out}.{i}.json", "w") as f:
         json.dump(result, f)
     print("done", i, flush=True)

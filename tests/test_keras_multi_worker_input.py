@@ -7,8 +7,11 @@ pipeline (the tutorial's, and ``AutoShardPolicy.DATA`` / ``OFF``), numpy arrays,
 generator, a ``keras.utils.PyDataset`` and a ``jaxdist.Dataset``. The model records the ids of
 the rows every step trains on, per process (inside the jitted step). Each step must train each
 worker on 64 rows, the two workers' rows disjoint, their union the global batch the same
-program trains on in one process (no strategy), and the weights must be that run's. Needs
-TensorFlow (the tfdata test extra) for the tf.data runs.
+program trains on in one process (no strategy), and the weights must be that run's. The
+tutorial's fault-tolerance pattern runs too: the arrays run as two jobs, the second restoring the
+chief's checkpoint with ``keras.models.load_model`` inside ``strategy.scope()`` (make-or-restore)
+and ending with the uninterrupted run's weights and optimizer state. Needs TensorFlow (the
+tfdata test extra) for the tf.data runs.
 """
 
 import importlib.util
@@ -83,16 +86,19 @@ def test_every_input_kind_trains_each_worker_on_its_half_of_each_global_batch(tm
                 continue
             assert (len(a), len(b)) == (64, 64), (name, s, len(a), len(b))
             assert not set(a) & set(b), (name, s)
-            if name in ref:
-                assert sorted(a + b) == ref[name]["steps"][s], (name, s)
+            if name in ref or name == "make_or_restore":
+                want = ref["arrays" if name == "make_or_restore" else name]
+                assert sorted(a + b) == want["steps"][s], (name, s)
             else:  # shuffled PyDataset: one of its 3 global batches
                 k = min(a + b) // global_batch
                 assert sorted(a + b) == list(range(k * global_batch, (k + 1) * global_batch))
         for a, b in zip(got[0][name]["weights"], got[1][name]["weights"]):
             np.testing.assert_array_equal(a, b)  # one model
-        if name in ref:
-            for a, b in zip(got[0][name]["weights"], ref[name]["weights"]):
-                np.testing.assert_allclose(a, b, **TOL)
+        if name in ref or name == "make_or_restore":
+            want = ref["arrays" if name == "make_or_restore" else name]
+            for key in ("weights", "optimizer"):
+                for a, b in zip(got[0][name][key], want[key]):
+                    np.testing.assert_allclose(a, b, **TOL)
     if "pydataset_shuffled" in runs:  # each epoch reads every global batch once
         mine = got[0]["pydataset_shuffled"]["steps"]
         for epoch in range(w.EPOCHS):
@@ -106,6 +112,8 @@ def test_every_input_kind_trains_each_worker_on_its_half_of_each_global_batch(tm
             assert sizes == [64, 64, 32, 32] * 2
             ids = sorted(r for s in mine.values() for r in s)
             assert ids == sorted(list(range(i, 3 * global_batch, 2)) * 2)
+    if "make_or_restore" in runs:  # restored inside the scope: optimizer state and all
+        assert sorted(os.listdir(f"{out}.work/ckpt")) == ["ckpt-1.keras", "ckpt-2.keras"]
     if "tfdata" in runs:
         for g in got:
             np.testing.assert_allclose(g["tfdata"]["evaluate"], ref["tfdata"]["evaluate"], **TOL)
