@@ -4,7 +4,9 @@
 pattern of TF's multi-worker tutorial and keras-io's distributed-training guide
 (``load_model(latest_checkpoint)`` inside ``strategy.scope()``, then ``fit``) restore the
 optimizer (its variables: Adam's moments and iteration count), the loss and the metrics exactly
-as plain Keras does, whichever strategy (or none) saved and loads. Every number is compared with
+as plain Keras does, whichever strategy (or none) saved and loads (a model trained under
+``MirroredStrategy`` loaded in the same scope, under Mirrored over other devices,
+``OneDeviceStrategy``, ``CentralStorageStrategy`` and no strategy). Every number is compared with
 plain Keras doing the same on one device with no strategy (to 1e-5: the replicas' reduction
 order). Needs 4 devices (8 forced CPU devices by default, see conftest.py).
 """
@@ -116,6 +118,8 @@ def _load_quietly(path):
 LOADERS = {
     "same_scope": lambda saver: saver,
     "other_strategy": lambda saver: jaxdist.MirroredStrategy(jax.devices()[:4]),
+    "one_device": lambda saver: jaxdist.OneDeviceStrategy(jax.devices()[1]),
+    "central_storage": lambda saver: jaxdist.CentralStorageStrategy(jax.devices()[:2]),
     "no_strategy": lambda saver: None,
 }
 
