@@ -27,7 +27,9 @@ PER_WORKER_BATCH_SIZE = 64
 STEPS_PER_EPOCH, EPOCHS = 3, 2
 # Runs whose global batches are those of one process with the same global batch size.
 SAME_AS_ONE_PROCESS = ("tfdata", "tfdata_data", "arrays", "generator", "pydataset", "dataset")
-RUNS = SAME_AS_ONE_PROCESS + ("pydataset_shuffled", "tfdata_off", "make_or_restore")
+RUNS = SAME_AS_ONE_PROCESS + ("pydataset_shuffled", "tfdata_off", "tfdata_file",
+                              "make_or_restore")
+FILES = 4
 
 _RECORD: dict[int, list[int]] = defaultdict(list)
 
@@ -89,7 +91,23 @@ def _generator(x, y, batch):
             yield x[i:i + batch], y[i:i + batch]
 
 
-def fit_kwargs(name, x, y, global_batch, index=0, count=1):
+def write_files(x, y, directory):
+    """The rows as ``FILES`` TFRecord files of consecutive rows (a serialized float vector
+    ``[x..., y]`` per record)."""
+    import tensorflow as tf
+
+    os.makedirs(directory, exist_ok=True)
+    paths, per = [], len(x) // FILES
+    for f in range(FILES):
+        paths.append(os.path.join(directory, f"part-{f}.tfrecord"))
+        with tf.io.TFRecordWriter(paths[-1]) as writer:
+            for r in range(f * per, (f + 1) * per):
+                row = np.concatenate([x[r], y[r]]).astype("float32")
+                writer.write(tf.io.serialize_tensor(row).numpy())
+    return paths
+
+
+def fit_kwargs(name, x, y, global_batch, index=0, count=1, workdir=None):
     """``fit``'s arguments for one run (the tutorial's ``fit(dataset, epochs,
     steps_per_epoch)`` with each input kind)."""
     fit = dict(epochs=EPOCHS, verbose=0)
@@ -101,6 +119,17 @@ def fit_kwargs(name, x, y, global_batch, index=0, count=1):
             ds = ds.shuffle(len(x), seed=7).repeat().batch(global_batch)
             return dict(fit, x=ds, steps_per_epoch=STEPS_PER_EPOCH)
         options = tf.data.Options()
+        if name == "tfdata_file":  # each worker reads its files (TF's FILE sharding)
+            options.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.FILE)
+            files = write_files(x, y, os.path.join(workdir, f"files-{index}"))
+
+            def parse(record):
+                row = tf.io.parse_tensor(record, tf.float32)
+                return row[:-1], row[-1:]
+
+            ds = tf.data.TFRecordDataset(files).map(parse).batch(global_batch)
+            return dict(fit, x=ds.with_options(options))
         if name == "tfdata_data":
             options.experimental_distribute.auto_shard_policy = (
                 tf.data.experimental.AutoShardPolicy.DATA)
@@ -161,7 +190,7 @@ def run(name, strategy, global_batch, index=0, count=1, workdir=None):
     else:
         with strategy.scope():
             model = build_and_compile_model()
-        model.fit(**fit_kwargs(name, x, y, global_batch, index, count))
+        model.fit(**fit_kwargs(name, x, y, global_batch, index, count, workdir))
     jax.effects_barrier()
     out = {"steps": {str(k): sorted(v) for k, v in sorted(_RECORD.items())},
            "weights": [np.asarray(w).tolist() for w in model.get_weights()],

@@ -78,11 +78,12 @@ def test_every_input_kind_trains_each_worker_on_its_half_of_each_global_batch(tm
     steps = w.STEPS_PER_EPOCH * w.EPOCHS
     for name in runs:
         mine = [g[name]["steps"] for g in got]
-        n_steps = steps if name != "tfdata_off" else 8
+        n_steps = 8 if name in ("tfdata_off", "tfdata_file") else steps
         assert sorted(mine[0], key=int) == [str(s) for s in range(n_steps)], name
         for s in mine[0]:
             a, b = mine[0][s], mine[1][s]
-            if name == "tfdata_off":  # global batches of 128 rows read as 2 steps of 64
+            if name in ("tfdata_off", "tfdata_file"):  # batches of 128 read as 2 steps of 64
+                assert not set(a) & set(b), (name, s)
                 continue
             assert (len(a), len(b)) == (64, 64), (name, s, len(a), len(b))
             assert not set(a) & set(b), (name, s)
@@ -112,6 +113,15 @@ def test_every_input_kind_trains_each_worker_on_its_half_of_each_global_batch(tm
             assert sizes == [64, 64, 32, 32] * 2
             ids = sorted(r for s in mine.values() for r in s)
             assert ids == sorted(list(range(i, 3 * global_batch, 2)) * 2)
+    if "tfdata_file" in runs:  # FILE: worker i reads files i and i + 2 (96 rows each)
+        per = 3 * global_batch // w.FILES
+        for i in range(2):
+            mine = {s: set(ids) for s, ids in got[i]["tfdata_file"]["steps"].items()}
+            assert [len(mine[str(s)]) for s in range(8)] == [64, 64, 32, 32] * 2
+            ids = sorted(r for s in mine.values() for r in s)
+            files = list(range(i * per, (i + 1) * per)) + list(range((i + 2) * per,
+                                                                     (i + 3) * per))
+            assert ids == sorted(files * 2)
     if "make_or_restore" in runs:  # restored inside the scope: optimizer state and all
         assert sorted(os.listdir(f"{out}.work/ckpt")) == ["ckpt-1.keras", "ckpt-2.keras"]
     if "tfdata" in runs:

@@ -202,8 +202,39 @@ def test_tf_data_across_processes_follows_its_auto_shard_policy():
     assert _ids(source) == [[1, 3, 5, 7], [9, 11, 13, 15], [17], [19]]
     adapter = input_adapters.DatasetAdapter(own, None, source, pieces)
     assert adapter.num_batches == 4  # 2 global batches, each 2 steps
-    with pytest.raises(ValueError, match=r"AutoShardPolicy.FILE .* set AutoShardPolicy.OFF"):
+    with pytest.raises(ValueError, match=r"FILE on a tf.data.Dataset that reads no files"):
         input_adapters.tf_data_source(_tf_policy(ds, "FILE"), 2, 0)
+
+
+def test_tf_data_file_policy_shards_files_as_tf_does(tmp_path):
+    """FILE: TF's own rewrite gives process ``p`` of ``P`` files ``p, p+P, ...``; each batch
+    it reads (``B`` rows of its files) is fed as ``P`` steps of ``B/P`` rows. Too few files, or
+    none, is refused; AUTO shards such a pipeline by data (every process reads every file)."""
+    from jaxdist._src.keras import input_adapters
+
+    tf = _tf()
+    files = []
+    for f in range(4):
+        files.append(str(tmp_path / f"part-{f}.tfrecord"))
+        with tf.io.TFRecordWriter(files[-1]) as w:
+            for r in range(6):
+                w.write(tf.io.serialize_tensor(tf.constant(f * 100 + r, tf.int64)).numpy())
+
+    def pipeline(paths):
+        return tf.data.TFRecordDataset(paths).map(
+            lambda s: tf.io.parse_tensor(s, tf.int64)).batch(4)
+
+    assert input_adapters.tf_data_files(pipeline(files)) == (True, 4)
+    assert input_adapters.tf_data_files(tf.data.Dataset.range(4)) == (False, None)
+    source, pieces = input_adapters.tf_data_source(_tf_policy(pipeline(files), "FILE"), 2, 1)
+    assert pieces is None  # the step count of this process's files is not known
+    assert input_adapters.DatasetAdapter(pipeline(files), None, source, pieces).num_batches is None
+    assert _ids(source) == [[100, 101], [102, 103], [104, 105], [300, 301], [302, 303],
+                            [304, 305]]
+    with pytest.raises(ValueError, match=r"1 file\(s\) cannot be split across 2 processes"):
+        input_adapters.tf_data_source(_tf_policy(pipeline(files[:1]), "FILE"), 2, 0)
+    source, pieces = input_adapters.tf_data_source(pipeline(files), 2, 1)  # AUTO
+    assert pieces == 1 and _ids(source)[:2] == [[2, 3], [100, 101]]
 
 
 def test_an_unseeded_tf_data_shuffle_sharded_by_data_warns():

@@ -22,7 +22,11 @@ each keeps its share of every global batch, as TF's Keras does, by input kind:
   a warning says so); ``OFF``: no sharding, each process reads its whole pipeline and each
   global batch it reads is fed as ``P`` consecutive steps of ``B/P`` rows (TF rebatches the
   global batch over the replicas), so a pipeline each process already shards itself
-  (``dataset.shard(P, p)``) keeps the global batch ``B``; ``FILE``: refused, naming the fix.
+  (``dataset.shard(P, p)``) keeps the global batch ``B``; ``FILE``: TF's own file sharding
+  (process ``p`` reads files ``p, p+P, ...``), each batch then fed as for ``OFF`` (refused,
+  naming the fix, for a pipeline that reads no files or fewer files than processes; every
+  process must read as many batches). ``AUTO`` shards by data even when the pipeline reads
+  files (TF would shard it by file): exact global batches, the same step count everywhere.
 - **``jaxdist.Dataset``** (and ``FileListDataset``, ``with_auto_shard_policy``): jaxdist's
   ``AutoShardPolicy`` (``jaxdist._src.input.autoshard``; ``OFF``: each element is this
   process's share).
@@ -115,7 +119,8 @@ class DatasetAdapter(JaxBackendAdapter):
         source: what is iterated each epoch (default ``dataset``): this process's share of it
             under several processes (``jaxdist._src.input.autoshard.auto_shard``).
         pieces: steps per element of ``dataset`` (``OFF`` on a ``tf.data.Dataset`` across
-            ``P`` processes feeds each global batch as ``P`` steps); scales ``num_batches``.
+            ``P`` processes feeds each global batch as ``P`` steps); scales ``num_batches``
+            (``None``: the step count is not known, as for ``FILE``'s share of the files).
 
     Example:
         >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
@@ -125,7 +130,7 @@ class DatasetAdapter(JaxBackendAdapter):
     """
 
     def __init__(self, dataset: Any, class_weight: dict | None = None, source: Any = None,
-                 pieces: int = 1):
+                 pieces: int | None = 1):
         self._dataset = dataset
         self._pieces = pieces
         self._source = dataset if source is None else source
@@ -181,7 +186,7 @@ class DatasetAdapter(JaxBackendAdapter):
     @property
     def num_batches(self) -> int | None:
         cardinality = getattr(self._dataset, "cardinality", None)
-        if cardinality is None:
+        if cardinality is None or self._pieces is None:
             return None
         n = int(cardinality())  # a tf.data dataset returns a scalar tensor
         return n * self._pieces if n >= 0 else None  # INFINITE / UNKNOWN_CARDINALITY
@@ -292,6 +297,74 @@ class _Pieces:
                 yield piece
 
 
+def _tf_data_nodes(dataset: Any) -> dict[str, Any]:
+    """The nodes of a ``tf.data.Dataset``'s graph (its functions' included), by name; empty
+    when TF cannot serialise the pipeline."""
+    import tensorflow as tf
+
+    try:
+        variant = tf.data.experimental.to_variant(dataset)
+        serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=variant, external_state_policy=1)
+        graph = tf.compat.v1.GraphDef()
+        graph.ParseFromString(serialized.numpy())
+    except Exception:  # noqa: BLE001 - a pipeline TF cannot serialise: not known
+        return {}
+    nodes = {n.name: n for n in graph.node}
+    for fn in graph.library.function:
+        nodes.update({n.name: n for n in fn.node_def})
+    return nodes
+
+
+_READERS = ("TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset",
+            "FixedLengthRecordDataset", "FixedLengthRecordDatasetV2")
+_DT_STRING = 7
+
+
+def tf_data_files(dataset: Any) -> tuple[bool, int | None]:
+    """``(whether the pipeline reads files, how many when the list is a constant)``: what TF's
+    ``AutoShardPolicy.FILE`` shards.
+
+    Example:
+        >>> tf_data_files(tf.data.TFRecordDataset(["a", "b"]))  # doctest: +SKIP
+        (True, 2)
+    """
+    nodes = _tf_data_nodes(dataset)
+    if not any(n.op in _READERS for n in nodes.values()):
+        return False, None
+    counts = []
+    for node in nodes.values():
+        if node.op != "TensorSliceDataset":
+            continue
+        for name in node.input:
+            src = nodes.get(name.split(":")[0].lstrip("^"))
+            tensor = src.attr["value"].tensor if src is not None and src.op == "Const" else None
+            if tensor is not None and tensor.dtype == _DT_STRING:
+                counts.append(int(np.prod([d.size for d in tensor.tensor_shape.dim])))
+    return True, (counts[0] if len(counts) == 1 else None)
+
+
+def _tf_data_file_shard(dataset: Any, count: int, index: int) -> Any:
+    """TF's own ``FILE`` rewrite (``AutoShardDataset``): this process's files, ``index``,
+    ``index + count``, ..."""
+    import tensorflow as tf
+
+    file_based, files = tf_data_files(dataset)
+    if not file_based:
+        raise ValueError(
+            "AutoShardPolicy.FILE on a tf.data.Dataset that reads no files (TFRecordDataset, "
+            "TextLineDataset, FixedLengthRecordDataset): use AutoShardPolicy.DATA (or AUTO)")
+    if files is not None and files < count:
+        raise ValueError(
+            f"AutoShardPolicy.FILE: {files} file(s) cannot be split across {count} processes; "
+            f"provide at least {count} files or use AutoShardPolicy.DATA")
+    flat = tf.nest.flatten(dataset.element_spec)
+    sharded = tf.raw_ops.AutoShardDataset(
+        input_dataset=tf.data.experimental.to_variant(dataset), num_workers=count, index=index,
+        auto_shard_policy=1, output_types=[s.dtype for s in flat],
+        output_shapes=[s.shape for s in flat])
+    return tf.data.experimental.from_variant(sharded, dataset.element_spec)
+
+
 def tf_data_has_unseeded_shuffle(dataset: Any) -> bool:
     """Whether a ``tf.data.Dataset``'s pipeline shuffles without a seed (``seed`` and ``seed2``
     both 0: each process, and each run, draws its own order). Read from the dataset's graph
@@ -302,18 +375,7 @@ def tf_data_has_unseeded_shuffle(dataset: Any) -> bool:
         >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8))  # doctest: +SKIP
         True
     """
-    import tensorflow as tf
-
-    try:
-        variant = tf.data.experimental.to_variant(dataset)
-        serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=variant, external_state_policy=1)
-        graph = tf.compat.v1.GraphDef()
-        graph.ParseFromString(serialized.numpy())
-    except Exception:  # noqa: BLE001 - a pipeline TF cannot serialise: not known
-        return False
-    nodes = {n.name: n for n in graph.node}
-    for fn in graph.library.function:
-        nodes.update({n.name: n for n in fn.node_def})
+    nodes = _tf_data_nodes(dataset)
 
     def const(name: str) -> int | None:
         node = nodes.get(name.split(":")[0].lstrip("^"))
@@ -342,12 +404,14 @@ def _warn_unseeded_shuffle(dataset: Any, count: int) -> None:
             RuntimeWarning, stacklevel=4)
 
 
-def tf_data_source(dataset: Any, count: int, index: int) -> tuple[Any, int]:
-    """``(what this process iterates, steps per global batch)`` for a ``tf.data.Dataset``
-    across ``count`` processes, by its ``AutoShardPolicy`` (see the module docstring).
+def tf_data_source(dataset: Any, count: int, index: int) -> tuple[Any, int | None]:
+    """``(what this process iterates, steps per element of the dataset)`` for a
+    ``tf.data.Dataset`` across ``count`` processes, by its ``AutoShardPolicy`` (see the module
+    docstring); ``None`` steps: not known (``FILE``: this process's share of the files).
 
     Raises:
-        ValueError: ``FILE`` or ``HINT`` (naming what to use instead).
+        ValueError: ``FILE`` on a pipeline that reads no files or fewer files than processes,
+            or ``HINT`` (naming what to use instead).
 
     Example:
         >>> source, pieces = tf_data_source(ds, 2, 0)  # doctest: +SKIP
@@ -361,12 +425,12 @@ def tf_data_source(dataset: Any, count: int, index: int) -> tuple[Any, int]:
         return auto_shard(dataset, count, index, policy=AutoShardPolicy.DATA, uneven=True), 1
     if policy is AutoShardPolicy.OFF:
         return _Pieces(dataset, count), count
+    if policy is AutoShardPolicy.FILE:
+        return _Pieces(_tf_data_file_shard(dataset, count, index), count), None
     raise ValueError(
         f"AutoShardPolicy.{policy.name} on a tf.data.Dataset given to Keras across {count} "
-        f"processes is not supported by jaxdist.keras: use AutoShardPolicy.DATA (or AUTO: every "
-        f"process reads the whole pipeline and keeps its rows of each global batch), or shard "
-        f"the files yourself (dataset.shard({count}, index) on the file list), keep the global "
-        f"batch size and set AutoShardPolicy.OFF")
+        f"processes is not supported by jaxdist.keras: use AUTO / DATA (every process reads the "
+        f"whole pipeline and keeps its rows of each global batch), FILE, or OFF")
 
 
 def _refuse_threaded_shuffle(x: Any, shuffle: bool, count: int) -> None:
