@@ -18,7 +18,7 @@ if keras.backend.backend() != "jax":  # pragma: no cover
 
 import jaxdist  # noqa: E402
 from jaxdist._src.input import autoshard  # noqa: E402
-from jaxdist._src.keras import partial_batches  # noqa: E402
+from jaxdist._src.keras import input_adapters  # noqa: E402
 
 _RNG = np.random.default_rng(0)
 X = _RNG.normal(size=(70, 5)).astype("float32")
@@ -84,7 +84,7 @@ def test_fit_a_shuffled_jaxdist_dataset_sees_its_passes_in_order(devices):
 
 def test_dataset_adapter_resumes_only_a_one_batch_peek():
     ds = jaxdist.Dataset.range(6).batch(2)
-    adapter = partial_batches.DatasetAdapter(ds)
+    adapter = input_adapters.DatasetAdapter(ds)
     peek = adapter.get_numpy_iterator()
     assert next(peek)[0].tolist() == [0, 1]  # abandoned after one batch (Keras's build)
     assert [b[0].tolist() for b in adapter.get_numpy_iterator()] == [[0, 1], [2, 3], [4, 5]]
@@ -93,7 +93,7 @@ def test_dataset_adapter_resumes_only_a_one_batch_peek():
     next(partial), next(partial)  # two batches read: not a peek, the next pass starts anew
     assert len(list(adapter.get_numpy_iterator())) == 3
     assert adapter.num_batches == 3
-    assert partial_batches.DatasetAdapter(ds.repeat()).num_batches is None  # infinite
+    assert input_adapters.DatasetAdapter(ds.repeat()).num_batches is None  # infinite
 
 
 def test_array_shards_agree_across_processes_whatever_their_numpy_state():
@@ -106,7 +106,7 @@ def test_array_shards_agree_across_processes_whatever_their_numpy_state():
     for index, state in ((0, 1), (1, 2)):
         np.random.seed(state)  # different global states on the two "processes"
         inner = ArrayDataAdapter(x, x, batch_size=32, shuffle=True)
-        adapter = partial_batches.ProcessRowsAdapter(inner, 2, index, seed=11)
+        adapter = input_adapters.ProcessRowsAdapter(inner, 2, index, seed=11)
         before = np.random.get_state()[1].copy()
         shares.append([[b[0][:, 0] for b in adapter.get_numpy_iterator()] for _ in range(2)])
         np.testing.assert_array_equal(np.random.get_state()[1], before)  # left untouched
@@ -187,10 +187,8 @@ def _ids(source):
 def test_tf_data_across_processes_follows_its_auto_shard_policy():
     """TF's meanings with the dataset's batch as the global batch (``B`` rows, ``P``
     processes): AUTO / DATA keep this process's rows of every global batch; OFF (each process
-    already reads its own data) feeds each global batch as ``P`` steps of ``B/P`` rows; FILE is
-    refused with the fix."""
-    from jaxdist._src.keras import input_adapters
-
+    already reads its own data) feeds each global batch as ``P`` steps of ``B/P`` rows; FILE on
+    a pipeline that reads no files is refused with the fix."""
     tf = _tf()
     ds = tf.data.Dataset.range(20).batch(8)  # 8, 8, 4 rows
     for policy in ("AUTO", "DATA"):
@@ -210,8 +208,6 @@ def test_tf_data_file_policy_shards_files_as_tf_does(tmp_path):
     """FILE: TF's own rewrite gives process ``p`` of ``P`` files ``p, p+P, ...``; each batch
     it reads (``B`` rows of its files) is fed as ``P`` steps of ``B/P`` rows. Too few files, or
     none, is refused; AUTO shards such a pipeline by data (every process reads every file)."""
-    from jaxdist._src.keras import input_adapters
-
     tf = _tf()
     files = []
     for f in range(4):
@@ -238,7 +234,6 @@ def test_tf_data_file_policy_shards_files_as_tf_does(tmp_path):
 
 
 def test_an_unseeded_tf_data_shuffle_sharded_by_data_warns():
-    from jaxdist._src.keras import input_adapters
 
     tf = _tf()
     tf.random.set_seed(None)  # a global seed (keras.utils.set_random_seed) seeds every shuffle
@@ -263,7 +258,6 @@ def test_generator_and_py_dataset_shares_agree_across_processes():
     import random
 
     from jaxdist._src.compat import keras_internals as ki
-    from jaxdist._src.keras import input_adapters
 
     x = np.arange(48, dtype=np.float32)[:, None]
 
@@ -297,7 +291,6 @@ def test_generator_and_py_dataset_shares_agree_across_processes():
 
 
 def test_a_threaded_py_dataset_shuffle_is_refused_across_processes():
-    from jaxdist._src.keras import input_adapters
 
     class Threaded(keras.utils.PyDataset):
         def __init__(self):

@@ -72,12 +72,7 @@ import keras
 import numpy as np
 
 from jaxdist._src.compat import keras_internals as ki
-from jaxdist._src.keras.input_adapters import (  # noqa: F401  (DatasetAdapter: users' name here)
-    DatasetAdapter,
-    ProcessRowsAdapter,
-    WrappingAdapter,
-    inner_adapter,
-)
+from jaxdist._src.keras.input_adapters import DatasetAdapter, WrappingAdapter, inner_adapter
 
 tree = keras.tree
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
