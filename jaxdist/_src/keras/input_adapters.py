@@ -274,11 +274,9 @@ class ProcessRowsAdapter(WrappingAdapter):
         return self._share(self._inner.partial_batch_size)
 
 
-
-
 class _Pieces:
-    """``OFF`` on a ``tf.data.Dataset`` across ``count`` processes: each global batch it yields
-    is fed as ``count`` consecutive steps of its consecutive parts (TF rebatches a global batch
+    """``OFF`` (and ``FILE``, on this process's files) on a ``tf.data.Dataset`` across
+    ``count`` processes: each global batch it yields is fed as ``count`` consecutive steps of its consecutive parts (TF rebatches a global batch
     over the replicas and shards nothing); an empty part (a batch of fewer rows than
     processes) is skipped."""
 
