@@ -276,9 +276,9 @@ class ProcessRowsAdapter(WrappingAdapter):
 
 class _Pieces:
     """``OFF`` (and ``FILE``, on this process's files) on a ``tf.data.Dataset`` across
-    ``count`` processes: each global batch it yields is fed as ``count`` consecutive steps of its consecutive parts (TF rebatches a global batch
-    over the replicas and shards nothing); an empty part (a batch of fewer rows than
-    processes) is skipped."""
+    ``count`` processes: each global batch it yields is fed as ``count`` consecutive steps of
+    its consecutive parts (TF rebatches a global batch over the replicas and shards nothing);
+    an empty part (a batch of fewer rows than processes) is skipped."""
 
     def __init__(self, dataset: Any, count: int):
         self.dataset, self.count = dataset, count
