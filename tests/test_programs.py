@@ -225,7 +225,9 @@ def _launch_env() -> dict[str, str]:
 def test_multi_worker_with_keras_on_2_processes_matches_1_device(tmp_path):
     """TF's multi-worker Keras tutorial as each task of ``python -m jaxdist.launch
     --workers 2 --devices-per-process 2`` (4 replicas on one global mesh), against the same
-    program on 1 device over the same global batches."""
+    program on 1 device over the same global batches. Its input is the tutorial's tf.data
+    pipeline (the tfdata test extra)."""
+    pytest.importorskip("tensorflow", reason="tensorflow (the tfdata test extra) is not installed")
     out = tmp_path / "result"
     log = tmp_path / "launch.log"
     # The cluster starts first; the 1-device reference runs here while its tasks start up.

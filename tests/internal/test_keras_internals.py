@@ -243,6 +243,48 @@ def test_trainer_is_keras_own_outside_every_jaxdist_scope(devices):
     assert _stock_vars() == _BEFORE
 
 
+def test_wrappers_sit_on_the_class_that_defines_the_method(devices):
+    """``compile`` is Keras's base ``Trainer``'s: jaxdist wraps it there, not on
+    ``JAXTrainer``, so Keras's check for a custom compile (``type(model).compile !=
+    Trainer.compile``, which makes ``load_model`` skip the optimizer, loss and metrics) sees
+    none inside a scope."""
+    from keras.src.trainers.trainer import Trainer
+
+    stock = Trainer.__dict__["compile"]
+    assert "compile" not in vars(_trainer())
+    with jaxdist.MirroredStrategy(devices[:1]).scope():
+        assert Trainer.__dict__["compile"] is not stock  # wrapped ...
+        assert "compile" not in vars(_trainer())          # ... where Keras defines it
+        for cls in (keras.Sequential, keras.Model):
+            assert cls.compile is Trainer.compile          # not "overridden"
+    assert Trainer.__dict__["compile"] is stock
+    assert _stock_vars() == _BEFORE
+
+
+def test_refuse_training_acts_on_its_thread_and_restores_keras(devices):
+    from keras.src.trainers.trainer import Trainer
+
+    stock = {n: getattr(keras.Model, n) for n in ("compile", "fit", "predict")}
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    errors = []
+
+    def other_thread():
+        model.compile(optimizer="sgd", loss="mse")  # Keras's own behaviour there
+
+    with ki.refuse_training("Keras runs on the 'torch' backend"):
+        with pytest.raises(RuntimeError, match=r"model.compile\(\) .*'torch' backend"):
+            model.compile(optimizer="sgd", loss="mse")
+        t = threading.Thread(target=lambda: errors.append(other_thread()))
+        t.start()
+        t.join(timeout=60)
+        assert errors == [None]
+        with pytest.raises(RuntimeError, match=r"model.predict\(\)"):
+            model.predict(np.ones((2, 3), np.float32), verbose=0)
+    assert {n: getattr(keras.Model, n) for n in stock} == stock
+    assert Trainer.__dict__["compile"] is stock["compile"]
+    model.predict(np.ones((2, 3), np.float32), verbose=0)
+
+
 _PLAIN = """
 import os, sys
 os.environ["KERAS_BACKEND"] = "jax"

@@ -12,16 +12,17 @@ Written anew after the tutorial: same model, compile and fit.
 Run as each worker of a cluster: ``python -m jaxdist.launch --workers 2 --devices-per-process 2
 -- python -m programs.tf_multi_worker_with_keras OUT WORKDIR`` (from ``tests/``).
 
+The input is the tutorial's ``tf.data`` pipeline: every worker builds the whole of it with the
+global batch size, and ``fit`` gives each worker its rows of every global batch (TF's
+``AutoShardPolicy`` ``AUTO`` on in-memory data: by data), 64 per worker per step.
+
 Edits beyond API renames:
 - data: scikit-learn digits enlarged to 28x28 (``_data.digits_as_mnist``), 384 rows =
-  3 steps x 128, permuted once with a seeded numpy generator, instead of
-  ``keras.datasets.mnist`` through ``shuffle(60000).repeat()``; each epoch reads them again.
-- input: numpy arrays with ``batch_size = global_batch_size`` for the ``tf.data`` pipeline;
-  every worker passes all of them and ``fit`` shards each global batch by data, as TF's
-  AutoShardPolicy does.
+  3 steps x 128, instead of ``keras.datasets.mnist``; ``shuffle(384)`` for ``shuffle(60000)``.
 - 2 epochs of 3 steps instead of 3 of 70.
 - ``jaxdist.keras.BackupAndRestore`` (writes from the chief only) for Keras's.
-- ``keras.utils.set_random_seed(0)`` before building the model; the model saving and
+- ``keras.utils.set_random_seed(0)`` first (it seeds TF too, so every worker's unseeded
+  ``shuffle`` draws the same order, and the one-device reference run's); the model saving and
   reloading sections are left out; results are returned (and written as JSON per worker).
 """
 
@@ -46,13 +47,16 @@ PER_WORKER_BATCH_SIZE = 64
 EPOCHS, STEPS_PER_EPOCH = 2, 3      # 3 and 70 in the tutorial
 
 
-def mnist_dataset(global_batch_size: int):
-    rows = STEPS_PER_EPOCH * global_batch_size
+def mnist_dataset(batch_size: int):
+    import tensorflow as tf
+
+    rows = STEPS_PER_EPOCH * batch_size
     x_train, y_train = digits_as_mnist(rows)
     x_train = x_train / np.float32(255)
     y_train = y_train.astype(np.int64)
-    order = np.random.default_rng(0).permutation(rows)        # shuffle(60000)
-    return x_train[order], y_train[order]
+    train_dataset = tf.data.Dataset.from_tensor_slices(
+        (x_train, y_train)).shuffle(rows).repeat().batch(batch_size)
+    return train_dataset
 
 
 def build_and_compile_cnn_model():
@@ -79,17 +83,17 @@ def main(strategy: jaxdist.Strategy | None = None, num_workers: int | None = Non
         tf_config = json.loads(os.environ["TF_CONFIG"])
         num_workers = len(tf_config["cluster"]["worker"])
     global_batch_size = PER_WORKER_BATCH_SIZE * num_workers
-    x, y = mnist_dataset(global_batch_size)
-
     keras.utils.set_random_seed(0)
+    multi_worker_dataset = mnist_dataset(global_batch_size)
+
     with strategy.scope():
         multi_worker_model = build_and_compile_cnn_model()
     callbacks = []
     if workdir is not None:
         callbacks.append(jaxdist.keras.BackupAndRestore(os.path.join(workdir, "backup")))
-    history = multi_worker_model.fit(x, y, batch_size=global_batch_size,
-                                     epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                                     shuffle=False, callbacks=callbacks, verbose=0)
+    history = multi_worker_model.fit(multi_worker_dataset, epochs=EPOCHS,
+                                     steps_per_epoch=STEPS_PER_EPOCH, callbacks=callbacks,
+                                     verbose=0)
     return {"history": history.history,
             "weights": [np.asarray(w) for w in multi_worker_model.get_weights()]}
 

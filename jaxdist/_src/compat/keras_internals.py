@@ -24,7 +24,10 @@ not per model only: a model built *outside* a scope and fit inside one is distri
 in TF), and Keras builds the step loop (``JAXTrainer._make_function``) and checks shardings
 (``_check_sharding_consistency``) on the class; nothing on a model marks it before ``compile``.
 Outside every jaxdist scope ``JAXTrainer`` holds Keras's own functions, so plain Keras models
-behave exactly as without jaxdist.
+behave exactly as without jaxdist. Each wrapper replaces a method on the class that defines it
+(``compile`` on Keras's base ``Trainer``), never shadows it on a subclass: Keras's loader takes
+``type(model).compile != Trainer.compile`` for a custom ``compile`` and then skips restoring
+the optimizer, loss and metrics, which a shadowing wrapper would trigger inside every scope.
 
 Example:
     >>> from jaxdist._src.compat import keras_internals
@@ -526,7 +529,7 @@ def clear_instance_hooks(model: Any) -> None:
 _LOCK = threading.RLock()
 _FACTORIES: list[tuple[str, Callable[[Any], Any]]] = []
 _STOCK: dict[str, Any] = {}  # name -> Keras's own function while wrapped
-_ABSENT: set[str] = set()  # names JAXTrainer did not define itself (inherited)
+_OWNER: dict[str, type] = {}  # name -> the class of JAXTrainer's MRO that defines it
 _COUNT = 0
 
 
@@ -557,32 +560,28 @@ def register_trainer_hooks(factories: Sequence[tuple[str, Callable[[Any], Any]]]
 
 
 def _install() -> None:
+    # Each wrapper replaces the method on the class that defines it (``JAXTrainer`` for most,
+    # Keras's base ``Trainer`` for ``compile``), never shadows it on a subclass: Keras compares
+    # ``type(model).compile`` with ``Trainer.compile`` to decide that a model's ``compile`` is
+    # custom (and then skips restoring the optimizer, loss and metrics when loading), so a
+    # shadowing wrapper would make every model loaded inside a scope lose its compile state.
     trainer = _jax_trainer()
     for name, factory in _FACTORIES:
-        if name not in _STOCK and name not in _ABSENT:
-            own = trainer.__dict__.get(name)
-            inherited = getattr(trainer, name, None)
-            if own is None and inherited is None:
+        if name not in _STOCK:
+            owner = next((c for c in trainer.__mro__ if name in c.__dict__), None)
+            if owner is None:
                 continue  # this Keras has no such method (older: no sharding check)
-            if own is None:
-                _ABSENT.add(name)
-            _STOCK[name] = own if own is not None else inherited
-        current = trainer.__dict__.get(name, _STOCK.get(name))
-        if current is None:
-            continue
-        setattr(trainer, name, factory(current))
+            _OWNER[name] = owner
+            _STOCK[name] = owner.__dict__[name]
+        owner = _OWNER[name]
+        setattr(owner, name, factory(owner.__dict__[name]))
 
 
 def _restore() -> None:
-    trainer = _jax_trainer()
     for name, original in _STOCK.items():
-        if name in _ABSENT:
-            if name in trainer.__dict__:
-                delattr(trainer, name)
-        else:
-            setattr(trainer, name, original)
+        setattr(_OWNER[name], name, original)
     _STOCK.clear()
-    _ABSENT.clear()
+    _OWNER.clear()
 
 
 @contextlib.contextmanager
@@ -639,6 +638,72 @@ def stock_trainer_method(name: str) -> Any:
     return getattr(_jax_trainer(), name)
 
 
+
+# ---------------------------------------------------------------------- another backend
+_GUARDED = ("compile", "fit", "evaluate", "predict", "train_on_batch", "test_on_batch")
+_GUARD_STOCK: dict[str, tuple[type, Any]] = {}
+_GUARD_COUNT = 0
+
+
+class _GuardHere(threading.local):
+    reasons: list[str] | None = None  # the innermost scope's refusal last
+
+
+_GUARD_HERE = _GuardHere()
+
+
+def _refusing(name: str, original: Callable) -> Callable:
+    import functools
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _GUARD_HERE.reasons:
+            raise RuntimeError(f"model.{name}() of Keras model "
+                               f"{getattr(self, 'name', self)!r}: {_GUARD_HERE.reasons[-1]}")
+        return original(self, *args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def refuse_training(reason: str) -> Iterator[None]:
+    """Inside the block, ``compile`` / ``fit`` / ``evaluate`` / ``predict`` /
+    ``train_on_batch`` / ``test_on_batch`` of every Keras model raise ``RuntimeError(reason)``
+    on this thread (other threads get Keras's own methods). For a jaxdist scope entered while
+    Keras runs on another backend than JAX: jaxdist cannot distribute such a model, and
+    training it would silently train this process alone. Reference-counted across threads;
+    each method is wrapped on the class that defines it and restored when the last block ends.
+
+    Public replacement: none (Keras has no hook before ``compile`` or ``fit``).
+
+    Example:
+        >>> with refuse_training("Keras runs on the torch backend"):  # doctest: +SKIP
+        ...     model.compile(optimizer="sgd", loss="mse")             # RuntimeError
+    """
+    global _GUARD_COUNT
+    with _LOCK:
+        if _GUARD_COUNT == 0:
+            for name in _GUARDED:
+                owner = next((c for c in keras.Model.__mro__ if name in c.__dict__), None)
+                if owner is not None:
+                    _GUARD_STOCK[name] = (owner, owner.__dict__[name])
+                    setattr(owner, name, _refusing(name, owner.__dict__[name]))
+        _GUARD_COUNT += 1
+    if _GUARD_HERE.reasons is None:
+        _GUARD_HERE.reasons = []
+    _GUARD_HERE.reasons.append(reason)
+    try:
+        yield
+    finally:
+        _GUARD_HERE.reasons.pop()
+        with _LOCK:
+            _GUARD_COUNT -= 1
+            if _GUARD_COUNT == 0:
+                for name, (owner, original) in _GUARD_STOCK.items():
+                    setattr(owner, name, original)
+                _GUARD_STOCK.clear()
+
+
 __all__ = [
     "PRIVATE_ATTRIBUTES",
     "SUPPORTED",
@@ -670,6 +735,7 @@ __all__ = [
     "model_to_bytes",
     "numpy_batches",
     "overrides_trainer_method",
+    "refuse_training",
     "register_trainer_hooks",
     "skip_batches",
     "replace_variable_value",

@@ -121,11 +121,13 @@ def distribution_scope(strategy: Any) -> Iterator[Any]:
 def strategy_scope_hook(strategy: Any) -> Any:
     """The Keras context ``strategy.scope()`` enters once keras is imported (or ``None``).
 
-    Never imports keras and never raises: ``None`` when keras is not imported or runs on
-    another backend. For a synchronous strategy, its ``StrategyDistribution``'s scope; for the
-    default strategy, a ``ParameterServerStrategy`` (its Keras models are attached with
-    ``jaxdist.keras.attach``) or a compile-only one, only jaxdist's trainer hooks (a model
-    compiled there remembers its strategy; ``jaxdist.Dataset`` input).
+    Never imports keras and never raises: ``None`` when keras is not imported. When keras runs
+    on another backend, a context in which Keras models refuse to compile or train (they would
+    train undistributed; the error names ``KERAS_BACKEND=jax``). For a synchronous strategy,
+    its ``StrategyDistribution``'s scope; for the default strategy, a
+    ``ParameterServerStrategy`` (its Keras models are attached with ``jaxdist.keras.attach``)
+    or a compile-only one, only jaxdist's trainer hooks (a model compiled there remembers its
+    strategy; ``jaxdist.Dataset`` input).
 
     Example:
         >>> import keras
@@ -135,10 +137,13 @@ def strategy_scope_hook(strategy: Any) -> Any:
     """
     mod = sys.modules.get("keras")
     try:
-        if mod is None or mod.backend.backend() != "jax":
+        if mod is None:
             return None
+        backend = mod.backend.backend()
     except AttributeError:  # keras is being imported right now
         return None
+    if backend != "jax":
+        return _other_backend_refusal(strategy, backend)
     from jaxdist._src.keras import model_strategy
 
     if getattr(strategy, "_is_default_strategy", False):
@@ -152,6 +157,24 @@ def strategy_scope_hook(strategy: Any) -> Any:
         dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist
     return dist.scope()
+
+
+def _other_backend_refusal(strategy: Any, backend: str) -> Any:
+    """For Keras on another backend: inside a (non-default) strategy's scope, Keras models
+    refuse to compile or train (they would train this process alone, undistributed; e.g. every
+    worker on its whole global batch), naming the fix. The scope itself works as without keras:
+    a program that only imported keras through ``import tensorflow`` (for ``tf.data``) and
+    trains with jax loses nothing."""
+    if getattr(strategy, "_is_default_strategy", False):
+        return None
+    from jaxdist._src.compat import keras_internals as ki
+
+    return ki.refuse_training(
+        f"Keras runs on the {backend!r} backend, and jaxdist distributes Keras models on the "
+        f"JAX backend only: inside {type(strategy).__name__}.scope() this model would train on "
+        f"this process alone, undistributed (with several workers each on its whole global "
+        f"batch). Set KERAS_BACKEND=jax in the environment before keras is first imported "
+        f"(importing tensorflow imports keras: set it before `import tensorflow`)")
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ strategy. Two consequences on jaxdist, both wired here:
   model, which bypasses this check).
 
 How: while a thread is inside a jaxdist scope (``hooks()``, entered by ``strategy.scope()``
-once Keras on JAX is imported), Keras's ``JAXTrainer`` carries jaxdist's wrappers (this
-module's ``_factories()``; installed and removed by ``keras_internals.trainer_hooks``, which
+once Keras on JAX is imported), Keras's trainer carries jaxdist's wrappers (this module's
+``_factories()``, each on the class that defines the method: ``JAXTrainer``, or Keras's base
+``Trainer`` for ``compile``; installed and removed by ``keras_internals.trainer_hooks``, which
 says why they sit on the class). ``compile`` inside a scope records the strategy on the model
 and gives the model its own entry points (``fit``, ``evaluate``, ...) that enter the hooks
 again for its calls. Outside every scope ``JAXTrainer`` is Keras's own, and a model compiled

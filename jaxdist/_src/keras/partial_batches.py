@@ -22,9 +22,11 @@ global batches:
   weighs the loss trackers by the real row count, and hands ``BatchNormalization`` layers the
   row mask in training (their batch moments use real rows only). ``predict`` runs Keras's
   step and keeps the real rows of each batch.
-- **Several processes** (``MultiWorkerMirroredStrategy``): each process pads its own rows of
-  every batch to the batch size, and every train / test step runs masked, so all processes run
-  the same program whatever their own row counts are. ``predict`` is not padded there.
+- **Several processes** (``MultiWorkerMirroredStrategy``): each process reads its share of every
+  global batch (``jaxdist._src.keras.input_adapters``), pads its own rows to the batch size,
+  and every train / test step runs masked, so all processes run the same program whatever
+  their own row counts are. ``predict``'s outputs are gathered and its padding dropped, so
+  every process gets the predictions of every global batch in row order, as in TF.
 
 The mask reaches the step through ``_CHANNEL``: the padding adapter's generator publishes it
 just before yielding its batch, and the step loop reads it right after pulling that batch
@@ -70,39 +72,8 @@ import keras
 import numpy as np
 
 from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.keras.input_adapters import DatasetAdapter, WrappingAdapter, inner_adapter
 
-_DataAdapter = ki.data_adapter_base()
-
-
-class _JaxBackendAdapter(_DataAdapter):
-    """A Keras data adapter that feeds the Keras JAX backend only."""
-
-    def get_tf_dataset(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
-    def get_torch_dataloader(self) -> Any:
-        raise NotImplementedError("jaxdist.keras feeds the Keras JAX backend only")
-
-
-class _WrappingAdapter(_JaxBackendAdapter):
-    """An adapter over another (``self._inner``): its batch count, partial-batch flag and epoch
-    hooks are the inner adapter's."""
-
-    _inner: Any
-
-    @property
-    def num_batches(self) -> int | None:
-        return self._inner.num_batches
-
-    @property
-    def has_partial_batch(self) -> bool | None:
-        return self._inner.has_partial_batch
-
-    def on_epoch_begin(self) -> None:
-        self._inner.on_epoch_begin()
-
-    def on_epoch_end(self) -> None:
-        self._inner.on_epoch_end()
 tree = keras.tree
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _SUM_REDUCTIONS = ("sum", "none", None)
@@ -180,182 +151,7 @@ def _pad_rows(x: Any, rows: int) -> Any:
     return np.concatenate([a, extra], axis=0)
 
 
-def _is_tf_dataset(x: Any) -> bool:
-    return ki.is_tf_dataset(x)
-
-
-def _is_dataset(x: Any) -> bool:
-    """A dataset whose elements are Keras batches: ``jaxdist.Dataset``, ``tf.data.Dataset``, a
-    ``FileListDataset`` or a dataset tagged with an ``AutoShardPolicy``."""
-    from jaxdist._src.input.autoshard import FileListDataset, _PolicyDataset
-    from jaxdist._src.input.dataset import Dataset
-
-    return isinstance(x, (Dataset, FileListDataset, _PolicyDataset)) or _is_tf_dataset(x)
-
-
-def _untagged(x: Any) -> Any:
-    """The dataset under an ``AutoShardPolicy`` tag (its length is the data's)."""
-    from jaxdist._src.input.autoshard import _PolicyDataset
-
-    return x.dataset if isinstance(x, _PolicyDataset) else x
-
-
-class DatasetAdapter(_JaxBackendAdapter):
-    """A ``jaxdist.Dataset`` or ``tf.data.Dataset`` as Keras input: its elements are the global
-    batches (this process's rows of them once ``source`` is sharded across processes).
-
-    Elements are ``(x, y)`` or ``(x, y, sample_weight)`` tuples (a list is read as a tuple, any
-    other element as ``x`` alone), as Keras reads a ``tf.data.Dataset``. Each pass over the
-    data iterates the dataset once (a shuffled dataset reshuffles, as ``tf.data`` does).
-
-    Args:
-        dataset: a batched ``jaxdist.Dataset`` or ``tf.data.Dataset`` (read for its length).
-        class_weight: Keras's ``class_weight`` (sample weights from ``y``), or ``None``.
-        source: what is iterated each epoch (default ``dataset``): this process's share of it
-            under several processes (``jaxdist._src.input.autoshard.auto_shard``).
-
-    Example:
-        >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
-        >>> adapter = DatasetAdapter(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32))
-        >>> adapter.num_batches
-        3
-    """
-
-    def __init__(self, dataset: Any, class_weight: dict | None = None, source: Any = None):
-        self._dataset = dataset
-        self._source = dataset if source is None else source
-        self._class_weight = class_weight
-        # (iterator, first element) of a pass abandoned after its first element: Keras reads
-        # one batch to build the model before the first epoch; that pass is then resumed, so
-        # the first epoch is the dataset's next pass (a shuffle's next order), not the one after.
-        self._peeked: tuple[Iterator[Any], Any] | None = None
-
-    def _elements(self) -> Iterator[Any]:
-        if self._peeked is not None:
-            iterator, first = self._peeked
-            self._peeked = None
-            yield first
-            yield from iterator
-            return
-        src = self._source
-        iterator = iter(src.as_numpy_iterator()) if _is_tf_dataset(src) else iter(src)
-        for i, element in enumerate(iterator):
-            if i == 0:
-                self._peeked = (iterator, element)
-            elif i == 1:
-                self._peeked = None
-            yield element
-        self._peeked = None
-
-    def _batches(self) -> Iterator[tuple]:
-        for element in self._elements():
-            if isinstance(element, list):
-                element = tuple(element)
-            if not isinstance(element, tuple):
-                element = (element,)
-            if self._class_weight is not None:
-                if len(element) != 2:
-                    raise ValueError(
-                        f"class_weight needs (x, y) batches, got a tuple of {len(element)}")
-                x, y = element
-                element = (x, y, ki.class_weight_to_sample_weights(y, self._class_weight))
-            yield element
-
-    def get_numpy_iterator(self) -> Iterator[Any]:
-        return ki.numpy_batches(self._batches())
-
-    def get_jax_iterator(self) -> Iterator[Any]:
-        return ki.jax_batches(self._batches())
-
-    @property
-    def num_batches(self) -> int | None:
-        cardinality = getattr(self._dataset, "cardinality", None)
-        if cardinality is None:
-            return None
-        n = int(cardinality())  # a tf.data dataset returns a scalar tensor
-        return n if n >= 0 else None  # INFINITE / UNKNOWN_CARDINALITY
-
-    @property
-    def batch_size(self) -> int | None:
-        return None
-
-    @property
-    def has_partial_batch(self) -> bool | None:
-        return None
-
-    @property
-    def partial_batch_size(self) -> int | None:
-        return None
-
-
-def _broadcast_seed() -> int:
-    """A seed drawn by process 0 (from numpy's global generator, which
-    ``keras.utils.set_random_seed`` seeds) and known to every process."""
-    from jax.experimental import multihost_utils
-
-    seed = np.int64(np.random.randint(0, 2**31 - 1)) if jax.process_index() == 0 else np.int64(0)
-    return int(multihost_utils.broadcast_one_to_all(seed))
-
-
-class ProcessRowsAdapter(_WrappingAdapter):
-    """Keras's adapter for arrays under several processes: every process reads the same
-    global batches (``batch_size`` rows) and keeps its own rows of each
-    (``AutoShardPolicy.DATA``, as TF shards in-memory data). Keras's shuffle draws its
-    permutations from one generator seeded alike on every process, so all processes cut the
-    same global batches.
-
-    Args:
-        inner: Keras's ``ArrayDataAdapter`` over the whole arrays.
-        count: the number of processes.
-        index: this process's index.
-        seed: the shuffle seed, the same on every process (``None`` when not shuffling).
-
-    Example:
-        >>> ProcessRowsAdapter(  # doctest: +SKIP
-        ...     inner, jax.process_count(), jax.process_index(), seed=7)
-    """
-
-    def __init__(self, inner: Any, count: int, index: int, seed: int | None):
-        self._inner, self._count, self._index = inner, count, index
-        self._rng_state = None if seed is None else np.random.RandomState(seed).get_state()
-
-    def _share(self, rows: int | None) -> int | None:
-        return None if rows is None else math.ceil(rows / self._count)
-
-    def _rows(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        from jaxdist._src.input.autoshard import process_rows
-
-        while True:
-            saved = None
-            if self._rng_state is not None:  # Keras shuffles with numpy's global generator
-                saved = np.random.get_state()
-                np.random.set_state(self._rng_state)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            finally:
-                if saved is not None:
-                    self._rng_state = np.random.get_state()
-                    np.random.set_state(saved)
-            yield process_rows(batch, self._index, self._count)
-
-    def get_numpy_iterator(self) -> Iterator[Any]:
-        return self._rows(self._inner.get_numpy_iterator())
-
-    def get_jax_iterator(self) -> Iterator[Any]:
-        return self._rows(self._inner.get_numpy_iterator())
-
-    @property
-    def batch_size(self) -> int | None:
-        return self._share(self._inner.batch_size)
-
-    @property
-    def partial_batch_size(self) -> int | None:
-        return self._share(self._inner.partial_batch_size)
-
-
-class PaddedAdapter(_WrappingAdapter):
+class PaddedAdapter(WrappingAdapter):
     """Keras input whose batches always divide over the replicas (see the module docstring).
 
     Args:
@@ -377,9 +173,9 @@ class PaddedAdapter(_WrappingAdapter):
         strategy = distribution.strategy
         me = jax.process_index()
         self._local = sum(d.process_index == me for d in strategy.extended.worker_devices)
-        # Across processes every train / test batch is padded to one size and masked, so all
-        # processes run the same step whatever their own row counts (predict is not padded).
-        self._uniform = jax.process_count() > 1 and kind != "predict" and blocker is None
+        # Across processes every batch is padded to one size and masked, so all processes run
+        # the same step whatever their own row counts (predict keeps the real rows after it).
+        self._uniform = jax.process_count() > 1 and blocker is None
         self._target: int | None = None
         if self._uniform and inner.batch_size:
             self._target = self._round_up(int(inner.batch_size))
@@ -423,14 +219,9 @@ class PaddedAdapter(_WrappingAdapter):
             return batch
         if rows != real and self._blocker is not None:
             raise self._unmaskable(real)
-        if rows != real and jax.process_count() > 1 and self._kind == "predict":
-            raise ValueError(
-                f"a predict batch of {real} rows does not divide over the {self._local} "
-                f"replicas of process {jax.process_index()}: across processes predict needs "
-                f"batches divisible by each process's replica count")
         padded = jax.tree.map(lambda x: _pad_rows(x, rows), batch) if rows != real else batch
         mask = None
-        if self._kind != "predict":
+        if self._kind != "predict" or self._uniform:
             sharding = self._distribution._data_sharding
             mask = jax.make_array_from_process_local_data(sharding, np.arange(rows) < real)
         _publish(Rows(mask, real, rows))
@@ -686,6 +477,19 @@ def wrap_make_function(original: Any) -> Any:
     return make_function
 
 
+def _every_process_rows(outputs: Any, rows: Rows | None) -> Any:
+    """``predict``'s outputs of one global batch on every process, its real rows in the global
+    batch's row order (as TF's Keras gathers them across workers): each process holds only its
+    own (padded) rows of the global arrays the step returns."""
+    from jax.experimental import multihost_utils
+
+    outputs = multihost_utils.process_allgather(outputs, tiled=True)
+    if rows is None or rows.mask is None:
+        return outputs
+    real = np.asarray(multihost_utils.process_allgather(rows.mask, tiled=True))
+    return tree.map_structure(lambda o: np.asarray(o)[real], outputs)
+
+
 def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
     model = self
     jit_steps = not model.run_eagerly and model.jit_compile
@@ -705,13 +509,15 @@ def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
 
     def one(state: tuple, iterator: Any) -> tuple[Any, tuple]:
         data, rows = _pull(iterator)
-        if rows is None:
-            return step_function(state, data)
         if concatenate_outputs:  # predict: Keras's step, then the real rows
             outputs, state = step_function(state, data)
-            if rows.real != rows.rows:
+            if jax.process_count() > 1:
+                return _every_process_rows(outputs, rows), state
+            if rows is not None and rows.real != rows.rows:
                 outputs = tree.map_structure(lambda o: o[:rows.real], outputs)
             return outputs, state
+        if rows is None:
+            return step_function(state, data)
         return masked_step(state)(state, data, rows.mask)
 
     def iterator_step(state: tuple, iterator: Any) -> tuple[Any, tuple]:
@@ -740,34 +546,7 @@ def _adapter(model: Any, kind: str, x: Any, y: Any = None, sample_weight: Any = 
              class_weight: dict | None = None) -> PaddedAdapter:
     if isinstance(x, PaddedAdapter):
         return x
-    from jaxdist._src.input.autoshard import auto_shard
-
-    count, index = jax.process_count(), jax.process_index()
-    if _is_dataset(x):
-        for name, value in (("y", y), ("sample_weight", sample_weight)):
-            if value is not None:
-                kind_name = "tf.data.Dataset" if _is_tf_dataset(x) else (
-                    f"jaxdist.{type(x).__name__}")
-                raise ValueError(
-                    f"When providing `x` as a {kind_name}, `{name}` should not be passed: its "
-                    f"elements are (x, y) or (x, y, sample_weight) batches")
-        source = None
-        if count > 1:  # this process's share, by the dataset's AutoShardPolicy
-            source = auto_shard(x, count, index, uneven=True)
-        inner = DatasetAdapter(_untagged(x), class_weight, source)
-    else:
-        inner = ki.get_data_adapter(
-            x, y, sample_weight=sample_weight, batch_size=batch_size, steps_per_epoch=steps,
-            shuffle=shuffle, class_weight=class_weight)
-        if count > 1:
-            if not ki.is_array_data_adapter(inner):
-                raise ValueError(
-                    f"Keras input of type {type(x).__name__} in a job of {count} processes: "
-                    f"jaxdist shards arrays, jaxdist.Dataset and tf.data.Dataset across the "
-                    f"processes (AutoShardPolicy); wrap the data in a jaxdist.Dataset (with "
-                    f"AutoShardPolicy.OFF if each process already reads its own share)")
-            seed = _broadcast_seed() if shuffle and kind == "train" else None
-            inner = ProcessRowsAdapter(inner, count, index, seed)
+    inner = inner_adapter(kind, x, y, sample_weight, batch_size, steps, shuffle, class_weight)
     return PaddedAdapter(inner, keras.distribution.distribution(), kind, blocker(model, kind))
 
 
