@@ -389,6 +389,18 @@ def replace_variable_value(variable: Any, value: Any) -> None:
     variable._value = value
 
 
+def place_variable(variable: Any, sharding: Any) -> None:
+    """Moves ``variable``'s value onto ``sharding`` and makes it the variable's layout (so the
+    trainer's jitted step keeps it there).
+
+    Public replacement: none (a Keras variable takes its layout when it is created).
+    """
+    import jax
+
+    variable._layout = sharding
+    variable._value = jax.device_put(variable._value, sharding)
+
+
 def inbound_nodes(layer: Any) -> list:
     """The nodes of the functional graph that call ``layer``.
 

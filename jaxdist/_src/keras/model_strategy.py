@@ -216,12 +216,32 @@ def _compile(original: Any) -> Any:
         if ki.in_jaxdist_scope_here():
             object.__setattr__(self, _ATTR, _current_strategy())
             add_model_hooks(self)
+            _adopt_optimizer(self)
         else:  # compiled again outside every scope (through its own hook): a plain model
             object.__setattr__(self, _ATTR, None)
             ki.clear_instance_hooks(self)
         return result
 
     return compile
+
+
+def _adopt_optimizer(model: Any) -> None:
+    """Places the variables of an optimizer created outside the scope (TF creates an
+    optimizer's slots under the model's strategy, so ``compile(optimizer)`` inside the scope
+    works there too) as the scope's distribution places state. The optimizer's slots are built
+    at the first step, inside the scope; only its ``iterations`` and learning rate exist yet."""
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    distribution = keras.distribution.distribution()
+    if optimizer is None or distribution is None:
+        return
+    for variable in optimizer.variables:
+        sharding = distribution.get_variable_layout(variable)
+        sharding = getattr(sharding, "backend_layout", sharding)
+        devices = getattr(getattr(variable.value, "sharding", None), "device_set", None)
+        if devices is not None and devices != getattr(sharding, "device_set", devices):
+            ki.place_variable(variable, sharding)
 
 
 def _model_hook(name: str) -> Any:
