@@ -23,7 +23,8 @@ def _train(strategy, optimizer_outside: bool) -> list[np.ndarray]:
                                   keras.layers.Dense(1)])
         model.compile(optimizer=optimizer or keras.optimizers.Adam(0.05), loss="mse")
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
-    return [*model.get_weights(), *(keras.ops.convert_to_numpy(v) for v in model.optimizer.variables)]
+    slots = [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+    return [*model.get_weights(), *slots]
 
 
 @pytest.mark.devices(4)
