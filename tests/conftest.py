@@ -25,9 +25,6 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Keras on the JAX backend for every test, also where TensorFlow is installed (the tf.data
-# tests' extra): without it keras would import on TensorFlow, its default backend.
-os.environ.setdefault("KERAS_BACKEND", "jax")
 # Older spelling, honoured by every jaxlib; JAX_NUM_CPU_DEVICES wins where both are read.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -48,6 +45,12 @@ os.environ["XLA_FLAGS"] = _flags
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from devutil import require_devices, require_platform  # noqa: E402, F401
+
+# Keras on the JAX backend for every test, also where TensorFlow (the tf.data tests' extra)
+# would be Keras's default: as in a user's program, importing jaxdist before keras selects it
+# (the suite sets no KERAS_BACKEND of its own; tests/test_keras_backend.py checks fresh
+# processes without one).
+import jaxdist  # noqa: E402, F401
 
 
 def pytest_configure(config):
