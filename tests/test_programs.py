@@ -229,10 +229,12 @@ def _launch_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_multi_worker_with_keras_on_2_processes_matches_1_device(tmp_path):
-    """TF's multi-worker Keras tutorial as each task of ``python -m jaxdist.launch
+@pytest.mark.parametrize("name", ["tf_multi_worker_with_keras", "tf_multi_worker_with_ctl"])
+def test_multi_worker_tutorial_on_2_processes_matches_1_device(tmp_path, name):
+    """TF's multi-worker tutorials (Keras ``fit``; a custom loop on
+    ``distribute_datasets_from_function``) as each task of ``python -m jaxdist.launch
     --workers 2 --devices-per-process 2`` (4 replicas on one global mesh), against the same
-    program on 1 device over the same global batches. Its input is the tutorial's tf.data
+    program on 1 device over the same global batches. Their input is the tutorial's tf.data
     pipeline (the tfdata test extra)."""
     pytest.importorskip("tensorflow", reason="tensorflow (the tfdata test extra) is not installed")
     out = tmp_path / "result"
@@ -242,10 +244,10 @@ def test_multi_worker_with_keras_on_2_processes_matches_1_device(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxdist.launch", "--workers", "2",
              "--devices-per-process", "2", "--", sys.executable, "-m",
-             "programs.tf_multi_worker_with_keras", str(out), str(tmp_path)],
+             f"programs.{name}", str(out), str(tmp_path)],
             cwd=HERE, env=_launch_env(), stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        program = importlib.import_module("programs.tf_multi_worker_with_keras")
+        program = importlib.import_module(f"programs.{name}")
         ref = program.main(None, num_workers=2)
         proc.wait(timeout=240)
     finally:
