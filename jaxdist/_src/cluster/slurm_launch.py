@@ -14,7 +14,7 @@ In a batch script (``sbatch``) or an allocation (``salloc``), on the batch host:
    the cluster token; the chief also the coordinator token, a worker only the chief's public key
    and its own answer key. The CA's private key never touches the disk. Nothing secret is put
    on a command line, in the environment Slurm sees, or in the output;
-3. runs ``srun --distribution=block --kill-on-bad-exit=1 python -m jaxdist.slurm --task DIR --
+3. runs ``srun --distribution=block --kill-on-bad-exit=0 python -m jaxdist.slurm --task DIR --
    COMMAND``: on its node each task checks that Slurm put it where the layout says, reads its own
    files only (``secrets.json`` is deleted once read), and runs COMMAND with ``TF_CONFIG``
    (cluster, task, token), ``JAXDIST_CLUSTER_TOKEN``, ``JAXDIST_TLS_CA/CERT/KEY`` and its
@@ -59,6 +59,8 @@ PLAN_FILE = "cluster.json"
 #: A task's secrets (tokens, coordinator credential), deleted by the task once read.
 SECRETS_FILE = "secrets.json"
 DEFAULT_PORT_BASE = 8888
+#: The environment variable ``--port-base`` defaults to (an sbatch script need not change).
+PORT_BASE_ENV = "JAXDIST_SLURM_PORT_BASE"
 _PREFIX = "[jaxdist.slurm]"
 
 
@@ -220,8 +222,25 @@ def _say(msg: str) -> None:
     print(f"{_PREFIX} {msg}", flush=True)
 
 
-def _run_task(directory: str, command: Sequence[str]) -> int:
+def _read_exit(directory: str, procid: int) -> int | None:
+    try:
+        with open(os.path.join(directory, f"task-{procid}", "exit")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _training_done(directory: str, tasks: Sequence[SlurmTask]) -> bool:
+    """Whether every chief/worker task reported an exit code (so the servers may stop)."""
+    training = [t for t in tasks if t.job in ("chief", "worker")]
+    return bool(training) and all(_read_exit(directory, t.procid) is not None
+                                  for t in training)
+
+
+def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> int:
     me, env = task_environment(directory, os.environ)
+    with open(os.path.join(directory, PLAN_FILE)) as f:
+        tasks = [SlurmTask(**t) for t in json.load(f)["tasks"]]
     node = os.environ.get("SLURMD_NODENAME", me.node)
     # Slurm signals every process of the step (SIGTERM on preemption): COMMAND handles it.
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -234,10 +253,29 @@ def _run_task(directory: str, command: Sequence[str]) -> int:
         _say(f"{me.name} (task {me.procid} on {node}) could not start {command[0]!r}: "
              f"{e.strerror or e}")
         return 127
-    code = proc.wait()
+    _say(f"{me.name} (task {me.procid} on {node}, {me.address}) started as pid {proc.pid}")
+    stopped = False
+    while True:
+        try:
+            code = proc.wait(0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        # A ps (or evaluator) task serves until stopped: stop it once training is over, as
+        # python -m jaxdist.launch does (srun's step ends when all its tasks have).
+        if me.job not in ("chief", "worker") and not stopped and _training_done(directory,
+                                                                                 tasks):
+            stopped = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(grace)
+                break
+            except subprocess.TimeoutExpired:
+                proc.kill()
     status = code if code >= 0 else 128 - code
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    _say(f"{me.name} (task {me.procid} on {node}) {how}")
+    after = " (stopped once training was over)" if stopped else ""
+    _say(f"{me.name} (task {me.procid} on {node}) {how}{after}")
     try:
         with open(os.path.join(directory, f"task-{me.procid}", "exit"), "w") as f:
             f.write(str(status))
@@ -265,9 +303,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", default=None, metavar="JOB=N,...",
                    help="the jobs, sorted by name onto the tasks as SlurmClusterResolver does "
                         "(default: every task a worker), e.g. ps=1,worker=2")
-    p.add_argument("--port-base", type=int, default=DEFAULT_PORT_BASE,
+    p.add_argument("--port-base", type=int,
+                   default=os.environ.get(PORT_BASE_ENV) or DEFAULT_PORT_BASE,
                    help=f"task k of a node listens on PORT_BASE + k (default "
-                        f"{DEFAULT_PORT_BASE})")
+                        f"${PORT_BASE_ENV}, else {DEFAULT_PORT_BASE})")
     p.add_argument("--credentials-dir", default=None, metavar="DIR",
                    help="where the per-task credentials are made (a new directory on storage "
                         "every node mounts; default .jaxdist-slurm/job-<id>, deleted at exit)")
@@ -316,7 +355,7 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
         _say(f"job {job_id} (restart {restart}): "
              + ", ".join(f"{t.name} on {t.node} ({t.address})" for t in plan)
              + f"; credentials in {directory} (0700, one directory per task)")
-        srun = ["srun", "--distribution=block", "--kill-on-bad-exit=1",
+        srun = ["srun", "--distribution=block", "--kill-on-bad-exit=0",
                 f"--ntasks={len(plan)}", *args.srun_arg,
                 sys.executable, "-m", "jaxdist.slurm", "--task", directory, "--", *command]
         proc = subprocess.Popen(srun)
@@ -335,10 +374,10 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
         code = code if code >= 0 else 128 - code
         codes = {}
         for t in plan:
-            try:
-                with open(os.path.join(directory, f"task-{t.procid}", "exit")) as f:
-                    codes[t.name] = int(f.read())
-            except (OSError, ValueError):
+            got = _read_exit(directory, t.procid)
+            if got is not None:
+                codes[t.name] = got
+            else:
                 _say(f"{t.name} (task {t.procid} on {t.node}) did not report an exit code: its "
                      f"process or node was lost")
         training = [c for n, c in codes.items() if n.split(":")[0] in ("chief", "worker")]

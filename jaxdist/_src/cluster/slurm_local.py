@@ -161,7 +161,8 @@ class LocalSlurm:
             f"SlurmctldPort={self.ctld_port}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: how long Slurm keeps a requeued job pending (120 s by default)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={d}/state",
@@ -175,6 +176,7 @@ class LocalSlurm:
             "SwitchType=switch/none",
             "MpiDefault=none",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=2",  # pending jobs tried every 2 s (not 60)
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "ReturnToService=2",
