@@ -73,6 +73,7 @@ class SlurmTask:
     index: int
     node: str
     address: str
+    slot: int = 0  #: the task's place on its node (port_base + slot; GPUs slot * gpus_per_task on)
 
     @property
     def name(self) -> str:
@@ -108,8 +109,7 @@ def layout(nodes: Sequence[str], tasks_per_node: Sequence[int], jobs: Mapping[st
     if len(nodes) != len(tasks_per_node):
         raise ClusterConfigError(f"Slurm tasks per node {list(tasks_per_node)} do not match "
                                  f"the {len(nodes)} nodes {list(nodes)}")
-    slots = [(node, f"{node}:{port_base + k}")
-             for node, n in sorted(zip(nodes, tasks_per_node)) for k in range(n)]
+    slots = [(node, k) for node, n in sorted(zip(nodes, tasks_per_node)) for k in range(n)]
     if sum(jobs.values()) != len(slots):
         raise ClusterConfigError(f"--jobs {dict(jobs)} ask for {sum(jobs.values())} tasks, but "
                                  f"the Slurm job has {len(slots)} (nodes {list(nodes)}, tasks "
@@ -118,8 +118,8 @@ def layout(nodes: Sequence[str], tasks_per_node: Sequence[int], jobs: Mapping[st
     out: list[SlurmTask] = []
     for job, n in sorted(jobs.items()):
         for i in range(n):
-            node, address = slots[len(out)]
-            out.append(SlurmTask(len(out), job, i, node, address))
+            node, k = slots[len(out)]
+            out.append(SlurmTask(len(out), job, i, node, f"{node}:{port_base + k}", k))
     return out
 
 
@@ -147,7 +147,8 @@ def _write_json(path: str, data: Mapping, mode: int) -> None:
         json.dump(data, f)
 
 
-def prepare(directory: str, plan: Sequence[SlurmTask], rpc_layer: str = "grpc") -> LocalPKI:
+def prepare(directory: str, plan: Sequence[SlurmTask], rpc_layer: str = "grpc",
+            gpus_per_task: int = 0) -> LocalPKI:
     """Creates the credentials directory of a job (see the module docstring).
 
     Raises:
@@ -167,6 +168,7 @@ def prepare(directory: str, plan: Sequence[SlurmTask], rpc_layer: str = "grpc") 
         _write_json(os.path.join(directory, f"task-{t.procid}", SECRETS_FILE), env, 0o600)
     _write_json(os.path.join(directory, PLAN_FILE),
                 {"cluster": cluster_of(plan), "rpc_layer": rpc_layer,
+                 "gpus_per_task": int(gpus_per_task),
                  "tasks": [dataclasses.asdict(t) for t in plan]}, 0o644)
     return pki
 
@@ -201,9 +203,14 @@ def task_environment(directory: str, environ: Mapping[str, str]) -> tuple[SlurmT
                                  f"--distribution=block")
     task_dir = os.path.join(directory, f"task-{me.procid}")
     secrets_path = os.path.join(task_dir, SECRETS_FILE)
-    with open(secrets_path) as f:
-        secrets = json.load(f)
-    os.unlink(secrets_path)
+    try:
+        with open(secrets_path) as f:
+            secrets = json.load(f)
+        os.unlink(secrets_path)
+    except FileNotFoundError:
+        raise ClusterConfigError(f"task {procid} ({me.name}): its secrets in {task_dir} were "
+                                 f"already read (each task reads them once, at its start)"
+                                 ) from None
     env = dict(environ)
     for key in list(env):
         if key.startswith(("JAXDIST_TLS_", "JAXDIST_COORDINATOR_")) or key in (
@@ -215,6 +222,9 @@ def task_environment(directory: str, environ: Mapping[str, str]) -> tuple[SlurmT
                 "JAXDIST_TLS_CERT": os.path.join(task_dir, "cert.pem"),
                 "JAXDIST_TLS_KEY": os.path.join(task_dir, "key.pem"),
                 "PYTHONUNBUFFERED": "1"})
+    gpus = int(plan.get("gpus_per_task") or 0)
+    if gpus:  # SlurmClusterResolver's auto_set_gpu: task k of a node gets GPUs k*g ... k*g+g-1
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(me.slot * gpus + g) for g in range(gpus))
     return me, env
 
 
@@ -307,6 +317,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=os.environ.get(PORT_BASE_ENV) or DEFAULT_PORT_BASE,
                    help=f"task k of a node listens on PORT_BASE + k (default "
                         f"${PORT_BASE_ENV}, else {DEFAULT_PORT_BASE})")
+    p.add_argument("--gpus-per-task", type=int, default=0, metavar="G",
+                   help="give task k of a node GPUs k*G ... k*G+G-1 (CUDA_VISIBLE_DEVICES), as "
+                        "SlurmClusterResolver's auto_set_gpu does (default 0: leave "
+                        "CUDA_VISIBLE_DEVICES as Slurm set it)")
     p.add_argument("--credentials-dir", default=None, metavar="DIR",
                    help="where the per-task credentials are made (a new directory on storage "
                         "every node mounts; default .jaxdist-slurm/job-<id>, deleted at exit)")
@@ -344,13 +358,15 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
                                  "unset): run it in an sbatch script or under salloc")
     if shutil.which(command[0]) is None:
         raise ClusterConfigError(f"command not found: {command[0]!r}")
+    if args.gpus_per_task < 0:
+        raise ClusterConfigError(f"--gpus-per-task must be >= 0, got {args.gpus_per_task}")
     nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
     per_node = expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", "1"))
     plan = layout(nodes, per_node, parse_jobs(args.jobs, sum(per_node)), args.port_base)
     restart = env.get("SLURM_RESTART_COUNT", "0")
     directory = os.path.abspath(args.credentials_dir or os.path.join(
         ".jaxdist-slurm", f"job-{job_id}-{restart}"))
-    prepare(directory, plan)
+    prepare(directory, plan, gpus_per_task=args.gpus_per_task)
     try:
         _say(f"job {job_id} (restart {restart}): "
              + ", ".join(f"{t.name} on {t.node} ({t.address})" for t in plan)
