@@ -275,3 +275,38 @@ def test_a_killed_task_is_reported_and_its_peer_names_it_within_the_timeout(slur
     assert slurm.job_field(job, "ExitCode") != "0:0"
     assert named_after < 10 + 5, named_after
     print(f"worker:1 named {named_after:.1f} s after its death (timeout_seconds 10)")
+
+
+RESOLVER_SCRIPT = """\
+import os
+import numpy as np
+import jax.numpy as jnp
+import jaxdist
+from jaxdist.cluster_resolver import SlurmClusterResolver
+
+resolver = SlurmClusterResolver(port_base=int(os.environ["JAXDIST_SLURM_PORT_BASE"]))
+strategy = jaxdist.MultiWorkerMirroredStrategy(
+    cluster_resolver=resolver,
+    communication_options=jaxdist.CommunicationOptions(timeout_seconds=30))
+ones = strategy.experimental_distribute_values_from_function(
+    lambda ctx: jnp.full((), ctx.replica_id_in_sync_group + 1, jnp.float32))
+total = strategy.run(lambda v: jaxdist.get_replica_context().all_reduce("SUM", v), args=(ones,))
+print(f"{resolver.task_type}:{resolver.task_id} on {os.environ['SLURMD_NODENAME']} "
+      f"master {resolver.master()} sum {float(np.asarray(total.addressable_data(0)))}",
+      flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_script_with_slurm_cluster_resolver_runs_its_all_reduce_with_no_setup(slurm, tmp_path):
+    # The issue's user: no invented token, TLS left on; jaxdist.slurm gives both.
+    (tmp_path / "train.py").write_text(RESOLVER_SCRIPT)
+    script = tmp_path / "resolver.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --output=slurm-%j.out\n"
+                      "python -m jaxdist.slurm -- python train.py\n")
+    env = _env(slurm)
+    job = _sbatch(slurm, tmp_path, env, str(script))
+    assert slurm.wait_job(job, timeout=180) == "COMPLETED", _output(tmp_path)[-3000:]
+    out, port = _output(tmp_path), env["JAXDIST_SLURM_PORT_BASE"]
+    assert f"worker:0 on n1 master grpc://n1:{port} sum 3.0" in out, out[-3000:]
+    assert f"worker:1 on n2 master grpc://n2:{port} sum 3.0" in out, out[-3000:]
