@@ -12,7 +12,10 @@ node with a loopback address of its own), jobs submitted with ``sbatch``:
   jaxdist's checkpoint-and-exit (42), ``python -m jaxdist.slurm`` requeues the job and the
   requeued job resumes from that checkpoint;
 * a task that dies is reported with its exit code, and its peer ends with ``PeerLostError``
-  naming it within the configured timeout.
+  naming it within the configured timeout; so does a whole node that goes away (its slurmd,
+  step daemon and task killed), which the job reports as a task that never reported;
+* a user's own script with ``SlurmClusterResolver()`` runs its all-reduce across the two
+  nodes with no token or TLS setup of its own.
 
 Needs root and ``slurm-wlm`` + ``munge`` (CI installs them where it can); skips with the reason
 elsewhere. CPU only: one CPU device per task.
@@ -310,3 +313,48 @@ def test_a_script_with_slurm_cluster_resolver_runs_its_all_reduce_with_no_setup(
     out, port = _output(tmp_path), env["JAXDIST_SLURM_PORT_BASE"]
     assert f"worker:0 on n1 master grpc://n1:{port} sum 3.0" in out, out[-3000:]
     assert f"worker:1 on n2 master grpc://n2:{port} sum 3.0" in out, out[-3000:]
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_is_named_by_its_peer_within_the_timeout(slurm, tmp_path):
+    script = tmp_path / "node.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --no-requeue --output=slurm-%j.out\n"
+        f"python -m jaxdist.slurm -- python -m jaxdist.train --config "
+        f"{ROOT}/configs/multi_worker.yaml --set train.epochs=100000 "
+        f"--set model.hidden_sizes=[32] --set logging.every_steps=5 "
+        f"--set logging.progress_bar=never --set strategy.timeout_seconds=10 "
+        f"--set checkpoint.dir=null\n")
+    job = _sbatch(slurm, tmp_path, _env(slurm), str(script))
+    _wait_output(slurm, job, tmp_path, r"^\[train\] step 20 ", timeout=180)
+    pid = int(re.search(r"worker:1 \(task 1 on n2, n2:\d+\) started as pid (\d+)",
+                        _output(tmp_path)).group(1))
+    wrapper = _ppid(pid)
+    stepd = _ppid(wrapper)
+    with open(f"/proc/{stepd}/cmdline", "rb") as f:
+        assert b"slurmstepd" in f.read()
+    # node n2 goes away at once: its slurmd, its step daemon, the task and its wrapper
+    t0 = time.monotonic()
+    slurm.stop_node("n2")
+    for p in (stepd, wrapper, pid):
+        os.kill(p, signal.SIGKILL)
+    _wait_output(slurm, job, tmp_path, r"PeerLostError: worker:0: lost peer task\(s\) worker:1",
+                 timeout=30)
+    named_after = time.monotonic() - t0
+    _wait_output(slurm, job, tmp_path,
+                 r"worker:0 \(task 0 on n1\) exited with code 1", timeout=30)
+    state = slurm.wait_job(job, timeout=120)
+    ended_after = time.monotonic() - t0
+    out = _output(tmp_path)
+    assert state in ("FAILED", "NODE_FAIL"), (state, out[-3000:])
+    assert named_after < 10 + 5, named_after
+    assert "[jaxdist.slurm] worker:1 (task 1 on n2) did not report an exit code: its process " \
+        "or node was lost" in out, out[-3000:]
+    assert "Traceback" not in out and "Check failure" not in out
+    print(f"lost node: worker:1 named after {named_after:.1f} s, job {state} after "
+          f"{ended_after:.1f} s;\n{out[-1500:]}")
