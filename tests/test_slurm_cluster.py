@@ -164,6 +164,28 @@ def test_the_parameter_server_sbatch_script_trains_with_ps_and_two_workers(slurm
     print(f"parameter-server job {wall:.1f} s")
 
 
+@pytest.mark.timeout(300)
+def test_the_cluster_coordinator_sbatch_script_runs_signed_steps_on_the_other_node(slurm,
+                                                                                   tmp_path):
+    env = _env(slurm, JAXDIST_CONFIG=os.path.join(
+        ROOT, "configs", "parameter_server_coordinator.yaml"))
+    job = _sbatch(slurm, tmp_path, env,
+                  os.path.join(ROOT, "configs/slurm/parameter_server_coordinator.sbatch"),
+                  *SMALL)
+    state = slurm.wait_job(job, timeout=240)
+    out = _output(tmp_path)
+    assert state == "COMPLETED" and slurm.job_field(job, "ExitCode") == "0:0", out[-3000:]
+    port = int(env["JAXDIST_SLURM_PORT_BASE"])
+    _ran_where_slurm_put_it(
+        out.replace(" (stopped once training was over)", ""),
+        {"chief:0": (0, "n1"), "ps:0": (1, "n1"), "worker:0": (2, "n2")}, port)
+    # every step ran on worker:0 (n2), from requests the chief signed
+    assert re.search(r"^\[coordinator\] steps run: worker:0 88$", out, re.M), out[-2000:]
+    assert "[jaxdist.slurm] worker:0 (task 2 on n2) exited with code 0 (stopped once training " \
+        "was over)" in out
+    assert _val_accuracy(out) >= 0.7, out[-2000:]
+
+
 @pytest.mark.timeout(240)
 def test_each_task_gets_its_own_credentials_and_slurm_records_none(slurm, tmp_path):
     probes, go = tmp_path / "probes", tmp_path / "go"

@@ -63,6 +63,15 @@ def creds(tmp_path):
     return directory, plan
 
 
+def test_the_plan_says_which_jobs_train(tmp_path):
+    plan = layout(["n1", "n2"], [2, 1], {"chief": 1, "ps": 1, "worker": 1}, 9000)
+    prepare(str(tmp_path / "a"), plan)
+    prepare(str(tmp_path / "b"), plan, coordinator=True)
+    assert json.loads((tmp_path / "a" / PLAN_FILE).read_text())["training_jobs"] == [
+        "chief", "worker"]
+    assert json.loads((tmp_path / "b" / PLAN_FILE).read_text())["training_jobs"] == ["chief"]
+
+
 def test_each_task_directory_holds_its_own_role_only(creds):
     directory, plan = creds
     assert _mode(directory) == 0o700

@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from jaxdist._src.cluster.credentials import new_coordinator_token
@@ -148,7 +149,8 @@ def _write_json(path: str, data: Mapping, mode: int) -> None:
 
 
 def prepare(directory: str, plan: Sequence[SlurmTask], rpc_layer: str = "grpc",
-            gpus_per_task: int = 0) -> LocalPKI:
+            gpus_per_task: int = 0, coordinator: bool = False,
+            evaluator_grace: float = 60.0) -> LocalPKI:
     """Creates the credentials directory of a job (see the module docstring).
 
     Raises:
@@ -160,15 +162,17 @@ def prepare(directory: str, plan: Sequence[SlurmTask], rpc_layer: str = "grpc",
     pki = per_task_pki({t.name: (os.path.join(directory, f"task-{t.procid}"),
                                  _node_names(t.node)) for t in plan})
     pki.directory = directory
-    token, coordinator = new_token(), new_coordinator_token()
+    token, coordinator_token = new_token(), new_coordinator_token()
     for t in plan:
-        env = apply_task_security({}, t.job, t.index, None, coordinator)
+        env = apply_task_security({}, t.job, t.index, None, coordinator_token)
         env.pop("JAXDIST_INSECURE", None)
         env[TOKEN_ENV] = token
         _write_json(os.path.join(directory, f"task-{t.procid}", SECRETS_FILE), env, 0o600)
     _write_json(os.path.join(directory, PLAN_FILE),
                 {"cluster": cluster_of(plan), "rpc_layer": rpc_layer,
                  "gpus_per_task": int(gpus_per_task),
+                 "training_jobs": list(training_jobs(coordinator)),
+                 "evaluator_grace": float(evaluator_grace),
                  "tasks": [dataclasses.asdict(t) for t in plan]}, 0o644)
     return pki
 
@@ -240,17 +244,30 @@ def _read_exit(directory: str, procid: int) -> int | None:
         return None
 
 
-def _training_done(directory: str, tasks: Sequence[SlurmTask]) -> bool:
-    """Whether every chief/worker task reported an exit code (so the servers may stop)."""
-    training = [t for t in tasks if t.job in ("chief", "worker")]
-    return bool(training) and all(_read_exit(directory, t.procid) is not None
-                                  for t in training)
+def training_jobs(coordinator: bool) -> tuple[str, ...]:
+    """The jobs whose tasks train (their end ends the job): the chief alone under a TF2
+    ``ClusterCoordinator`` (its workers serve), else the chief and the workers.
+
+    Example:
+        >>> training_jobs(False), training_jobs(True)
+        (('chief', 'worker'), ('chief',))
+    """
+    return ("chief",) if coordinator else ("chief", "worker")
+
+
+def _training_done(directory: str, tasks: Sequence[SlurmTask], training: Sequence[str]) -> bool:
+    """Whether every training task reported an exit code (so the servers may stop)."""
+    mine = [t for t in tasks if t.job in training]
+    return bool(mine) and all(_read_exit(directory, t.procid) is not None for t in mine)
 
 
 def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> int:
     me, env = task_environment(directory, os.environ)
     with open(os.path.join(directory, PLAN_FILE)) as f:
-        tasks = [SlurmTask(**t) for t in json.load(f)["tasks"]]
+        plan = json.load(f)
+    tasks = [SlurmTask(**t) for t in plan["tasks"]]
+    training = tuple(plan.get("training_jobs") or training_jobs(False))
+    evaluator_grace = float(plan.get("evaluator_grace", 60.0))
     node = os.environ.get("SLURMD_NODENAME", me.node)
     # Slurm signals every process of the step (SIGTERM on preemption): COMMAND handles it.
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -264,17 +281,21 @@ def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> in
              f"{e.strerror or e}")
         return 127
     _say(f"{me.name} (task {me.procid} on {node}, {me.address}) started as pid {proc.pid}")
-    stopped = False
+    stopped, stop_at = False, None
     while True:
         try:
             code = proc.wait(0.5)
             break
         except subprocess.TimeoutExpired:
             pass
-        # A ps (or evaluator) task serves until stopped: stop it once training is over, as
-        # python -m jaxdist.launch does (srun's step ends when all its tasks have).
-        if me.job not in ("chief", "worker") and not stopped and _training_done(directory,
-                                                                                 tasks):
+        # A ps task (a coordinator's worker too) serves until stopped: stop it once training
+        # is over, as python -m jaxdist.launch does (srun's step ends when all its tasks have);
+        # an evaluator gets evaluator_grace seconds to evaluate the last checkpoint first.
+        if me.job in training or stopped:
+            continue
+        if stop_at is None and _training_done(directory, tasks, training):
+            stop_at = time.monotonic() + (evaluator_grace if me.job == "evaluator" else 0.0)
+        if stop_at is not None and time.monotonic() >= stop_at:
             stopped = True
             proc.send_signal(signal.SIGTERM)
             try:
@@ -324,6 +345,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--credentials-dir", default=None, metavar="DIR",
                    help="where the per-task credentials are made (a new directory on storage "
                         "every node mounts; default .jaxdist-slurm/job-<id>, deleted at exit)")
+    p.add_argument("--coordinator", action="store_true",
+                   help="TF2 ClusterCoordinator job: the chief alone trains; the ps and worker "
+                        "tasks serve and are stopped once the chief ended")
+    p.add_argument("--evaluator-grace", type=float, default=60.0, metavar="S",
+                   help="seconds an evaluator task may run after training ended (default 60)")
     p.add_argument("--no-requeue", action="store_true",
                    help="do not requeue the job when every training task was preempted (42)")
     p.add_argument("--srun-arg", action="append", default=[], metavar="ARG",
@@ -366,7 +392,8 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
     restart = env.get("SLURM_RESTART_COUNT", "0")
     directory = os.path.abspath(args.credentials_dir or os.path.join(
         ".jaxdist-slurm", f"job-{job_id}-{restart}"))
-    prepare(directory, plan, gpus_per_task=args.gpus_per_task)
+    prepare(directory, plan, gpus_per_task=args.gpus_per_task, coordinator=args.coordinator,
+            evaluator_grace=args.evaluator_grace)
     try:
         _say(f"job {job_id} (restart {restart}): "
              + ", ".join(f"{t.name} on {t.node} ({t.address})" for t in plan)
@@ -396,7 +423,8 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
             else:
                 _say(f"{t.name} (task {t.procid} on {t.node}) did not report an exit code: its "
                      f"process or node was lost")
-        training = [c for n, c in codes.items() if n.split(":")[0] in ("chief", "worker")]
+        training = [c for n, c in codes.items()
+                    if n.split(":")[0] in training_jobs(args.coordinator)]
         _say(f"srun exited with {code}; task exit codes {codes}")
         if training and all(c == RESTART_EXIT_CODE for c in training):
             code = RESTART_EXIT_CODE
@@ -414,4 +442,4 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
 
 
 __all__ = ["PLAN_FILE", "SECRETS_FILE", "SlurmTask", "cluster_of", "layout", "main",
-           "parse_jobs", "prepare", "task_environment"]
+           "parse_jobs", "prepare", "task_environment", "training_jobs"]
