@@ -11,6 +11,8 @@ Example:
     python -m jaxdist.slurm -- python -m jaxdist.train --config configs/multi_worker.yaml
     python -m jaxdist.slurm --jobs ps=1,worker=2 -- \\
         python -m jaxdist.train --config configs/parameter_server.yaml
+    python -m jaxdist.slurm --coordinator --jobs chief=1,ps=1,worker=1 -- \\
+        python -m jaxdist.train --config configs/parameter_server_coordinator.yaml
 """
 
 import sys

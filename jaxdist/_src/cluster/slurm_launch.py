@@ -19,7 +19,9 @@ In a batch script (``sbatch``) or an allocation (``salloc``), on the batch host:
    files only (``secrets.json`` is deleted once read), and runs COMMAND with ``TF_CONFIG``
    (cluster, task, token), ``JAXDIST_CLUSTER_TOKEN``, ``JAXDIST_TLS_CA/CERT/KEY`` and its
    coordinator credential in COMMAND's environment only; when COMMAND ends it prints
-   ``[jaxdist.slurm] worker:1 (task 1 on n2) exited with code 1``;
+   ``[jaxdist.slurm] worker:1 (task 1 on n2) exited with code 1``. Tasks that serve (ps; with
+   ``--coordinator`` the workers too) are stopped once the training tasks ended, an evaluator
+   after ``--evaluator-grace`` seconds more;
 4. after ``srun``: deletes the credentials directory; names each task that never reported (its
    node or process was lost); when every training task exited with 42 (jaxdist's preemption
    exit: ``#SBATCH --signal=TERM@60`` or ``scancel --signal=TERM`` made them save a checkpoint)
