@@ -241,37 +241,48 @@ def test_each_task_gets_its_own_credentials_and_slurm_records_none(slurm, tmp_pa
 REQUEUE_SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append --output=slurm-%j.out
-# the first run would train for ever; the requeued one trains 6 epochs (132 steps) in all
-if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then EPOCHS=100000; else EPOCHS=6; fi
-python -m jaxdist.slurm -- python -m jaxdist.train --config {root}/configs/multi_worker.yaml \\
+# runs 0 and 1 would train for ever; run 2 trains 6 epochs (132 steps) in all
+if [ "${{SLURM_RESTART_COUNT:-0}}" -lt 2 ]; then EPOCHS=100000; else EPOCHS=6; fi
+exec python -m jaxdist.slurm -- python -m jaxdist.train \\
+    --config {root}/configs/multi_worker.yaml \\
     --set train.epochs=$EPOCHS --set model.hidden_sizes=[32] --set logging.every_steps=1 \\
     --set logging.progress_bar=never --set checkpoint.every_steps=100000 \\
     --set strategy.timeout_seconds=30
 """
 
 
-@pytest.mark.timeout(360)
-def test_scancel_signal_term_saves_exits_42_and_the_requeued_job_resumes(slurm, tmp_path):
+@pytest.mark.timeout(420)
+def test_sigterm_saves_exits_42_and_the_requeued_job_resumes_twice(slurm, tmp_path):
+    """Run 0 is preempted the way ``#SBATCH --signal=TERM@T`` does it (SIGTERM to every task,
+    ``scancel --signal=TERM``), run 1 the way ``--signal=B:TERM@T`` does (SIGTERM to the batch
+    shell only, ``scancel --batch``: jaxdist.slurm passes it on through srun); run 2 ends."""
     script = tmp_path / "requeue.sbatch"
     script.write_text(REQUEUE_SCRIPT.format(root=ROOT))
     job = _sbatch(slurm, tmp_path, _env(slurm), str(script))
     _wait_output(slurm, job, tmp_path, r"^\[train\] step 30 ", timeout=180)
     slurm.run("scancel", "--signal=TERM", job)
-    m = _wait_output(slurm, job, tmp_path, r"requeueing job \d+; it resumes", timeout=60)
-    assert m
+    _wait_output(slurm, job, tmp_path, r"requeueing job \d+; it resumes", timeout=60)
+    m = _wait_output(slurm, job, tmp_path, r"Resumed from checkpoint at step (\d+)", timeout=120)
+    first = int(m.group(1))
+    _wait_output(slurm, job, tmp_path, rf"^\[train\] step {first + 10} ", timeout=120)
+    slurm.run("scancel", "--batch", "--signal=TERM", job)
+    _wait_output(slurm, job, tmp_path, r"requeueing job \d+; it resumes[\s\S]*requeueing job",
+                 timeout=60)
     deadline = time.monotonic() + 240
-    while slurm.job_field(job, "Restarts") != "1" and time.monotonic() < deadline:
+    while slurm.job_field(job, "Restarts") != "2" and time.monotonic() < deadline:
         time.sleep(0.3)
     assert slurm.wait_job(job, timeout=240) == "COMPLETED", _output(tmp_path)[-3000:]
     out = _output(tmp_path)
-    saved = re.search(r"stopped before step (\d+)", out)
-    assert saved, out[-3000:]
-    assert "[jaxdist.slurm] worker:0 (task 0 on n1) exited with code 42" in out
-    assert "[jaxdist.slurm] worker:1 (task 1 on n2) exited with code 42" in out
-    assert f"Resumed from checkpoint at step {saved.group(1)}" in out, out[-3000:]
-    assert "job 1 (restart 1)" in out or f"job {job} (restart 1)" in out
-    assert slurm.job_field(job, "Restarts") == "1"
+    saved = [int(x) for x in re.findall(r"stopped before step (\d+)", out)]
+    resumed = [int(x) for x in re.findall(r"Resumed from checkpoint at step (\d+)", out)]
+    assert len(saved) >= 2 and resumed == [saved[0], saved[-1]], (saved, resumed, out[-3000:])
+    assert first == saved[0] < saved[-1] < 132
+    assert out.count("[jaxdist.slurm] worker:0 (task 0 on n1) exited with code 42") == 2, out
+    assert out.count("[jaxdist.slurm] worker:1 (task 1 on n2) exited with code 42") == 2, out
+    assert f"job {job} (restart 1)" in out and f"job {job} (restart 2)" in out
+    assert slurm.job_field(job, "Restarts") == "2"
     assert re.search(r"^\[end\] step 132 ", out, re.M), out[-2000:]
+    assert _val_accuracy(out) >= 0.7
 
 
 @pytest.mark.timeout(240)

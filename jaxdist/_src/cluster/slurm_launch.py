@@ -29,6 +29,9 @@ In a batch script (``sbatch``) or an allocation (``salloc``), on the batch host:
    (``scontrol requeue``): the job runs again from the start of its script and resumes from its
    checkpoint. Exits with ``srun``'s status (the highest task exit code).
 
+A SIGTERM to ``python -m jaxdist.slurm`` itself (``#SBATCH --signal=B:TERM@60``: the batch
+shell, which ``exec``s it) is passed on to every task with ``scancel --signal=TERM``.
+
 Example:
     >>> plan = layout(["n1", "n2"], [2, 1], {"ps": 1, "worker": 2}, 9000)
     >>> [(t.name, t.node, t.address) for t in plan]
@@ -404,18 +407,19 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
                 f"--ntasks={len(plan)}", *args.srun_arg,
                 sys.executable, "-m", "jaxdist.slurm", "--task", directory, "--", *command]
         proc = subprocess.Popen(srun)
-        forwarded = {}
 
         def forward(signum, frame):
-            forwarded[signum] = True
-            proc.send_signal(signum)
+            # SIGTERM to the batch shell (#SBATCH --signal=B:TERM@T, scancel --batch): pass it
+            # to every task of the job's steps, as --signal=TERM@T would (srun itself takes
+            # SIGTERM as "kill the step"); a task saves and exits 42.
+            _say(f"got signal {signum}: sending SIGTERM to every task (scancel --signal=TERM)")
+            subprocess.run(["scancel", "--signal=TERM", job_id], timeout=60, check=False)
 
-        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = signal.signal(signal.SIGTERM, forward)
         try:
             code = proc.wait()
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            signal.signal(signal.SIGTERM, old)
         code = code if code >= 0 else 128 - code
         codes = {}
         for t in plan:
