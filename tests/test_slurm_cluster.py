@@ -2,15 +2,16 @@
 this machine (``jaxdist.testing.slurm``: munged, slurmctld and ``slurmd -N n1`` / ``-N n2``, each
 node with a loopback address of its own), jobs submitted with ``sbatch``:
 
-* the documented scripts (``configs/slurm/*.sbatch``) run as written: a MultiWorkerMirrored and
-  a parameter-server ``python -m jaxdist.train`` job, each task where Slurm put it, mutual TLS
-  on, trained to the expected accuracy;
+* the documented scripts (``configs/slurm/*.sbatch``) run as written: a MultiWorkerMirrored, a
+  between-graph parameter-server and a ``ClusterCoordinator`` ``python -m jaxdist.train`` job,
+  each task where Slurm put it, mutual TLS on, trained to the expected accuracy;
 * every task gets its own credentials, and no secret shows in Slurm's records of the job
-  (``scontrol show job``, the batch script and environment slurmctld keeps, its logs) or in the
-  job's output;
-* ``scancel --signal=TERM`` (what ``#SBATCH --signal`` sends before the time limit) ends in
-  jaxdist's checkpoint-and-exit (42), ``python -m jaxdist.slurm`` requeues the job and the
-  requeued job resumes from that checkpoint;
+  (``scontrol show job``, the batch script and environment slurmctld keeps, its logs), in the
+  job's output, on any process's command line, or in any environment but the tasks' commands';
+* ``scancel --signal=TERM`` (what ``#SBATCH --signal=TERM@T`` sends before the time limit) and
+  ``scancel --batch --signal=TERM`` (``--signal=B:TERM@T``) end in jaxdist's
+  checkpoint-and-exit (42), ``python -m jaxdist.slurm`` requeues the job and the requeued job
+  resumes from that checkpoint;
 * a task that dies is reported with its exit code, and its peer ends with ``PeerLostError``
   naming it within the configured timeout; so does a whole node that goes away (its slurmd,
   step daemon and task killed), which the job reports as a task that never reported;
@@ -228,6 +229,23 @@ def test_each_task_gets_its_own_credentials_and_slurm_records_none(slurm, tmp_pa
                 with open(path, "rb") as fh:
                     records.append(fh.read().decode("latin-1"))
     assert any("jaxdist.slurm" in r for r in records)      # the script and its record are read
+    # No process's command line holds a secret, and only the tasks' commands (the probes)
+    # hold them in their environment: not srun, slurmstepd, the wrappers, the batch shell.
+    probes_seen = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode("latin-1")
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                environ = fh.read().decode("latin-1")
+        except OSError:
+            continue
+        records.append(cmdline)
+        if "slurm_secret_probe.py" in cmdline and "jaxdist.slurm" not in cmdline:
+            probes_seen += 1
+        else:
+            records.append(environ)
+    assert probes_seen == 2
     go.touch()
     assert slurm.wait_job(job, timeout=60) == "COMPLETED", _output(tmp_path)
     records.append(_output(tmp_path))
