@@ -152,3 +152,15 @@ def test_train_under_a_bare_srun_is_refused_with_the_fix():
     check_one_copy(cfg, {**env, "TF_CONFIG": json.dumps(
         {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 1}})})
     check_one_copy(cfg, {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})
+
+
+def test_an_existing_credentials_dir_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x2)")
+    (tmp_path / "creds").mkdir()
+    assert main(["--credentials-dir", str(tmp_path / "creds"), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the credentials directory" in err and "File exists" in err
+    assert main(["--jobs", "ps=1,worker=2", "--", "true"]) == 2
+    assert "ask for 3 tasks, but the Slurm job has 2" in capsys.readouterr().err

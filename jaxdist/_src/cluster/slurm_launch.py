@@ -397,8 +397,13 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
     restart = env.get("SLURM_RESTART_COUNT", "0")
     directory = os.path.abspath(args.credentials_dir or os.path.join(
         ".jaxdist-slurm", f"job-{job_id}-{restart}"))
-    prepare(directory, plan, gpus_per_task=args.gpus_per_task, coordinator=args.coordinator,
-            evaluator_grace=args.evaluator_grace)
+    try:
+        prepare(directory, plan, gpus_per_task=args.gpus_per_task,
+                coordinator=args.coordinator, evaluator_grace=args.evaluator_grace)
+    except OSError as e:
+        raise ClusterConfigError(f"cannot create the credentials directory {directory}: "
+                                 f"{e.strerror or e} (a new directory is made for every run)"
+                                 ) from None
     try:
         _say(f"job {job_id} (restart {restart}): "
              + ", ".join(f"{t.name} on {t.node} ({t.address})" for t in plan)
@@ -416,10 +421,14 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
             subprocess.run(["scancel", "--signal=TERM", job_id], timeout=60, check=False)
 
         old = signal.signal(signal.SIGTERM, forward)
+        # Ctrl-C (under salloc) reaches srun too, which reports on the first and ends the step
+        # on a second within a second; this process reports once srun is done.
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGINT, old_int)
         code = code if code >= 0 else 128 - code
         codes = {}
         for t in plan:
