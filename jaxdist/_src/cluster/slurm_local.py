@@ -202,7 +202,7 @@ class LocalSlurm:
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")
         with open(os.path.join(d, "cgroup.conf"), "w") as f:
-            f.write("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+            f.write("CgroupPlugin=autodetect\nCgroupMountpoint=/sys/fs/cgroup\n")
 
     def _daemon(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.directory, "log", f"{name}.out"), "ab")
