@@ -11,7 +11,8 @@ node with a loopback address of its own), jobs submitted with ``sbatch``:
 * ``scancel --signal=TERM`` (what ``#SBATCH --signal=TERM@T`` sends before the time limit) and
   ``scancel --batch --signal=TERM`` (``--signal=B:TERM@T``) end in jaxdist's
   checkpoint-and-exit (42), ``python -m jaxdist.slurm`` requeues the job and the requeued job
-  resumes from that checkpoint;
+  resumes from that checkpoint; a ``timing`` test (deselected by default) lets Slurm's own
+  ``--time=2 --signal=TERM@30`` do it;
 * a task that dies is reported with its exit code, and its peer ends with ``PeerLostError``
   naming it within the configured timeout; so does a whole node that goes away (its slurmd,
   step daemon and task killed), which the job reports as a task that never reported;
@@ -301,6 +302,68 @@ def test_sigterm_saves_exits_42_and_the_requeued_job_resumes_twice(slurm, tmp_pa
     assert slurm.job_field(job, "Restarts") == "2"
     assert re.search(r"^\[end\] step 132 ", out, re.M), out[-2000:]
     assert _val_accuracy(out) >= 0.7
+
+
+PREEMPT_SCRIPT = """\
+#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append --output=slurm-%j.out
+#SBATCH --time=2 --signal=TERM@30
+# runs 0 and 1 would train for ever; the test writes the last run's epochs to epochs.txt
+EPOCHS=$(cat epochs.txt 2>/dev/null || echo 100000)
+exec python -m jaxdist.slurm -- python -m jaxdist.train \\
+    --config {root}/configs/multi_worker.yaml \\
+    --set train.epochs=$EPOCHS --set model.hidden_sizes=[32] --set logging.every_steps=5 \\
+    --set logging.progress_bar=never --set checkpoint.every_steps=100000 \\
+    --set strategy.timeout_seconds=30
+"""
+_REQUEUED = r"requeueing job \d+; it resumes"
+
+
+@pytest.mark.timing
+@pytest.mark.timeout(480)
+def test_the_time_limit_signal_preempts_and_the_requeued_job_resumes(slurm, tmp_path):
+    """Marked ``timing`` (deselected by default; CI runs it, not gating): it waits for Slurm's
+    clock, 30-90 s of training before the signal. Run 0 meets its time limit: ``#SBATCH
+    --time=2 --signal=TERM@30`` makes slurmctld send SIGTERM to every task (30 s before the
+    limit, or up to a minute earlier: Slurm's resolution), nobody else signals anything. Run 1
+    is preempted as ``--signal=B:TERM@T`` does it (SIGTERM to the batch shell alone,
+    ``scancel --batch``), which jaxdist.slurm passes on to every task. Each time every task
+    saves the agreed step and exits 42, the job is requeued and resumes there; run 2
+    finishes."""
+    script = tmp_path / "preempt.sbatch"
+    script.write_text(PREEMPT_SCRIPT.format(root=ROOT))
+    t0 = time.monotonic()
+    job = _sbatch(slurm, tmp_path, _env(slurm), str(script))
+    _wait_output(slurm, job, tmp_path, _REQUEUED, timeout=200)
+    signalled_after = time.monotonic() - t0
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")  # runs 1, 2: no limit
+    first = int(re.search(r"stopped before step (\d+)", _output(tmp_path)).group(1))
+    _wait_output(slurm, job, tmp_path, rf"Resumed from checkpoint at step {first} "
+                 r"[\s\S]*\[train\] step \d+ [\s\S]*\[train\] step \d+ ", timeout=120)
+    slurm.run("scancel", "--batch", "--signal=TERM", job)
+    _wait_output(slurm, job, tmp_path, _REQUEUED + r"[\s\S]*" + _REQUEUED, timeout=60)
+    second = int(re.findall(r"stopped before step (\d+)", _output(tmp_path))[-1])
+    epochs = second // 22 + 2                                 # 22 steps per epoch
+    (tmp_path / "epochs.txt").write_text(str(epochs))         # run 2 starts >= 10 s later
+    deadline = time.monotonic() + 120
+    while slurm.job_field(job, "Restarts") != "2" and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert slurm.wait_job(job, timeout=240) == "COMPLETED", _output(tmp_path)[-3000:]
+    out = _output(tmp_path)
+    assert set(re.findall(r"stopped before step (\d+)", out)) == {str(first), str(second)}
+    resumed = [int(x) for x in re.findall(r"Resumed from checkpoint at step (\d+)", out)]
+    assert resumed == [first, second] and first < second, (resumed, out[-3000:])
+    assert "got signal 15: sending SIGTERM to every task" in out     # run 1: via the batch shell
+    for task in ("worker:0 (task 0 on n1)", "worker:1 (task 1 on n2)"):
+        assert out.count(f"[jaxdist.slurm] {task} exited with code 42") == 2, out[-3000:]
+        assert out.count(f"[jaxdist.slurm] {task} exited with code 0") == 1, out[-3000:]
+    assert f"job {job} (restart 1)" in out and f"job {job} (restart 2)" in out
+    assert slurm.job_field(job, "Restarts") == "2"
+    assert re.search(rf"^\[end\] step {epochs * 22} ", out, re.M), out[-2000:]
+    assert _val_accuracy(out) >= 0.7
+    assert signalled_after < 120                             # before the limit
+    print(f"time-limit SIGTERM: requeued {signalled_after:.0f} s after sbatch; "
+          f"resumed at {first}, then {second}; {time.monotonic() - t0:.0f} s in all")
 
 
 @pytest.mark.timeout(240)
