@@ -7,8 +7,10 @@ per node name, every node with a loopback address of its own (``n1`` -> 127.0.0.
 127.0.0.2) and a slurmd port of its own, so ``srun -N2`` places one task on each "node" of this
 machine and the tasks of two nodes can listen on the same port, as on two machines. The node
 names must resolve: ``LocalSlurm`` adds a marked line to ``/etc/hosts`` for each name that does
-not resolve to loopback, and removes it again. ``close()`` (also at exit) stops the daemons
-it started, by their process ids, and deletes the directory. ``env`` is the environment
+not resolve to loopback, and removes it again. ``close()`` (also at exit) cancels the
+cluster's jobs, stops the daemons it started, by their process ids, SIGKILLs whatever is left
+of its jobs (the processes whose environment names its ``slurm.conf``: a step daemon outlives
+slurmd), and deletes the directory. ``env`` is the environment
 Slurm's commands need (``SLURM_CONF``); ``run("sbatch", ...)`` runs one with it.
 
 Needs root (Slurm runs the jobs as the submitting user; slurmd must be root to start them)
@@ -300,8 +302,44 @@ class LocalSlurm:
         raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout:g} s; "
                            f"slurmctld: {self.log_tail('slurmctld', 800)}")
 
+    def _cancel_jobs(self, timeout: float = 15.0) -> None:
+        """Cancels every job of this cluster and waits (bounded) until none is left."""
+        try:
+            ids = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10).stdout.split()
+            if ids:
+                self.run("scancel", "--full", "--signal=KILL", *ids, check=False, timeout=10)
+                self.run("scancel", *ids, check=False, timeout=10)
+            deadline = time.monotonic() + timeout
+            while ids and time.monotonic() < deadline:
+                left = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10).stdout
+                if not left.split():
+                    break
+                time.sleep(0.3)
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILLs what still runs from this cluster: every process whose environment names
+        this cluster's ``slurm.conf`` (the daemons, step daemons, batch scripts and tasks it
+        started); found by process id, never by name."""
+        mark = f"SLURM_CONF={self.conf}\0".encode()
+        me = os.getpid()
+        for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+            if int(pid) == me:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if mark not in f.read() + b"\0":
+                        continue
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                continue
+
     def close(self) -> None:
-        """Stops the daemons this object started and deletes its directory."""
+        """Cancels the cluster's jobs, stops the daemons this object started (and anything
+        left of the jobs) and deletes its directory."""
+        if self._procs and any(n == "slurmctld" and p.poll() is None for n, p in self._procs):
+            self._cancel_jobs()
         for _name, p in reversed(self._procs):
             if p.poll() is None:
                 try:
@@ -313,6 +351,7 @@ class LocalSlurm:
                 except OSError:
                     pass
         self._procs = []
+        self._kill_leftovers()
         self._remove_hosts()
         shutil.rmtree(self.directory, ignore_errors=True)
 
