@@ -4,11 +4,11 @@
 In a batch script (``sbatch``) or an allocation (``salloc``), on the batch host:
 
 1. reads the allocation (``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``) and lays out the
-   cluster as ``SlurmClusterResolver`` does (nodes sorted by name, ``--tasks-per-node`` tasks
-   each, task ``k`` of a node on ``port_base + k``, jobs sorted by name: ``--jobs ps=1,worker=2``
+   cluster as ``SlurmClusterResolver`` does (nodes sorted by name, each with its tasks per
+   node, task ``k`` of a node on ``port_base + k``, jobs sorted by name: ``--jobs ps=1,worker=2``
    makes task 0 ``ps:0``);
 2. creates the credentials directory (``--credentials-dir``, default
-   ``.jaxdist-slurm/job-<id>`` under the working directory, which must be on storage every
+   ``.jaxdist-slurm/job-<id>-<restart>`` under the working directory, which must be on storage every
    node mounts, mode 0700) with one subdirectory per task (0700): the cluster CA, a certificate
    valid for the task's node (its name and address) and its key, and ``secrets.json`` (0600):
    the cluster token; the chief also the coordinator token, a worker only the chief's public key
@@ -27,7 +27,8 @@ In a batch script (``sbatch``) or an allocation (``salloc``), on the batch host:
    exit: ``#SBATCH --signal=TERM@60`` or ``scancel --signal=TERM`` made them save a checkpoint)
    and the job may be requeued (``sbatch --requeue``), asks Slurm to requeue it
    (``scontrol requeue``): the job runs again from the start of its script and resumes from its
-   checkpoint. Exits with ``srun``'s status (the highest task exit code).
+   checkpoint. Exits with ``srun``'s status (the highest task exit code; 42 when every
+   training task was preempted).
 
 A SIGTERM to ``python -m jaxdist.slurm`` itself (``#SBATCH --signal=B:TERM@60``: the batch
 shell, which ``exec``s it) is passed on to every task with ``scancel --signal=TERM``.
