@@ -260,3 +260,28 @@ def test_slurm_sorts_jobs_and_hosts_and_leaves_cpu_nodes_alone(monkeypatch):
     assert r.num_accelerators() == {} and os.environ["CUDA_VISIBLE_DEVICES"] == ""
     with pytest.raises(ClusterConfigError, match="need more than the gpus_per_node=1"):
         SlurmClusterResolver(gpus_per_node=1, gpus_per_task=2)
+
+
+def test_slurm_bound_gpus_are_not_split_again(monkeypatch):
+    # srun --ntasks-per-node=2 --gpus-per-task=1: Slurm gave this task its GPU ("0" in its
+    # view); TF's rule would count 1 GPU on the node, give each task 0 and leave it unused.
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "g[1-2]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    r = SlurmClusterResolver()
+    assert r.num_accelerators() == {"GPU": 1}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"          # as Slurm set it
+    assert r.cluster_spec().as_dict() == {"worker": ["g1:8888", "g1:8889", "g2:8888",
+                                                     "g2:8889"]}
+    # Either GPU argument given: TF's rule, as in TF's own tests.
+    r = SlurmClusterResolver(gpus_per_node=2, gpus_per_task=1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert SlurmClusterResolver().num_accelerators() == {}   # TF: 1 GPU // 2 tasks

@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jaxdist._src.cluster.tls import TLSConfig
 
@@ -80,6 +80,63 @@ def _san(hosts: Sequence[str]):
     return x509.SubjectAlternativeName(names)
 
 
+def _new_ca(days: int):
+    """A fresh CA: ``(key, name, certificate, not_before, not_after)``; the key stays in memory."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxdist throwaway CA")])
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                     False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ca_key, ca_name, ca_cert, start, end
+
+
+def _issue(ca, name: str, hosts: Sequence[str]) -> tuple[bytes, bytes]:
+    """One task's certificate (for ``hosts``) and private key, PEM: ``(cert, key)``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_key, ca_name, _, start, end = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    job = name.split(":")[0]
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, job)])
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(_san(hosts), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def _ca_pem(ca) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return ca[2].public_bytes(serialization.Encoding.PEM)
+
+
 def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
               directory: str | None = None, days: int = 7) -> LocalPKI:
     """Generates a CA and one certificate per name in a new private directory.
@@ -97,56 +154,57 @@ def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
         >>> pki = local_pki(["ps:0", "client"])
         >>> server_tls, client_tls = pki.identities["ps:0"], pki.identities["client"]
     """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     root = tempfile.mkdtemp(prefix="jaxdist-tls-", dir=directory)  # mode 0700
     os.chmod(root, 0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxdist throwaway CA")])
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
-                                     False), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
+    ca = _new_ca(days)
     ca_path = os.path.join(root, "ca.pem")
-    _write(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write(ca_path, _ca_pem(ca))
     identities: dict[str, TLSConfig] = {}
     for name in names:
-        key = ec.generate_private_key(ec.SECP256R1())
-        job = name.split(":")[0]
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
-                             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, job)])
-        cert = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(_san(hosts), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
+        cert, key = _issue(ca, name, hosts)
         stem = re.sub(r"[^A-Za-z0-9_.-]", "-", name)
         cert_path, key_path = os.path.join(root, f"{stem}.pem"), os.path.join(root, f"{stem}.key")
-        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
-        _write(key_path, key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        _write(cert_path, cert)
+        _write(key_path, key)
         identities[name] = TLSConfig(ca_path, cert_path, key_path)
     return LocalPKI(root, ca_path, identities)
 
 
+def per_task_pki(tasks: Mapping[str, tuple[str, Sequence[str]]], days: int = 7) -> LocalPKI:
+    """A CA and one certificate per task, each task's files in a directory of its own.
 
+    For clusters whose tasks run on other hosts (``python -m jaxdist.slurm``): task ``name``'s
+    certificate is valid for its own host's names only, and its directory (created, mode
+    0700) holds ``ca.pem``, ``cert.pem`` and ``key.pem`` (0600) and nothing of another task.
+    The CA's private key never touches the disk.
+
+    Args:
+        tasks: task name -> ``(directory, hosts)``.
+        days: validity.
+
+    Returns:
+        A ``LocalPKI`` whose ``directory`` is the parent of the first task's directory.
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> pki = per_task_pki({"worker:0": (f"{root}/task-0", ["n1", "127.0.0.1"])})
+        >>> pki.identities["worker:0"].key.endswith("task-0/key.pem")
+        True
+    """
+    ca = _new_ca(days)
+    identities: dict[str, TLSConfig] = {}
+    first = ""
+    for name, (task_dir, hosts) in tasks.items():
+        os.makedirs(task_dir, mode=0o700)
+        os.chmod(task_dir, 0o700)
+        first = first or os.path.dirname(os.path.abspath(task_dir))
+        cert, key = _issue(ca, name, hosts)
+        paths = [os.path.join(task_dir, f) for f in ("ca.pem", "cert.pem", "key.pem")]
+        for path, data in zip(paths, (_ca_pem(ca), cert, key)):
+            _write(path, data)
+        identities[name] = TLSConfig(*paths)
+    return LocalPKI(first, "", identities)
 
 
 _SECURITY_ENV = ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY",
@@ -187,4 +245,4 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
         env.update(CoordinatorKeys(coordinator_token).worker_env(f"worker:{index}"))
     return env
 
-__all__ = ["LOOPBACK_NAMES", "LocalPKI", "apply_task_security", "local_pki"]
+__all__ = ["LOOPBACK_NAMES", "LocalPKI", "apply_task_security", "local_pki", "per_task_pki"]

@@ -102,7 +102,10 @@ class SlurmClusterResolver(ClusterResolver):
     the task numbered ``SLURM_PROCID``. GPUs: ``gpus_per_node`` (default: counted from
     ``CUDA_VISIBLE_DEVICES``), ``gpus_per_task`` (default: ``gpus_per_node`` divided by the
     most tasks on one node); task ``k`` of a node gets GPUs ``k*gpus_per_task`` onwards, and
-    ``auto_set_gpu`` sets ``CUDA_VISIBLE_DEVICES`` to them (before JAX starts).
+    ``auto_set_gpu`` sets ``CUDA_VISIBLE_DEVICES`` to them (before JAX starts). When Slurm gives
+    each task its GPUs itself (``srun --gpus-per-task=G``: ``SLURM_GPUS_PER_TASK``) and neither
+    GPU argument is given, ``gpus_per_task`` is ``G`` and ``CUDA_VISIBLE_DEVICES`` stays as
+    Slurm set it.
 
     Args:
         jobs: job name -> number of tasks (default: every task is a ``worker``). Any job name
@@ -156,6 +159,14 @@ class SlurmClusterResolver(ClusterResolver):
         self._task_configuration = config
         max_per_node = max(config.values())
         num_tasks = sum(config.values())
+        # srun --gpus-per-task=G: Slurm gives each task G GPUs itself (its own
+        # CUDA_VISIBLE_DEVICES), so they are not split again here.
+        slurm_gpus = os.environ.get("SLURM_GPUS_PER_TASK", "").strip()
+        self._slurm_bound_gpus = (gpus_per_node is None and gpus_per_task is None
+                                  and slurm_gpus.isdigit())
+        if self._slurm_bound_gpus:
+            gpus_per_task = int(slurm_gpus)
+            gpus_per_node = gpus_per_task * max_per_node
         if gpus_per_node is None:
             gpus_per_node = get_num_gpus()
         if gpus_per_task is None:
@@ -178,7 +189,7 @@ class SlurmClusterResolver(ClusterResolver):
                 f"SLURM_PROCID={self._rank} is not one of the step's {num_tasks} tasks"
             )
         self._spec, self._gpu_allocation = self._allocate()
-        if auto_set_gpu and self._gpus_per_task:
+        if auto_set_gpu and self._gpus_per_task and not self._slurm_bound_gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = self._gpu_allocation[self._rank]
 
     def _allocate(self) -> tuple[ClusterSpec, list[str]]:

@@ -2,7 +2,9 @@
 silently does the wrong thing.
 
 * ``check_one_copy``: a single-process strategy started as several tasks of a cluster (by
-  ``jaxdist.launch``, Kubeflow or ``srun``) would train that many unrelated copies: refused.
+  ``jaxdist.launch``, Kubeflow or ``srun``) would train that many unrelated copies: refused;
+  so would a multi-process strategy started by a bare ``srun`` (Slurm's variables but no
+  ``TF_CONFIG``: ``python -m jaxdist.slurm`` gives each task its own).
 * ``check_resume``: the checkpoint directory can be written, the settings recorded
   with its checkpoint (``run_settings.json``, ``jaxdist._src.train.run_record``) are the
   config's or allowed to change (``checkpoint.allow_changes``), and the checkpoint does not
@@ -61,7 +63,8 @@ def shaping_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_one_copy(cfg: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> None:
     """Refuses a single-process strategy in a process the environment starts as one of
-    several tasks (``TF_CONFIG``, ``srun``): each task would train its own copy.
+    several tasks (``TF_CONFIG``, ``srun``), and a multi-process strategy started by ``srun``
+    without ``TF_CONFIG``: each task would train its own copy.
 
     Raises:
         ConfigError: naming the strategy, the cluster and the configs to use instead.
@@ -78,9 +81,18 @@ def check_one_copy(cfg: Mapping[str, Any], environ: Mapping[str, str] | None = N
     from jaxdist._src.cluster.task_info import launched_tasks
 
     name = cfg["strategy"]["name"]
-    if strategy_registry.uses_tf_config(name):
-        return
     launched = launched_tasks(environ)
+    if strategy_registry.uses_tf_config(name):
+        if launched is not None and launched[0] > 1 and launched[1].startswith("srun"):
+            # Slurm started several tasks, but nobody gave them TF_CONFIG (nor TLS, tokens).
+            raise ConfigError(
+                f"strategy.name: {name!r} reads its cluster from TF_CONFIG, but this process "
+                f"is one of the tasks of a Slurm step ({launched[1]}) without TF_CONFIG: each "
+                f"would train its own unrelated copy; expected the batch script to run "
+                f"`python -m jaxdist.slurm -- python -m jaxdist.train --config ...` instead of "
+                f"srun (it gives every task its TF_CONFIG, TLS certificate and tokens; see "
+                f"configs/slurm/)")
+        return
     if launched is None or launched[0] <= 1:
         return
     count, source = launched
