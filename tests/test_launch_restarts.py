@@ -279,9 +279,9 @@ def test_after_a_42_the_other_tasks_get_the_grace_period_to_save_and_exit_on_the
         import json, os, signal, sys, time
         t = json.loads(os.environ["TF_CONFIG"])["task"]
         mem = os.environ["MEM"]
-        first = not os.path.exists(os.path.join(mem, "ran"))
-        if t["index"] == 1:
-            open(os.path.join(mem, "ran"), "a").close()
+        ran = os.path.join(mem, f"ran{t['index']}")  # each task's own: no start-order race
+        first = not os.path.exists(ran)
+        open(ran, "a").close()
         signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(mem, "sigterm"), "w")
                                                  .close(), sys.exit(143)))
         if first:
