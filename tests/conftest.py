@@ -70,6 +70,15 @@ def pytest_runtest_setup(item):
         require_devices(need)
 
 
+@pytest.fixture
+def plaintext_on_loopback(monkeypatch):
+    """Plaintext on loopback, asked for (tests that send hand-made frames), and no TLS identity
+    another module left in the process environment."""
+    monkeypatch.setenv("JAXDIST_INSECURE", "1")
+    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
+        monkeypatch.delenv(key, raising=False)
+
+
 @pytest.fixture(scope="session")
 def devices():
     """All devices of the default backend (a test that needs ``n`` says so with

@@ -33,11 +33,8 @@ TOKEN = "checkpoint-space-Secret-5a0c"
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _plaintext_on_loopback(monkeypatch):
-    monkeypatch.setenv("JAXDIST_INSECURE", "1")
-    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
-        monkeypatch.delenv(key, raising=False)
+# Hand-made frames over plaintext loopback, which must be asked for.
+pytestmark = pytest.mark.usefixtures("plaintext_on_loopback")
 
 
 @pytest.fixture

@@ -27,11 +27,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def _plaintext_on_loopback(monkeypatch):
-    monkeypatch.setenv("JAXDIST_INSECURE", "1")
+def _plaintext_on_loopback(plaintext_on_loopback, monkeypatch):
     monkeypatch.delenv("JAXDIST_PS_DIRECT", raising=False)
-    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
-        monkeypatch.delenv(key, raising=False)
 
 
 def _serve(**limits):

@@ -22,12 +22,8 @@ from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, method_path
 TOKEN = "duplicate-names-Secret-7d1e"
 
 
-@pytest.fixture(autouse=True)
-def _plaintext_on_loopback(monkeypatch):
-    """Hand-made frames over plaintext loopback, which must be asked for."""
-    monkeypatch.setenv("JAXDIST_INSECURE", "1")
-    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
-        monkeypatch.delenv(key, raising=False)
+# Hand-made frames over plaintext loopback, which must be asked for.
+pytestmark = pytest.mark.usefixtures("plaintext_on_loopback")
 
 
 @pytest.fixture

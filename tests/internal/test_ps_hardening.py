@@ -27,12 +27,8 @@ TOKEN = "hardening-Secret-7f3a9c"
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _plaintext_on_loopback(monkeypatch):
-    """These tests send hand-made frames over plaintext loopback, which must be asked for."""
-    monkeypatch.setenv("JAXDIST_INSECURE", "1")
-    for key in ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY", "JAXDIST_TLS_SERVER_NAME"):
-        monkeypatch.delenv(key, raising=False)  # another module's process-wide TLS identity
+# Hand-made frames over plaintext loopback, which must be asked for.
+pytestmark = pytest.mark.usefixtures("plaintext_on_loopback")
 
 
 def _serve(checkpoint_dir=None, **limits):

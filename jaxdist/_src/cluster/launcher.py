@@ -348,14 +348,27 @@ class Launcher:
         return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
-    args = _parser().parse_args(argv)
-    command = list(args.command)
+def command_after_dashes(parser: argparse.ArgumentParser, words: Sequence[str],
+                         prog: str) -> list[str]:
+    """The command after ``--`` (``parser.error``, which exits 2, naming ``prog``'s synopsis
+    when there is none).
+
+    Example:
+        >>> command_after_dashes(_parser(), ["--", "python", "x.py"], "jaxdist.launch")
+        ['python', 'x.py']
+    """
+    command = list(words)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        _parser().error("no command given: python -m jaxdist.launch [options] -- COMMAND ...")
+        parser.error(f"no command given: python -m {prog} [options] -- COMMAND ...")
+    return command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    command = command_after_dashes(_parser(), args.command, "jaxdist.launch")
     if shutil.which(command[0]) is None:  # one line, before any task starts
         print(f"jaxdist.launch: command not found: {command[0]!r} (not an executable file, "
               f"nor on PATH); expected e.g. -- python -m jaxdist.train --config FILE",

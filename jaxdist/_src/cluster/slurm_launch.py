@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from jaxdist._src.cluster.credentials import new_coordinator_token
 from jaxdist._src.cluster.errors import ClusterConfigError
 from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE
+from jaxdist._src.cluster.launcher import command_after_dashes
 from jaxdist._src.cluster.local import new_token, tf_config
 from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, per_task_pki
 from jaxdist._src.cluster.resolver import TOKEN_ENV
@@ -368,11 +369,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     args = _parser().parse_args(argv)
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        _parser().error("no command given: python -m jaxdist.slurm [options] -- COMMAND ...")
+    command = command_after_dashes(_parser(), args.command, "jaxdist.slurm")
     try:
         if args.task is not None:
             return _run_task(args.task, command)
