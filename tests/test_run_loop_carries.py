@@ -141,3 +141,91 @@ def test_flax_nnx_rnn_equals_one_device(strategy, data):
     out = strategy.run(fn, args=(model, _split(strategy, x)))
     want = fn(model, x)
     np.testing.assert_allclose(_rows(strategy, out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _delay_line(x):  # c becomes per-replica only once b is, b only once a is
+    def body(carry, xt):
+        a, b, c = carry
+        return (jnp.tanh(a + xt), a * 2.0, b + 1.0), c
+    z = jnp.zeros(x.shape[0])
+    (a, b, c), ys = jax.lax.scan(body, (z, z, z), jnp.swapaxes(x[..., 0], 0, 1))
+    return a, b, c, jnp.swapaxes(ys, 0, 1)
+
+
+def _while_delay_line(x):
+    def body(state):
+        t, a, b = state
+        return t + 1, a * 0.5 + x[:, t, 0], a
+    z = jnp.zeros(x.shape[0])
+    return jax.lax.while_loop(lambda s: s[0] < T, body, (0, z, z))[1:]
+
+
+def _cond_in_fori(x):  # the carry varies in one branch of a lax.cond only
+    def body(t, c):
+        return jax.lax.cond(t % 2 == 1, lambda: c + x[:, t], lambda: c * 0.5)
+    return jax.lax.fori_loop(0, T, body, jnp.zeros(x.shape[::2]))
+
+
+def _switch_delay_line(x):
+    def body(t, carry):
+        a, b = carry
+        return jax.lax.switch(t % 3, [lambda: (a + x[:, t], a), lambda: (a, b * 0.5),
+                                      lambda: (a * 0.5, b)])
+    z = jnp.zeros(x.shape[::2])
+    return jax.lax.fori_loop(0, T, body, (z, z))
+
+
+def _nested_delay_lines(x):
+    def outer(carry, xt):
+        a, b = carry
+
+        def inner(c, _):
+            e, f = c
+            return (e + xt, e), None
+        (_, f), _ = jax.lax.scan(inner, (jnp.zeros_like(a), jnp.zeros_like(a)), None, length=2)
+        return (a + f, a), None
+    z = jnp.zeros(x.shape[::2])
+    return jax.lax.scan(outer, (z, z), jnp.swapaxes(x, 0, 1))[0]
+
+
+@pytest.mark.parametrize("fn", [_delay_line, _while_delay_line, _cond_in_fori,
+                                _switch_delay_line, _nested_delay_lines],
+                         ids=["scan_delay_line", "while_delay_line", "cond_branch",
+                              "switch_delay_line", "nested_scans"])
+def test_carries_made_per_replica_through_another_carry_or_one_branch_equal_one_device(
+        strategy, data, fn):
+    """JAX traces a loop body twice at most; a carry that becomes per-replica only through
+    another carry, or in one branch of a ``cond``, needs more: jaxdist traces until nothing
+    changes, and joins the branches' types, and the numbers are one device's bit for bit."""
+    x, _ = data
+    out = strategy.run(fn, args=(_split(strategy, x),))
+    want = jax.jit(fn)(x)
+    got = jax.tree.leaves(out, is_leaf=lambda v: isinstance(v, PerReplica))
+    assert len(got) == len(jax.tree.leaves(want))
+    for g, w in zip(got, jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_rows(strategy, g), np.asarray(w))
+
+
+def test_a_counter_beside_a_delay_line_stays_one_replicated_array(strategy, data):
+    x, _ = data
+
+    def fn(x):
+        def body(state, xt):
+            n, a, b = state
+            return (n + 1.0, a + xt, a), ()
+        z = jnp.zeros(x.shape[::2])
+        return jax.lax.scan(body, (jnp.zeros(()), z, z), jnp.swapaxes(x, 0, 1))[0]
+
+    n, a, b = strategy.run(fn, args=(_split(strategy, x),))
+    assert not isinstance(n, PerReplica) and float(n) == T
+    np.testing.assert_allclose(_rows(strategy, b), x[:, :-1].sum(axis=1), rtol=1e-6)
+
+
+def test_branches_that_differ_in_more_than_the_replica_axis_get_jaxs_error(strategy, data):
+    x, _ = data
+
+    def fn(x):
+        return jax.lax.cond(jnp.sum(x) > 0, lambda: x[:, 0], lambda: x[:, 0, :2])
+
+    with pytest.raises(TypeError, match="branches must have equal output types"):
+        strategy.run(fn, args=(_split(strategy, x),))

@@ -119,3 +119,31 @@ def test_carries_vary_over_types_a_constant_carry_varying_only_inside_it():
     with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
         jax.jit(jax.shard_map(lambda x: body(x) + 0, mesh=mesh, in_specs=P("r"),
                               out_specs=P("r")))(jnp.arange(4.0))
+    # the hooks stay in place for good and are JAX's functions outside the context
+    for fn in (jax.lax.scan, jax.lax.while_loop, jax.lax.cond, jax.lax.switch):
+        assert getattr(fn, "_jaxdist_carry_promotion", False), fn
+
+
+@pytest.mark.devices(2)
+def test_carries_vary_over_reaches_a_fixpoint_and_joins_branches():
+    """A delay line needs a third trace (JAX makes two); a cond output varying in one branch
+    is cast in the other; outside the context both keep JAX's errors."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("r",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+
+    def body(x):
+        (a, b), _ = jax.lax.scan(lambda c, xt: ((c[0] + xt, c[0]), ()),
+                                 (jnp.zeros(()), jnp.zeros(())), x)
+        c = jax.lax.cond(a > 100, lambda: b, lambda: jnp.zeros(()))
+        return jnp.stack([a, b, c])
+
+    def run():
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))(
+            jnp.arange(4.0))
+
+    with pytest.raises(TypeError, match="carry input and carry output must have equal types"):
+        run()
+    with jax_internals.carries_vary_over(("r",)):
+        assert run().tolist() == [1.0, 0.0, 0.0, 5.0, 2.0, 0.0]

@@ -14,9 +14,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -124,6 +125,11 @@ def all_gather_invariant() -> Any:
 # ---------------------------------------------------------------------- loop carries
 _carry_state = threading.local()
 _carry_patch_lock = threading.Lock()
+_CARRY_MISMATCH = "carry input and carry output must have equal types"
+_BRANCH_MISMATCH = "branches must have equal output types"
+#: Retries of one loop at most: each retry casts at least one more carry leaf, so a loop of n
+#: leaves needs at most n; the cap only bounds a pathological body.
+_MAX_LOOP_RETRIES = 64
 
 
 def _aval_varying(aval: Any) -> frozenset:
@@ -133,37 +139,48 @@ def _aval_varying(aval: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()) or ())
 
 
-def _install_carry_promotion() -> bool:
-    """Wraps ``jax._src.lax.control_flow.loops._promote_weak_typed_input`` (once, for good).
-
-    ``lax.scan`` and ``lax.while_loop`` (and so ``fori_loop``, ``lax.map``, flax's ``nn.scan``
-    / ``nn.RNN`` and ``nnx.scan``) trace their body, then call that function per carry leaf
-    with the initial value, its type and the body's output type; where it reports a change they
-    trace the body again with the new initial values. Inside ``carries_vary_over(axes)`` the
-    wrapper also casts an initial carry to varying over those axes when the body's output
-    carry varies over them (``jax.lax.pcast(init, axes, to="varying")``, what JAX's error
-    message asks the user to write); elsewhere it is JAX's function. Returns whether it is in
-    place.
-
-    Public replacement: none (JAX asks for the cast by hand; pmap and ``check_vma=False`` do not
-    type the carry at all).
-    """
+def _varying_of(value: Any) -> frozenset:
     try:
-        from jax._src.lax.control_flow import loops
-    except ImportError:  # pragma: no cover - a JAX without the private module
-        return False
-    original = getattr(loops, "_promote_weak_typed_input", None)
-    if original is None:  # pragma: no cover
-        return False
-    if getattr(original, "_jaxdist_carry_promotion", False):
-        return True
+        return _aval_varying(jax.typeof(value))
+    except TypeError:  # not an array-like leaf
+        return frozenset()
 
+
+def _cast_varying(value: Any, axes: Iterable[str]) -> Any:
+    missing = tuple(a for a in axes if a not in _varying_of(value))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
+
+
+class _LoopFrame:
+    """One loop call being traced: its initial carry leaves, in order, and which of them the
+    body made varying (``grew``), as JAX's promotion hook reports them."""
+
+    __slots__ = ("leaves", "cursor", "grew")
+
+    def __init__(self, leaves: list) -> None:
+        self.leaves = leaves
+        self.cursor = 0
+        self.grew: set[int] = set()
+
+    def saw(self, in_val: Any, grew: bool) -> None:
+        # JAX calls the hook once per carry leaf, in order, with the leaves themselves; a call
+        # for another loop (one entered through a reference bound before the patch) is ignored.
+        if self.cursor < len(self.leaves) and in_val is self.leaves[self.cursor]:
+            if grew:
+                self.grew.add(self.cursor)
+            self.cursor += 1
+
+
+def _promotion_hook(original: Callable) -> Callable:
     def promote(in_val, in_aval, out_aval):
         val, changed = original(in_val, in_aval, out_aval)
         axes = getattr(_carry_state, "axes", None)
         if axes:
             extra = tuple(a for a in axes
                           if a in _aval_varying(out_aval) and a not in _aval_varying(in_aval))
+            frames = getattr(_carry_state, "frames", None)
+            if frames:
+                frames[-1].saw(in_val, bool(extra))
             if extra:
                 val = jax.lax.pcast(val, extra, to="varying")
                 changed = True
@@ -171,7 +188,149 @@ def _install_carry_promotion() -> bool:
 
     promote._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
     promote.__wrapped__ = original  # type: ignore[attr-defined]
-    loops._promote_weak_typed_input = promote
+    return promote
+
+
+def _retrying_loop(original: Callable, init_name: str, init_pos: int) -> Callable:
+    """``scan`` / ``while_loop`` that, inside ``carries_vary_over``, traces again until every
+    carry leaf the body makes varying starts varying (a fixpoint: a delay line ``(a, b) ->
+    (x_t, a)`` makes ``b`` varying only once ``a`` is). Outside it, JAX's function."""
+
+    @functools.wraps(original)
+    def loop(*args, **kwargs):
+        axes = getattr(_carry_state, "axes", None)
+        if not axes:
+            return original(*args, **kwargs)
+        args = list(args)
+        if init_name in kwargs:
+            init = kwargs[init_name]
+        elif len(args) > init_pos:
+            init = args[init_pos]
+        else:
+            return original(*args, **kwargs)  # JAX names the missing argument
+        leaves, tree = jax.tree.flatten(init)
+        forced: set[int] = set()
+        frames = _carry_state.__dict__.setdefault("frames", [])
+        for _ in range(_MAX_LOOP_RETRIES):
+            cur = [_cast_varying(v, axes) if i in forced else v for i, v in enumerate(leaves)]
+            if init_name in kwargs:
+                kwargs[init_name] = jax.tree.unflatten(tree, cur)
+            else:
+                args[init_pos] = jax.tree.unflatten(tree, cur)
+            frame = _LoopFrame(cur)
+            frames.append(frame)
+            try:
+                return original(*args, **kwargs)
+            except TypeError as e:
+                new = frame.grew - forced
+                if _CARRY_MISMATCH not in str(e) or not new:
+                    raise
+                forced |= new
+            finally:
+                frames.pop()
+        return original(*args, **kwargs)
+
+    loop._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    return loop
+
+
+def _joining_branches(original: Callable, kind: str) -> Callable:
+    """``cond`` / ``switch`` that, inside ``carries_vary_over``, casts each output to varying
+    where another branch's is (the join of the branches' types) instead of failing JAX's
+    "branches must have equal output types". Outside it, JAX's function."""
+
+    def traced(fns: Sequence[Callable]) -> tuple[list[Callable], list]:
+        seen: list = [None] * len(fns)
+
+        def record(i: int, fn: Callable) -> Callable:
+            @functools.wraps(fn)
+            def branch(*a, **k):
+                out = fn(*a, **k)
+                seen[i] = [_varying_of(v) for v in jax.tree.leaves(out)]
+                return out
+            return branch
+        return [record(i, f) for i, f in enumerate(fns)], seen
+
+    def cast(fn: Callable, joined: list) -> Callable:
+        @functools.wraps(fn)
+        def branch(*a, **k):
+            out = fn(*a, **k)
+            leaves, tree = jax.tree.flatten(out)
+            return jax.tree.unflatten(tree, [_cast_varying(v, j) if j else v
+                                             for v, j in zip(leaves, joined)])
+        return branch
+
+    def call(fns: list[Callable], build: Callable, *args, **kwargs):
+        axes = getattr(_carry_state, "axes", None)
+        if not axes or not fns or not all(callable(f) for f in fns):
+            return original(*build(fns), *args, **kwargs)
+        recorded, seen = traced(fns)
+        try:
+            return original(*build(recorded), *args, **kwargs)
+        except TypeError as e:
+            if (_BRANCH_MISMATCH not in str(e) or any(s is None for s in seen)
+                    or len({len(s) for s in seen}) != 1):
+                raise
+            joined = [frozenset().union(*col) & frozenset(axes) for col in zip(*seen)]
+            if all(s == joined for s in seen):
+                raise  # the branches differ in more than the replica axes
+            return original(*build([cast(f, joined) for f in fns]), *args, **kwargs)
+
+    if kind == "cond":
+        @functools.wraps(original)
+        def cond(pred, true_fun, false_fun, *operands, **kwargs):
+            return call([true_fun, false_fun], lambda fs: (pred, *fs), *operands, **kwargs)
+        wrapper = cond
+    else:
+        @functools.wraps(original)
+        def switch(index, branches, *operands, **kwargs):
+            return call(list(branches), lambda fs: (index, fs), *operands, **kwargs)
+        wrapper = switch
+    wrapper._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _install_carry_promotion() -> bool:
+    """Puts jaxdist's loop-carry and branch-join wrappers in place (once, for good).
+
+    ``lax.scan`` and ``lax.while_loop`` (and so ``fori_loop``, ``lax.map``, flax's ``nn.scan``
+    / ``nn.RNN`` and ``nnx.scan``) trace their body, then call
+    ``jax._src.lax.control_flow.loops._promote_weak_typed_input`` per carry leaf with the
+    initial value, its type and the body's output type; where it reports a change they trace
+    the body again with the new initial values. Inside ``carries_vary_over(axes)`` the hook
+    also casts an initial carry to varying over those axes when the body's output carry varies
+    over them (``jax.lax.pcast(init, axes, to="varying")``, what JAX's error message asks the
+    user to write), and ``scan`` / ``while_loop`` trace again while that second trace still
+    finds a carry made varying through another one. ``cond`` / ``switch`` cast a branch's
+    output to varying where another branch's output is. Elsewhere each is JAX's function.
+    Returns whether the hooks are in place.
+
+    Public replacement: none (JAX asks for the cast by hand; pmap and ``check_vma=False`` do not
+    type the carry at all).
+    """
+    try:
+        import jax._src.lax.control_flow as control_flow
+        from jax._src.lax.control_flow import conditionals, loops
+    except ImportError:  # pragma: no cover - a JAX without the private modules
+        return False
+    original = getattr(loops, "_promote_weak_typed_input", None)
+    if original is None or not all(hasattr(m, n) for m, n in (
+            (loops, "scan"), (loops, "while_loop"), (conditionals, "cond"),
+            (conditionals, "switch"))):  # pragma: no cover
+        return False
+    if getattr(original, "_jaxdist_carry_promotion", False):
+        return True
+    wrapped = {
+        "scan": _retrying_loop(loops.scan, "init", 1),
+        "while_loop": _retrying_loop(loops.while_loop, "init_val", 2),
+        "cond": _joining_branches(conditionals.cond, "cond"),
+        "switch": _joining_branches(conditionals.switch, "switch"),
+    }
+    for module in (loops, conditionals, control_flow, jax.lax):
+        for name, fn in wrapped.items():
+            if getattr(module, name, None) is getattr(fn, "__wrapped__", None):
+                setattr(module, name, fn)
+    loops._promote_weak_typed_input = _promotion_hook(original)
     return True
 
 
@@ -179,12 +338,10 @@ def _install_carry_promotion() -> bool:
 def carries_vary_over(axes: tuple[str, ...]) -> Iterator[bool]:
     """While tracing inside it, a ``lax.scan`` / ``while_loop`` / ``fori_loop`` carry that
     starts identical on every replica (a constant such as ``jnp.zeros``) and becomes varying over
-    ``axes`` in the body starts varying instead of failing JAX's carry type check. Yields
-    whether this JAX has the hook (``_install_carry_promotion``). Thread-local; nests.
-
-    A carry component that becomes varying only through another component (a delay line:
-    ``(a, b) -> (x_t, a)``) needs more than the one extra trace JAX makes; such a loop still
-    fails with JAX's message, whose fix (``jax.lax.pcast(init, axis, to="varying")``) works.
+    ``axes`` in the body starts varying instead of failing JAX's carry type check, also when it
+    becomes varying only through another carry (a delay line); a ``lax.cond`` / ``switch``
+    output that varies in one branch varies in all. Yields whether this JAX has the hooks
+    (``_install_carry_promotion``). Thread-local; nests.
     """
     with _carry_patch_lock:
         ok = _install_carry_promotion()
