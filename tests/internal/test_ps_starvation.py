@@ -5,6 +5,7 @@ an authenticated connection, at most ``max_connections_per_peer`` per certificat
 idle ones when full. No devices needed."""
 
 import json
+import select
 import socket
 import ssl
 import struct
@@ -163,6 +164,19 @@ def _closed(sock, within=10.0):
         return sock.recv(1) == b""
     except (ConnectionError, ssl.SSLError):
         return True
+    except TimeoutError:
+        return False
+
+
+def _one_closed(socks, within=10.0):
+    """Whether one of ``socks`` is closed by the server within ``within`` seconds (the one
+    the server judged longest idle: on a loaded machine either may be)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select(socks, [], [], max(0.0, deadline - time.monotonic()))
+        if any(_closed(s, 1.0) for s in ready):
+            return True
+    return False
 
 
 def test_connections_that_never_authenticate_take_no_direct_slot(pki, monkeypatch):
@@ -229,7 +243,7 @@ def test_when_every_slot_is_taken_an_idle_connection_gives_way(monkeypatch):
         time.sleep(0.5)  # both idle longer than EVICT_IDLE_SECONDS
         third, r3 = _direct_auth(server.port, None)
         assert r3["code"] == "OK", r3
-        assert _closed(first) or _closed(second)  # the longest idle one was closed
+        assert _one_closed([first, second])  # an idle one was closed
         for s in (first, second, third):
             s.close()
     finally:

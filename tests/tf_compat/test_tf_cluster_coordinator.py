@@ -571,9 +571,11 @@ class TestClusterCoordinator:
                     for e in iterator]
 
         # Which worker takes a closure is the scheduler's choice: one worker may take several
-        # (a drained iterator then gives []), so schedule until both have drained theirs.
+        # (a drained iterator then gives []; a loaded worker still building its dataset takes
+        # none for a while), so schedule until both have drained theirs, for up to a minute.
         by_worker = {}
-        for _ in range(25):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             rvs = [coordinator.schedule(drain, args=(distributed_iterator,)) for _ in range(2)]
             coordinator.join()
             for rv in rvs:
