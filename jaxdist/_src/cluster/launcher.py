@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     ray.add_argument("--placement", choices=PLACEMENT_STRATEGIES, default="SPREAD",
                      help="the placement group's strategy: SPREAD (default: over as many "
                           "nodes as possible), STRICT_SPREAD (one task per node), PACK")
+    ray.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="set NAME in every task (VALUE, else this process's value; "
+                          "repeatable): a Ray task starts from its node's environment")
     ray.add_argument("--placement-timeout", type=non_negative_seconds, default=120.0,
                      metavar="SECONDS",
                      help="how long to wait for Ray to place every task (default 120)")

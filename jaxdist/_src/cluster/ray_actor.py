@@ -5,8 +5,10 @@ task's resources, one per task. On its node it reports where it is (the node's a
 port free there), receives the task's environment and TLS files as arguments of ``start``
 (through Ray's object store, never in the actor's options, name or runtime_env), writes the
 files to a private directory (0700; files 0600), runs the command as a child process in its
-own process group with the secrets in that child's environment only, keeps its output for the
-launcher to fetch (``poll``) and deletes the directory once the command has ended.
+own process group with the secrets in that child's environment only (killed with the actor:
+``ray_launch`` gives the actor one thread, the process's main thread, which starts it), keeps
+its output for the launcher to fetch (``poll``) and deletes the directory once the command has
+ended.
 Nothing it holds is printed: Ray's worker logs never see a secret.
 
 Example:
@@ -129,7 +131,8 @@ class TaskRunner:
         self._cursor = 0
         try:
             self._proc = TaskProcess(self.name, list(argv), env,
-                                     cwd=cwd if cwd and os.path.isdir(cwd) else None)
+                                     cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                                     die_with_parent=True)
         except OSError as e:
             self._cleanup_files()
             raise RuntimeError(f"{self.name}: cannot start {argv[0]!r} on "

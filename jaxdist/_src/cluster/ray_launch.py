@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterError, ClusterTimeoutError
@@ -90,6 +90,32 @@ def import_ray() -> Any:
                                  f"{'.'.join(map(str, MIN_RAY_VERSION))}, found "
                                  f"{ray.__version__}: {INSTALL_HINT}")
     return ray
+
+
+def forwarded_env(specs: Sequence[str],
+                  environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``--env NAME=VALUE`` / ``--env NAME`` (this process's value) as a dict.
+
+    Raises:
+        ClusterConfigError: a bad name, or ``NAME`` alone that this process does not have.
+
+    Example:
+        >>> forwarded_env(["JAX_PLATFORMS=cpu", "HOME"], {"HOME": "/home/a"})
+        {'JAX_PLATFORMS': 'cpu', 'HOME': '/home/a'}
+    """
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, eq, value = spec.partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not all(
+                c.isalnum() or c == "_" for c in name):
+            raise ClusterConfigError(f"--env {spec!r}: expected NAME=VALUE or NAME (letters, "
+                                     f"digits and _)")
+        if not eq and name not in environ:
+            raise ClusterConfigError(f"--env {name}: {name} is not set here; expected "
+                                     f"NAME=VALUE or a variable of this environment")
+        out[name] = value if eq else environ[name]
+    return out
 
 
 def placement_bundles(tasks: int, cpus_per_task: float = 1.0,
@@ -203,6 +229,8 @@ class RayLauncher(Launcher):
             ``"PACK"``.
         placement_timeout: seconds to wait for Ray to place every task.
         lost_timeout: seconds an actor may take to answer before its task counts as lost.
+        env: variables to set in every task (a task starts from its node's environment, as
+            its raylet has it, not from this process's).
         **options: the ``Launcher`` options (``workers``, ``ps``, ``coordinator``,
             ``max_restarts`` ...).
     """
@@ -210,7 +238,8 @@ class RayLauncher(Launcher):
     def __init__(self, command: Sequence[str], address: str | None = None,
                  cpus_per_task: float = 1.0, gpus_per_task: float = 0.0,
                  placement: str = "SPREAD", placement_timeout: float = 120.0,
-                 lost_timeout: float = DEFAULT_LOST_TIMEOUT, **options: Any):
+                 lost_timeout: float = DEFAULT_LOST_TIMEOUT,
+                 env: Mapping[str, str] | None = None, **options: Any):
         super().__init__(command, **options)
         if placement not in PLACEMENT_STRATEGIES:
             raise ClusterConfigError(f"placement {placement!r} is not one of "
@@ -221,6 +250,7 @@ class RayLauncher(Launcher):
         self.placement = placement
         self.placement_timeout = float(placement_timeout)
         self.lost_timeout = float(lost_timeout)
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
         self._ray: Any = None
         self._owns_ray = False
         self._pg: Any = None
@@ -281,7 +311,7 @@ class RayLauncher(Launcher):
             b = self.bundles[k]
             self._actors[name] = runner.options(
                 num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_restarts=0,
-                max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                max_concurrency=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=k)).remote(name)
 
     def _call(self, name: str, method: str, *args: Any, timeout: float | None = None) -> Any:
@@ -331,7 +361,8 @@ class RayLauncher(Launcher):
 
     def _start_task(self, job: str, i: int) -> None:
         name = task_name(job, i)
-        overlay = task_env(self.cluster, job, i, self.token, self.devices_per_process, base={})
+        overlay = task_env(self.cluster, job, i, self.token, self.devices_per_process,
+                           base=self.env)
         apply_task_security(overlay, job, i, None, self.coordinator_token)
         if not self.insecure:
             overlay.pop(INSECURE_ENV, None)
@@ -464,7 +495,8 @@ def _first_line(error: BaseException) -> str:
 def launch(command: Sequence[str], workers: int = 1, ps: int = 0, chief: bool = False,
            evaluator: bool = False, coordinator: bool = False, address: str | None = None,
            cpus_per_task: float = 1.0, gpus_per_task: float = 0.0, placement: str = "SPREAD",
-           max_restarts: int = 0, **options: Any) -> int:
+           max_restarts: int = 0, env: Mapping[str, str] | None = None,
+           **options: Any) -> int:
     """Runs ``command`` as every task of a cluster of Ray actors and returns the exit status.
 
     The Python face of ``python -m jaxdist.launch --backend ray`` (for a notebook): the same
@@ -485,6 +517,7 @@ def launch(command: Sequence[str], workers: int = 1, ps: int = 0, chief: bool = 
         gpus_per_task: Ray GPUs per task.
         placement: ``"SPREAD"``, ``"STRICT_SPREAD"`` or ``"PACK"``.
         max_restarts: restarts from the latest checkpoint, as ``--max-restarts``.
+        env: variables to set in every task (each starts from its node's environment).
         **options: further ``Launcher`` options (``devices_per_process``, ``grace``,
             ``insecure``, ``checkpoint_root``, ``out`` ...).
 
@@ -505,7 +538,7 @@ def launch(command: Sequence[str], workers: int = 1, ps: int = 0, chief: bool = 
     return RayLauncher(command, address=address, cpus_per_task=cpus_per_task,
                        gpus_per_task=gpus_per_task, placement=placement, workers=workers,
                        ps=ps, chief=chief, evaluator=evaluator, coordinator=coordinator,
-                       max_restarts=max_restarts, **options).run()
+                       max_restarts=max_restarts, env=env, **options).run()
 
 
 def main_ray(args: Any, command: Sequence[str]) -> int:
@@ -517,7 +550,7 @@ def main_ray(args: Any, command: Sequence[str]) -> int:
         return RayLauncher(command, address=args.address, cpus_per_task=args.cpus_per_task,
                            gpus_per_task=args.gpus_per_task, placement=args.placement,
                            placement_timeout=args.placement_timeout,
-                           **launcher_options(args)).run()
+                           env=forwarded_env(args.env), **launcher_options(args)).run()
     except ClusterConfigError as e:
         print(f"jaxdist.launch: {e}", file=sys.stderr)
         return 2
@@ -527,4 +560,5 @@ def main_ray(args: Any, command: Sequence[str]) -> int:
 
 
 __all__ = ["DEFAULT_LOST_TIMEOUT", "INSTALL_HINT", "RayLauncher", "RayTask", "RayTaskLostError",
-           "cluster_from_placement", "import_ray", "launch", "main_ray", "placement_bundles"]
+           "cluster_from_placement", "forwarded_env", "import_ray", "launch", "main_ray",
+           "placement_bundles"]

@@ -1,0 +1,390 @@
+"""Ray, tested for real (issue 37): a two-node Ray cluster started on this machine by ``ray
+start`` (a head, and a second node with its own loopback address, 127.0.0.2), jobs run with
+``python -m jaxdist.launch --backend ray --address ...``:
+
+* a MultiWorkerMirrored and a between-graph parameter-server ``python -m jaxdist.train`` job
+  train to the expected accuracy, their tasks on both nodes, each at its node's address;
+* every task gets its own credentials, and no secret shows in what Ray records (its state API:
+  actors, tasks, jobs, placement groups, workers; every file of its session directory: logs
+  included), in the launcher's output or on any process's command line;
+* a failing task's exit code is the launcher's; ``--max-restarts`` restarts a preempted job;
+  a task whose actor dies is named (``RayTaskLostError``); Ctrl-C stops every actor (130);
+* ``jaxdist.ray.launch`` (the notebook entry point) starts a local Ray without an address.
+
+Needs ``ray[default]`` (``pip install 'jaxdist[ray]'``); skips with the reason where Ray is not
+installed or cannot start. CPU only: one CPU device per task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from jaxdist.testing import pick_free_ports
+
+pytestmark = [pytest.mark.slow, pytest.mark.platform("cpu")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--set", "model.hidden_sizes=[32]", "--set", "train.epochs=2",
+         "--set", "logging.progress_bar=never", "--set", "logging.every_steps=10",
+         "--set", "logging.dir=null"]
+SECOND_NODE_IP = "127.0.0.2"
+
+
+class RayCluster:
+    """A head and a second node started with ``ray start``, stopped by process id."""
+
+    def __init__(self, cpus_per_node: int = 3):
+        self.marker = uuid.uuid4().hex
+        self.temp_dir = tempfile.mkdtemp(prefix="jdray-", dir="/tmp")
+        # above Ray's worker ports (10002-19999 by default)
+        self.port, self.dashboard_port = [p for p in pick_free_ports(64) if p > 20000][:2]
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("JAXDIST_", "RAY_")) and k not in ("TF_CONFIG",)}
+        self.env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + self.env["PATH"],
+                        PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
+                        RAY_USAGE_STATS_ENABLED="0", JAXDIST_RAY_TEST_MARKER=self.marker)
+        self.ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        t0 = time.monotonic()
+        self._start("--head", f"--port={self.port}", "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                    f"--temp-dir={self.temp_dir}", f"--num-cpus={cpus_per_node}")
+        self.address = f"127.0.0.1:{self.port}"
+        self._start(f"--address={self.address}", f"--node-ip-address={SECOND_NODE_IP}",
+                    f"--num-cpus={cpus_per_node}")
+        self._wait_nodes(2, timeout=60)
+        self.startup_seconds = time.monotonic() - t0
+
+    def _start(self, *args: str) -> None:
+        r = subprocess.run([self.ray, "start", "--disable-usage-stats", *args], env=self.env,
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            self.close()
+            raise RuntimeError(f"ray start {' '.join(args)} failed: {r.stderr[-1500:]}")
+
+    def _wait_nodes(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            nodes = self.state("nodes")
+            if sum(1 for x in nodes if x.get("state") == "ALIVE") >= n:
+                return
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"the Ray cluster did not get {n} nodes within {timeout} s")
+
+    def state(self, what: str, detail: bool = True) -> list[dict]:
+        """``ray list WHAT`` through the state API (as ``ray list`` and the dashboard do)."""
+        r = subprocess.run(
+            [self.ray, "list", what, "--format=json", "--limit=10000",
+             f"--address=http://127.0.0.1:{self.dashboard_port}", *(["--detail"] * detail)],
+            env=self.env, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            return []
+        try:
+            return json.loads(r.stdout)
+        except ValueError:
+            return []
+
+    def pids(self) -> list[int]:
+        """Every process this cluster started (each carries the marker in its environment)."""
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"JAXDIST_RAY_TEST_MARKER={self.marker}".encode() in f.read():
+                        out.append(int(pid))
+            except OSError:
+                continue
+        return out
+
+    def session_files(self) -> list[str]:
+        """The text of every regular file under the cluster's temp dir (logs included)."""
+        texts = []
+        for base, _, files in os.walk(self.temp_dir):
+            for name in files:
+                path = os.path.join(base, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    try:
+                        with open(path, "rb") as f:
+                            texts.append(f.read().decode("latin-1"))
+                    except OSError:
+                        continue
+        return texts
+
+    def close(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            pids = self.pids()
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + wait
+            while pids and self.pids() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _unavailable_reason() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "Ray is not installed: pip install 'jaxdist[ray]'"
+    if not os.path.exists(os.path.join(os.path.dirname(sys.executable), "ray")):
+        return "the `ray` command is not next to this Python"
+    return None
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    reason = _unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        cluster = RayCluster()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"a two-node Ray cluster cannot start here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _launch(cluster, cwd, *args: str, timeout: float = 150, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxdist.launch", "--backend", "ray",
+                           "--address", cluster.address, "--grace", "3", *args],
+                          cwd=str(cwd), env=cluster.env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _placed(out: str) -> dict[str, tuple[str, str]]:
+    """task -> (node address, Ray node id), from the launcher's lines."""
+    return {m[0]: (m[1], m[2]) for m in re.findall(
+        r"^\[launch\] (\S+) runs on node (\S+) \(Ray node (\w+),", out, re.M)}
+
+
+def _assert_on_both_nodes(out: str, tasks: list[str]) -> None:
+    placed = _placed(out)
+    assert sorted(placed) == sorted(tasks), out[-3000:]
+    assert len({node_id for _, node_id in placed.values()}) == 2, placed
+    assert SECOND_NODE_IP in {addr for addr, _ in placed.values()}, placed
+    config = re.search(r"^\[launch\] started .* on (\{.*\})$", out, re.M)
+    cluster = json.loads(config.group(1).replace("'", '"'))
+    for name, (addr, _) in placed.items():
+        job, i = name.split(":")
+        assert cluster[job][int(i)].rsplit(":", 1)[0] == addr, (cluster, placed)
+
+
+def _val_accuracy(out: str) -> float:
+    m = re.findall(r"^\[\w+:0\] \[end\] .*val_accuracy=([0-9.]+)", out, re.M)
+    assert m, out[-3000:]
+    return float(m[-1])
+
+
+@pytest.mark.timeout(200)
+def test_a_multi_worker_job_trains_with_a_worker_on_each_node(ray_cluster, tmp_path):
+    t0 = time.monotonic()
+    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--placement", "STRICT_SPREAD", "--",
+                sys.executable, "-m", "jaxdist.train", "--config",
+                os.path.join(ROOT, "configs", "multi_worker.yaml"), *SMALL,
+                "--set", "strategy.timeout_seconds=30", "--set", "checkpoint.dir=null")
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _assert_on_both_nodes(r.stdout, ["worker:0", "worker:1"])
+    assert "MultiWorkerMirroredStrategy with 2 replica(s) on 2 cpu device(s), 2 process(es)" \
+        in r.stdout
+    assert _val_accuracy(r.stdout) >= 0.7, r.stdout[-2000:]
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+    print(f"ray up in {ray_cluster.startup_seconds:.1f} s; multi-worker job {wall:.1f} s")
+
+
+@pytest.mark.timeout(200)
+def test_a_parameter_server_job_trains_across_both_nodes(ray_cluster, tmp_path):
+    t0 = time.monotonic()
+    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--ps", "1", "--",
+                sys.executable, "-m", "jaxdist.train", "--config",
+                os.path.join(ROOT, "configs", "parameter_server.yaml"), *SMALL,
+                "--set", "strategy.timeout=30")
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _assert_on_both_nodes(r.stdout, ["worker:0", "worker:1", "ps:0"])
+    ps_addr = _placed(r.stdout)["ps:0"][0]
+    assert re.search(rf"^\[ps:0\] jaxdist.server ps:0 listening on {re.escape(ps_addr)}:\d+$",
+                     r.stdout, re.M), r.stdout[-3000:]
+    assert _val_accuracy(r.stdout) >= 0.7, r.stdout[-2000:]
+    print(f"parameter-server job {wall:.1f} s")
+
+
+@pytest.mark.timeout(120)
+def test_each_task_gets_its_own_credentials_and_ray_records_none(ray_cluster, tmp_path):
+    probes, go = tmp_path / "probes", tmp_path / "go"
+    probes.mkdir(mode=0o700)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", "--backend", "ray", "--address",
+         ray_cluster.address, "--chief", "--workers", "1", "--placement", "STRICT_SPREAD",
+         "--", sys.executable, os.path.join(ROOT, "tests", "slurm_secret_probe.py"),
+         str(probes), str(go)],
+        cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(probes.glob("probe-*.json"))) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        facts = {p.name[6:-5]: json.loads(p.read_text()) for p in probes.glob("probe-*.json")}
+        assert sorted(facts) == ["chief", "worker"], facts
+        chief, worker = facts["chief"], facts["worker"]
+        for f in (chief, worker):
+            assert (f["dir_mode"], f["key_mode"]) == ("0o700", "0o600")
+            assert f["files"] == ["ca.pem", "cert.pem", "key.pem"]
+        # the chief alone holds the coordinator token; the worker its public key and answer key
+        assert "JAXDIST_COORDINATOR_TOKEN" in chief["secrets"] and not chief["has_public_key"]
+        assert "JAXDIST_COORDINATOR_TOKEN" not in worker["secrets"] and worker["has_public_key"]
+        assert chief["secrets"]["token"] == worker["secrets"]["token"]
+        secrets = {chief["secrets"]["token"], chief["secrets"]["JAXDIST_COORDINATOR_TOKEN"],
+                   worker["secrets"]["JAXDIST_COORDINATOR_ANSWER_KEY"]}
+        secrets |= {ln for f in (chief, worker) for ln in f["secrets"]["tls_key"]
+                    if len(ln) > 16}
+        # What Ray holds about the running job: the state API (what `ray list`, `ray summary`
+        # and the dashboard show), every file of the session directory (logs, the GCS's
+        # files), every process's command line (Ray's workers and daemons included).
+        records = [json.dumps(ray_cluster.state(what)) for what in
+                   ("actors", "tasks", "jobs", "placement-groups", "workers", "objects",
+                    "nodes")]
+        assert "TaskRunner" in records[0]           # the actors are there, and were read
+        records += ray_cluster.session_files()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    records.append(fh.read().decode("latin-1"))
+            except OSError:
+                continue
+        go.touch()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-3000:]
+    assert "probe chief:0 ready" in out and "probe worker:0 ready" in out
+    records.append(out)
+    for secret in secrets:
+        for record in records:
+            assert secret not in record
+
+
+FLAKY = """\
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']}:{task['index']}"
+mark = os.path.join(sys.argv[1], name.replace(":", "-"))
+first = not os.path.exists(mark)
+open(mark, "a").close()
+print(f"{name} run {'1' if first else '2'} on pid {os.getpid()}", flush=True)
+if name == "worker:1":
+    sys.exit(int(sys.argv[2]) if first else int(sys.argv[3]))
+if len(sys.argv) > 4:
+    time.sleep(float(sys.argv[4]))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_task_gives_its_exit_code_and_max_restarts_restarts_the_job(ray_cluster,
+                                                                                tmp_path):
+    prog = tmp_path / "flaky.py"
+    prog.write_text(FLAKY)
+    (tmp_path / "a").mkdir()
+    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--", sys.executable, str(prog),
+                str(tmp_path / "a"), "7", "0")
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "[launch] worker:1 failed with exit code 7; stopping the other tasks" in r.stdout
+    (tmp_path / "b").mkdir()
+    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--max-restarts", "1",
+                "--restart-delay", "0", "--", sys.executable, str(prog),
+                str(tmp_path / "b"), "42", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("[launch] worker:1 exited with 42 (preempted); restart 1 of 1: restarting every "
+            "task (worker:0, worker:1) in 0s") in r.stdout, r.stdout
+    assert "[worker:1] worker:1 run 2" in r.stdout and "[worker:0] worker:0 run 2" in r.stdout
+    assert r.stdout.count("[launch] started ") == 2
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+
+
+@pytest.mark.timeout(90)
+def test_a_lost_actor_is_named_and_ctrl_c_stops_every_actor(ray_cluster, tmp_path):
+    prog = tmp_path / "flaky.py"
+    prog.write_text(FLAKY)
+    for case in ("lost", "interrupt"):
+        (tmp_path / case).mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.launch", "--backend", "ray", "--address",
+             ray_cluster.address, "--workers", "2", "--grace", "3", "--", sys.executable,
+             str(prog), str(tmp_path / case), "0", "0", "600"],
+            cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("[worker:0] worker:0 run 1" in ln for ln in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        task_pid = int(re.search(r"worker:0 run 1 on pid (\d+)", "".join(lines)).group(1))
+        t0 = time.monotonic()
+        if case == "lost":
+            actor_pid = int(re.search(r"worker:0 runs on node \S+ .*actor pid (\d+)\)",
+                                      "".join(lines)).group(1))
+            os.kill(actor_pid, signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+        ended_after = time.monotonic() - t0
+        if case == "lost":
+            assert proc.returncode == 1, out[-3000:]
+            assert re.search(r"^\[launch\] worker:0 lost: RayTaskLostError: worker:0 \(Ray "
+                             r"actor on node \S+\) was lost: ", out, re.M), out[-3000:]
+            assert "jaxdist.launch: RayTaskLostError: worker:0 (Ray actor on node" in out
+        else:
+            assert proc.returncode == 130, out[-3000:]
+            assert "[launch] interrupted (signal 2): stopping every task" in out, out[-3000:]
+        assert ended_after < 30, ended_after
+        # the task's process is gone with its actor, and no actor of the launch is left
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{task_pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{task_pid}"), f"{case}: task {task_pid} outlived"
+        alive = [a for a in ray_cluster.state("actors", detail=False)
+                 if a.get("state") not in ("DEAD",)]
+        assert alive == [], alive
+
+
+@pytest.mark.timeout(120)
+def test_the_python_entry_point_starts_a_local_ray_without_an_address(tmp_path):
+    reason = _unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    code = (
+        "import sys, jaxdist\n"
+        "status = jaxdist.ray.launch([sys.executable, '-c', 'import json, os; "
+        "print(json.loads(os.environ[\"TF_CONFIG\"])[\"task\"])'], workers=2, ps=1, "
+        "ps_runs_command=True, cpus_per_task=0.5, grace=3)\n"
+        "import ray\n"
+        "print('ray still up:', ray.is_initialized())\n"
+        "sys.exit(status)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=ROOT, RAY_USAGE_STATS_ENABLED="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for task in ("{'type': 'worker', 'index': 0}", "{'type': 'worker', 'index': 1}",
+                 "{'type': 'ps', 'index': 0}"):
+        assert task in r.stdout, r.stdout
+    assert "ray still up: False" in r.stdout
