@@ -67,14 +67,15 @@ port free there; the rest is as above (``jaxdist.ray``; docs/multi_host.md, "Ray
 import sys
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.launcher import Launcher, parse_launch_args
+from jaxdist._src.cluster.launcher import Launcher
+from jaxdist._src.cluster.launcher import parse_launch_args as _parse_launch_args
 from jaxdist._src.cluster.launcher import main as _main_local
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (``--backend ray``: see
     ``jaxdist.ray``)."""
-    args, command = parse_launch_args(argv)
+    args, command = _parse_launch_args(argv)
     if args.backend == "ray":
         from jaxdist._src.cluster.ray_launch import main_ray
 
