@@ -68,8 +68,8 @@ import sys
 from collections.abc import Sequence
 
 from jaxdist._src.cluster.launcher import Launcher
-from jaxdist._src.cluster.launcher import parse_launch_args as _parse_launch_args
 from jaxdist._src.cluster.launcher import main as _main_local
+from jaxdist._src.cluster.launcher import parse_launch_args as _parse_launch_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

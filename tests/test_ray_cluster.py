@@ -191,15 +191,21 @@ def _val_accuracy(out: str) -> float:
     return float(m[-1])
 
 
+def _train(cluster, cwd, launch_args: list[str], config: str, *sets: str):
+    """``python -m jaxdist.launch --backend ray LAUNCH_ARGS -- python -m jaxdist.train`` with
+    a small model; returns the result (exit 0 checked) and its wall time."""
+    t0 = time.monotonic()
+    r = _launch(cluster, cwd, *launch_args, "--", sys.executable, "-m", "jaxdist.train",
+                "--config", os.path.join(ROOT, "configs", config), *SMALL, *sets)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r, time.monotonic() - t0
+
+
 @pytest.mark.timeout(200)
 def test_a_multi_worker_job_trains_with_a_worker_on_each_node(ray_cluster, tmp_path):
-    t0 = time.monotonic()
-    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--placement", "STRICT_SPREAD", "--",
-                sys.executable, "-m", "jaxdist.train", "--config",
-                os.path.join(ROOT, "configs", "multi_worker.yaml"), *SMALL,
-                "--set", "strategy.timeout_seconds=30", "--set", "checkpoint.dir=null")
-    wall = time.monotonic() - t0
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r, wall = _train(ray_cluster, tmp_path, ["--workers", "2", "--placement", "STRICT_SPREAD"],
+                     "multi_worker.yaml", "--set", "strategy.timeout_seconds=30",
+                     "--set", "checkpoint.dir=null")
     _assert_on_both_nodes(r.stdout, ["worker:0", "worker:1"])
     assert "MultiWorkerMirroredStrategy with 2 replica(s) on 2 cpu device(s), 2 process(es)" \
         in r.stdout
@@ -210,13 +216,8 @@ def test_a_multi_worker_job_trains_with_a_worker_on_each_node(ray_cluster, tmp_p
 
 @pytest.mark.timeout(200)
 def test_a_parameter_server_job_trains_across_both_nodes(ray_cluster, tmp_path):
-    t0 = time.monotonic()
-    r = _launch(ray_cluster, tmp_path, "--workers", "2", "--ps", "1", "--",
-                sys.executable, "-m", "jaxdist.train", "--config",
-                os.path.join(ROOT, "configs", "parameter_server.yaml"), *SMALL,
-                "--set", "strategy.timeout=30")
-    wall = time.monotonic() - t0
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r, wall = _train(ray_cluster, tmp_path, ["--workers", "2", "--ps", "1"],
+                     "parameter_server.yaml", "--set", "strategy.timeout=30")
     _assert_on_both_nodes(r.stdout, ["worker:0", "worker:1", "ps:0"])
     ps_addr = _placed(r.stdout)["ps:0"][0]
     assert re.search(rf"^\[ps:0\] jaxdist.server ps:0 listening on {re.escape(ps_addr)}:\d+$",

@@ -139,36 +139,35 @@ def _parser() -> argparse.ArgumentParser:
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
 
 
+def _finite_number(text: str, zero_allowed: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 <= value if zero_allowed else 0.0 < value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """An argparse ``type``: a number > 0.
+    """An argparse ``type``: a number > 0 (``--cpus-per-task``).
 
     Example:
         >>> positive_float("0.5")
         0.5
     """
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return _finite_number(text, zero_allowed=False)
 
 
 def non_negative_float(text: str) -> float:
-    """An argparse ``type``: a number >= 0.
+    """An argparse ``type``: a number >= 0 (``--gpus-per-task``).
 
     Example:
         >>> non_negative_float("0")
         0.0
     """
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+    return _finite_number(text, zero_allowed=True)
 
 
 class Launcher:
