@@ -257,7 +257,8 @@ class RayLauncher(Launcher):
         self._actors: dict[str, Any] = {}
         self._where: dict[str, dict] = {}
         self._ca: TaskCA | None = None
-        self._handles: list[RayTask] = []
+        self._handles: list[RayTask] = []  # the running tasks the poller follows
+        self._handles_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._stop_polling = threading.Event()
 
@@ -385,7 +386,8 @@ class RayLauncher(Launcher):
             self._say(f"{name}: {_first_line(e.cause if hasattr(e, 'cause') else e)}")
             handle.code = 127
             return
-        self._handles.append(handle)
+        with self._handles_lock:
+            self._handles.append(handle)
 
     def _mark_lost(self, handle: RayTask, error: RayTaskLostError) -> None:
         if handle.code is None:
@@ -399,7 +401,9 @@ class RayLauncher(Launcher):
         pending: dict[int, tuple[RayTask, Any, float]] = {}
         while not self._stop_polling.is_set():
             now = time.monotonic()
-            for h in list(self._handles):
+            with self._handles_lock:
+                handles = list(self._handles)
+            for h in handles:
                 if h.code is None and id(h) not in pending:
                     pending[id(h)] = (h, h.actor.poll.remote(), now)
             if not pending:
@@ -430,7 +434,8 @@ class RayLauncher(Launcher):
                         self.out.flush()
                 if code is not None:
                     h.code = code
-            self._handles = [h for h in self._handles if h.code is None]
+            with self._handles_lock:
+                self._handles = [h for h in self._handles if h.code is None]
             self._stop_polling.wait(0.1)
 
     def _fail(self, name: str, code: int) -> int:
