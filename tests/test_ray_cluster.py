@@ -53,7 +53,9 @@ class RayCluster:
                     if not k.startswith(("JAXDIST_", "RAY_")) and k not in ("TF_CONFIG",)}
         self.env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + self.env["PATH"],
                         PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
-                        RAY_USAGE_STATS_ENABLED="0", JAXDIST_RAY_TEST_MARKER=self.marker)
+                        JAXDIST_RAY_TEST_MARKER=self.marker,
+                        **_ray_auth_env(os.path.join(self.temp_dir, "auth_token")))
+        self.node_ids: set[str] = set()
         self.ray = os.path.join(os.path.dirname(sys.executable), "ray")
         t0 = time.monotonic()
         self._start("--head", f"--port={self.port}", "--include-dashboard=true",
@@ -77,6 +79,7 @@ class RayCluster:
         while time.monotonic() < deadline:
             nodes = self.state("nodes")
             if sum(1 for x in nodes if x.get("state") == "ALIVE") >= n:
+                self.node_ids = {x["node_id"] for x in nodes}
                 return
             time.sleep(0.5)
         self.close()
@@ -96,15 +99,19 @@ class RayCluster:
             return []
 
     def pids(self) -> list[int]:
-        """Every process this cluster started (each carries the marker in its environment)."""
+        """Every process this cluster started: each carries the marker, or (Ray's agents, which
+        get an environment of their own) one of its nodes' ids, in its environment."""
+        keys = [f"JAXDIST_RAY_TEST_MARKER={self.marker}".encode()]
+        keys += [f"RAY_NODE_ID={node}\0".encode() for node in self.node_ids]
         out = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if f"JAXDIST_RAY_TEST_MARKER={self.marker}".encode() in f.read():
-                        out.append(int(pid))
+                    environ = f.read() + b"\0"
             except OSError:
                 continue
+            if any(k in environ for k in keys) and int(pid) != os.getpid():
+                out.append(int(pid))
         return out
 
     def session_files(self) -> list[str]:
@@ -133,6 +140,18 @@ class RayCluster:
             while pids and self.pids() and time.monotonic() < deadline:
                 time.sleep(0.2)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _ray_auth_env(token_path: str) -> dict[str, str]:
+    """Ray's token authentication on, with a token of the test's own (no ``~/.ray``)."""
+    import secrets
+
+    if not os.path.exists(token_path):
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path,
+            "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _unavailable_reason() -> str | None:
@@ -381,7 +400,7 @@ def test_the_python_entry_point_starts_a_local_ray_without_an_address(tmp_path):
         "print('ray still up:', ray.is_initialized())\n"
         "sys.exit(status)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PYTHONPATH=ROOT, RAY_USAGE_STATS_ENABLED="0")
+    env.update(PYTHONPATH=ROOT, **_ray_auth_env(str(tmp_path / "auth_token")))
     r = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
                        capture_output=True, text=True, timeout=110)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
