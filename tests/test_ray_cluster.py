@@ -313,7 +313,7 @@ open(mark, "a").close()
 print(f"{name} run {'1' if first else '2'} on pid {os.getpid()}", flush=True)
 if name == "worker:1":
     sys.exit(int(sys.argv[2]) if first else int(sys.argv[3]))
-if len(sys.argv) > 4:
+if len(sys.argv) > 4 and first:
     time.sleep(float(sys.argv[4]))
 """
 
@@ -340,16 +340,18 @@ def test_a_failing_task_gives_its_exit_code_and_max_restarts_restarts_the_job(ra
     assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
 
 
-@pytest.mark.timeout(90)
-def test_a_lost_actor_is_named_and_ctrl_c_stops_every_actor(ray_cluster, tmp_path):
+@pytest.mark.timeout(120)
+def test_a_lost_actor_is_named_or_restarted_and_ctrl_c_stops_every_actor(ray_cluster,
+                                                                          tmp_path):
     prog = tmp_path / "flaky.py"
     prog.write_text(FLAKY)
-    for case in ("lost", "interrupt"):
+    restart = ["--max-restarts", "1", "--restart-delay", "0"]
+    for case, extra in (("lost", []), ("restarted", restart), ("interrupt", [])):
         (tmp_path / case).mkdir()
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxdist.launch", "--backend", "ray", "--address",
-             ray_cluster.address, "--workers", "2", "--grace", "3", "--", sys.executable,
-             str(prog), str(tmp_path / case), "0", "0", "600"],
+             ray_cluster.address, "--workers", "2", "--grace", "3", *extra, "--",
+             sys.executable, str(prog), str(tmp_path / case), "0", "0", "600"],
             cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         lines: list[str] = []
@@ -359,7 +361,7 @@ def test_a_lost_actor_is_named_and_ctrl_c_stops_every_actor(ray_cluster, tmp_pat
             lines.append(proc.stdout.readline())
         task_pid = int(re.search(r"worker:0 run 1 on pid (\d+)", "".join(lines)).group(1))
         t0 = time.monotonic()
-        if case == "lost":
+        if case in ("lost", "restarted"):
             actor_pid = int(re.search(r"worker:0 runs on node \S+ .*actor pid (\d+)\)",
                                       "".join(lines)).group(1))
             os.kill(actor_pid, signal.SIGKILL)
@@ -372,6 +374,12 @@ def test_a_lost_actor_is_named_and_ctrl_c_stops_every_actor(ray_cluster, tmp_pat
             assert re.search(r"^\[launch\] worker:0 lost: RayTaskLostError: worker:0 \(Ray "
                              r"actor on node \S+\) was lost: ", out, re.M), out[-3000:]
             assert "jaxdist.launch: RayTaskLostError: worker:0 (Ray actor on node" in out
+        elif case == "restarted":   # in a new actor; worker:0's second run ends at once
+            assert proc.returncode == 0, out[-3000:]
+            assert "[launch] worker:0 lost: RayTaskLostError: worker:0" in out, out[-3000:]
+            assert "[launch] worker:0 exited with 1 (failed); restart 1 of 1: restarting " \
+                "every task (worker:0, worker:1)" in out, out[-3000:]
+            assert "[worker:0] worker:0 run 2" in out and out.count("[launch] started ") == 2
         else:
             assert proc.returncode == 130, out[-3000:]
             assert "[launch] interrupted (signal 2): stopping every task" in out, out[-3000:]
