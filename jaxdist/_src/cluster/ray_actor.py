@@ -32,6 +32,9 @@ from jaxdist._src.cluster.pki import write_task_identity
 #: Inherited variables a task never keeps from its node: the launcher sets its own.
 _DROPPED_PREFIXES = ("JAXDIST_TLS_", "JAXDIST_COORDINATOR_")
 _DROPPED = ("JAXDIST_INSECURE", "JAXDIST_CLUSTER_TOKEN", "TF_CONFIG")
+#: Ray's default worker ports (``ray start --min-worker-port/--max-worker-port``): a Ray worker
+#: started later may bind one, so a task's port is never drawn from them.
+RAY_WORKER_PORTS = range(10002, 20000)
 #: The most output lines one ``poll`` returns (the rest come with the next).
 MAX_LINES_PER_POLL = 2000
 
@@ -102,8 +105,14 @@ class TaskRunner:
                 "hostname": socket.gethostname(), "pid": os.getpid()}
 
     def free_port(self) -> int:
-        """A port free on this node's address now (the task's server binds it)."""
-        return pick_free_ports(1, host=node_address())[0]
+        """A port free on this node's address now (the task's server binds it), outside Ray's
+        default worker ports."""
+        host = node_address()
+        for _ in range(8):
+            ports = [p for p in pick_free_ports(16, host=host) if p not in RAY_WORKER_PORTS]
+            if ports:
+                return ports[0]
+        return pick_free_ports(1, host=host)[0]
 
     def start(self, argv: Sequence[str], overlay: Mapping[str, str],
               pems: tuple[bytes, bytes, bytes] | None, cwd: str | None = None) -> int:
@@ -181,4 +190,5 @@ class TaskRunner:
             self._cleanup_files()
 
 
-__all__ = ["MAX_LINES_PER_POLL", "TaskRunner", "node_address", "task_environment"]
+__all__ = ["MAX_LINES_PER_POLL", "RAY_WORKER_PORTS", "TaskRunner", "node_address",
+           "task_environment"]

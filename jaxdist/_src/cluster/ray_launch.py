@@ -373,11 +373,17 @@ class RayLauncher(Launcher):
             w = self._where[name]
             cert, key = self._ca.issue(name, [str(w["address"]), str(w["hostname"])])
             pems = (self._ca.ca_pem, cert, key)
-        handle = RayTask(name, self._actors.get(name), self._node(name))
+        try:
+            if name not in self._actors:  # a task restarted alone, whose actor was lost
+                self._replace_actor(name)
+        except RayTaskLostError as e:
+            handle = RayTask(name, None, self._node(name))
+            self.tasks[name] = handle
+            self._mark_lost(handle, e)
+            return
+        handle = RayTask(name, self._actors[name], self._node(name))
         self.tasks[name] = handle
         try:
-            if name not in self._actors:
-                raise RayTaskLostError(name, self._node(name), "its actor is gone")
             self._call(name, "start", self.argv_for(job), overlay, pems, os.getcwd())
         except RayTaskLostError as e:
             self._mark_lost(handle, e)
@@ -388,6 +394,16 @@ class RayLauncher(Launcher):
             return
         with self._handles_lock:
             self._handles.append(handle)
+
+    def _replace_actor(self, name: str) -> None:
+        """A new actor for task ``name`` (restarted alone: it keeps its address), in its
+        bundle; ``RayTaskLostError`` when Ray put it on another node."""
+        old = self._node(name)
+        self._place_actors()
+        self._where[name] = self._call(name, "where", timeout=self.placement_timeout)
+        if self._node(name) != old:
+            raise RayTaskLostError(name, old, f"its new actor is on node {self._node(name)}, "
+                                   f"but a task restarted alone keeps its address")
 
     def _mark_lost(self, handle: RayTask, error: RayTaskLostError) -> None:
         if handle.code is None:
