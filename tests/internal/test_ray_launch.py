@@ -49,6 +49,7 @@ def test_the_command_line_takes_the_ray_options():
     (["--cpus-per-task", "0"], "expected a number > 0, got '0'"),
     (["--gpus-per-task", "-1"], "expected a number >= 0, got '-1'"),
     (["--placement", "STRICT_PACK"], "invalid choice: 'STRICT_PACK'"),
+    (["--address", "h:1", "--env", "A=1"], "--address, --env only apply to --backend ray"),
 ])
 def test_bad_ray_options_are_usage_errors_naming_the_value(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -440,7 +440,18 @@ def parse_launch_args(argv: Sequence[str] | None = None
     command = command_after_dashes(_parser(), args.command, "jaxdist.launch")
     if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
         _parser().error("need --workers >= 1 (or --chief)")
+    if args.backend == "local":
+        defaults = _parser().parse_args([])
+        given = [f"--{k.replace('_', '-')}" for k in _RAY_OPTIONS
+                 if getattr(args, k) != getattr(defaults, k)]
+        if given:
+            _parser().error(f"{', '.join(given)} only apply to --backend ray")
     return args, command
+
+
+#: The options of ``--backend ray`` alone.
+_RAY_OPTIONS = ("address", "cpus_per_task", "gpus_per_task", "placement", "env",
+                "placement_timeout")
 
 
 def command_not_found(command: Sequence[str]) -> bool:
