@@ -276,19 +276,30 @@ def test_each_task_gets_its_own_credentials_and_ray_records_none(ray_cluster, tm
         secrets |= {ln for f in (chief, worker) for ln in f["secrets"]["tls_key"]
                     if len(ln) > 16}
         # What Ray holds about the running job: the state API (what `ray list`, `ray summary`
-        # and the dashboard show), every file of the session directory (logs, the GCS's
-        # files), every process's command line (Ray's workers and daemons included).
+        # and the dashboard show), every file of the session directory (both nodes' logs, the
+        # GCS's files), every process's command line (Ray's workers and daemons included) ...
         records = [json.dumps(ray_cluster.state(what)) for what in
                    ("actors", "tasks", "jobs", "placement-groups", "workers", "objects",
                     "nodes")]
         assert "TaskRunner" in records[0]           # the actors are there, and were read
         records += ray_cluster.session_files()
+        # ... and every process's environment but the two tasks' commands' (the probes): not
+        # the actors, Ray's workers and daemons, or the launcher.
+        probes_seen = 0
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    records.append(fh.read().decode("latin-1"))
+                    cmdline = fh.read().decode("latin-1")
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    environ = fh.read().decode("latin-1")
             except OSError:
                 continue
+            records.append(cmdline)
+            if "slurm_secret_probe.py" in cmdline and "jaxdist.launch" not in cmdline:
+                probes_seen += 1
+            else:
+                records.append(environ)
+        assert probes_seen == 2
         go.touch()
         out, _ = proc.communicate(timeout=60)
     finally:
