@@ -45,7 +45,7 @@ from jaxdist._src.cluster.launcher import (
     command_not_found,
     launcher_options,
 )
-from jaxdist._src.cluster.local import exit_status, task_env, task_list
+from jaxdist._src.cluster.local import task_env, task_list
 from jaxdist._src.cluster.pki import TaskCA, apply_task_security
 from jaxdist._src.cluster.ray_actor import TaskRunner
 from jaxdist._src.cluster.tls import INSECURE_ENV
@@ -319,12 +319,16 @@ class RayLauncher(Launcher):
         """One call on task ``name``'s actor; a lost actor raises ``RayTaskLostError``."""
         ray = self._ray
         ref = getattr(self._actors[name], method).remote(*args)
+        wait = self.lost_timeout if timeout is None else timeout
+        # ActorUnavailableError (Ray >= 2.30): the actor's node is unreachable for now
+        lost = (ray.exceptions.RayActorError,
+                getattr(ray.exceptions, "ActorUnavailableError", ray.exceptions.RayActorError))
         try:
-            return ray.get(ref, timeout=self.lost_timeout if timeout is None else timeout)
+            return ray.get(ref, timeout=wait)
         except ray.exceptions.GetTimeoutError:
             raise RayTaskLostError(name, self._node(name), f"its actor did not answer "
-                                   f"{method}() within {self.lost_timeout:g} s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                                   f"{method}() within {wait:g} s") from None
+        except lost as e:
             self._actors.pop(name, None)
             raise RayTaskLostError(name, self._node(name), _first_line(e)) from None
 
@@ -577,7 +581,7 @@ def main_ray(args: Any, command: Sequence[str]) -> int:
         return 2
     except (RayTaskLostError, ClusterTimeoutError) as e:
         print(f"jaxdist.launch: {type(e).__name__}: {e}", file=sys.stderr)
-        return exit_status(1)
+        return 1
 
 
 __all__ = ["DEFAULT_LOST_TIMEOUT", "INSTALL_HINT", "RayLauncher", "RayTask", "RayTaskLostError",
