@@ -3,7 +3,9 @@ start`` (a head, and a second node with its own loopback address, 127.0.0.2), jo
 ``python -m jaxdist.launch --backend ray --address ...``:
 
 * a MultiWorkerMirrored and a between-graph parameter-server ``python -m jaxdist.train`` job
-  train to the expected accuracy, their tasks on both nodes, each at its node's address;
+  train to the expected accuracy, their tasks on both nodes, each at its node's address; the
+  MultiWorkerMirrored one is preempted once (SIGTERM to a task), restarted by
+  ``--max-restarts`` and resumes from its checkpoint;
 * every task gets its own credentials, and no secret shows in what Ray records (its state API:
   actors, tasks, jobs, placement groups, workers; every file of its session directory: logs
   included), in the launcher's output or on any process's command line;
@@ -220,17 +222,73 @@ def _train(cluster, cwd, launch_args: list[str], config: str, *sets: str):
     return r, time.monotonic() - t0
 
 
-@pytest.mark.timeout(200)
-def test_a_multi_worker_job_trains_with_a_worker_on_each_node(ray_cluster, tmp_path):
-    r, wall = _train(ray_cluster, tmp_path, ["--workers", "2", "--placement", "STRICT_SPREAD"],
-                     "multi_worker.yaml", "--set", "strategy.timeout_seconds=30",
-                     "--set", "checkpoint.dir=null")
-    _assert_on_both_nodes(r.stdout, ["worker:0", "worker:1"])
+def _task_pid(marker: str, job: str, index: int, timeout: float) -> int:
+    """The pid of task ``job:index``'s command (a child of its actor; it carries the test
+    cluster's marker and its ``TF_CONFIG`` in its environment)."""
+    want = f'"task": {{"type": "{job}", "index": {index}}}'.encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if marker.encode() in environ and want in environ and b"jaxdist.train" in cmdline:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"no process of task {job}:{index} within {timeout} s")
+
+
+@pytest.mark.timeout(240)
+def test_a_multi_worker_job_on_both_nodes_is_preempted_restarted_and_resumes(ray_cluster,
+                                                                             tmp_path):
+    """worker:1 gets SIGTERM (a preemption notice) at step 10: both tasks save the agreed step
+    and exit 42, ``--max-restarts 1`` restarts every task (fresh ports, new actors' calls) and
+    the job resumes from that checkpoint, on both nodes again, to the expected accuracy."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", "--backend", "ray", "--address",
+         ray_cluster.address, "--workers", "2", "--placement", "STRICT_SPREAD",
+         "--max-restarts", "1", "--restart-delay", "0", "--grace", "20", "--",
+         sys.executable, "-m", "jaxdist.train", "--config",
+         os.path.join(ROOT, "configs", "multi_worker.yaml"), *SMALL,
+         "--set", "train.epochs=4", "--set", "logging.every_steps=5",
+         "--set", "strategy.timeout_seconds=30", "--set", "checkpoint.dir=ckpt",
+         "--set", "checkpoint.every_steps=100000"],
+        cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        pid = _task_pid(ray_cluster.marker, "worker", 1, timeout=60)
+        lines: list[str] = []
+        while not lines or not lines[-1].startswith("[worker:0] [train] step 10 "):
+            line = proc.stdout.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+        os.kill(pid, signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"^\[launch\] worker:[01] exited with 42 \(preempted\); restart 1 of 1: "
+                     r"restarting every task \(worker:0, worker:1\)", out, re.M), out[-3000:]
+    stopped = re.search(r"stopped before step (\d+): the checkpoint of step \1 is written", out)
+    assert stopped, out[-3000:]
+    assert f"Resumed from checkpoint at step {stopped.group(1)} " in out, out[-3000:]
+    assert out.count("[launch] started ") == 2
+    _assert_on_both_nodes(out, ["worker:0", "worker:1"])
     assert "MultiWorkerMirroredStrategy with 2 replica(s) on 2 cpu device(s), 2 process(es)" \
-        in r.stdout
-    assert _val_accuracy(r.stdout) >= 0.7, r.stdout[-2000:]
-    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
-    print(f"ray up in {ray_cluster.startup_seconds:.1f} s; multi-worker job {wall:.1f} s")
+        in out
+    assert re.search(r"^\[worker:0\] \[end\] step 88 ", out, re.M), out[-2000:]
+    assert _val_accuracy(out) >= 0.7, out[-2000:]
+    assert out.rstrip().endswith("[launch] all training tasks finished")
+    print(f"ray up in {ray_cluster.startup_seconds:.1f} s; multi-worker job, preempted and "
+          f"resumed, {wall:.1f} s")
 
 
 @pytest.mark.timeout(200)
