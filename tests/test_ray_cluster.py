@@ -31,6 +31,7 @@ import time
 import uuid
 
 import pytest
+from process_records import process_records
 
 from jaxdist.testing import pick_free_ports
 
@@ -343,20 +344,8 @@ def test_each_task_gets_its_own_credentials_and_ray_records_none(ray_cluster, tm
         records += ray_cluster.session_files()
         # ... and every process's environment but the two tasks' commands' (the probes): not
         # the actors, Ray's workers and daemons, or the launcher.
-        probes_seen = 0
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmdline = fh.read().decode("latin-1")
-                with open(f"/proc/{pid}/environ", "rb") as fh:
-                    environ = fh.read().decode("latin-1")
-            except OSError:
-                continue
-            records.append(cmdline)
-            if "slurm_secret_probe.py" in cmdline and "jaxdist.launch" not in cmdline:
-                probes_seen += 1
-            else:
-                records.append(environ)
+        procs, probes_seen = process_records("slurm_secret_probe.py", "jaxdist.launch")
+        records += procs
         assert probes_seen == 2
         go.touch()
         out, _ = proc.communicate(timeout=60)
