@@ -142,7 +142,7 @@ _LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, opta
 
 #: Public submodules imported on first attribute access (``jaxdist.keras.scope`` after
 #: ``import jaxdist``), as ``tf.keras`` resolves after ``import tensorflow``.
-_LAZY_MODULES = ("keras", "launch", "server", "testing", "train")
+_LAZY_MODULES = ("keras", "launch", "ray", "server", "testing", "train")
 
 
 def __getattr__(name: str):

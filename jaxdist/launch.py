@@ -55,11 +55,33 @@ Example:
         python -m jaxdist.train --config configs/multi_worker.yaml
     python -m jaxdist.launch --workers 2 --ps 2 -- python train_between_graph.py
     python -m jaxdist.launch --coordinator --workers 2 --ps 1 -- python train_coordinator.py
+    python -m jaxdist.launch --backend ray --address HEAD:6379 --workers 2 -- \\
+        python -m jaxdist.train --config configs/multi_worker.yaml
+
+``--backend ray`` runs every task as a Ray actor on the nodes of a Ray cluster (``--address``,
+else a local Ray started for the run), each with ``--cpus-per-task`` / ``--gpus-per-task``,
+spread over the nodes (``--placement``), its ``TF_CONFIG`` built from its node's address and a
+port free there; the rest is as above (``jaxdist.ray``; docs/multi_host.md, "Ray").
 """
 
 import sys
+from collections.abc import Sequence
 
-from jaxdist._src.cluster.launcher import Launcher, main
+from jaxdist._src.cluster.launcher import Launcher
+from jaxdist._src.cluster.launcher import main as _main_local
+from jaxdist._src.cluster.launcher import parse_launch_args as _parse_launch_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (``--backend ray``: see
+    ``jaxdist.ray``)."""
+    args, command = _parse_launch_args(argv)
+    if args.backend == "ray":
+        from jaxdist._src.cluster.ray_launch import main_ray
+
+        return main_ray(args, command)
+    return _main_local(argv)
+
 
 __all__ = ["Launcher", "main"]
 

@@ -1,4 +1,5 @@
-"""A task of tests/test_slurm_cluster.py's credentials test, run by ``python -m jaxdist.slurm``:
+"""A task of the credentials tests of tests/test_slurm_cluster.py (run by ``python -m
+jaxdist.slurm``) and tests/test_ray_cluster.py (``python -m jaxdist.launch --backend ray``):
 writes what it was given (its secrets, the modes of its files) to a private file of the test,
 prints only that it is ready, and waits for the test to have looked at Slurm's records.
 
@@ -34,7 +35,8 @@ facts = {
     "files": sorted(os.listdir(task_dir)),
     "secrets": secrets,
 }
-path = os.path.join(out_dir, f"probe-{env['SLURM_PROCID']}.json")
+task = config["task"]
+path = os.path.join(out_dir, f"probe-{env.get('SLURM_PROCID') or task['type']}.json")
 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
 with os.fdopen(fd, "w") as f:
     json.dump(facts, f)

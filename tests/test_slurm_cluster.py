@@ -34,6 +34,7 @@ import sys
 import time
 
 import pytest
+from process_records import process_records
 
 from jaxdist.testing import pick_free_ports
 from jaxdist.testing.slurm import LocalSlurm, SlurmUnavailable, unavailable_reason
@@ -232,20 +233,8 @@ def test_each_task_gets_its_own_credentials_and_slurm_records_none(slurm, tmp_pa
     assert any("jaxdist.slurm" in r for r in records)      # the script and its record are read
     # No process's command line holds a secret, and only the tasks' commands (the probes)
     # hold them in their environment: not srun, slurmstepd, the wrappers, the batch shell.
-    probes_seen = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read().decode("latin-1")
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                environ = fh.read().decode("latin-1")
-        except OSError:
-            continue
-        records.append(cmdline)
-        if "slurm_secret_probe.py" in cmdline and "jaxdist.slurm" not in cmdline:
-            probes_seen += 1
-        else:
-            records.append(environ)
+    procs, probes_seen = process_records("slurm_secret_probe.py", "jaxdist.slurm")
+    records += procs
     assert probes_seen == 2
     go.touch()
     assert slurm.wait_job(job, timeout=60) == "COMPLETED", _output(tmp_path)

@@ -110,8 +110,64 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true",
                    help="plaintext gRPC on loopback instead of mutual TLS with a throwaway CA "
                         "(sets JAXDIST_INSECURE=1 in every task)")
+    ray = p.add_argument_group("Ray (--backend ray: every task a Ray actor, on the nodes of a "
+                               "Ray cluster)")
+    ray.add_argument("--backend", choices=("local", "ray"), default="local",
+                     help="where the tasks run: processes on this machine (default) or Ray "
+                          "actors (pip install 'jaxdist[ray]')")
+    ray.add_argument("--address", default=None, metavar="HOST:PORT",
+                     help="the Ray cluster to join (default: start a local Ray and shut it "
+                          "down at the end)")
+    ray.add_argument("--cpus-per-task", type=positive_float, default=1.0, metavar="C",
+                     help="Ray CPUs each task reserves (default 1)")
+    ray.add_argument("--gpus-per-task", type=non_negative_float, default=0.0, metavar="G",
+                     help="Ray GPUs each task reserves (default 0)")
+    ray.add_argument("--placement", choices=PLACEMENT_STRATEGIES, default="SPREAD",
+                     help="the placement group's strategy: SPREAD (default: over as many "
+                          "nodes as possible), STRICT_SPREAD (one task per node), PACK")
+    ray.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                     help="set NAME in every task (VALUE, else this process's value; "
+                          "repeatable): a Ray task starts from its node's environment")
+    ray.add_argument("--placement-timeout", type=non_negative_seconds, default=120.0,
+                     metavar="SECONDS",
+                     help="how long to wait for Ray to place every task (default 120)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return p
+
+
+#: The placement-group strategies ``--placement`` accepts (Ray's names).
+PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
+
+
+def _finite_number(text: str, zero_allowed: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0.0 <= value if zero_allowed else 0.0 < value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a number > 0 (``--cpus-per-task``).
+
+    Example:
+        >>> positive_float("0.5")
+        0.5
+    """
+    return _finite_number(text, zero_allowed=False)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a number >= 0 (``--gpus-per-task``).
+
+    Example:
+        >>> non_negative_float("0")
+        0.0
+    """
+    return _finite_number(text, zero_allowed=True)
 
 
 class Launcher:
@@ -146,7 +202,7 @@ class Launcher:
         self.ps_runs_command = ps_runs_command or (
             not coordinator and serves_its_own_ps_tasks(self.command))
         self._counts = (workers, ps, chief or coordinator, evaluator)
-        self.cluster = local_cluster(*self._counts)
+        self.cluster = self._fresh_cluster()
         self.restarts = RestartBudget(max_restarts)
         if not restart_delay >= 0.0:
             raise ValueError(f"restart_delay must be seconds >= 0, got {restart_delay!r}")
@@ -162,6 +218,11 @@ class Launcher:
         self.lock = threading.Lock()
         self.tasks: dict[str, TaskProcess] = {}
         self._interrupted: int | None = None
+
+    def _fresh_cluster(self) -> dict[str, list[str]]:
+        """The cluster of a new run: free ports on this machine (another backend places the
+        tasks elsewhere)."""
+        return local_cluster(*self._counts)
 
     def _say(self, msg: str) -> None:
         with self.lock:
@@ -341,7 +402,7 @@ class Launcher:
             return False
         # A fresh cluster: new ports (a new coordination service) and a new cluster token, so
         # no process of the previous run can join; the same TLS identities and credentials.
-        self.cluster = local_cluster(*self._counts)
+        self.cluster = self._fresh_cluster()
         self.token = new_token()
         self.tasks = {}
         self.start()
@@ -365,21 +426,57 @@ def command_after_dashes(parser: argparse.ArgumentParser, words: Sequence[str],
     return command
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+def parse_launch_args(argv: Sequence[str] | None = None
+                      ) -> tuple[argparse.Namespace, list[str]]:
+    """``python -m jaxdist.launch``'s options and command (``parser.error``, exit 2, on a bad
+    one).
+
+    Example:
+        >>> args, command = parse_launch_args(["--workers", "2", "--", "python", "x.py"])
+        >>> args.workers, args.backend, command
+        (2, 'local', ['python', 'x.py'])
+    """
     args = _parser().parse_args(argv)
     command = command_after_dashes(_parser(), args.command, "jaxdist.launch")
-    if shutil.which(command[0]) is None:  # one line, before any task starts
-        print(f"jaxdist.launch: command not found: {command[0]!r} (not an executable file, "
-              f"nor on PATH); expected e.g. -- python -m jaxdist.train --config FILE",
-              file=sys.stderr)
-        return 127
     if args.workers < 0 or args.ps < 0 or (args.workers == 0 and not args.chief):
         _parser().error("need --workers >= 1 (or --chief)")
-    launcher = Launcher(command, args.workers, args.ps, args.chief, args.evaluator,
-                        args.devices_per_process, args.grace, args.evaluator_grace,
-                        coordinator=args.coordinator, insecure=args.insecure,
-                        checkpoint_root=args.checkpoint_root,
-                        ps_runs_command=args.ps_runs_command,
-                        max_restarts=args.max_restarts, restart_delay=args.restart_delay)
-    return launcher.run()
+    if args.backend == "local":
+        defaults = _parser().parse_args([])
+        given = [f"--{k.replace('_', '-')}" for k in _RAY_OPTIONS
+                 if getattr(args, k) != getattr(defaults, k)]
+        if given:
+            _parser().error(f"{', '.join(given)} only apply to --backend ray")
+    return args, command
+
+
+#: The options of ``--backend ray`` alone.
+_RAY_OPTIONS = ("address", "cpus_per_task", "gpus_per_task", "placement", "env",
+                "placement_timeout")
+
+
+def command_not_found(command: Sequence[str]) -> bool:
+    """Says so (one line on stderr) when ``command[0]`` is not an executable file nor on PATH."""
+    if shutil.which(command[0]) is not None:
+        return False
+    print(f"jaxdist.launch: command not found: {command[0]!r} (not an executable file, "
+          f"nor on PATH); expected e.g. -- python -m jaxdist.train --config FILE",
+          file=sys.stderr)
+    return True
+
+
+def launcher_options(args: argparse.Namespace) -> dict:
+    """The ``Launcher`` keyword arguments of parsed options (every backend's)."""
+    return dict(workers=args.workers, ps=args.ps, chief=args.chief, evaluator=args.evaluator,
+                devices_per_process=args.devices_per_process, grace=args.grace,
+                evaluator_grace=args.evaluator_grace, coordinator=args.coordinator,
+                insecure=args.insecure, checkpoint_root=args.checkpoint_root,
+                ps_runs_command=args.ps_runs_command, max_restarts=args.max_restarts,
+                restart_delay=args.restart_delay)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point of the local backend; returns the exit status."""
+    args, command = parse_launch_args(argv)
+    if command_not_found(command):  # one line, before any task starts
+        return 127
+    return Launcher(command, **launcher_options(args)).run()

@@ -167,11 +167,16 @@ class TaskProcess:
         echo: a stream to copy each output line to as ``[name] line`` (``None``: keep only).
         echo_lock: serialises writes of several tasks to ``echo``.
         cwd: working directory.
+        on_line: called with ``(name, line)`` for each output line.
+        die_with_parent: the process gets SIGKILL when the thread that started it ends
+            (Linux's ``PR_SET_PDEATHSIG``; start it from a thread that lives as long as its
+            process, e.g. the main thread), so it never outlives a launcher that is killed.
     """
 
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str],
                  echo: IO[str] | None = None, echo_lock: threading.Lock | None = None,
-                 cwd: str | None = None, on_line: Callable[[str, str], None] | None = None):
+                 cwd: str | None = None, on_line: Callable[[str, str], None] | None = None,
+                 die_with_parent: bool = False):
         self.name = name
         self.command = list(command)
         self.lines: list[str] = []
@@ -183,6 +188,7 @@ class TaskProcess:
             self.command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
             start_new_session=True,  # its own process group: we can stop all it started
+            preexec_fn=_kill_me_with_parent if die_with_parent else None,
         )
         self._reader = threading.Thread(target=self._read, name=f"out-{name}", daemon=True)
         self._reader.start()
@@ -249,6 +255,15 @@ class TaskProcess:
             return None
         self._reader.join(5.0)
         return code
+
+
+def _kill_me_with_parent() -> None:
+    """In a child before ``exec``: SIGKILL it when its parent thread ends (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def exit_status(code: int | None) -> int:

@@ -170,6 +170,32 @@ def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
     return LocalPKI(root, ca_path, identities)
 
 
+class TaskCA:
+    """A throwaway CA held in memory that issues task certificates as PEM bytes.
+
+    For launchers that hand each task its files over a channel of their own (``python -m
+    jaxdist.launch --backend ray`` passes them to the task's actor): the CA's private key never
+    leaves this object and never touches the disk.
+
+    Args:
+        days: validity of the CA and of every certificate it issues.
+
+    Example:
+        >>> ca = TaskCA()
+        >>> cert, key = ca.issue("worker:0", ["10.0.0.2"])
+        >>> ca.ca_pem.startswith(b"-----BEGIN CERTIFICATE"), key.startswith(b"-----BEGIN")
+        (True, True)
+    """
+
+    def __init__(self, days: int = 7):
+        self._ca = _new_ca(days)
+        self.ca_pem: bytes = _ca_pem(self._ca)
+
+    def issue(self, name: str, hosts: Sequence[str]) -> tuple[bytes, bytes]:
+        """Task ``name``'s certificate, valid for ``hosts`` only, and its private key (PEM)."""
+        return _issue(self._ca, name, hosts)
+
+
 def per_task_pki(tasks: Mapping[str, tuple[str, Sequence[str]]], days: int = 7) -> LocalPKI:
     """A CA and one certificate per task, each task's files in a directory of its own.
 
@@ -192,19 +218,37 @@ def per_task_pki(tasks: Mapping[str, tuple[str, Sequence[str]]], days: int = 7) 
         >>> pki.identities["worker:0"].key.endswith("task-0/key.pem")
         True
     """
-    ca = _new_ca(days)
+    ca = TaskCA(days)
     identities: dict[str, TLSConfig] = {}
     first = ""
     for name, (task_dir, hosts) in tasks.items():
-        os.makedirs(task_dir, mode=0o700)
-        os.chmod(task_dir, 0o700)
         first = first or os.path.dirname(os.path.abspath(task_dir))
-        cert, key = _issue(ca, name, hosts)
-        paths = [os.path.join(task_dir, f) for f in ("ca.pem", "cert.pem", "key.pem")]
-        for path, data in zip(paths, (_ca_pem(ca), cert, key)):
-            _write(path, data)
-        identities[name] = TLSConfig(*paths)
+        identities[name] = write_task_identity(task_dir, ca.ca_pem, *ca.issue(name, hosts))
     return LocalPKI(first, "", identities)
+
+
+def write_task_identity(task_dir: str, ca_pem: bytes, cert_pem: bytes,
+                        key_pem: bytes) -> TLSConfig:
+    """Creates ``task_dir`` (mode 0700) holding one task's ``ca.pem``, ``cert.pem`` and
+    ``key.pem`` (0600, each created anew); returns the task's ``TLSConfig``.
+
+    Raises:
+        FileExistsError: ``task_dir`` exists (a task's directory is never reused).
+
+    Example:
+        >>> import tempfile
+        >>> ca = TaskCA()
+        >>> task_dir = f"{tempfile.mkdtemp()}/t"
+        >>> tls = write_task_identity(task_dir, ca.ca_pem, *ca.issue("ps:0", ["n1"]))
+        >>> os.path.basename(tls.key)
+        'key.pem'
+    """
+    os.makedirs(task_dir, mode=0o700)
+    os.chmod(task_dir, 0o700)
+    paths = [os.path.join(task_dir, f) for f in ("ca.pem", "cert.pem", "key.pem")]
+    for path, data in zip(paths, (ca_pem, cert_pem, key_pem)):
+        _write(path, data)
+    return TLSConfig(*paths)
 
 
 _SECURITY_ENV = ("JAXDIST_TLS_CA", "JAXDIST_TLS_CERT", "JAXDIST_TLS_KEY",
@@ -245,4 +289,5 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
         env.update(CoordinatorKeys(coordinator_token).worker_env(f"worker:{index}"))
     return env
 
-__all__ = ["LOOPBACK_NAMES", "LocalPKI", "apply_task_security", "local_pki", "per_task_pki"]
+__all__ = ["LOOPBACK_NAMES", "LocalPKI", "TaskCA", "apply_task_security", "local_pki",
+           "per_task_pki", "write_task_identity"]
