@@ -34,14 +34,14 @@ def test_the_command_line_takes_the_ray_options():
     args, command = parse_launch_args(
         ["--backend", "ray", "--address", "head:6379", "--workers", "2", "--ps", "1",
          "--cpus-per-task", "2", "--gpus-per-task", "0.5", "--placement", "STRICT_SPREAD",
-         "--env", "A=1", "--", "python", "train.py"])
+         "--env", "A=1", "--lost-timeout", "7.5", "--", "python", "train.py"])
     assert (args.backend, args.address, args.cpus_per_task, args.gpus_per_task,
-            args.placement, args.env) == ("ray", "head:6379", 2.0, 0.5, "STRICT_SPREAD",
-                                          ["A=1"])
+            args.placement, args.env, args.lost_timeout) == (
+        "ray", "head:6379", 2.0, 0.5, "STRICT_SPREAD", ["A=1"], 7.5)
     assert command == ["python", "train.py"]
     defaults, _ = parse_launch_args(["--", "python", "x.py"])
     assert (defaults.backend, defaults.address, defaults.cpus_per_task,
-            defaults.placement) == ("local", None, 1.0, "SPREAD")
+            defaults.placement, defaults.lost_timeout) == ("local", None, 1.0, "SPREAD", 60.0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -49,6 +49,7 @@ def test_the_command_line_takes_the_ray_options():
     (["--cpus-per-task", "0"], "expected a number > 0, got '0'"),
     (["--gpus-per-task", "-1"], "expected a number >= 0, got '-1'"),
     (["--placement", "STRICT_PACK"], "invalid choice: 'STRICT_PACK'"),
+    (["--lost-timeout", "0"], "expected a number > 0, got '0'"),
     (["--address", "h:1", "--env", "A=1"], "--address, --env only apply to --backend ray"),
 ])
 def test_bad_ray_options_are_usage_errors_naming_the_value(argv, message, capsys):

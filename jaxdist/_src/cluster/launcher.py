@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     ray.add_argument("--placement-timeout", type=non_negative_seconds, default=120.0,
                      metavar="SECONDS",
                      help="how long to wait for Ray to place every task (default 120)")
+    ray.add_argument("--lost-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                     help="how long a task's actor may leave a call unanswered before the task "
+                          "counts as lost (RayTaskLostError naming it; default 60)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return p
 
@@ -451,7 +454,7 @@ def parse_launch_args(argv: Sequence[str] | None = None
 
 #: The options of ``--backend ray`` alone.
 _RAY_OPTIONS = ("address", "cpus_per_task", "gpus_per_task", "placement", "env",
-                "placement_timeout")
+                "placement_timeout", "lost_timeout")
 
 
 def command_not_found(command: Sequence[str]) -> bool:

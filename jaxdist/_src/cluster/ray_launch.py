@@ -575,6 +575,7 @@ def main_ray(args: Any, command: Sequence[str]) -> int:
         return RayLauncher(command, address=args.address, cpus_per_task=args.cpus_per_task,
                            gpus_per_task=args.gpus_per_task, placement=args.placement,
                            placement_timeout=args.placement_timeout,
+                           lost_timeout=args.lost_timeout,
                            env=forwarded_env(args.env), **launcher_options(args)).run()
     except ClusterConfigError as e:
         print(f"jaxdist.launch: {e}", file=sys.stderr)
