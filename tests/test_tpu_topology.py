@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
+from devutil import require_devices
 from flax import nnx
 
 import jaxdist
