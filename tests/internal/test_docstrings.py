@@ -159,6 +159,27 @@ def test_docstring_examples_run(module_name, tmpdir):
         warnings.warn(why, DocstringExamplesSkipped, stacklevel=1)
 
 
+def test_needs_options_skip_with_the_reason(monkeypatch):
+    """A docstring that states a need is skipped, naming it, when it is absent (here: every
+    optional package hidden, and more devices than exist asked for)."""
+    parser = doctest.DocTestParser()
+
+    def reason(line):
+        return _RULES.doctest_skip_reason(parser.get_doctest(f">>> {line}\n", {}, "t", None, 0))
+
+    assert reason("1 + 1") is None
+    have = len(jax.devices())
+    assert reason(f"1  # doctest: +NEEDS_{2 if have < 2 else 8}_DEVICES") == (
+        None if have >= 8 else f"needs {2 if have < 2 else 8} devices, {have} available")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert reason("import keras  # doctest: +NEEDS_KERAS") == (
+        "needs Keras 3 (pip install 'jaxdist[keras]')")
+    assert reason("import tensorflow  # doctest: +NEEDS_TF") == (
+        "needs TensorFlow's tf.data (pip install 'jaxdist[tfdata]')")
+    assert reason("import grain  # doctest: +NEEDS_GRAIN") == (
+        "needs grain (pip install 'jaxdist[grain]')")
+
+
 def test_pytest_doctest_modules_collects(tmp_path):
     """``pytest --doctest-modules jaxdist`` from the checkout, in an environment without the
     suite's settings, collects every module's examples (the examples themselves run above)."""
