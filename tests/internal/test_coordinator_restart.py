@@ -17,6 +17,7 @@ from coordinator_util import (
     wait_listening,
     wait_until,
 )
+from devutil import PRECISE
 
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.ps import PSUnavailableError
@@ -67,7 +68,8 @@ def test_new_coordinator_continues_from_the_ps_checkpoint(cluster, checkpoint_ro
     assert out["step"] == 10.0 and out["w"] == [10.0] * 4  # 6 from the checkpoint + 4
 
 
-def test_lost_ps_raises_a_typed_error_naming_it(cluster):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_lost_ps_raises_a_typed_error_naming_it(cluster, precise):
     strategy = strategy_for(cluster, timeout=5.0)
     with strategy.scope():
         counter = strategy.create_variables({"n": np.zeros((), np.float32)}, O.sgd(-1.0),
@@ -89,7 +91,7 @@ def test_lost_ps_raises_a_typed_error_naming_it(cluster):
         with pytest.raises(PSUnavailableError, match="ps:0") as info:
             coord.join()
         assert info.value.task == "ps:0"
-        assert time.monotonic() - t0 < 15
+        assert not precise or time.monotonic() - t0 < 15  # ps_timeout=1 s (a wall-clock claim)
         with pytest.raises(PSUnavailableError, match="ps:0"):
             coord.schedule(step)
     finally:
