@@ -376,8 +376,11 @@ def tf_data_has_unseeded_shuffle(dataset: Any) -> bool:
     Example:
         >>> import tensorflow as tf  # doctest: +NEEDS_TF
         >>> from jaxdist._src.keras.input_adapters import tf_data_has_unseeded_shuffle
+        >>> tf.random.set_seed(None)  # no global seed either (keras.utils.set_random_seed sets one)
         >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8))
         True
+        >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8, seed=1))
+        False
     """
     nodes = _tf_data_nodes(dataset)
 
