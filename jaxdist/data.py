@@ -1,6 +1,7 @@
 """``jaxdist.data``: tf.data's names for jaxdist's input pipeline (``tf.data`` -> ``jaxdist.data``).
 
 Example:
+    >>> import jaxdist
     >>> ds = jaxdist.data.Dataset.range(10).batch(4).prefetch(jaxdist.data.AUTOTUNE)
     >>> options = jaxdist.data.Options()
     >>> options.experimental_distribute.auto_shard_policy = (

@@ -5,7 +5,8 @@ functions are called. ``scope(strategy)`` enters the strategy's scope and makes 
 variables and batches over the strategy's own mesh.
 
 Example:
-    >>> import keras, jaxdist, jaxdist.keras
+    >>> import jax
+    >>> import keras, jaxdist, jaxdist.keras  # doctest: +NEEDS_KERAS
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with jaxdist.keras.scope(strategy):
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -2,6 +2,7 @@
 its variables, partitioners and TF1's ``replica_device_setter``.
 
 Example:
+    >>> import jaxdist
     >>> partitioner = jaxdist.ps.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)
 """
 

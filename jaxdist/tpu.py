@@ -5,6 +5,7 @@ gives libtpu's compile-only devices, so ``TPUStrategy(topology=...)`` compiles s
 on a machine without one and reports their per-chip memory and FLOPs (``CompileReport``).
 
 Example:
+    >>> import jaxdist
     >>> topology = jaxdist.tpu.experimental.Topology("v5e:2x2")  # doctest: +NEEDS_LIBTPU
     >>> strategy = jaxdist.TPUStrategy(topology=topology)
 """

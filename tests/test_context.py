@@ -45,6 +45,7 @@ def test_scope_sets_strategy_and_cross_replica_context():
     assert not jaxdist.has_strategy()
 
 
+@pytest.mark.devices(4)
 def test_replica_context_inside_run():
     s = jaxdist.MirroredStrategy(jax.devices()[:4])
     seen = {}
@@ -100,6 +101,7 @@ def test_default_strategy_replica_context_reductions_identity():
     assert (rctx.all_gather(x, 0) == x).all()
 
 
+@pytest.mark.devices(2)
 def test_cross_replica_methods_raise_inside_the_replica_function():
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
     v = s.experimental_distribute_values_from_function(lambda c: jnp.float32(1.0))
@@ -112,6 +114,7 @@ def test_cross_replica_methods_raise_inside_the_replica_function():
         s.run(fn, args=(v,))
 
 
+@pytest.mark.devices(2)
 def test_experimental_set_strategy_is_thread_local_and_replaceable():
     import threading
 
@@ -132,6 +135,7 @@ def test_experimental_set_strategy_is_thread_local_and_replaceable():
     assert not jaxdist.has_strategy()
 
 
+@pytest.mark.devices(4)
 def test_merge_call_in_compiled_step_reduces_and_reruns_in_replica_context():
     s = jaxdist.MirroredStrategy(jax.devices()[:4])
     v = s.experimental_distribute_values_from_function(
@@ -157,6 +161,7 @@ def test_merge_call_in_compiled_step_reduces_and_reruns_in_replica_context():
         10.0 * (i + 1) for i in range(n)]
 
 
+@pytest.mark.devices(2)
 def test_update_non_slot_runs_once_cross_replica_and_places_result():
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
     calls = []

@@ -4,8 +4,11 @@ in a config's header comment (configs/*.yaml) does what it says.
 A block runs by its language:
 
 * ``python``: executed as a script, in this process (in a fresh namespace, in a temporary
-  working directory), or, under a ``<!-- run under: COMMAND -->`` annotation, as a script file
-  passed to that command (``python -m jaxdist.launch --workers 2 -- python`` + the file) in a
+  working directory, with no ``KERAS_BACKEND`` in ``os.environ``), or in a process of its own
+  with a reader's environment (``command_env``: no ``KERAS_BACKEND``, which this process has
+  since the suite imported jaxdist) when it uses Keras (a block must choose Keras's backend
+  itself), or, under a ``<!-- run under: COMMAND -->`` annotation, as a script file passed to
+  that command (``python -m jaxdist.launch --workers 2 -- python`` + the file) in a
   subprocess;
 * ``bash`` / ``sh`` / unlabelled: every command line (``\\`` continuations joined, ``#``
   comments dropped) must be ``[VAR=value ...] python ...``; each runs in a subprocess in a
@@ -245,6 +248,9 @@ def runs(request, tmp_path_factory):
                 block = params["block"]
                 if not _continued_later(block):
                     r.submit(("cluster", block.id), lambda b=block: _run_under_cluster(b, r))
+            elif name == "test_python_block" and _in_own_process(params["block"]):
+                block = params["block"]
+                r.submit(("own process", block.id), lambda b=block: _run_in_own_process(b, r))
             elif name == "test_shell_block":
                 for cmd in shell_commands(params["block"].code):
                     r.submit(cmd, lambda c=cmd: run_command(c, r.fresh_dir()))
@@ -328,11 +334,34 @@ def _chain(block: Block) -> list[Block]:
     return chain
 
 
+def _in_own_process(block: Block) -> bool:
+    """A block that uses Keras runs in a process of its own: this one has imported Keras, on the
+    JAX backend the suite's ``import jaxdist`` chose, which a reader's shell has not."""
+    return any("keras" in part.code for part in _chain(block))
+
+
+def _run_in_own_process(block: Block, runs: Runs) -> tuple[str, subprocess.CompletedProcess]:
+    """``block`` (after the blocks it continues) as a script, run by ``python`` in a reader's
+    environment with this session's device count."""
+    cwd = runs.fresh_dir()
+    script = cwd / "doc_block.py"
+    script.write_text("".join(p.code for p in _chain(block)))
+    devices = _READER_ENV.get("JAX_NUM_CPU_DEVICES")
+    cmd = (f"JAX_NUM_CPU_DEVICES={devices} " if devices else "") + f"python {script.name}"
+    return cmd, run_command(cmd, cwd)
+
+
 @pytest.mark.parametrize("block", _params(
     [b for b in RUN_BLOCKS if b.lang == "python" and "run under" not in b.notes]))
-def test_python_block(block, tmp_path, monkeypatch):
+def test_python_block(block, tmp_path, monkeypatch, runs):
     if "topology=" in block.code and importlib.util.find_spec("libtpu") is None:
         pytest.skip("compiles for a TPU topology: needs libtpu (pip install -e '.[tpu]')")
+    if _in_own_process(block):
+        cmd, proc = runs.get(("own process", block.id), lambda: _run_in_own_process(block, runs))
+        assert proc.returncode == 0, _fail_output(f"{block.id} as {cmd!r}", proc)
+        return
+    # a reader's environment: the suite's KERAS_BACKEND (set by its `import jaxdist`) is not
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
     chain = _chain(block)
     # A continued block runs in the namespace and directory its named block left (as the next
     # cell of a notebook) when that block ran in this session; else the chain runs from the top.
@@ -375,6 +404,15 @@ def test_python_block_under_a_cluster(block, runs):
         pytest.skip(f"runs as the start of {later.id}")
     cmd, proc = runs.get(("cluster", block.id), lambda: _run_under_cluster(block, runs))
     assert proc.returncode == 0, _fail_output(f"{block.id} under {cmd!r}", proc)
+
+
+def test_a_block_in_its_own_process_gets_a_readers_environment(runs):
+    """The process a Keras block runs in has no KERAS_BACKEND (this process has one)."""
+    assert os.environ.get("KERAS_BACKEND") == "jax"  # the suite's `import jaxdist` chose it
+    block = Block(ROOT / "README.md", 0, "python",
+                  'import os\nassert "KERAS_BACKEND" not in os.environ, os.environ\n', {})
+    _, proc = _run_in_own_process(block, runs)
+    assert proc.returncode == 0, _fail_output("a block in its own process", proc)
 
 
 # ------------------------------------------------------------------ shell blocks

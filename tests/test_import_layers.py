@@ -27,7 +27,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import warnings
 from collections.abc import Iterable, Mapping
 
 import pytest
@@ -462,15 +461,12 @@ def test_no_import_circle_between_files():
 
 
 def test_known_exceptions_are_still_needed():
-    """An entry that no longer applies should be deleted (the lists only shrink); a warning
-    says so, so that the fix landing in parallel does not turn this test red."""
+    """An entry that no longer applies is deleted (the lists only shrink): a stale one fails."""
     graph = _jaxdist_graph()
     stale = [f"{a} -> {b}" for a, b in sorted(KNOWN_EXCEPTIONS) if b not in graph.get(a, ())]
     cycles = find_cycles(graph)
     stale += [" <-> ".join(c) for c in KNOWN_CYCLES if c not in cycles]
-    if stale:
-        warnings.warn("delete from KNOWN_EXCEPTIONS / KNOWN_CYCLES (fixed): " + "; ".join(stale),
-                      stacklevel=1)
+    assert not stale, "delete from KNOWN_EXCEPTIONS / KNOWN_CYCLES (fixed): " + "; ".join(stale)
 
 
 def test_only_allowed_arrows_between_packages():

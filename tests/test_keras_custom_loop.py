@@ -129,6 +129,7 @@ def tutorial(strategy, batch_norm=False):
     return history, [np.asarray(w) for w in model.weights], int(optimizer.iterations.value)
 
 
+@pytest.mark.devices(2)
 def test_metrics_and_optimizer_state_are_carried():
     """Never a silent no-op: the closed-over Keras objects change after strategy.run."""
     _need(2)
@@ -138,12 +139,14 @@ def test_metrics_and_optimizer_state_are_carried():
     assert history[1][0] < history[0][0]  # it trains
 
 
+@pytest.mark.devices(2)
 def test_batch_norm_statistics_are_averaged_over_replicas():
     _need(2)
     _, weights, _ = tutorial(jaxdist.MirroredStrategy(jax.local_devices()[:2]), batch_norm=True)
     assert all(np.all(np.isfinite(w)) for w in weights)
 
 
+@pytest.mark.devices(2)
 def test_diverging_trainable_variable_is_an_error():
     _need(2)
     strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])

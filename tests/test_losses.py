@@ -26,6 +26,7 @@ def test_compute_average_loss_errors():
     assert float(jaxdist.compute_average_loss(jnp.ones(3), global_batch_size=0)) == 0.0
 
 
+@pytest.mark.devices(2)
 def test_global_batch_size_values_tf_refuses(devices):
     # TF's current nn_impl_distribute: assert_non_negative (0 is allowed and gives 0, TF's own
     # testComputeAverageLossGlobalBatchSize_BatchSizeZero); negative values are refused.
@@ -49,6 +50,7 @@ def test_global_batch_size_values_tf_refuses(devices):
                 assert float(out) == want, gbs
 
 
+@pytest.mark.devices(4)
 def test_compute_average_loss_in_replicas_uses_global_batch():
     s = jaxdist.MirroredStrategy(jax.devices()[:4])
     x = np.arange(8, dtype=np.float32)
@@ -61,6 +63,7 @@ def test_compute_average_loss_in_replicas_uses_global_batch():
     assert float(s.run(fn, args=(xd,))) == pytest.approx(x.mean())
 
 
+@pytest.mark.devices(4)
 def test_scale_regularization_loss():
     assert float(jaxdist.scale_regularization_loss(jnp.array([2.0, 4.0]))) == 6.0
     s = jaxdist.MirroredStrategy(jax.devices()[:4])

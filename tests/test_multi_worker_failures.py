@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist.testing import LocalCluster, python_command
 
@@ -11,23 +12,25 @@ pytestmark = pytest.mark.slow
 TIMEOUT = 10
 
 
-@pytest.mark.timeout(90)
-def test_killing_the_chief_makes_the_survivor_name_it_and_exit_1():
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precise", PRECISE)
+def test_killing_the_chief_makes_the_survivor_name_it_and_exit_1(precise):
     with LocalCluster(workers=1, chief=True, devices_per_process=1) as c:
         c.start(python_command("jaxdist.testing.workloads", "linreg", "--steps", "100000",
                                "--sleep", "0.05", "--timeout", str(TIMEOUT)))
         c.wait_for_output("worker:0", r"^step 3 ", 60)
         killed = time.monotonic()
         c.kill("chief:0")  # the process that started the coordination service
-        c.wait_for_output("worker:0", r"PeerLostError", 2 * TIMEOUT)
+        c.wait_for_output("worker:0", r"PeerLostError", 2 * TIMEOUT if precise else 60)
         detected = time.monotonic() - killed
         code = c.wait("worker:0", 30)
         out = c.output("worker:0")
     assert code == 1, out  # not 134 (JAX's "distributed service detected fatal errors")
     assert "jaxdist.PeerLostError: worker:0: lost peer task(s) chief:0" in out
     assert "detected fatal errors" not in out
-    # A hang guard: the --timeout (10 s) named it (the default 60 s timeout would take 30 s).
-    assert detected <= 2 * TIMEOUT, f"took {detected:.1f}s"
+    # The --timeout (10 s) named it (the default 60 s timeout would take 30 s): a wall-clock
+    # claim, held in the `timing` case.
+    assert not precise or detected <= 2 * TIMEOUT, f"took {detected:.1f}s"
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist.testing import LocalCluster, python_command
 
@@ -64,8 +65,10 @@ def frozen_runs():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("precise", PRECISE)
 @pytest.mark.parametrize("frozen", FROZEN)
-def test_a_frozen_peer_is_a_typed_error_naming_it_on_the_other_process(frozen, frozen_runs):
+def test_a_frozen_peer_is_a_typed_error_naming_it_on_the_other_process(frozen, frozen_runs,
+                                                                       precise):
     run = frozen_runs[frozen].result(timeout=0)
     survivor, code, detected, out = run["survivor"], run["code"], run["detected"], run["out"]
     frozen_code, frozen_out = run["frozen_code"], run["frozen_out"]
@@ -74,8 +77,9 @@ def test_a_frozen_peer_is_a_typed_error_naming_it_on_the_other_process(frozen, f
             in out), out
     for abort in ("detected fatal errors", "Check failed", "terminate called", "*** "):
         assert abort not in out, out
-    # A lost peer is named within about two timeouts (the step's wait, then the heartbeat).
-    assert detected <= 3 * TIMEOUT + 5, f"took {detected:.1f}s"
+    # A lost peer is named within about two timeouts (the step's wait, then the heartbeat): a
+    # wall-clock claim, held in the `timing` case (both cases read the same run).
+    assert not precise or detected <= 3 * TIMEOUT + 5, f"took {detected:.1f}s"
     if frozen_code is not None:
         assert frozen_code == 1, frozen_out  # not -6 (SIGABRT)
         lines = [ln for ln in frozen_out.splitlines() if "ProcessFrozenError" in ln]

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from devutil import PRECISE
 
 from jaxdist.testing import LocalCluster, python_command
 
@@ -51,8 +52,9 @@ def test_two_processes_match_one_process_with_all_devices(tmp_path):
     np.testing.assert_allclose(b["b"], a["b"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.timeout(120)
-def test_killing_a_worker_makes_the_survivor_name_it():
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("precise", PRECISE)
+def test_killing_a_worker_makes_the_survivor_name_it(precise):
     timeout = 10
     with LocalCluster(workers=2, devices_per_process=1) as c:
         c.start(python_command("jaxdist.testing.workloads", "linreg", "--steps", "100000",
@@ -60,15 +62,16 @@ def test_killing_a_worker_makes_the_survivor_name_it():
         c.wait_for_output("worker:1", r"^step 3 ", 90)
         killed = time.monotonic()
         c.kill("worker:1")
-        c.wait_for_output("worker:0", r"PeerLostError", 2 * timeout)
+        c.wait_for_output("worker:0", r"PeerLostError", 2 * timeout if precise else 60)
         detected = time.monotonic() - killed
         code = c.wait("worker:0", 30)
         out = c.output("worker:0")
     assert code == 1, out  # the typed error, then exit status 1 (no SIGABRT at exit)
     assert "jaxdist.PeerLostError: worker:0: lost peer task(s) worker:1" in out
     assert "exception not rethrown" not in out
-    # A hang guard, not a speed claim: --timeout 10 named it (the default would take 30 s).
-    assert detected <= 2 * timeout, f"took {detected:.1f}s"
+    # --timeout 10 named it (the default would take 30 s): a wall-clock claim, held in the
+    # `timing` case.
+    assert not precise or detected <= 2 * timeout, f"took {detected:.1f}s"
 
 
 @pytest.mark.timeout(60)

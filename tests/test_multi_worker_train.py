@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist.testing import LocalCluster, python_command
 from jaxdist.train import read_metrics
@@ -69,8 +70,9 @@ def _per_task_logs(tmp_path, ckpt, timeout):
     return command
 
 
-@pytest.mark.timeout(200)
-def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path):
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("precise", PRECISE)
+def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path, precise):
     timeout = 10
     ckpt = tmp_path / "ckpt"
     command = _per_task_logs(tmp_path, ckpt, timeout)
@@ -81,7 +83,7 @@ def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path):
         assert first, c.describe()
         killed = time.monotonic()
         c.kill("worker:1")
-        c.wait_for_output("worker:0", r"PeerLostError", 2 * timeout)
+        c.wait_for_output("worker:0", r"PeerLostError", 2 * timeout if precise else 60)
         detected = time.monotonic() - killed
         # exit 1 from the CLI; JAX may turn it into an abort while threads still wait on the
         # broken collective at interpreter exit: either way a non-zero status
@@ -91,8 +93,9 @@ def test_killed_worker_is_named_and_the_relaunched_job_resumes(tmp_path):
         # still blocked inside XLA's collectives, the step watchdog names it and ends the process:
         # both name the lost peer and exit non-zero.
         assert "PeerLostError: worker:0: lost peer task(s) worker:1" in out, out
-        # A hang guard: the --timeout (10 s) named it (the default 60 s timeout would take 30 s).
-        assert detected <= 2 * timeout, f"took {detected:.1f}s"
+        # The --timeout (10 s) named it (the default 60 s timeout would take 30 s): a
+        # wall-clock claim, held in the `timing` case.
+        assert not precise or detected <= 2 * timeout, f"took {detected:.1f}s"
         last = max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
 
         c.start_task("worker:0")

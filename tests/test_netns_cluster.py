@@ -12,6 +12,7 @@ accelerator needed (one forced CPU device per process)."""
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist.testing import python_command
 from jaxdist.testing.netns import (
@@ -90,7 +91,9 @@ def _typed_lines(out, prefix):
 
 
 @pytest.mark.timeout(300)
-def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(net, tmp_path):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(net, tmp_path,
+                                                                              precise):
     """``python -m jaxdist.train`` (MultiWorkerMirrored, configs like multi_worker.yaml) on 3
     hosts; worker:2's link goes down after the step-40 checkpoint."""
     config = tmp_path / "netns_mw.yaml"
@@ -109,7 +112,8 @@ def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(ne
         assert line.startswith("jaxdist.PeerLostError: worker:2: lost the coordination service "
                                "(worker:0 at 10.213.0.1:23001)"), line
         assert "cut off from peer task(s) worker:0, worker:1" in line
-        assert took <= HEARTBEAT, f"worker:2 took {took:.1f} s"  # before XLA's abort
+        # before XLA's abort (a wall-clock claim; the exit status above is the event)
+        assert not precise or took <= HEARTBEAT, f"worker:2 took {took:.1f} s"
         # The survivors: worker:2's heartbeat stops; their blocked step ends within the
         # configured timeout (the heartbeat timeout + 1 s; 1 s for the exit to be seen).
         for survivor in ("worker:0", "worker:1"):
@@ -118,7 +122,7 @@ def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(ne
             assert code == 1, c.describe()
             assert line.startswith(f"jaxdist.PeerLostError: {survivor}: lost peer task(s) "
                                    f"worker:2: no heartbeat for "), line
-            assert took <= TIMEOUT + 1, f"{survivor} took {took:.1f} s"
+            assert not precise or took <= TIMEOUT + 1, f"{survivor} took {took:.1f} s"
         # The link back, the tasks run again on their hosts: the job resumes and finishes.
         net.set_link(c.host_of["worker:2"], up=True)
         net.kill_all()  # what outlived its task (worker:0's coordination service)
@@ -133,7 +137,8 @@ def test_multi_worker_train_across_namespaces_survives_a_cut_link_and_resumes(ne
 
 
 @pytest.mark.timeout(180)
-def test_losing_the_host_of_the_coordination_service_is_typed_on_both_sides(net):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_losing_the_host_of_the_coordination_service_is_typed_on_both_sides(net, precise):
     """worker:0's host (process 0, with the coordination service) loses its link: the two
     workers that cannot reach the service name it; worker:0 names the two it lost."""
     with NetnsCluster(net, workers=3) as c:
@@ -150,13 +155,13 @@ def test_losing_the_host_of_the_coordination_service_is_typed_on_both_sides(net)
             assert code == 1, c.describe()  # not -6 (XLA's SIGABRT)
             assert line.startswith(f"jaxdist.PeerLostError: {cut_off}: lost the coordination "
                                    f"service (worker:0 at 10.213.0.1:23001)"), line
-            assert took <= HEARTBEAT, f"{cut_off} took {took:.1f} s"
+            assert not precise or took <= HEARTBEAT, f"{cut_off} took {took:.1f} s"
         code, took = exits["worker:0"]
         line = _typed_lines(c.output("worker:0"), "jaxdist.PeerLostError: ")
         assert code == 1, c.describe()
         assert line.startswith("jaxdist.PeerLostError: worker:0: lost peer task(s) worker:1, "
                                "worker:2: no heartbeat for "), line
-        assert took <= TIMEOUT + 1, f"worker:0 took {took:.1f} s"
+        assert not precise or took <= TIMEOUT + 1, f"worker:0 took {took:.1f} s"
 
 
 PS_CONFIG = """\
@@ -174,8 +179,10 @@ PS_STEPS = 3 * 44  # 3 epochs of 1437 training examples in batches of 32
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("precise", PRECISE)
 def test_parameter_server_coordinator_job_across_namespaces_survives_a_lost_ps_host(net,
-                                                                                   tmp_path):
+                                                                                   tmp_path,
+                                                                                   precise):
     """The chief (``python -m jaxdist.train``, ClusterCoordinator), worker:0 and ps:0
     (``python -m jaxdist.server``, as ``jaxdist.launch --coordinator`` runs them) on 3 hosts;
     ps:0's link goes down after step 40. The chief names ps:0 within two timeouts; the
@@ -203,7 +210,7 @@ def test_parameter_server_coordinator_job_across_namespaces_survives_a_lost_ps_h
         assert code == 1, c.describe()
         line = _typed_lines(out, "python -m jaxdist.train: training failed: ")
         assert "PSUnavailableError: ps:0 at 10.213.0.3:23001 did not answer" in line, line
-        assert took <= 2 * TIMEOUT + 5, f"the chief took {took:.1f} s"
+        assert not precise or took <= 2 * TIMEOUT + 5, f"the chief took {took:.1f} s"
         for server in ("worker:0", "ps:0"):
             assert c.tasks[server].running(), c.describe()
         net.set_link(c.host_of["ps:0"], up=True)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 from flax import nnx
 
 import jaxdist
@@ -139,10 +140,10 @@ def _assert_same(got, want):
 
 
 STRATEGIES = {
-    "mirrored4": lambda: jaxdist.MirroredStrategy(jax.local_devices()[:4]),
+    "mirrored4": lambda: jaxdist.MirroredStrategy(first_devices(4)),
     "mirrored1": lambda: jaxdist.MirroredStrategy(jax.local_devices()[:1]),
     "one_device": lambda: jaxdist.OneDeviceStrategy(jax.local_devices()[0]),
-    "central_storage": lambda: jaxdist.CentralStorageStrategy(jax.local_devices()[:4]),
+    "central_storage": lambda: jaxdist.CentralStorageStrategy(first_devices(4)),
 }
 
 
@@ -163,6 +164,7 @@ def test_flax_step_with_sgd_is_not_scaled_by_replica_count():
     _assert_same(_distributed(STRATEGIES["mirrored4"](), tx), _one_device(tx))
 
 
+@pytest.mark.devices(2)
 def test_mutation_inside_run_is_visible_outside():
     """Never a silent no-op: a plain step that mutates NNX objects changes the caller's."""
     _need(2)
@@ -187,6 +189,7 @@ def test_mutation_inside_run_is_visible_outside():
     assert len(strategy.extended._run_cache) == 1  # compiled once, not once per call
 
 
+@pytest.mark.devices(2)
 def test_step_defined_inside_the_loop_compiles_once():
     """A step function made anew each call (TF's step_fn inside train_step) over NNX objects
     shares one compiled step when its code and captures are the same."""
@@ -211,6 +214,7 @@ def test_step_defined_inside_the_loop_compiles_once():
     assert len(strategy.extended._run_cache) == 1
 
 
+@pytest.mark.devices(2)
 def test_shared_references_survive():
     """A module held by two objects is one module after the step, as under nnx.jit."""
     _need(2)
@@ -264,6 +268,7 @@ def _tf_style_run(strategy, batch_norm, rows=64):
     return model, metrics, losses
 
 
+@pytest.mark.devices(4)
 def test_replica_view_tf_style_step_matches_one_device():
     """TF's custom-loop pattern with an NNX model (compute_average_loss, per-replica step):
     weights, the summed loss and the summed metric state are one device's."""
@@ -281,6 +286,7 @@ def test_replica_view_tf_style_step_matches_one_device():
     )
 
 
+@pytest.mark.devices(4)
 def test_replica_view_batch_statistics_are_averaged():
     """BatchNorm's moving mean after one per-replica step is the mean of the replicas'
     (equal shards: one device's moving mean); the variance is TF's per-replica one."""
@@ -293,6 +299,7 @@ def test_replica_view_batch_statistics_are_averaged():
     assert m4.bn.mean[...].sharding.is_fully_replicated
 
 
+@pytest.mark.devices(2)
 def test_replica_view_refuses_diverging_parameters():
     _need(2)
     strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])
@@ -309,6 +316,7 @@ def test_replica_view_refuses_diverging_parameters():
         strategy.run(step, args=(layer, x))
 
 
+@pytest.mark.devices(4)
 def test_replica_view_refuses_metrics_on_a_partial_batch():
     """Padding rows would count in the metric: refused, with the nnx.jit fix in the message."""
     _need(4)
@@ -316,6 +324,7 @@ def test_replica_view_refuses_metrics_on_a_partial_batch():
         _tf_style_run(jaxdist.MirroredStrategy(jax.local_devices()[:4]), False, rows=70)
 
 
+@pytest.mark.devices(2)
 def test_structure_change_is_an_error():
     _need(2)
     strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])
@@ -329,6 +338,7 @@ def test_structure_change_is_an_error():
         strategy.run(step, args=(layer,))
 
 
+@pytest.mark.devices(2)
 def test_donated_nnx_state():
     _need(2)
     strategy = jaxdist.MirroredStrategy(jax.local_devices()[:2])

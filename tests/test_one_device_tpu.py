@@ -44,6 +44,7 @@ def test_tpu_strategy_without_tpu_says_what_was_found():
     assert TPUClusterResolver().num_accelerators() == {}
 
 
+@pytest.mark.devices(4)
 def test_tpu_strategy_on_cpu_devices():
     resolver = TPUClusterResolver(tpu="local")
     devs = jax.devices()[:4]  # 4, or fewer where fewer devices exist

@@ -16,6 +16,7 @@ def _data():
     return x, x @ np.array([1.0, -2.0, 3.0, 0.5], np.float32) + 1.0
 
 
+@pytest.mark.devices(2)
 def test_local_training_converges_and_compat_surface(devices):
     strategy = jaxdist.ParameterServerStrategy(compute_devices=devices[:2])
     assert strategy.cluster_resolver is None
@@ -50,6 +51,7 @@ def test_local_training_converges_and_compat_surface(devices):
     assert list(strategy.experimental_distribute_dataset(ds.batch(32)))
 
 
+@pytest.mark.devices(2)
 def test_per_replica_gradients_are_summed(devices):
     strategy = jaxdist.ParameterServerStrategy(compute_devices=devices[:2])
     with strategy.scope():

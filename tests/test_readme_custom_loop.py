@@ -12,6 +12,7 @@ import re
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jaxdist
@@ -56,6 +57,7 @@ def _reference(x, y, global_batch):
     return params
 
 
+@pytest.mark.devices(4)
 def test_readme_custom_loop_runs_on_4_replicas_with_a_partial_last_batch():
     code = _readme_loop()
     assert "jaxdist.MirroredStrategy()" in code

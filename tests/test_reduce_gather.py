@@ -141,6 +141,7 @@ def _cpu_outside(devices):
 
 
 @pytest.mark.parametrize("cdo", ["default", "one_device_outside"])
+@pytest.mark.devices(2)
 def test_reduce_to_a_cpu_device_outside_the_mesh_in_the_cross_replica_context(cdo):
     # TF: the result of reduce_to lands on the destination, whichever device it is. Inside
     # scope() (the replica mesh is JAX's context mesh) this used to fail with "incompatible

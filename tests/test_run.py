@@ -305,6 +305,7 @@ def test_step_fn_capturing_other_values_is_not_reused(strategy):
     assert signs == [False, True]
 
 
+@pytest.mark.devices(2)
 def test_steady_state_run_skips_the_checks_and_falls_back_when_a_leaf_changes(monkeypatch):
     """A repeated call with the same structure, placement and statics is one cached compiled
     call (no flatten with per-leaf callbacks, no re-validation); anything different takes the

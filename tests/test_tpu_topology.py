@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import require_devices
 from flax import nnx
 
 import jaxdist
@@ -232,8 +231,8 @@ def test_trainer_step_compiles_for_topology(name):
                     steps=2, verbose=0)
 
 
+@pytest.mark.devices(4)
 def test_trainer_experimental_compile_on_cpu_devices(devices):
-    require_devices(4)
     x, y = np.zeros((4, 8, 8, 1), np.float32), np.zeros((4,), np.int32)
     small = _trainer(jaxdist.TPUStrategy(devices=devices[:4]), k=1).experimental_compile(x, y)
     assert small.flops > 0 and small.unit == "device"

@@ -51,6 +51,7 @@ def _in_process(seed, **kwargs):
     return t.get_weights()["params"]
 
 
+@pytest.mark.devices(2)
 def test_coordinator_trains_a_dropout_model_reproducibly_with_metrics_lr_and_weights():
     c = start_cluster(workers=1, ps=1)
     try:

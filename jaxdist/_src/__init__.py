@@ -9,6 +9,7 @@ def publish(module_name: str, *classes: type) -> None:
     private module that defines it.
 
     Example:
+        >>> from jaxdist._src import publish
         >>> class PeerLostError(Exception): ...
         >>> publish("jaxdist", PeerLostError)
         >>> PeerLostError.__module__

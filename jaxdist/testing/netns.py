@@ -3,6 +3,7 @@ bridge (``NetworkNamespaces``), and ``LocalCluster`` with one task per host
 (``NetnsCluster``). Needs root and iproute2; ``unavailable_reason()`` says why not elsewhere.
 
 Example:
+    >>> from jaxdist.testing.netns import address_plan
     >>> address_plan(3)
     ['10.213.0.1', '10.213.0.2', '10.213.0.3']
     >>> with NetnsCluster(NetworkNamespaces(3), workers=3) as c:   # doctest: +SKIP

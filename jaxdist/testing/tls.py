@@ -7,6 +7,8 @@ hosts=[...])`` issues a throwaway CA and one certificate per name (``LocalPKI``)
 small clusters; use your own PKI in production.
 
 Example:
+    >>> import os
+    >>> from jaxdist.testing.tls import install_process_tls, task_tls
     >>> client_tls = install_process_tls()      # this process now speaks mutual TLS
     >>> env = dict(os.environ)
     >>> env.update(task_tls().env())            # for a server process it starts
@@ -29,6 +31,7 @@ def process_pki() -> LocalPKI:
     """The process-wide PKI (identities ``"task"`` and ``"client"``), made on first use.
 
     Example:
+        >>> from jaxdist.testing.tls import process_pki
         >>> process_pki().identities["client"]
         TLSConfig(ca='.../ca.pem', cert='.../client.pem', key='.../client.key', server_name=None)
     """
@@ -43,6 +46,7 @@ def task_tls() -> _tls.TLSConfig:
     """The identity for server processes a test starts.
 
     Example:
+        >>> from jaxdist.testing.tls import task_tls
         >>> env = {}
         >>> env.update(task_tls().env())
         >>> sorted(env)
@@ -55,6 +59,7 @@ def install_process_tls() -> _tls.TLSConfig:
     """Makes this process use the ``"client"`` identity (``JAXDIST_TLS_*`` in ``os.environ``).
 
     Example:
+        >>> from jaxdist.testing.tls import install_process_tls
         >>> tls = install_process_tls()
     """
     tls = process_pki().identities["client"]

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+from devutil import PRECISE
 
 from jaxdist._src.cluster import handshake
 from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
@@ -128,8 +129,9 @@ def wait_fds(server, target, timeout):
     return None
 
 
+@pytest.mark.parametrize("precise", PRECISE)
 @pytest.mark.parametrize("send", [b"", HALF_TLS], ids=["idle", "half_tls"])
-def test_a_flood_of_2000_connections_under_1024_open_files_locks_nobody_out(pki, send):
+def test_a_flood_of_2000_connections_under_1024_open_files_locks_nobody_out(pki, send, precise):
     server = ServerProcess(pki, nofile=1024)
     client = PSClient([server.address], TOKEN, timeout=10, tls=pki.identities["client"])
     socks = []
@@ -149,12 +151,14 @@ def test_a_flood_of_2000_connections_under_1024_open_files_locks_nobody_out(pki,
             newcomer.close()
         print(f"pull {before * 1e3:.1f} ms; during the flood: {during * 1e3:.1f} ms, a new "
               f"client's first {first * 1e3:.1f} ms; fds {baseline} -> {server.fds()}")
-        assert during < before + 1.0
-        assert first < before + 1.0
-        back = wait_fds(server, baseline + 2, HANDSHAKE_S + 3.0)
+        if precise:  # nobody waits: a pull at most 1 s slower (a wall-clock claim)
+            assert during < before + 1.0
+            assert first < before + 1.0
+        back = wait_fds(server, baseline + 2, HANDSHAKE_S + (3.0 if precise else 60.0))
         assert back is not None, f"{server.fds()} descriptors, {baseline} before the flood"
         print(f"back to {server.fds()} descriptors {back:.1f} s later")
-        assert timed(pull) < before + 1.0
+        after = timed(pull)
+        assert not precise or after < before + 1.0
     finally:
         for s in socks:
             s.close()
@@ -162,7 +166,8 @@ def test_a_flood_of_2000_connections_under_1024_open_files_locks_nobody_out(pki,
         server.close()
 
 
-def test_one_address_flooding_the_grpc_port_keeps_only_its_cap(pki):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_one_address_flooding_the_grpc_port_keeps_only_its_cap(pki, precise):
     """2,000 half-TLS connections from 127.0.0.2: the gate keeps at most
     ``max_connections_per_peer`` of them (the most recently active), so the server's
     descriptors stay bounded long before the handshake deadline."""
@@ -178,7 +183,8 @@ def test_one_address_flooding_the_grpc_port_keeps_only_its_cap(pki):
         held = server.fds() - baseline
         print(f"{held} descriptors over the baseline 1 s into the flood")
         assert held <= 32 + 4
-        assert timed(lambda: client.call(0, "Ping")) < 1.0
+        took = timed(lambda: client.call(0, "Ping"))  # answered within the client's timeout
+        assert not precise or took < 1.0  # and at most 1 s slower (a wall-clock claim)
     finally:
         for s in socks:
             s.close()
@@ -186,7 +192,8 @@ def test_one_address_flooding_the_grpc_port_keeps_only_its_cap(pki):
         server.close()
 
 
-def test_a_flood_of_the_worker_grpc_port_passes_and_its_sockets_close():
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_flood_of_the_worker_grpc_port_passes_and_its_sockets_close(precise):
     """The worker task's gRPC port has the same limits: 2,000 half-TLS connections leave a
     Ping at most 1 s slower, and the port's server-side sockets are gone within the
     handshake deadline (counted in this process: the worker runs here)."""
@@ -220,12 +227,13 @@ def test_a_flood_of_the_worker_grpc_port_passes_and_its_sockets_close():
         while (held := server_sockets()) > cap and time.monotonic() - t0 < 1.0:
             time.sleep(0.05)
         t0 = time.monotonic()
-        while server_sockets() > baseline and time.monotonic() - t0 < HANDSHAKE_S + 3.0:
+        while (server_sockets() > baseline
+               and time.monotonic() - t0 < HANDSHAKE_S + (3.0 if precise else 60.0)):
             time.sleep(0.1)
         print(f"worker Ping {before * 1e3:.1f} ms, {during * 1e3:.1f} ms in the flood; "
               f"server sockets {baseline} -> {held} -> {server_sockets()} "
               f"{time.monotonic() - t0:.1f} s later")
-        assert during < before + 1.0
+        assert not precise or during < before + 1.0  # a wall-clock claim
         assert held <= cap  # the gate's per-address cap, within a second
         from jaxdist._src.transport.connections import _peer_and_idle
         left = [s for _, s in _port_sockets({port})]
@@ -240,7 +248,8 @@ def test_a_flood_of_the_worker_grpc_port_passes_and_its_sockets_close():
         server.stop(0)
 
 
-def test_an_authenticated_connection_without_calls_closes_after_the_idle_timeout(pki):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_an_authenticated_connection_without_calls_closes_after_the_idle_timeout(pki, precise):
     """``idle_seconds`` (gRPC's max_connection_idle): the server closes a client's connection
     that carries no call, and the client's next call reconnects."""
     from jaxdist._src.transport.connections import _port_sockets
@@ -260,11 +269,11 @@ def test_an_authenticated_connection_without_calls_closes_after_the_idle_timeout
         client.call(0, "Ping")
         assert server_sockets() == 1
         t0 = time.monotonic()
-        while server_sockets() and time.monotonic() - t0 < 5.0:
+        while server_sockets() and time.monotonic() - t0 < (5.0 if precise else 60.0):
             time.sleep(0.1)
         closed_after = time.monotonic() - t0
         assert server_sockets() == 0, "the idle connection is still open"
-        assert closed_after < 3.0
+        assert not precise or closed_after < 3.0  # within 2 s of idle_seconds
         assert client.call(0, "Ping")[0]["task"] == "ps:0"
     finally:
         client.close()
@@ -282,7 +291,9 @@ def _open(sock, within=1.0):
         return False
 
 
-def test_a_flood_of_the_direct_port_from_one_address_pushes_out_only_its_own(pki, monkeypatch):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_flood_of_the_direct_port_from_one_address_pushes_out_only_its_own(pki, monkeypatch,
+                                                                            precise):
     monkeypatch.setattr(direct_server, "MAX_HANDSHAKES", 16)  # 8 per address
     monkeypatch.setenv("JAXDIST_HANDSHAKE_SECONDS", "60")  # only the caps close them
     server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token=TOKEN,
@@ -297,7 +308,7 @@ def test_a_flood_of_the_direct_port_from_one_address_pushes_out_only_its_own(pki
         try:
             took = timed(lambda: client.call(0, "Ping"))
             assert client.direct_calls == 1  # served on the direct port
-            assert took < 1.0
+            assert not precise or took < 1.0  # at once (a wall-clock claim)
         finally:
             client.close()
         slow.close()
@@ -307,7 +318,9 @@ def test_a_flood_of_the_direct_port_from_one_address_pushes_out_only_its_own(pki
         server.stop(0)
 
 
-def test_a_flood_of_the_handshake_port_from_one_address_pushes_out_only_its_own(monkeypatch):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_flood_of_the_handshake_port_from_one_address_pushes_out_only_its_own(monkeypatch,
+                                                                               precise):
     from test_handshake import _group
 
     monkeypatch.setattr(handshake, "MAX_PENDING", 8)
@@ -333,7 +346,7 @@ def test_a_flood_of_the_handshake_port_from_one_address_pushes_out_only_its_own(
                                             tls_material=None))
         chief.join(10)
         assert not errors and not chief.is_alive(), errors
-        assert took < 1.0
+        assert not precise or took < 1.0  # at once (a wall-clock claim)
     finally:
         slow.close()
         for s in socks:

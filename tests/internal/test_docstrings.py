@@ -1,11 +1,15 @@
 """jaxdist's docstrings: every public class and function has one with an example, and every
-``>>>`` example in the package (public modules and ``jaxdist/_src``) runs under doctest.
+``>>>`` example in the package (public modules and ``jaxdist/_src``) runs under doctest, the
+way ``pytest --doctest-modules jaxdist`` runs it from a plain checkout.
 
 The doctest run walks the package (so a module that moves is still found), imports each
-module once in this process and runs its docstrings' examples the way ``doctest.testmod``
-does: in a copy of the module's globals, plus ``jax``, ``jnp`` (``jax.numpy``), ``np``
-(``numpy``) and ``jaxdist``. Each example runs in a fresh temporary working directory with
-``os.environ`` restored afterwards. Conventions inside a docstring:
+module once in this process and runs its docstrings' examples with doctest, each in globals
+of its own that hold nothing but ``__name__``: an example imports what it uses (``jax``,
+``jnp``, ``jaxdist`` ...), so it runs as a reader copies it, and under
+``pytest --doctest-modules`` (which adds the module's globals). Each example runs in a fresh
+temporary working directory with ``os.environ`` restored afterwards. Conventions inside a
+docstring (the checkout's root conftest.py registers the options and gives their skips, for
+this harness and for ``pytest --doctest-modules jaxdist`` alike):
 
 * ``# doctest: +SKIP`` marks a line that is only illustrative (it needs a cluster, a TPU, a
   file or the network); keep these few.
@@ -13,25 +17,33 @@ does: in a copy of the module's globals, plus ``jax``, ``jnp`` (``jax.numpy``), 
   example needs that many devices on the default backend: with fewer (e.g. under
   ``JAX_NUM_CPU_DEVICES=1``) the docstring's examples are skipped, and the skip is reported.
   ``# doctest: +NEEDS_LIBTPU`` does the same for an example that compiles for a named TPU
-  topology (``pip install 'jaxdist[tpu]'``).
-* Output is compared with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE``; an exception's name is
-  compared without its module path (``DoubleReductionError: ...`` matches
-  ``jaxdist._src.strategies.replica_reduce.DoubleReductionError: ...``), its message in full.
+  topology (``pip install 'jaxdist[tpu]'``), ``+NEEDS_KERAS``, ``+NEEDS_TF`` and
+  ``+NEEDS_GRAIN`` for one that needs Keras, TensorFlow's tf.data or grain.
+* Output is compared with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` (pyproject's
+  ``doctest_optionflags``); an exception is written as Python prints it, with its module
+  path (``jaxdist.DoubleReductionError: ...``; most public errors print their public module).
+
+``test_pytest_doctest_modules_collects`` checks that ``pytest --doctest-modules jaxdist``
+collects every module in a clean environment (no ``KERAS_BACKEND``, no
+``JAX_NUM_CPU_DEVICES``): an unregistered option or a module that cannot be imported there
+fails it.
 """
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import os
+import pathlib
 import pkgutil
 import re
+import subprocess
+import sys
 import warnings
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxdist
@@ -61,23 +73,21 @@ def test_public_api_has_docstring_with_example(name, obj):
 
 # --- every docstring example runs -------------------------------------------------------------
 
-_DEVICE_FLAGS = {n: doctest.register_optionflag(f"NEEDS_{n}_DEVICES") for n in (2, 4, 8)}
-_LIBTPU_FLAG = doctest.register_optionflag("NEEDS_LIBTPU")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _root_conftest():
+    """The checkout's root conftest.py (pytest imports it as ``conftest`` and then this
+    directory's as ``conftest`` too): the doctest options and their skips."""
+    spec = importlib.util.spec_from_file_location("_jaxdist_root_conftest",
+                                                  ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_RULES = _root_conftest()
 _OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-_GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "jaxdist": jaxdist}
-
-
-# An exception line's qualified name ("pkg.mod.SomeError: msg"): doctest prints the module path.
-_QUALIFIED_ERROR = re.compile(
-    r"^(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*(?:Error|Exception|Exit|Warning|Interrupt)\b)", re.M)
-
-
-class _Checker(doctest.OutputChecker):
-    """doctest's checker, reading exception names without their module path."""
-
-    def check_output(self, want: str, got: str, optionflags: int) -> bool:
-        return super().check_output(_QUALIFIED_ERROR.sub(r"\1", want),
-                                    _QUALIFIED_ERROR.sub(r"\1", got), optionflags)
 
 
 def _modules() -> list[str]:
@@ -85,11 +95,6 @@ def _modules() -> list[str]:
     names = ["jaxdist"]
     names += [m.name for m in pkgutil.walk_packages(jaxdist.__path__, prefix="jaxdist.")]
     return sorted(names)
-
-
-def _devices_needed(test: doctest.DocTest) -> int:
-    return max((n for ex in test.examples for n, flag in _DEVICE_FLAGS.items()
-                if ex.options.get(flag)), default=0)
 
 
 def _where(test: doctest.DocTest) -> str:
@@ -111,20 +116,15 @@ def _run_module_examples(module_name: str, workdir) -> tuple[int, list[str], lis
     module = importlib.import_module(module_name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     ran, skipped, failures = 0, [], []
-    have = len(jax.devices())
-    for test in finder.find(module, module_name, extraglobs=_GLOBALS):
+    # each docstring's examples run in globals of their own: what they use, they import
+    for test in finder.find(module, module_name, globs={"__name__": module_name}):
         if not test.examples:
             continue
-        need = _devices_needed(test)
-        if need > have:
-            skipped.append(f"{_where(test)}: needs {need} devices, {have} available")
+        why = _RULES.doctest_skip_reason(test)
+        if why:
+            skipped.append(f"{_where(test)}: {why}")
             continue
-        if (any(ex.options.get(_LIBTPU_FLAG) for ex in test.examples)
-                and not jaxdist.tpu.libtpu_available()):
-            skipped.append(f"{_where(test)}: needs libtpu (pip install 'jaxdist[tpu]')")
-            continue
-        runner = doctest.DocTestRunner(checker=_Checker(),
-                                       optionflags=_OPTIONS | doctest.REPORT_ONLY_FIRST_FAILURE)
+        runner = doctest.DocTestRunner(optionflags=_OPTIONS | doctest.REPORT_ONLY_FIRST_FAILURE)
         report: list[str] = []
         saved_env, saved_cwd = dict(os.environ), os.getcwd()
         saved_filtering = jax.config.jax_traceback_filtering
@@ -157,3 +157,40 @@ def test_docstring_examples_run(module_name, tmpdir):
         pytest.skip("; ".join(skipped))
     for why in skipped:  # the module's other examples ran: the skips show in the summary
         warnings.warn(why, DocstringExamplesSkipped, stacklevel=1)
+
+
+def test_needs_options_skip_with_the_reason(monkeypatch):
+    """A docstring that states a need is skipped, naming it, when it is absent (here: every
+    optional package hidden, and more devices than exist asked for)."""
+    parser = doctest.DocTestParser()
+
+    def reason(line):
+        return _RULES.doctest_skip_reason(parser.get_doctest(f">>> {line}\n", {}, "t", None, 0))
+
+    assert reason("1 + 1") is None
+    have = len(jax.devices())
+    assert reason(f"1  # doctest: +NEEDS_{2 if have < 2 else 8}_DEVICES") == (
+        None if have >= 8 else f"needs {2 if have < 2 else 8} devices, {have} available")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert reason("import keras  # doctest: +NEEDS_KERAS") == (
+        "needs Keras 3 (pip install 'jaxdist[keras]')")
+    assert reason("import tensorflow  # doctest: +NEEDS_TF") == (
+        "needs TensorFlow's tf.data (pip install 'jaxdist[tfdata]')")
+    assert reason("import grain  # doctest: +NEEDS_GRAIN") == (
+        "needs grain (pip install 'jaxdist[grain]')")
+
+
+def test_pytest_doctest_modules_collects(tmp_path):
+    """``pytest --doctest-modules jaxdist`` from the checkout, in an environment without the
+    suite's settings, collects every module's examples (the examples themselves run above)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_BACKEND", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "PYTEST_ADDOPTS")
+           and not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--doctest-modules", "jaxdist", "--collect-only", "-q",
+         "-p", "no:cacheprovider"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    collected = re.search(r"(\d+) tests? collected", proc.stdout)
+    assert collected and int(collected.group(1)) >= len(_modules()), proc.stdout[-2000:]

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist._src.cluster.errors import ClusterTimeoutError
 from jaxdist._src.cluster.handshake import (
@@ -57,7 +58,8 @@ def test_every_process_with_the_token_joins_and_the_port_is_free_again(tls):
         s.bind(("127.0.0.1", port))
 
 
-def test_a_wrong_token_is_refused_with_a_typed_error_and_the_chief_keeps_waiting(caplog):
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_wrong_token_is_refused_with_a_typed_error_and_the_chief_keeps_waiting(caplog, precise):
     port = pick_free_ports(1)[0]
     group = _group(0, port, TASKS[:2])
     chief, c_out = _run(serve_handshake, group, "s3cret", 20, tls_material=None)
@@ -65,7 +67,8 @@ def test_a_wrong_token_is_refused_with_a_typed_error_and_the_chief_keeps_waiting
     with pytest.raises(ClusterAuthenticationError, match="worker:1: the cluster handshake with "
                                                          "worker:0 at 127.0.0.1:.*refused") as e:
         join_handshake(_group(1, port, TASKS[:2]), "guess", 10, tls_material=None)
-    assert time.monotonic() - t0 < 5 and e.value.tasks == ("worker:1",)
+    assert e.value.tasks == ("worker:1",)  # refused, not timed out (10 s)
+    assert not precise or time.monotonic() - t0 < 5  # at once (a wall-clock claim)
     assert "s3cret" not in str(e.value) and "guess" not in str(e.value)
     assert chief.is_alive()  # the cluster refused it and waits for the real process
     join_handshake(_group(1, port, TASKS[:2]), "s3cret", 10, tls_material=None)

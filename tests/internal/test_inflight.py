@@ -64,6 +64,7 @@ def test_throttle_bounds_pending():
         StepThrottle(0)
 
 
+@pytest.mark.devices(2)
 def test_max_steps_in_flight_is_configurable():
     s = jaxdist.MirroredStrategy(jax.devices()[:2])
     assert s.extended.experimental_max_steps_in_flight == 2

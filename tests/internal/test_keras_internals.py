@@ -214,9 +214,8 @@ def _stock_vars():
 _BEFORE = _stock_vars()  # JAXTrainer as Keras defines it (no jaxdist scope entered yet)
 
 
+@pytest.mark.devices(2)
 def test_trainer_is_keras_own_outside_every_jaxdist_scope(devices):
-    if len(devices) < 2:
-        pytest.skip(f"needs 2 devices, {len(devices)} available")
     assert not ki.trainer_hooks_installed()
     x = np.random.default_rng(0).normal(size=(10, 3)).astype("float32")
     y = np.random.default_rng(1).normal(size=(10, 2)).astype("float32")
@@ -312,10 +311,9 @@ def _plain_fit():
     return model.get_weights()
 
 
+@pytest.mark.devices(2)
 def test_a_plain_model_after_jaxdist_keras_trains_as_in_a_process_without_jaxdist(devices,
                                                                                  tmp_path):
-    if len(devices) < 2:
-        pytest.skip(f"needs 2 devices, {len(devices)} available")
     out = tmp_path / "plain.npz"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # The process without jaxdist runs while this one trains (they share nothing).

@@ -72,6 +72,7 @@ def test_load_weights_on_one_device_gives_no_mixed_sharding_warning(ps_weights, 
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.devices(2)
 def test_state_on_several_devices_is_still_checked():
     """Only state that lives on one device skips Keras's check; a real mix still warns."""
     if len(jax.devices()) < 2:

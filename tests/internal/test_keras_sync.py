@@ -93,6 +93,7 @@ def test_batches_are_split_over_replicas(devices):
             dist.get_data_layout((6, 5))
 
 
+@pytest.mark.devices(4)
 def test_evaluate_and_predict_match(devices, reference):
     ref = _model()
     _fit(ref)
@@ -107,6 +108,7 @@ def test_evaluate_and_predict_match(devices, reference):
     np.testing.assert_allclose(got_pred, want_pred, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(2)
 def test_callbacks_metrics_and_steps_per_execution(devices, reference):
     seen = []
 
@@ -145,6 +147,7 @@ def test_wrong_backend_message(monkeypatch):
         jk.require_keras()
 
 
+@pytest.mark.devices(2)
 def test_distribution_scope_is_noop_without_keras(devices, monkeypatch):
     import sys
 
@@ -153,6 +156,7 @@ def test_distribution_scope_is_noop_without_keras(devices, monkeypatch):
         assert dist is None
 
 
+@pytest.mark.devices(4)
 def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
     # TF's guide builds and compiles in the scope and calls fit outside it.
     strategy = jaxdist.MirroredStrategy(devices[:4])
@@ -172,6 +176,7 @@ def test_fit_outside_the_scope_gives_the_same_numbers(devices, reference):
     assert keras.distribution.distribution() is None and not jaxdist.has_strategy()
 
 
+@pytest.mark.devices(2)
 def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):
     # What Strategy.scope() would enter after jax.set_mesh (one line; see jaxdist.keras).
     strategy = jaxdist.MirroredStrategy(devices[:2])
@@ -183,6 +188,7 @@ def test_distribution_scope_is_the_strategy_scope_hook(devices, reference):
     assert keras.distribution.distribution() is None
 
 
+@pytest.mark.devices(4)
 def test_plain_strategy_scope_is_enough(devices, reference):
     # The TF guide's sample: no jaxdist.keras in sight, only strategy.scope().
     strategy = jaxdist.MirroredStrategy(devices[:4])
@@ -195,6 +201,7 @@ def test_plain_strategy_scope_is_enough(devices, reference):
     _assert_same(hist, model.get_weights(), reference)
 
 
+@pytest.mark.devices(2)
 def test_scope_hook_skips_other_backends(devices, monkeypatch):
     strategy = jaxdist.MirroredStrategy(devices[:2])
     monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
@@ -203,6 +210,7 @@ def test_scope_hook_skips_other_backends(devices, monkeypatch):
 
 
 @pytest.mark.parametrize("spe", [1, 2], ids=["spe1", "spe2"])
+@pytest.mark.devices(5)
 def test_central_storage_matches_one_device(devices, reference, spe):
     compute = devices[1:5] or devices[:1]  # apart from the parameter device where possible
     strategy = jaxdist.CentralStorageStrategy(compute, devices[0])
@@ -228,6 +236,7 @@ def test_central_storage_matches_one_device(devices, reference, spe):
     np.testing.assert_allclose(pred, ref.predict(X, batch_size=8, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(3)
 def test_central_storage_step_runs_on_the_compute_devices(devices):
     compute = devices[1:3] or devices[:1]  # apart from the parameter device where possible
     strategy = jaxdist.CentralStorageStrategy(compute, devices[0])
@@ -256,6 +265,7 @@ def test_central_storage_step_runs_on_the_compute_devices(devices):
 
 
 
+@pytest.mark.devices(2)
 def test_tensorboard_without_tensorflow(devices, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -295,6 +305,7 @@ def test_keras_file_callbacks_are_refused_in_a_multi_process_job(devices, monkey
                                    jk.BackupAndRestore(str(tmp_path / "b"))])  # accepted
 
 
+@pytest.mark.devices(4)
 def test_keras_steps_in_flight_are_bounded(devices):
     # Keras's fit loop dispatches steps without waiting; with more forced CPU devices than cores
     # that let XLA's CPU rendezvous abort the process (200 steps on 4 devices did, every time).

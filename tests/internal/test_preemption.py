@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+from devutil import PRECISE
 
 from jaxdist._src.distributed import preemption
 from jaxdist._src.distributed.preemption import PreemptionError, PreemptionWatcher, _Peers
@@ -222,7 +223,8 @@ def test_every_process_stops_at_the_same_step_none_has_started(seed):
     assert all(w.reason == "SIGTERM" for w in watchers)
 
 
-def test_a_silent_peer_is_a_typed_error_within_the_grace_period():
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_silent_peer_is_a_typed_error_within_the_grace_period(precise):
     store = FakeStore()
     a, b = _watchers(2, store, grace=1.0)
     b.close()                       # worker:1 never promises
@@ -233,7 +235,7 @@ def test_a_silent_peer_is_a_typed_error_within_the_grace_period():
         t0 = time.monotonic()
         with pytest.raises(PreemptionError, match="worker:1 did not say where it stops"):
             a.should_stop(1)
-        assert time.monotonic() - t0 < 3.0
+        assert not precise or time.monotonic() - t0 < 3.0  # grace 1 s (a wall-clock claim)
     finally:
         a.close()
 
@@ -316,7 +318,8 @@ def test_sigterm_with_no_loop_ends_the_process_as_by_default():
 
 
 @pytest.mark.platform("cpu")
-def test_a_second_sigterm_exits_at_once_with_one_line():
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_second_sigterm_exits_at_once_with_one_line(precise):
     p = _child("slow_save")
     time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
@@ -329,20 +332,21 @@ def test_a_second_sigterm_exits_at_once_with_one_line():
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 42
-    assert time.monotonic() - t0 < 5
+    assert not precise or time.monotonic() - t0 < 5  # before the save ends (wall clock)
     assert "a second SIGTERM: exiting with 42 at once" in err
     assert "Traceback" not in err
 
 
 @pytest.mark.platform("cpu")
-def test_a_hung_step_ends_when_the_grace_period_runs_out():
+@pytest.mark.parametrize("precise", PRECISE)
+def test_a_hung_step_ends_when_the_grace_period_runs_out(precise):
     p = _child("hang", grace=2.0)
     time.sleep(0.2)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 42
-    assert time.monotonic() - t0 < 6
+    assert not precise or time.monotonic() - t0 < 6  # grace 2 s (a wall-clock claim)
     assert "the 2 s grace period ran out: exiting with 42 at once" in err
 
 

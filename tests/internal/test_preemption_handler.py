@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 from flax import nnx
 
 import jaxdist
@@ -288,7 +289,7 @@ def _batches(strategy):
 def _loop(tmp_path, sigterm_at_step=None):
     """TF's custom loop: objects under the scope, the handler, ``run`` per step. Returns
     (model, optimizer, steps run here, whether it stopped)."""
-    strategy = jaxdist.MirroredStrategy(jax.local_devices()[:4])
+    strategy = jaxdist.MirroredStrategy(first_devices(4))
     with strategy.scope():
         model, optimizer, _ = _objects(0)
         ckpt = jaxdist.Checkpoint(model=model, optimizer=optimizer)

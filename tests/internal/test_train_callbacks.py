@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 from flax import nnx
 
 import jaxdist
@@ -306,8 +307,8 @@ def _strategy(name):
     if name == "one_device":
         return jaxdist.OneDeviceStrategy(jax.devices()[0])
     if name == "mirrored":
-        return jaxdist.MirroredStrategy(jax.devices()[:2])
-    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+        return jaxdist.MirroredStrategy(first_devices(2))
+    return jaxdist.ParameterServerStrategy(compute_devices=first_devices(2), timeout=30.0)
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored", "parameter_server"])

@@ -87,6 +87,7 @@ class _ZeroBiasHook(SyncHook):
         return new.replace(params=params), stats
 
 
+@pytest.mark.devices(2)
 def test_a_hook_returns_the_new_state_and_the_trainer_keeps_it(data):
     hook_registry.register_trainer_hook(_Mirrored, _ZeroBiasHook)
     try:

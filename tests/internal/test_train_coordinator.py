@@ -242,6 +242,7 @@ def test_ps_and_worker_tasks_running_the_train_command_serve(task, serves, monke
 
 
 # ---------------------------------------------------------------------- steps and their stats
+@pytest.mark.devices(2)
 def test_a_worker_step_computes_every_metric_and_honours_sample_weights():
     """``WorkerStep`` (what a worker runs) on an in-process ps: the step's loss, accuracy and
     metric sums equal the synchronous trainer's first step on the same batch."""

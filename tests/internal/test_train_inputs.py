@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 from flax import nnx
 
 import jaxdist
@@ -43,7 +44,7 @@ def data():
 
 @pytest.fixture(scope="module")
 def strategy():
-    return jaxdist.MirroredStrategy(jax.devices()[:2])
+    return jaxdist.MirroredStrategy(first_devices(2))
 
 
 def _trainer(strategy, model=None, lr=0.1, **kw):

@@ -48,6 +48,7 @@ def _exact_auc(scores, labels):
                   .sum()) / (len(pos) * len(neg)))
 
 
+@pytest.mark.devices(8)
 def test_eight_replicas_with_a_partial_last_batch_equal_one_device():
     x, y = _data(101, 4)  # 6 full global batches of 16 and a partial one of 5
     metrics = ["accuracy", M.SparseTopKCategoricalAccuracy(k=2)]
@@ -64,6 +65,7 @@ def test_eight_replicas_with_a_partial_last_batch_equal_one_device():
     assert a["accuracy"] == pytest.approx(np.mean(logits.argmax(1) == y), abs=1e-7)
 
 
+@pytest.mark.devices(8)
 def test_auc_streams_as_keras_and_reduces_across_replicas():
     x, y = _data(101, 2, seed=3)
     one = _trainer(jaxdist.OneDeviceStrategy(jax.devices()[0]), 2, ["auc"])
@@ -76,6 +78,7 @@ def test_auc_streams_as_keras_and_reduces_across_replicas():
     assert "accuracy" not in a  # only the metrics asked for
 
 
+@pytest.mark.devices(4)
 def test_train_metrics_and_learning_rate_match_across_strategies():
     x, y = _data(128, 4)
     metrics = ["accuracy", {"name": "sparse_top_k_categorical_accuracy", "k": 2}]
@@ -127,6 +130,7 @@ def test_config_metrics_are_validated(metrics, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.devices(2)
 def test_weighted_metrics_are_weighted_and_metrics_are_not_as_in_keras():
     """``metrics`` ignore the sample weights, ``weighted_metrics`` use them (Keras' names:
     a repeated name gets ``weighted_``); a weight of 2 counts a row twice."""

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 from flax import nnx
 
 import jaxdist
@@ -192,7 +193,7 @@ def test_batch_norm_option_is_checked():
 
 
 def _ps_strategy():
-    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+    return jaxdist.ParameterServerStrategy(compute_devices=first_devices(2), timeout=30.0)
 
 
 def test_parameter_servers_train_dropout_and_reject_batch_norm(data, monkeypatch):

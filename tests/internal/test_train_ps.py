@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from devutil import first_devices
 
 import jaxdist
 from jaxdist._src.cluster.task_info import TaskInfo
@@ -34,7 +35,7 @@ def _no_cluster(monkeypatch):
 
 
 def _local_strategy():
-    return jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
+    return jaxdist.ParameterServerStrategy(compute_devices=first_devices(2), timeout=30.0)
 
 
 def _cfg(tmp_path, *overrides):
@@ -59,10 +60,15 @@ def six_epochs(tmp_path_factory):
             "kept": kept}
 
 
+@pytest.mark.timing
+def test_in_process_training_takes_under_two_minutes(six_epochs):
+    """A speed claim (deselected by default): six epochs under the in-process ps."""
+    assert six_epochs["wall"] < 120
+
+
 def test_in_process_training_reaches_the_accuracy_bar(six_epochs):
     history = six_epochs["history"]
     assert history.history["val_accuracy"][-1] >= 0.95, history.history
-    assert six_epochs["wall"] < 120
     end = history.records[-1]
     assert end["event"] == "end"
     assert end["step"] == 6 * (1437 // 32)
@@ -227,6 +233,7 @@ def _small_trainer(strategy, optimizer, **kwargs):
             weighted_metrics=["accuracy", "auc"], **kwargs)
 
 
+@pytest.mark.devices(2)
 def test_every_metric_is_computed_under_ps_and_equals_the_synchronous_trainers():
     """One in-process worker on the strategy's 2 devices runs the same steps as
     MirroredStrategy on them: loss, accuracy, AUC and top-k (and sample weights) agree."""
@@ -246,6 +253,7 @@ def test_every_metric_is_computed_under_ps_and_equals_the_synchronous_trainers()
     assert 0.5 < h_ps.history["auc"][-1] <= 1.0
 
 
+@pytest.mark.devices(2)
 def test_learning_rate_and_set_weights_reach_the_parameter_servers(tmp_path):
     from jaxdist._src.train.callbacks import ReduceLROnPlateau
 
@@ -287,6 +295,7 @@ def test_a_scheduled_ps_learning_rate_cannot_be_changed():
         trainer.learning_rate = 0.01
 
 
+@pytest.mark.devices(2)
 def test_a_stream_trains_under_between_graph_as_under_a_synchronous_strategy():
     """Each worker reads the stream it is given; with one worker that is every batch."""
     x, y = _binary_data(64)

@@ -89,6 +89,7 @@ def test_two_trainers_write_two_runs_that_tensorboard_overlays(data, tmp_path, c
     assert steps == sorted(steps) and steps[-1] == 12
 
 
+@pytest.mark.devices(4)
 def test_startup_line_names_replicas_devices_and_processes(data, capsys):
     devs = jax.devices()[:4]  # 4, or as many as exist
     n, kind = len(devs), devs[0].platform

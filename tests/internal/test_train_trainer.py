@@ -75,6 +75,7 @@ def test_matches_single_device(name, dataset, reference):
             assert x.sharding.device_set == {jax.devices()[0]}
 
 
+@pytest.mark.devices(2)
 def test_steps_per_execution_equals_single_steps(dataset):
     train, _ = dataset
     strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
@@ -92,6 +93,7 @@ def test_steps_per_execution_equals_single_steps(dataset):
     assert h1.history["loss"] == pytest.approx(h3.history["loss"], rel=1e-6)
 
 
+@pytest.mark.devices(2)
 def test_same_seed_same_loss(dataset):
     train, val = dataset
     out = []
@@ -105,6 +107,7 @@ def test_same_seed_same_loss(dataset):
     assert h.history["loss"] != out[0][0]  # the seed changes the data order
 
 
+@pytest.mark.devices(2)
 def test_resume_from_checkpoint_equals_uninterrupted(dataset, tmp_path):
     train, _ = dataset
     strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
@@ -122,6 +125,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(dataset, tmp_path):
     assert resumed._checkpointer.all_steps() == [12, 13]
 
 
+@pytest.mark.devices(4)
 def test_evaluate_and_predict_cover_every_example(dataset):
     train, val = dataset  # 65 validation examples: 3 batches of 32, the last one padded
     t = _trainer(jaxdist.MirroredStrategy(jax.devices()[:4]))
@@ -135,6 +139,7 @@ def test_evaluate_and_predict_cover_every_example(dataset):
     assert ev["loss"] == pytest.approx(float(np.mean(ce)), rel=1e-5)
 
 
+@pytest.mark.devices(2)
 def test_nan_loss_halts_and_keeps_last_good_checkpoint(dataset, tmp_path):
     train, _ = dataset
     x = train.x.copy()
@@ -170,6 +175,7 @@ def test_batch_must_divide_across_replicas():
         del _trainer_bad
 
 
+@pytest.mark.devices(2)
 def test_cnn_trains_under_scope_strategy():
     train, val = job_data.load_digits()
     strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
@@ -198,6 +204,7 @@ def test_same_seed_and_config_same_final_loss_through_run_job():
 
 
 @pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.devices(2)
 def test_input_blocks_train_on_each_batch_once_in_order(dataset, k):
     """Steps fed from input blocks (several steps per host-to-device transfer, the chunk picked
     on the device, the last block of an epoch padded) equal a hand-written optax loop over the

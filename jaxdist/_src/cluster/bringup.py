@@ -75,6 +75,7 @@ def add_shutdown_hook(hook: Callable[[], None]) -> None:
     goes away (a thread that uses the client stops there).
 
     Example:
+        >>> from jaxdist._src.cluster.bringup import add_shutdown_hook
         >>> add_shutdown_hook(lambda: None)
     """
     _shutdown_hooks.append(hook)
@@ -394,6 +395,9 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
         ClusterTimeoutError: the step did not finish in time and no member is known dead.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.cluster.bringup import wait_for_step
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> loss = wait_for_step(strategy.run(lambda x: x * 2, args=(jnp.ones(3),)))
     """
@@ -579,6 +583,7 @@ def should_save_checkpoint() -> bool:
     """Whether this task writes checkpoints: the chief of the joined cluster (True alone).
 
     Example:
+        >>> from jaxdist._src.cluster.bringup import should_save_checkpoint
         >>> should_save_checkpoint()     # a single process
         True
     """
@@ -593,6 +598,7 @@ def should_load_checkpoint() -> bool:
     task of ``MultiWorkerMirroredStrategy`` (each task restores the same state).
 
     Example:
+        >>> from jaxdist._src.cluster.bringup import should_load_checkpoint
         >>> should_load_checkpoint()
         True
     """

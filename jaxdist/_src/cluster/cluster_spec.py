@@ -80,6 +80,7 @@ class ClusterSpec:
         ClusterConfigError: the description is malformed; the message quotes the bad part.
 
     Example:
+        >>> from jaxdist.cluster_resolver import ClusterSpec
         >>> spec = ClusterSpec({"chief": ["h0:2222"], "worker": {1: "h1:2222"}})
         >>> spec.jobs
         ['chief', 'worker']

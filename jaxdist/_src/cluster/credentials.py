@@ -22,6 +22,7 @@ A cluster has two secrets:
 (``python -m jaxdist.launch`` and ``jaxdist.testing.LocalCluster`` do this).
 
 Example:
+    >>> from jaxdist.coordinator import CoordinatorKeys, new_coordinator_token
     >>> keys = CoordinatorKeys(new_coordinator_token())
     >>> cred = keys.worker_credential("worker:0")
     >>> cred.verify(keys.sign(b"m"), b"m"), cred.answer_key == keys.answer_key("worker:0")
@@ -60,6 +61,7 @@ def new_coordinator_token() -> str:
     """A fresh random coordinator token.
 
     Example:
+        >>> from jaxdist.coordinator import new_coordinator_token
         >>> len(new_coordinator_token())
         64
     """
@@ -70,6 +72,7 @@ def token_digest(token: str) -> str:
     """The hex SHA-256 of a token.
 
     Example:
+        >>> from jaxdist._src.cluster.credentials import token_digest
         >>> token_digest("a")[:8]
         'ca978112'
     """
@@ -87,6 +90,7 @@ def coordinator_token(token: str | None = None,
     """The coordinator token: ``token``, TF_CONFIG ``"coordinator_token"``, or the environment.
 
     Example:
+        >>> from jaxdist._src.cluster.credentials import coordinator_token
         >>> coordinator_token(environ={"JAXDIST_COORDINATOR_TOKEN": "c0"})
         'c0'
     """
@@ -125,6 +129,7 @@ class WorkerCredential:
         ClusterConfigError: either is not 64 hex digits.
 
     Example:
+        >>> from jaxdist.coordinator import CoordinatorKeys, WorkerCredential
         >>> keys = CoordinatorKeys("c0")
         >>> cred = WorkerCredential(keys.public_key, keys.answer_key("worker:0").hex())
         >>> cred.verify(keys.sign(b"x"), b"x"), cred.verify(b"0" * 64, b"x")
@@ -153,6 +158,7 @@ class CoordinatorKeys:
         token: the coordinator token.
 
     Example:
+        >>> from jaxdist.coordinator import CoordinatorKeys
         >>> keys = CoordinatorKeys("c0")
         >>> len(keys.public_key), len(keys.sign(b"m")), len(keys.answer_key("worker:1"))
         (64, 64, 32)
@@ -183,6 +189,7 @@ class CoordinatorKeys:
         """Worker ``task``'s credential as environment variables.
 
         Example:
+            >>> from jaxdist.coordinator import CoordinatorKeys
             >>> sorted(CoordinatorKeys("c0").worker_env("worker:0"))
             ['JAXDIST_COORDINATOR_ANSWER_KEY', 'JAXDIST_COORDINATOR_PUBLIC_KEY']
         """
@@ -206,6 +213,8 @@ def worker_credential(task: str, value: WorkerCredential | str | None = None,
             the token's SHA-256 (``coordinator_token_sha256``), which is no longer enough.
 
     Example:
+        >>> from jaxdist._src.cluster.credentials import worker_credential
+        >>> from jaxdist.coordinator import CoordinatorKeys
         >>> keys = CoordinatorKeys("c0")
         >>> cred = worker_credential("worker:0", environ=keys.worker_env("worker:0"))
         >>> cred.public_key == keys.public_key

@@ -26,6 +26,7 @@ class TFConfigError(ClusterConfigError):
             for the whole document).
 
     Example:
+        >>> from jaxdist import TFConfigError
         >>> from jaxdist.cluster_resolver import TFConfigClusterResolver
         >>> bad = '{"cluster": {"worker": ["h:+80"]}}'
         >>> try:
@@ -48,7 +49,7 @@ class ClusterMergeError(KeyError, ClusterConfigError):
         >>> UnionResolver(SimpleClusterResolver({"worker": {7: "a:1"}}),
         ...               SimpleClusterResolver({"worker": {7: "b:1"}})).cluster_spec()
         Traceback (most recent call last):
-        ClusterMergeError: Duplicate keys detected when merging two ClusterSpecs: ...
+        jaxdist.ClusterMergeError: Duplicate keys detected when merging two ClusterSpecs: ...
     """
 
     def __str__(self) -> str:

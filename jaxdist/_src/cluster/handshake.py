@@ -65,6 +65,7 @@ def group_digest(group: Any) -> bytes:
     """A digest of the group's members and coordinator address (both sides compute it).
 
     Example:
+        >>> from jaxdist._src.cluster.handshake import group_digest
         >>> from jaxdist._src.cluster.process_group import process_group
         >>> from jaxdist.cluster_resolver import SimpleClusterResolver
         >>> group = process_group(SimpleClusterResolver(

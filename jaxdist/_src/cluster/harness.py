@@ -2,6 +2,8 @@
 (ports, TF_CONFIG, start / kill / restart, join).
 
 Example:
+    >>> import sys
+    >>> from jaxdist.testing import LocalCluster
     >>> with LocalCluster(workers=2, devices_per_process=1) as c:
     ...     c.start([sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'][:11])"])
     ...     codes = c.join(timeout=60)
@@ -115,6 +117,7 @@ class LocalCluster:
         ``os.environ.update(c.security_env("chief:0"))``.
 
         Example:
+            >>> from jaxdist.testing import LocalCluster
             >>> import os
             >>> cluster = LocalCluster(workers=1, chief=True)
             >>> os.environ.update(cluster.security_env("chief:0"))

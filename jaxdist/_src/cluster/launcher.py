@@ -2,6 +2,7 @@
 does): one process per task, each with its own ``TF_CONFIG``, TLS identity and credentials.
 
 Example:
+    >>> from jaxdist.launch import Launcher
     >>> Launcher(["python", "train.py"], workers=2, ps=1).argv_for("ps")[1:3]
     ['-m', 'jaxdist.server']
 """
@@ -47,6 +48,7 @@ def serves_its_own_ps_tasks(command: Sequence[str]) -> bool:
     (they restore the job's checkpoint at start, under its ``checkpoint.dir``).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import serves_its_own_ps_tasks
         >>> serves_its_own_ps_tasks(["python", "-m", "jaxdist.train", "--config", "c.yaml"])
         True
         >>> serves_its_own_ps_tasks(["python", "train.py"])
@@ -63,6 +65,7 @@ def server_command(job: str, checkpoint_root: str) -> list[str]:
     """The argv the launcher runs for a ps task (or a coordinator's worker task).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import server_command
         >>> server_command("ps", "/runs")[1:]
         ['-m', 'jaxdist.server', '--checkpoint_root', '/runs']
     """
@@ -177,6 +180,7 @@ class Launcher:
     """Runs a command as every task of a local cluster (see the module docstring).
 
     Example:
+        >>> from jaxdist.launch import Launcher
         >>> import sys
         >>> train_py = [sys.executable, "-c", "import os; print(os.environ['TF_CONFIG'][:11])"]
         >>> code = Launcher(train_py, workers=2).run()
@@ -236,6 +240,7 @@ class Launcher:
         """What task ``job`` runs: a server (ps; a coordinator's workers) or the command.
 
         Example:
+            >>> from jaxdist.launch import Launcher
             >>> Launcher(["python", "train.py"], workers=2, ps=1).argv_for("ps")[1:3]
             ['-m', 'jaxdist.server']
         """
@@ -418,6 +423,7 @@ def command_after_dashes(parser: argparse.ArgumentParser, words: Sequence[str],
     when there is none).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import _parser, command_after_dashes
         >>> command_after_dashes(_parser(), ["--", "python", "x.py"], "jaxdist.launch")
         ['python', 'x.py']
     """

@@ -58,6 +58,8 @@ class LinkGuard:
         clock: the monotonic clock.
 
     Example:
+        >>> import time
+        >>> from jaxdist._src.cluster.link_guard import LinkGuard
         >>> class Client:                    # a service that answers
         ...     def key_value_set(self, key, value, allow_overwrite=False): self.value = value
         ...     def key_value_dir_get(self, key): return [(key + "1", self.value)]

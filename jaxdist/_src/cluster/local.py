@@ -59,6 +59,7 @@ def pick_free_ports(n: int, host: str = HOST) -> list[int]:
     is never handed out twice by one process. Elsewhere the OS picks them.
 
     Example:
+        >>> from jaxdist.testing import pick_free_ports
         >>> a, b = pick_free_ports(2)
         >>> a != b and 0 < a < 65536
         True
@@ -110,6 +111,7 @@ def local_cluster(workers: int = 1, ps: int = 0, chief: bool = False, evaluator:
     """A cluster dict with free ports on ``host``.
 
     Example:
+        >>> from jaxdist._src.cluster.local import local_cluster
         >>> local_cluster(workers=2, ps=1)   # free ports of this host
         {'worker': ['127.0.0.1:...', '127.0.0.1:...'], 'ps': ['127.0.0.1:...']}
     """

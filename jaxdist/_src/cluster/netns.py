@@ -18,6 +18,7 @@ Creating namespaces needs root and iproute2 (``ip``); ``unavailable_reason()`` s
 cannot work here (``None`` where it can), for a test to skip with.
 
 Example:
+    >>> from jaxdist.testing.netns import address_plan
     >>> plan = address_plan(3)
     >>> plan
     ['10.213.0.1', '10.213.0.2', '10.213.0.3']
@@ -58,6 +59,7 @@ class NetnsUnavailable(RuntimeError):
     """Network namespaces cannot be created here (not root, no ``ip``, or the kernel refused).
 
     Example:
+        >>> from jaxdist.testing.netns import NetnsUnavailable
         >>> isinstance(NetnsUnavailable("not root"), RuntimeError)
         True
     """
@@ -67,6 +69,7 @@ def address_plan(hosts: int) -> list[str]:
     """The hosts' addresses: ``10.213.0.1`` for host 0, and so on.
 
     Example:
+        >>> from jaxdist.testing.netns import address_plan
         >>> address_plan(2)
         ['10.213.0.1', '10.213.0.2']
     """
@@ -96,6 +99,7 @@ def unavailable_reason() -> str | None:
     ``NetnsUnavailable``.
 
     Example:
+        >>> from jaxdist.testing.netns import unavailable_reason
         >>> unavailable_reason() is None or isinstance(unavailable_reason(), str)
         True
     """
@@ -113,6 +117,7 @@ def sweep_stale() -> list[str]:
         The names deleted.
 
     Example:
+        >>> from jaxdist.testing.netns import sweep_stale, unavailable_reason
         >>> sweep_stale() if unavailable_reason() is None else []   # doctest: +ELLIPSIS
         [...]
     """

@@ -7,6 +7,7 @@ certificate per task, valid for the loopback names, readable only by the owner (
 certificate is good for both server and client authentication (tasks are both).
 
 Example:
+    >>> from jaxdist.testing.tls import local_pki
     >>> pki = local_pki(["chief:0", "worker:0", "ps:0", "client"])
     >>> pki.identities["ps:0"].cert
     '/tmp/jaxdist-tls-.../ps-0.pem'
@@ -39,6 +40,7 @@ class LocalPKI:
         identities: ``name -> TLSConfig`` (the task's certificate and key).
 
     Example:
+        >>> from jaxdist.testing.tls import local_pki
         >>> pki = local_pki(["worker:0", "ps:0"])
         >>> env = {}
         >>> env.update(pki.identities["worker:0"].env())
@@ -55,6 +57,7 @@ class LocalPKI:
         """Deletes the directory and every key in it.
 
         Example:
+            >>> from jaxdist.testing.tls import local_pki
             >>> pki = local_pki(["worker:0"])
             >>> pki.cleanup()
         """
@@ -151,6 +154,7 @@ def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
         The ``LocalPKI`` (call ``cleanup()`` when the cluster is gone).
 
     Example:
+        >>> from jaxdist.testing.tls import local_pki
         >>> pki = local_pki(["ps:0", "client"])
         >>> server_tls, client_tls = pki.identities["ps:0"], pki.identities["client"]
     """
@@ -212,6 +216,7 @@ def per_task_pki(tasks: Mapping[str, tuple[str, Sequence[str]]], days: int = 7) 
         A ``LocalPKI`` whose ``directory`` is the parent of the first task's directory.
 
     Example:
+        >>> from jaxdist._src.cluster.pki import per_task_pki
         >>> import tempfile
         >>> root = tempfile.mkdtemp()
         >>> pki = per_task_pki({"worker:0": (f"{root}/task-0", ["n1", "127.0.0.1"])})
@@ -267,6 +272,8 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
     request, not to sign one) and its own answer key; other tasks nothing.
 
     Example:
+        >>> from jaxdist._src.cluster.pki import apply_task_security
+        >>> from jaxdist.testing.tls import local_pki
         >>> env = {"JAXDIST_INSECURE": "1"}             # inherited: dropped
         >>> pki = local_pki(["worker:0"])
         >>> _ = apply_task_security(env, "worker", 0, pki, coordinator_token=None)

@@ -41,6 +41,7 @@ class ClusterResolver(abc.ABC):
     ``task_id``, ``rpc_layer``, ``environment`` and ``cluster_token`` are attributes.
 
     Example:
+        >>> import jaxdist
         >>> import json, os
         >>> os.environ["TF_CONFIG"] = json.dumps({
         ...     "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
@@ -121,6 +122,7 @@ class SimpleClusterResolver(ClusterResolver):
         cluster_token: the cluster's shared secret (``None``: ``$JAXDIST_CLUSTER_TOKEN``).
 
     Example:
+        >>> from jaxdist.cluster_resolver import ClusterSpec, SimpleClusterResolver
         >>> r = SimpleClusterResolver(ClusterSpec({"worker": ["h0:2222", "h1:2222"]}),
         ...                           task_type="worker", task_id=1)
         >>> r.master()
@@ -165,6 +167,7 @@ class UnionResolver(ClusterResolver):
     first resolver unless given.
 
     Example:
+        >>> from jaxdist.cluster_resolver import SimpleClusterResolver, UnionResolver
         >>> from jaxdist.cluster_resolver import TFConfigClusterResolver
         >>> ps = SimpleClusterResolver({"ps": ["h9:2222"]})
         >>> workers = TFConfigClusterResolver(tf_config={"cluster": {"worker": ["h1:2222"]}})

@@ -138,6 +138,7 @@ class FreezeGuard:
     thread would abort it.
 
     Example:
+        >>> from jaxdist._src.cluster.runtime import FreezeGuard
         >>> client = None   # the coordination service's client, in a multi-process job
         >>> guard = FreezeGuard("worker:1", 1, 2, heartbeat_timeout=10, client=client)
         >>> guard = guard.start()
@@ -241,6 +242,7 @@ def write_line(line: str) -> None:
     from any thread, also while the process is about to end).
 
     Example:
+        >>> from jaxdist._src.cluster.runtime import write_line
         >>> write_line("jaxdist: worker:1: stopping")
     """
     for stream in (sys.stdout, sys.stderr):

@@ -76,6 +76,8 @@ def get_num_gpus() -> int:
     TF counts 1), else the ``GPU`` lines of ``nvidia-smi --list-gpus``, else 0.
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.cluster.slurm import get_num_gpus
         >>> os.environ["CUDA_VISIBLE_DEVICES"] = "0,1,2,3"
         >>> get_num_gpus()
         4

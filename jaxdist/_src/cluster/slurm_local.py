@@ -50,6 +50,7 @@ def unavailable_reason() -> str | None:
     """Why ``LocalSlurm`` cannot run here, or ``None`` when it can (the cheap checks only).
 
     Example:
+        >>> from jaxdist.testing.slurm import unavailable_reason
         >>> unavailable_reason() is None or isinstance(unavailable_reason(), str)
         True
     """

@@ -20,6 +20,7 @@ def cluster_dict(resolver_or_spec: Any) -> dict[str, list[str]]:
     """The cluster as ``{job: [address, ...]}`` from a resolver, a ClusterSpec or a dict.
 
     Example:
+        >>> from jaxdist._src.cluster.task_info import cluster_dict
         >>> cluster_dict({"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]})
         {'ps': ['127.0.0.1:2222'], 'worker': ['127.0.0.1:2223']}
     """
@@ -117,6 +118,7 @@ def evaluator_task(environ: Mapping[str, str] | None = None) -> str | None:
     """``"evaluator:0"`` when ``TF_CONFIG`` makes this process the evaluator, else ``None``.
 
     Example:
+        >>> from jaxdist._src.cluster.task_info import evaluator_task
         >>> evaluator_task({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, '
         ...                 '"task": {"type": "evaluator", "index": 0}}'})
         'evaluator:0'
@@ -139,6 +141,7 @@ def launched_tasks(environ: Mapping[str, str] | None = None) -> tuple[int, str] 
     step's tasks (``SLURM_STEP_NUM_TASKS``); ``None`` when neither names a cluster.
 
     Example:
+        >>> from jaxdist._src.cluster.task_info import launched_tasks
         >>> launched_tasks({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, '
         ...                 '"task": {"type": "worker", "index": 1}}'})
         (2, 'TF_CONFIG (worker:1 of worker x2)')

@@ -107,11 +107,12 @@ def check_address(address: Any, key: str = "address") -> str:
         TFConfigError: the message quotes the bad part and says what was expected.
 
     Example:
+        >>> from jaxdist._src.cluster.tf_config import check_address
         >>> check_address("[::1]:2222")
         '[::1]:2222'
         >>> check_address("host: 80")
         Traceback (most recent call last):
-        TFConfigError: TF_CONFIG address is "host: 80": the port " 80" is not ...
+        jaxdist.TFConfigError: TF_CONFIG address is "host: 80": the port " 80" is not ...
     """
     if not isinstance(address, str):
         raise _fail(key, f"is {quote(address)}: expected a \"host:port\" string")
@@ -144,6 +145,7 @@ def canonical_address(address: str) -> str:
     is looked up in DNS.
 
     Example:
+        >>> from jaxdist._src.cluster.tf_config import canonical_address
         >>> canonical_address("[0:0:0:0:0:0:0:1]:2222"), canonical_address("LocalHost.:2222")
         ('[::1]:2222', '127.0.0.1:2222')
     """
@@ -257,6 +259,7 @@ def tf_config_sections(environ: Any = None) -> dict:
     (``TFConfigClusterResolver`` is the one that reports a malformed one).
 
     Example:
+        >>> from jaxdist._src.cluster.tf_config import tf_config_sections
         >>> tf_config_sections({"TF_CONFIG": '{"tls": {"ca": "c"}}'})
         {'tls': {'ca': 'c'}}
     """
@@ -280,6 +283,7 @@ def parse_tf_config(raw: str | dict | None) -> dict[str, Any]:
             message names the key and quotes the bad part, never the token.
 
     Example:
+        >>> from jaxdist._src.cluster.tf_config import parse_tf_config
         >>> parse_tf_config('{"cluster": {"worker": ["h:2222"]}, "task": {"type": "worker",'
         ...                 ' "index": "0"}}')["task"]
         {'type': 'worker', 'index': 0}
@@ -357,6 +361,8 @@ class TFConfigClusterResolver(ClusterResolver):
             the message names the key and quotes the offending part.
 
     Example:
+        >>> import json, os
+        >>> from jaxdist.cluster_resolver import TFConfigClusterResolver
         >>> os.environ["TF_CONFIG"] = json.dumps({
         ...     "cluster": {"worker": ["localhost:12345", "localhost:23456"]},
         ...     "task": {"type": "worker", "index": 1}})

@@ -19,6 +19,8 @@ start and a client refuses to connect, with a message saying how to fix it.
 per-task certificates (``jaxdist._src.cluster.pki``) and set the environment for each task.
 
 Example:
+    >>> import os
+    >>> from jaxdist._src.cluster.tls import open_channel, resolve_tls
     >>> from jaxdist.testing.tls import local_pki
     >>> pki = local_pki(["ps:0", "worker:0"])
     >>> os.environ.update(pki.identities["worker:0"].env())   # as a task's launcher sets it
@@ -69,6 +71,7 @@ class TLSConfig:
             address dialled (``grpc.ssl_target_name_override``); ``None``: the host.
 
     Example:
+        >>> from jaxdist import TLSConfig
         >>> tls = TLSConfig("/tls/ca.pem", "/tls/worker-0.pem", "/tls/worker-0.key")
         >>> creds = tls.channel_credentials()   # reads the files  # doctest: +SKIP
     """
@@ -130,6 +133,7 @@ class TLSConfig:
         """The environment variables that make a task read this identity.
 
         Example:
+            >>> from jaxdist import TLSConfig
             >>> tls = TLSConfig("/tls/ca.pem", "/tls/worker-0.pem", "/tls/worker-0.key")
             >>> env = dict(tls.env())
             >>> env["JAXDIST_TLS_CA"]
@@ -145,6 +149,7 @@ def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
     """True when ``JAXDIST_INSECURE`` is set to ``1``/``true``/``yes``.
 
     Example:
+        >>> from jaxdist._src.cluster.tls import insecure_requested
         >>> insecure_requested({"JAXDIST_INSECURE": "1"})
         True
     """
@@ -194,6 +199,7 @@ def resolve_tls(tls: TLSConfig | str | bool | None = None, who: str = "this task
             fix it), or half of the environment variables set.
 
     Example:
+        >>> from jaxdist._src.cluster.tls import resolve_tls
         >>> resolve_tls(environ={"JAXDIST_INSECURE": "1"}) is None
         True
     """
@@ -216,6 +222,7 @@ def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``).
 
     Example:
+        >>> from jaxdist._src.cluster.tls import is_loopback
         >>> is_loopback("127.0.0.1"), is_loopback("10.0.0.1")
         (True, False)
     """
@@ -235,6 +242,7 @@ def check_plaintext_allowed(who: str, address: str) -> None:
         TLSConfigError: ``address``'s host is not a loopback address.
 
     Example:
+        >>> from jaxdist._src.cluster.tls import check_plaintext_allowed
         >>> check_plaintext_allowed("ps:0", "127.0.0.1:2222")     # fine
     """
     host = address.rsplit(":", 1)[0] if ":" in address else address
@@ -250,6 +258,8 @@ def add_port(server: Any, address: str, tls: TLSConfig | None, who: str) -> int:
     """Binds ``address`` on a ``grpc.Server``: mutual TLS, or plaintext on loopback.
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.cluster.tls import add_port, resolve_tls
         >>> import grpc
         >>> from concurrent import futures
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
@@ -267,6 +277,8 @@ def open_channel(address: str, tls: TLSConfig | None, who: str,
     """A ``grpc.Channel`` to ``address``: mutual TLS, or plaintext on loopback.
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.cluster.tls import open_channel, resolve_tls
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
         >>> channel = open_channel("127.0.0.1:2222", resolve_tls(), "ps:0")
         >>> channel.close()

@@ -48,6 +48,7 @@ class TPUClusterResolver(ClusterResolver):
         worker_id: this host's index in the slice (default: ``$TPU_WORKER_ID``, else 0).
 
     Example:
+        >>> import jaxdist
         >>> resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu="local")
         >>> resolver.num_accelerators()        # on a v5e-8 VM  # doctest: +SKIP
         {'TPU': 8}

@@ -32,6 +32,7 @@ def quote(value: Any, limit: int = 300) -> str:
     Never raises: values too deep or too large to print become ``<list ...>``.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import quote
         >>> quote({"worker": ["a:1"]})
         '{"worker": ["a:1"]}'
     """
@@ -49,6 +50,7 @@ def task_name(task_type: str | None, task_id: int | None) -> str:
     """``"worker:1"``: how errors and logs name a task.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import task_name
         >>> task_name("worker", 1)
         'worker:1'
     """
@@ -62,6 +64,7 @@ def split_address(address: str, where: str = "address") -> tuple[str, int]:
         ClusterConfigError: ``address`` is not ``host:port`` with a port in 1..65535.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import split_address
         >>> split_address("[::1]:2222")
         ('[::1]', 2222)
     """
@@ -88,6 +91,7 @@ def normalize_cluster_spec(cluster_spec: Any) -> ClusterSpec:
         ValueError: anything else (TF's message).
 
     Example:
+        >>> from jaxdist._src.cluster.validation import normalize_cluster_spec
         >>> normalize_cluster_spec({"worker": ["a:1"]}).jobs
         ['worker']
     """
@@ -105,6 +109,7 @@ def task_count(cluster_spec: Any, task_type: str) -> int:
     """How many tasks the job has (0 when the cluster has no such job).
 
     Example:
+        >>> from jaxdist._src.cluster.validation import task_count
         >>> task_count({"worker": ["a:1", "b:1"]}, "chief")
         0
     """
@@ -132,10 +137,12 @@ def validate_cluster_spec(cluster_spec: Any, task_type: str | None, task_id: int
             bad part of the configuration.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import validate_cluster_spec
         >>> validate_cluster_spec({"worker": ["a:1"]}, "worker", 0)
         >>> validate_cluster_spec({"worker": ["a:1"]}, "worker", 1)
         Traceback (most recent call last):
-        ClusterConfigError: cluster "task" is {"type": "worker", "index": 1}: The `task_id` 1 ...
+        jaxdist.ClusterConfigError: cluster "task" is {"type": "worker", "index": 1}:
+        The `task_id` 1 ...
     """
     spec = normalize_cluster_spec(cluster_spec)
     d = spec.as_dict()
@@ -190,6 +197,7 @@ def is_chief(cluster_spec: Any, task_type: str | None, task_id: int | None) -> b
         ClusterConfigError: the task is not in the cluster (see ``validate_cluster_spec``).
 
     Example:
+        >>> from jaxdist._src.cluster.validation import is_chief
         >>> is_chief({"worker": ["a:1", "b:1"]}, "worker", 0)
         True
     """
@@ -206,6 +214,7 @@ def is_training_chief(cluster: Mapping[str, Any], task_type: str | None, task_id
     No validation here (``is_chief`` validates first); the evaluator is not a training task.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import is_training_chief
         >>> is_training_chief({"chief": ["a:1"], "worker": ["b:1"]}, "worker", 0)
         False
     """
@@ -221,6 +230,7 @@ def worker_count(cluster_spec: Any, task_type: str) -> int:
         ClusterConfigError: ``task_type`` is ``"ps"`` or not in the cluster.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import worker_count
         >>> worker_count({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, task_type="worker")
         3
     """
@@ -243,6 +253,7 @@ def id_in_cluster(cluster_spec: Any, task_type: str, task_id: int) -> int:
         ClusterConfigError: ``task_type`` is ``"ps"`` (TF: no id) or the task is invalid.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import id_in_cluster
         >>> id_in_cluster({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "worker", 1)
         2
     """
@@ -261,6 +272,7 @@ def collective_leader(cluster_spec: Any, task_type: str | None, task_id: int | N
     """The device prefix of the collective leader: the chief, else worker 0; ``""`` locally.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import collective_leader
         >>> collective_leader({"worker": ["a:1", "b:1"]}, "worker", 1)
         '/job:worker/replica:0/task:0'
     """
@@ -286,6 +298,8 @@ def training_tasks(spec: ClusterSpec) -> list[tuple[str, int]]:
     ``ps`` and ``evaluator`` tasks are not part of it.
 
     Example:
+        >>> from jaxdist._src.cluster.validation import training_tasks
+        >>> from jaxdist.cluster_resolver import ClusterSpec
         >>> training_tasks(ClusterSpec({"worker": ["b:1"], "chief": ["a:1"]}))
         [('chief', 0), ('worker', 0)]
     """

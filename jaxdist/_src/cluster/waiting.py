@@ -1,6 +1,7 @@
 """Bounded waits on calls that may never return (a collective, a registration).
 
 Example:
+    >>> from jaxdist._src.cluster.waiting import call_with_timeout
     >>> finished, error = call_with_timeout(lambda: 42, 30.0, "jaxdist-connect")
     >>> finished, error
     (True, None)
@@ -24,6 +25,7 @@ def call_with_timeout(fn: Callable[[], object], timeout: float,
         alive.
 
     Example:
+        >>> from jaxdist._src.cluster.waiting import call_with_timeout
         >>> call_with_timeout(lambda: None, 1.0, "jaxdist-example")
         (True, None)
     """
@@ -54,6 +56,8 @@ class Watchdog:
     process with a typed error) or False to keep watching for another period.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.cluster.waiting import Watchdog
         >>> dog = Watchdog("jaxdist-step-watchdog")
         >>> with dog.watch(30.0, lambda elapsed: print(f"step stuck for {elapsed:.0f} s")):
         ...     _ = jnp.ones(3).block_until_ready()     # the step; done well within 30 s

@@ -32,6 +32,7 @@ def check_version(version: str | None = None) -> str | None:
     """``None`` for a supported JAX, else a sentence saying which range is supported.
 
     Example:
+        >>> from jaxdist._src.compat.jax_internals import check_version
         >>> check_version("0.9.0")
         'jaxdist supports jax >= 0.10.2, < 0.12.0; found jax 0.9.0'
     """

@@ -65,6 +65,7 @@ def check_version(version: str | None = None) -> str | None:
     """``None`` for a supported Keras, else a sentence saying which range is supported.
 
     Example:
+        >>> from jaxdist._src.compat.keras_internals import check_version
         >>> check_version("3.7.0")
         'jaxdist.keras supports keras >= 3.8.0, < 4.0.0; found keras 3.7.0'
     """

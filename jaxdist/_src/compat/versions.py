@@ -7,6 +7,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
     """``"0.10.2rc1"`` -> ``(0, 10, 2)``: the first three numeric parts.
 
     Example:
+        >>> from jaxdist._src.compat.versions import version_tuple
         >>> version_tuple("3.15.1.dev0")
         (3, 15, 1)
     """
@@ -22,6 +23,7 @@ def outside_range(who: str, package: str, found: str,
     """``None`` when ``low <= found < high``, else the sentence saying which range ``who`` supports.
 
     Example:
+        >>> from jaxdist._src.compat.versions import outside_range
         >>> outside_range("jaxdist", "jax", "0.9.0", ((0, 10, 2), (0, 11, 0)))
         'jaxdist supports jax >= 0.10.2, < 0.11.0; found jax 0.9.0'
     """

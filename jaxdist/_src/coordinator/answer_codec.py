@@ -27,12 +27,14 @@ A result that is not such data (a user class, a function) is sent as a marker na
 then a compromised worker can run code on the chief.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist._src.coordinator.answer_codec import decode, encode
     >>> decode(encode({"loss": np.float32(0.5), "ids": np.arange(3)}), "worker:0")
     {'loss': np.float32(0.5), 'ids': array([0, 1, 2])}
     >>> decode(b"JDA1" + b"a\\x01O\\x01" + bytes(16), "worker:0")
     Traceback (most recent call last):
     ...
-    jaxdist._src.coordinator.answer_codec.UntrustedPickleError: worker:0 ...
+    jaxdist.coordinator.UntrustedPickleError: worker:0 ...
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def trusted() -> bool:
     """Whether ``JAXDIST_COORDINATOR_TRUST_WORKER_PICKLES`` asks to unpickle anything.
 
     Example:
+        >>> from jaxdist._src.coordinator.answer_codec import trusted
         >>> trusted()
         False
     """
@@ -108,6 +111,7 @@ def encode(value: Any) -> bytes:
             type and where it is), or nests deeper than ``MAX_DEPTH``.
 
     Example:
+        >>> from jaxdist._src.coordinator.answer_codec import encode
         >>> encode(None)
         b'JDA1N'
     """
@@ -457,6 +461,7 @@ def exception_type(module: str, name: str) -> type | None:
     one of jaxdist's own errors (already imported); else ``None``.
 
     Example:
+        >>> from jaxdist._src.coordinator.answer_codec import exception_type
         >>> exception_type("builtins", "KeyError"), exception_type("os", "system")
         (<class 'KeyError'>, None)
     """

@@ -12,6 +12,8 @@ against its own objects (``jaxdist._src.coordinator.worker_runtime``):
 Only the authenticated coordinator <-> worker channel carries these bytes.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist._src.coordinator.closure_pickle import dumps
     >>> args, kwargs = (np.ones(3),), {"lr": 0.1}
     >>> payload = dumps((args, kwargs), worker_index=1)
     >>> isinstance(payload, bytes)

@@ -9,6 +9,7 @@ error once and clears it: the queue accepts new work again. Errors of the functi
 while being cancelled never surface.
 
 Example:
+    >>> from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
     >>> from jaxdist._src.coordinator.remote_value import RemoteValue
     >>> closure = Closure(0, print, (), {}, RemoteValue())
     >>> q = ClosureQueue()
@@ -85,6 +86,7 @@ class ClosureQueue:
             (``put_back`` or ``mark_failed``). ``None``: in-flight functions are waited for.
 
     Example:
+        >>> from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
         >>> from jaxdist._src.coordinator.remote_value import RemoteValue
         >>> closure = Closure(0, print, (), {}, RemoteValue())
         >>> q = ClosureQueue()

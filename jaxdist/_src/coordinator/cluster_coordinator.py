@@ -564,6 +564,7 @@ def get_current_worker_index() -> int:
         RuntimeError: not on a worker task.
 
     Example:
+        >>> import jaxdist
         >>> def dataset_fn():
         ...     i = jaxdist.coordinator.get_current_worker_index()
         ...     return jaxdist.Dataset.from_tensor_slices(x[i::num_workers])

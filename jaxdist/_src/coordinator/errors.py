@@ -17,11 +17,13 @@ class WorkerUnavailableError(CoordinatorError):
     """A worker task did not answer (down, restarting, unreachable) within the timeout.
 
     Example:
+        >>> from jaxdist.coordinator import WorkerUnavailableError
         >>> raise WorkerUnavailableError("worker:1 at 127.0.0.1:1234 did not answer Ping "
         ...                              "within 2.0 s", task="worker:1")
         Traceback (most recent call last):
         ...
-        WorkerUnavailableError: worker:1 at 127.0.0.1:1234 did not answer Ping within 2.0 s
+        jaxdist.coordinator.WorkerUnavailableError: worker:1 at 127.0.0.1:1234 did not answer
+        Ping within 2.0 s
     """
 
 

@@ -124,6 +124,7 @@ class PerWorkerValues:
     ``create_per_worker_dataset`` and ``iter`` of a per-worker dataset return these.
 
     Example:
+        >>> from jaxdist.coordinator import PerWorkerValues
         >>> seeds = PerWorkerValues([0, 1])           # worker:0 gets 0, worker:1 gets 1
         >>> coordinator.schedule(fn, args=(seeds,))  # doctest: +SKIP
     """

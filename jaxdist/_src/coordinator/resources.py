@@ -6,6 +6,7 @@ build failed is broken: the closures that take it fail with ``ClosureInputError`
 ``InputError``) instead of running. The coordinator and its ``WorkerThread``s share one registry.
 
 Example:
+    >>> from jaxdist._src.coordinator.resources import PerWorkerResources
     >>> resources = PerWorkerResources()
     >>> values = resources.create(  # doctest: +SKIP
     ...     make_dataset, (dataset_fn,), "dataset", num_workers=2)

@@ -42,6 +42,7 @@ def configure_logging() -> None:
     without one, would read as errors in every task's output).
 
     Example:
+        >>> from jaxdist._src.coordinator.server import configure_logging
         >>> configure_logging()
     """
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -65,6 +66,8 @@ def use_keras_jax_backend(task: str) -> None:
             another backend (one line naming it and the fix).
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.coordinator.server import use_keras_jax_backend
         >>> use_keras_jax_backend("worker:0")
         >>> os.environ["KERAS_BACKEND"]
         'jax'
@@ -124,6 +127,7 @@ class Server:
         TLSConfigError: no TLS material and plaintext on loopback not asked for.
 
     Example:
+        >>> import jaxdist
         >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()
         >>> server = jaxdist.Server(resolver)   # on a ps or worker task  # doctest: +SKIP
         >>> server.join()          # until stopped  # doctest: +SKIP

@@ -24,6 +24,8 @@ worker lets that worker (or anyone who watches it) run code elsewhere:
   own key, so it cannot answer in another worker's name.
 
 Example:
+    >>> from jaxdist._src.coordinator.signing import RequestSigner, RequestVerifier, body_digest
+    >>> from jaxdist.coordinator import CoordinatorKeys
     >>> keys = CoordinatorKeys("c0")
     >>> signer = RequestSigner(keys, ["worker:0"])
     >>> auth = signer.sign(0, "inc-1", "Ping", {"nonce": "n"}, {})
@@ -98,6 +100,7 @@ def body_digest(meta: dict, arrays: dict) -> str:
     canonical JSON) and its arrays (names, dtypes, shapes and bytes, sorted by name).
 
     Example:
+        >>> from jaxdist._src.coordinator.signing import body_digest
         >>> body_digest({"a": 1}, {}) == body_digest({"a": 1, "auth": {}}, {})
         True
     """
@@ -174,6 +177,7 @@ class ReplayGuard:
     replayed either.
 
     Example:
+        >>> from jaxdist._src.coordinator.signing import ReplayGuard
         >>> g = ReplayGuard()
         >>> g.admit("s", 5, 1), g.admit("s", 5, 1)
         (None, 'counter 1 of this session was already used (a replayed request)')
@@ -238,6 +242,7 @@ def request_max_age() -> tuple[float, float]:
         ValueError: a variable is not a number of seconds >= 0 (it is named).
 
     Example:
+        >>> from jaxdist._src.coordinator.signing import request_max_age
         >>> request_max_age()
         (300.0, 30.0)
     """
@@ -348,6 +353,7 @@ def answer_mac(key: bytes, task: str, method: str, nonce: str, meta: dict,
     ``meta`` but ``"mac"`` (canonical JSON) and the arrays (names, dtypes, shapes and bytes).
 
     Example:
+        >>> from jaxdist._src.coordinator.signing import answer_mac
         >>> mac = answer_mac(b"k" * 32, "worker:0", "Ping", "n", {"ok": True}, {})
         >>> mac == answer_mac(b"k" * 32, "worker:0", "Ping", "n", {"ok": False}, {})
         False

@@ -136,6 +136,7 @@ def direct_enabled() -> bool:
     """False when ``JAXDIST_COORDINATOR_DIRECT`` is ``0`` / ``false`` / ``no``.
 
     Example:
+        >>> from jaxdist._src.coordinator.worker_service import direct_enabled
         >>> direct_enabled()
         True
     """
@@ -199,6 +200,8 @@ def value_arrays(value: Any) -> dict[str, np.ndarray]:
     ``answer_value`` inverts it.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.coordinator.worker_service import answer_value, value_arrays
         >>> answer_value(value_arrays(np.float32(0.5)))
         np.float32(0.5)
         >>> answer_value(value_arrays({"loss": 0.5, "ids": [1, 2]}))
@@ -262,6 +265,8 @@ def group_answers(answers: Iterator[tuple[dict, dict]], count: int, group: int,
     another) does not count as its duration; without it, the time since the previous answer.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.coordinator.worker_service import group_answers
         >>> answers = [({"ok": True}, {"value": np.float32(i)}) for i in range(3)]  # 3 losses
         >>> frames = list(group_answers((a for a in answers), len(answers), 8))  # a generator
         >>> len(frames), sorted(frames[0][1])                     # one message, one stack

@@ -15,6 +15,7 @@ the client, the ``PerWorkerResources``, the ``SenderSettings`` and the coordinat
 event) and reads no private attribute of another object.
 
 Example:
+    >>> from jaxdist._src.coordinator.worker_thread import SenderSettings
     >>> settings = SenderSettings(num_workers=2, rpc_timeout=60.0, closure_timeout=3600.0,
     ...                           ps_rpc_timeout=60.0, join_timeout=600.0)
     >>> w = WorkerThread(state, queue, client, resources, settings, stopping)  # doctest: +SKIP

@@ -32,6 +32,8 @@ JAX's own preemption service (XLA's notifier, which caught SIGTERM and told nobo
 started (``jaxdist._src.cluster.runtime``).
 
 Example:
+    >>> from jaxdist import TerminationConfig
+    >>> from jaxdist._src.distributed.preemption import PreemptionWatcher
     >>> watcher = PreemptionWatcher(TerminationConfig(grace_period=10))
     >>> watcher.should_stop(0), watcher.should_stop(1)
     (False, False)
@@ -140,6 +142,8 @@ class PreemptionWatcher:
         hard_exit: ends the process at once (``os._exit``; tests record instead).
 
     Example:
+        >>> from jaxdist import TerminationConfig
+        >>> from jaxdist._src.distributed.preemption import PreemptionWatcher
         >>> watcher = PreemptionWatcher(TerminationConfig())
         >>> watcher.should_stop(0)
         False
@@ -417,6 +421,8 @@ class DispatchTimer:
     before the platform's SIGKILL.
 
     Example:
+        >>> from jaxdist import TerminationConfig
+        >>> from jaxdist._src.distributed.preemption import DispatchTimer
         >>> timer = DispatchTimer(TerminationConfig(grace_period=30))
         >>> for _ in range(3):
         ...     timer.before()
@@ -471,6 +477,8 @@ def install(config: TerminationConfig | None = None) -> PreemptionWatcher:
     function, and SIGTERM keeps its handler.
 
     Example:
+        >>> from jaxdist import TerminationConfig
+        >>> from jaxdist._src.distributed.preemption import install
         >>> watcher = install(TerminationConfig(grace_period=20))
         >>> watcher is install()
         True

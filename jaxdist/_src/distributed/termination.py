@@ -2,6 +2,7 @@
 (TF's ``tf.distribute.experimental.TerminationConfig``).
 
 Example:
+    >>> from jaxdist import TerminationConfig
     >>> config = TerminationConfig(grace_period=25)
     >>> config.grace_period, config.exit_code
     (25.0, 42)
@@ -40,6 +41,7 @@ def check_exit_code(code: Any, what: str = "exit_code") -> int:
     or 3 (already done); 128 and above mean a death by signal.
 
     Example:
+        >>> from jaxdist._src.distributed.termination import check_exit_code
         >>> check_exit_code(42)
         42
         >>> check_exit_code(0)
@@ -63,6 +65,7 @@ def check_grace_period(seconds: Any, what: str = "grace_period") -> float:
     """``seconds`` as a grace period, or ``TerminationConfigError`` (a positive number).
 
     Example:
+        >>> from jaxdist._src.distributed.termination import check_grace_period
         >>> check_grace_period(5)
         5.0
     """
@@ -99,6 +102,7 @@ class TerminationConfig:
             is not a restart code, or a watcher / exit / save function that is not callable.
 
     Example:
+        >>> from jaxdist import TerminationConfig
         >>> config = TerminationConfig(termination_watcher_fn=lambda: False, grace_period=60)
         >>> config.grace_period
         60.0

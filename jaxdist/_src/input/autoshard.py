@@ -37,6 +37,9 @@ class FileListDataset:
             batch axis).
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> from jaxdist.data import FileListDataset
         >>> import glob
         >>> for i in range(4):
         ...     np.savez(f"part-{i}.npz", x=np.full((2, 3), i, np.float32))
@@ -75,6 +78,10 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
     """Tags ``dataset`` with a policy (TF: ``options.experimental_distribute.auto_shard_policy``).
 
     Example:
+        >>> import jaxdist
+        >>> from jaxdist import AutoShardPolicy
+        >>> from jaxdist._src.input.autoshard import policy_of
+        >>> from jaxdist.data import with_auto_shard_policy
         >>> ds = with_auto_shard_policy(jaxdist.Dataset.range(8).batch(2), AutoShardPolicy.DATA)
         >>> policy_of(ds)
         <AutoShardPolicy.DATA: 'DATA'>
@@ -123,6 +130,8 @@ def process_rows(batch: Any, index: int, count: int) -> Any:
     ``index``-th of ``count`` consecutive parts, the first ``rows % count`` one row longer.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.input.autoshard import process_rows
         >>> process_rows(np.arange(6), 1, 4).tolist()
         [2, 3]
     """
@@ -160,6 +169,8 @@ def auto_shard(dataset: Any, num_workers: int, worker_index: int,
             rows), or an unsupported policy.
 
     Example:
+        >>> import jaxdist
+        >>> from jaxdist._src.input.autoshard import auto_shard
         >>> mine = auto_shard(jaxdist.Dataset.range(16).batch(8), num_workers=2, worker_index=1)
         >>> [b.tolist() for b in mine]
         [[4, 5, 6, 7], [12, 13, 14, 15]]
@@ -203,6 +214,10 @@ def shard_files(files: Sequence[str], input_context: Any) -> list[str]:
     """The files one input pipeline reads (for ``distribute_datasets_from_function``).
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> from jaxdist._src.input.autoshard import shard_files
+        >>> from jaxdist.data import FileListDataset
         >>> all_files, read = [f"part-{i}.npz" for i in range(4)], lambda f: [dict(np.load(f))]
         >>> def dataset_fn(ctx):
         ...     return FileListDataset(shard_files(all_files, ctx), read)

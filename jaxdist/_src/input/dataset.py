@@ -59,6 +59,8 @@ class TensorSpec:
         name: accepted for compatibility.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> spec = jaxdist.data.TensorSpec(shape=(None, 3), dtype=np.float32)
     """
 
@@ -256,6 +258,8 @@ class Dataset:
     """An iterable of elements (pytrees of numpy arrays) with ``tf.data``'s methods.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> x, y = np.zeros((256, 784), np.float32), np.zeros((256,), np.int32)
         >>> ds = (jaxdist.Dataset.from_tensor_slices((x, y))
         ...       .shuffle(1000, seed=0).map(lambda x, y: (x / 255, y)).batch(64))
@@ -316,6 +320,8 @@ class Dataset:
         them into the dataset); each element is a read-only view of that copy.
 
         Example:
+            >>> import jaxdist
+            >>> import numpy as np
             >>> x, y = np.zeros((256, 784), np.float32), np.zeros((256,), np.int32)
             >>> ds = jaxdist.Dataset.from_tensor_slices((x, y)).batch(64)
             >>> xb, yb = next(iter(ds))     # read-only views: xb = xb / 255, not xb /= 255
@@ -335,6 +341,7 @@ class Dataset:
         """A dataset of one element, ``tensors`` (values taken now, read-only).
 
         Example:
+            >>> import jaxdist
             >>> [a.tolist() for a in jaxdist.Dataset.from_tensors([1, 2, 3]).repeat(2)]
             [[1, 2, 3], [1, 2, 3]]
         """
@@ -349,6 +356,7 @@ class Dataset:
         ``output_type`` (int64 by default, as TF).
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.range(5, 1, -2)]
             [5, 3]
         """
@@ -364,6 +372,8 @@ class Dataset:
         """Elements from ``iterable_fn()`` (called once per iteration), taken as they are.
 
         Example:
+            >>> import jaxdist
+            >>> import numpy as np
             >>> ds = jaxdist.Dataset.from_iterable(lambda: ({"x": np.ones(3)} for _ in range(2)))
         """
         return cls(lambda epoch: iter(iterable_fn()))
@@ -390,6 +400,8 @@ class Dataset:
         signature the elements are taken as yielded (jaxdist only; TF requires one).
 
         Example:
+            >>> import jaxdist
+            >>> import numpy as np
             >>> def gen():
             ...     for i in range(3):
             ...         yield i, [1.0] * i
@@ -430,6 +442,7 @@ class Dataset:
         """An iterator over the elements as numpy values (``jax.Array`` leaves converted).
 
         Example:
+            >>> import jaxdist
             >>> list(jaxdist.Dataset.range(8).batch(3).as_numpy_iterator())[-1]
             array([6, 7])
         """
@@ -449,6 +462,7 @@ class Dataset:
         ``filter``, ``unbatch``, ``from_generator``), as tf.data counts.
 
         Example:
+            >>> import jaxdist
             >>> jaxdist.Dataset.range(42).repeat().cardinality()    # INFINITE_CARDINALITY
             -1
         """
@@ -465,6 +479,7 @@ class Dataset:
         """The options set with ``with_options`` (``tf.data.Dataset.options``).
 
         Example:
+            >>> import jaxdist
             >>> jaxdist.Dataset.range(3).options().experimental_distribute.auto_shard_policy
             <AutoShardPolicy.AUTO: 'AUTO'>
         """
@@ -475,6 +490,7 @@ class Dataset:
         a ``tf.data.Options``; what ``options`` sets wins).
 
         Example:
+            >>> import jaxdist
             >>> options = jaxdist.data.Options()
             >>> options.experimental_distribute.auto_shard_policy = jaxdist.AutoShardPolicy.OFF
             >>> ds = jaxdist.Dataset.range(8).batch(4).with_options(options)
@@ -495,6 +511,7 @@ class Dataset:
         (TF's conversions).
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.range(1, 6).map(lambda x: x + 1)]
             [2, 3, 4, 5, 6]
         """
@@ -515,6 +532,7 @@ class Dataset:
             ValueError: the predicate returned something other than a scalar boolean.
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.from_tensor_slices([1, 2, 3]).filter(
             ...     lambda x: x < 3)]
             [1, 2]
@@ -549,6 +567,7 @@ class Dataset:
             name: accepted for compatibility.
 
         Example:
+            >>> import jaxdist
             >>> ds = jaxdist.Dataset.range(10).shuffle(10, seed=0)
             >>> sorted(int(v) for v in ds) == list(range(10))
             True
@@ -583,6 +602,7 @@ class Dataset:
         """The dataset ``count`` times (forever when ``None`` or -1); each pass reshuffles.
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.from_tensor_slices([1, 2, 3]).repeat(3)]
             [1, 2, 3, 1, 2, 3, 1, 2, 3]
         """
@@ -626,6 +646,7 @@ class Dataset:
         read-only view, other batches a new array.
 
         Example:
+            >>> import jaxdist
             >>> list(jaxdist.Dataset.range(8).batch(3))
             [array([0, 1, 2]), array([3, 4, 5]), array([6, 7])]
         """
@@ -672,6 +693,8 @@ class Dataset:
         """Splits each element into its rows (the inverse of ``batch``).
 
         Example:
+            >>> import jaxdist
+            >>> import numpy as np
             >>> elements = [[1, 2, 3], [1, 2], [1, 2, 3, 4]]
             >>> ds = jaxdist.Dataset.from_generator(lambda: elements, np.int64).unbatch()
             >>> [int(v) for v in ds]
@@ -693,6 +716,7 @@ class Dataset:
         """The first ``count`` elements (all of them when ``count`` is -1).
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.range(10).take(3)]
             [0, 1, 2]
         """
@@ -722,6 +746,7 @@ class Dataset:
         """All but the first ``count`` elements (nothing when ``count`` is -1).
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.range(10).skip(7)]
             [7, 8, 9]
         """
@@ -752,6 +777,7 @@ class Dataset:
         """Every ``num_shards``-th element from ``index`` on.
 
         Example:
+            >>> import jaxdist
             >>> [int(v) for v in jaxdist.Dataset.range(10).shard(num_shards=3, index=1)]
             [1, 4, 7]
         """
@@ -785,6 +811,7 @@ class Dataset:
             name: accepted for compatibility.
 
         Example:
+            >>> import jaxdist
             >>> ds = jaxdist.Dataset.range(5).map(lambda x: x ** 2).cache()
             >>> [int(v) for v in ds] == [int(v) for v in ds] == [0, 1, 4, 9, 16]
             True
@@ -834,6 +861,7 @@ class Dataset:
         prefetch batches to the devices, ``InputOptions.experimental_per_replica_buffer_size``).
 
         Example:
+            >>> import jaxdist
             >>> ds = jaxdist.Dataset.range(3).prefetch(jaxdist.data.AUTOTUNE)
         """
         del buffer_size, name
@@ -843,6 +871,7 @@ class Dataset:
         """``(index, element)`` pairs, the index an int64 counting from ``start``.
 
         Example:
+            >>> import jaxdist
             >>> [(int(i), int(v)) for i, v in
             ...  jaxdist.Dataset.from_tensor_slices([1, 2, 3]).enumerate(start=5)]
             [(5, 1), (6, 2), (7, 3)]
@@ -860,6 +889,7 @@ class Dataset:
         """This dataset's elements, then ``dataset``'s (same structure).
 
         Example:
+            >>> import jaxdist
             >>> a, b = jaxdist.Dataset.range(1, 4), jaxdist.Dataset.range(4, 8)
             >>> [int(v) for v in a.concatenate(b)]
             [1, 2, 3, 4, 5, 6, 7]
@@ -891,6 +921,7 @@ class Dataset:
         as long as the shortest.
 
         Example:
+            >>> import jaxdist
             >>> a, b = jaxdist.Dataset.range(1, 4), jaxdist.Dataset.range(4, 7)
             >>> [(int(i), int(j)) for i, j in jaxdist.Dataset.zip(a, b)]
             [(1, 4), (2, 5), (3, 6)]
@@ -1049,6 +1080,7 @@ class DatasetIterator:
     ``get_next_as_optional`` (what the default strategy's "distributed" iterator is in TF).
 
     Example:
+        >>> import jaxdist
         >>> it = iter(jaxdist.Dataset.range(2))
         >>> int(it.get_next()), int(next(it)), it.get_next_as_optional().has_value()
         (0, 1, False)

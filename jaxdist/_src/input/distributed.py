@@ -244,6 +244,7 @@ def split_sizes(rows: int, declared_rows: int, num_replicas: int) -> tuple[int, 
     ``declared // n + (i < declared % n)`` rows; a shorter batch fills the shares in order.
 
     Example:
+        >>> from jaxdist._src.input.distributed import split_sizes
         >>> split_sizes(1, 2, 2)      # range(9).batch(2), last batch, 2 replicas
         (1, 0)
         >>> split_sizes(29, 64, 4)
@@ -391,6 +392,8 @@ class DistributedIterator:
     """Iterator over per-replica batches (``tf.distribute.DistributedIterator``).
 
     Example:
+        >>> import jax, jaxdist
+        >>> import numpy as np
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> batches = jaxdist.Dataset.from_tensor_slices(np.ones((16, 3), np.float32)).batch(8)
         >>> it = iter(strategy.experimental_distribute_dataset(batches))
@@ -467,6 +470,9 @@ class DistributedDataset:
     Iterating gives pytrees of ``PerReplica`` values to pass to ``strategy.run``.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
+        >>> import numpy as np
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> x, y = np.ones((128, 3), np.float32), np.zeros((128,), np.float32)
         >>> step = lambda w, xb, yb: jnp.mean((xb @ w - yb) ** 2)
@@ -506,6 +512,8 @@ class DistributedDataset:
         full batch's share (TF's split of the first batch); the last batch may be shorter.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import numpy as np
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> x = np.ones((16, 3), np.float32)
             >>> dist = strategy.experimental_distribute_dataset(
@@ -576,6 +584,8 @@ class DistributedDatasetsFromFunction:
         replica's spec is that dataset's element type (``PerReplicaSpec`` with several replicas).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import numpy as np
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> def dataset_fn(ctx):
             ...     return jaxdist.Dataset.from_tensor_slices(np.ones((16, 3), np.float32)).batch(4)

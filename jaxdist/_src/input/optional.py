@@ -34,6 +34,8 @@ class Optional:
     ``InvalidArgumentError``). Not hashable and never ``None``: test it with ``has_value()``.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> opt = jaxdist.data.Optional.from_value(np.int32(42))
         >>> opt.has_value(), int(opt.get_value())
         (True, 42)

@@ -10,6 +10,7 @@ class AutoShardPolicy(enum.Enum):
     """How a multi-worker dataset is split across input pipelines (``tf.data``'s names).
 
     Example:
+        >>> import jaxdist
         >>> from jaxdist.data import with_auto_shard_policy
         >>> batches = jaxdist.Dataset.range(16).batch(4)
         >>> ds = with_auto_shard_policy(batches, jaxdist.AutoShardPolicy.DATA)
@@ -28,6 +29,7 @@ def as_policy(policy: object) -> AutoShardPolicy:
     """``policy`` as an ``AutoShardPolicy`` (a TF ``AutoShardPolicy`` or a name is read by name).
 
     Example:
+        >>> from jaxdist._src.input.options import as_policy
         >>> as_policy("data")
         <AutoShardPolicy.DATA: 'DATA'>
     """
@@ -74,6 +76,7 @@ class InputOptions:
             ``mask`` is 1.0 for real rows and 0.0 for padding.
 
     Example:
+        >>> import jaxdist
         >>> opts = jaxdist.InputOptions(experimental_per_replica_buffer_size=2,
         ...                             partial_batch="pad")
     """
@@ -110,6 +113,7 @@ class InputContext:
         num_replicas_in_sync: the total number of replicas.
 
     Example:
+        >>> import jaxdist
         >>> ctx = jaxdist.InputContext(num_input_pipelines=2, input_pipeline_id=0,
         ...                            num_replicas_in_sync=8)
         >>> ctx.get_per_replica_batch_size(64)
@@ -162,6 +166,7 @@ class DistributeOptions:
         num_devices: accepted for compatibility.
 
     Example:
+        >>> import jaxdist
         >>> options = jaxdist.data.Options()
         >>> options.experimental_distribute.auto_shard_policy = jaxdist.AutoShardPolicy.OFF
     """
@@ -205,6 +210,7 @@ class Options:
             datasets are always deterministic).
 
     Example:
+        >>> import jaxdist
         >>> options = jaxdist.data.Options()
         >>> options.experimental_distribute.auto_shard_policy = jaxdist.AutoShardPolicy.DATA
         >>> ds = jaxdist.Dataset.range(8).batch(4).with_options(options)

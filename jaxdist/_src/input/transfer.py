@@ -51,6 +51,9 @@ def put(arrays: list[np.ndarray], sharding: Sharding) -> list[jax.Array]:
         One committed ``jax.Array`` per input array, in order.
 
     Example:
+        >>> import jax
+        >>> import numpy as np
+        >>> from jaxdist._src.input.transfer import put
         >>> x = put([np.arange(4.0)], jax.sharding.SingleDeviceSharding(jax.devices()[0]))[0]
         >>> x.tolist()
         [0.0, 1.0, 2.0, 3.0]

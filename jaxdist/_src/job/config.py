@@ -11,6 +11,7 @@ of the ``strategy`` section depend on ``strategy.name``: each strategy registere
 ``jaxdist._src.job.strategy_registry.register_strategy`` declares its own keys.
 
 Example:
+    >>> from jaxdist.train import load_config
     >>> _ = open("job.yaml", "w").write("train: {epochs: 10}")
     >>> cfg = load_config("job.yaml", overrides=["train.epochs=3"])
     >>> cfg["train"]["epochs"]
@@ -225,6 +226,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         The validated config with every default filled in.
 
     Example:
+        >>> from jaxdist.train import load_config
         >>> cfg = load_config(raw={"strategy": {"name": "one_device"}, "train": {"epochs": 1}})
     """
     base: dict[str, Any] = read_yaml(path) if path is not None else {}

@@ -4,6 +4,7 @@
 (``jaxdist.train.ArrayData``) pairs ``(train, validation)``.
 
 Example:
+    >>> from jaxdist.train.data import make_synthetic
     >>> train, val = make_synthetic(1000, 16, 4)
     >>> len(train), len(val)
     (800, 200)
@@ -135,6 +136,7 @@ def make_synthetic(num_examples: int = 4096, num_features: int = 32, num_classes
     """A learnable synthetic classification problem (Gaussian inputs, a random linear teacher).
 
     Example:
+        >>> from jaxdist.train.data import make_synthetic
         >>> train, val = make_synthetic(1000, 16, 4)
     """
     rng = np.random.default_rng(seed)

@@ -19,6 +19,7 @@ is the installed one. A process that ignores SIGINT (started in the background b
 keeps ignoring it.
 
 Example:
+    >>> from jaxdist._src.job.interrupt import main_module
     >>> install()                 # in the main thread of a CLI process  # doctest: +SKIP
     True
     >>> main_module(["python", "-m", "jaxdist.train", "--config", "c.yaml"])
@@ -121,6 +122,7 @@ def main_module(argv: Sequence[str] | None = None) -> str | None:
     """The module of a ``python -m MODULE`` command line (``sys.orig_argv``), else ``None``.
 
     Example:
+        >>> from jaxdist._src.job.interrupt import main_module
         >>> main_module(["python", "-X", "dev", "-m", "jaxdist.train"])
         'jaxdist.train'
         >>> main_module(["python", "train.py", "--config", "c.yaml"]) is None
@@ -138,6 +140,7 @@ def install_for_main() -> bool:
     running: ``sys.argv[0]`` is still ``"-m"``), so that a Ctrl-C during them is answered.
 
     Example:
+        >>> from jaxdist._src.job.interrupt import install_for_main
         >>> install_for_main()          # in a test process: not the CLI, nothing installed
         False
     """

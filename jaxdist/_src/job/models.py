@@ -1,6 +1,9 @@
 """Small flax nnx models for the job configs: an MLP and a CNN.
 
 Example:
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from jaxdist.train.models import MLP
     >>> model = MLP(64, [128], 10, rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 8, 8, 1))).shape
     (2, 10)

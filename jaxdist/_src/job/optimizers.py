@@ -1,6 +1,7 @@
 """The optimizer a job config's ``optimizer`` section names (optax, with its schedule).
 
 Example:
+    >>> from jaxdist._src.job.optimizers import optimizer_from_config
     >>> from jaxdist._src.job.config import load_config
     >>> tx = optimizer_from_config(load_config(raw={})["optimizer"])    # adam(1e-3)
 """
@@ -20,6 +21,7 @@ def learning_rate_from_config(section: Mapping[str, Any]) -> Any:
     optax schedule.
 
     Example:
+        >>> from jaxdist._src.job.optimizers import learning_rate_from_config
         >>> lr = learning_rate_from_config({"learning_rate": 0.1, "schedule": "cosine",
         ...                                 "decay_steps": 100, "end_learning_rate": 0.0})
         >>> round(float(lr(50)), 6)

@@ -14,6 +14,7 @@ when they run ``python -m jaxdist.train`` with this config instead, they serve t
 Both are registered in ``jaxdist._src.job.strategy_registry``.
 
 Example:
+    >>> from jaxdist._src.job.parameter_server import is_ps_task, ps_optimizer_from_config, serve
     >>> from jaxdist._src.job.config import load_config
     >>> cfg = load_config(raw={"strategy": {"name": "parameter_server"},
     ...                        "optimizer": {"name": "adam"}})

@@ -15,6 +15,7 @@ silently does the wrong thing.
   checkpointing are not among them: a rerun may raise ``train.epochs`` to train further.
 
 Example:
+    >>> from jaxdist._src.job.rerun import shaping_settings
     >>> from jaxdist._src.job.config import load_config
     >>> settings = shaping_settings(load_config(raw={"optimizer": {"learning_rate": 0.1}}))
     >>> settings["optimizer.learning_rate"], settings["strategy.name"]
@@ -51,6 +52,7 @@ def shaping_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``{key: value}`` of the settings that shape training (see the module docstring).
 
     Example:
+        >>> from jaxdist._src.job.rerun import shaping_settings
         >>> from jaxdist._src.job.config import load_config
         >>> shaping_settings(load_config(raw={}))["train.global_batch_size"]
         64
@@ -70,13 +72,15 @@ def check_one_copy(cfg: Mapping[str, Any], environ: Mapping[str, str] | None = N
         ConfigError: naming the strategy, the cluster and the configs to use instead.
 
     Example:
+        >>> from jaxdist._src.job.rerun import check_one_copy
         >>> from jaxdist._src.job.config import load_config
         >>> env = {"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:1"]}, '
         ...        '"task": {"type": "worker", "index": 0}}'}
         >>> check_one_copy(load_config(raw={"strategy": {"name": "mirrored"}}), env)
         Traceback (most recent call last):
             ...
-        ConfigError: strategy.name: 'mirrored' trains in one process, but TF_CONFIG ...
+        jaxdist._src.job.schema.ConfigError: strategy.name: 'mirrored' trains in one process,
+        but TF_CONFIG ...
     """
     from jaxdist._src.cluster.task_info import launched_tasks
 
@@ -114,6 +118,7 @@ def check_resume(cfg: Mapping[str, Any]) -> None:
         TrainingCompleteError: the checkpoint already completes the configured training.
 
     Example:
+        >>> from jaxdist._src.job.rerun import check_resume
         >>> from jaxdist._src.job.config import load_config
         >>> check_resume(load_config(raw={"checkpoint": {"dir": "ckpt"}}))   # nothing yet
     """

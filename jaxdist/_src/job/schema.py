@@ -14,6 +14,7 @@ The ``strategy`` section's keys are declared by each strategy in
 ``jaxdist._src.job.strategy_registry``.
 
 Example:
+    >>> from jaxdist._src.job.schema import SCHEMA, trainer_defaults
     >>> SCHEMA["train"]["epochs"].default
     10
     >>> trainer_defaults()["checkpoint.every_steps"]
@@ -323,6 +324,7 @@ def trainer_defaults() -> dict[str, Any]:
     "fit.epochs": None}``), as the schema states them (``SAME`` or ``arg_default``).
 
     Example:
+        >>> from jaxdist._src.job.schema import trainer_defaults
         >>> trainer_defaults()["checkpoint.keep"], trainer_defaults()["fit.validation_freq"]
         (3, 1)
     """
@@ -365,6 +367,7 @@ def fit_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``Trainer.fit``'s arguments from a validated config (``epochs`` only without ``steps``).
 
     Example:
+        >>> from jaxdist._src.job.schema import fit_kwargs
         >>> from jaxdist._src.job.config import load_config
         >>> fit_kwargs(load_config(raw={"train": {"steps": 7}}))["epochs"] is None
         True

@@ -10,6 +10,9 @@ Config names are looked up here (``config_for``), so a job goes config -> ``Stra
 -> strategy -> ``Trainer`` without any other table.
 
 Example:
+    >>> import jax, jaxdist
+    >>> from jaxdist._src.job.strategy_registry import _REGISTRY, config_for
+    >>> from jaxdist.train import register_strategy
     >>> from jaxdist._src.job.schema import Field
     >>> class MyStrategy(jaxdist.MirroredStrategy):
     ...     def __init__(self, workers):
@@ -143,6 +146,7 @@ def strategy_config(cfg: Mapping[str, Any], strategy: Any = None) -> StrategyCon
     strategy), the config name of that strategy's class when ``strategy.name`` is another's.
 
     Example:
+        >>> from jaxdist._src.job.strategy_registry import strategy_config
         >>> from jaxdist._src.job.config import load_config
         >>> strategy_config(load_config(raw={})).name
         'mirrored'
@@ -184,6 +188,7 @@ def drop_foreign_keys(section: Mapping[str, Any], name: Any,
     it).
 
     Example:
+        >>> from jaxdist._src.job.strategy_registry import drop_foreign_keys
         >>> drop_foreign_keys({"name": "mirrored", "devices": None}, "one_device")
         ({'name': 'mirrored'}, ['devices'])
     """
@@ -198,6 +203,7 @@ def uses_tf_config(name: str) -> bool:
     """Whether strategy ``name`` reads ``TF_CONFIG`` (the others ignore a stale one).
 
     Example:
+        >>> from jaxdist._src.job.strategy_registry import uses_tf_config
         >>> uses_tf_config("one_device"), uses_tf_config("multi_worker")
         (False, True)
     """

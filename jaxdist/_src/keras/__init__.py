@@ -6,7 +6,9 @@ distribute variables and batches over the strategy's own mesh (one mesh, so Kera
 train step and jaxdist agree on every placement).
 
 Example:
-    >>> import keras, jaxdist, jaxdist.keras
+    >>> import jax
+    >>> import numpy as np
+    >>> import keras, jaxdist, jaxdist.keras  # doctest: +NEEDS_KERAS
     >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with jaxdist.keras.scope(strategy):
@@ -40,6 +42,7 @@ def require_keras() -> Any:
             keras).
 
     Example:
+        >>> import jaxdist
         >>> keras = jaxdist.keras.require_keras()
     """
     if "keras" not in sys.modules:
@@ -84,7 +87,8 @@ def distribution_for(strategy: Any) -> Any:
         A ``keras.distribution.DataParallel`` over the strategy's own mesh.
 
     Example:
-        >>> import keras
+        >>> import jax, jaxdist
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with jaxdist.keras.distribution_for(strategy).scope():
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -105,7 +109,8 @@ def distribution_scope(strategy: Any) -> Iterator[Any]:
     a keras dependency.
 
     Example:
-        >>> import keras
+        >>> import jax, jaxdist
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope(), jaxdist.keras.distribution_scope(strategy):
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -130,7 +135,8 @@ def strategy_scope_hook(strategy: Any) -> Any:
     strategy; ``jaxdist.Dataset`` input).
 
     Example:
-        >>> import keras
+        >>> import jax, jaxdist
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -188,7 +194,9 @@ def scope(strategy: Any) -> Iterator[Any]:
         The strategy.
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> with jaxdist.keras.scope(jaxdist.MirroredStrategy()) as strategy:
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -210,7 +218,9 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
     machine without a TPU.
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.zeros((512, 784), np.float32), np.zeros((512, 10), np.float32)
         >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():  # doctest: +NEEDS_LIBTPU
         ...     model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])
@@ -232,7 +242,9 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     See ``jaxdist._src.keras.parameter_server.attach``.
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -250,7 +262,9 @@ def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
     ``variables`` (see ``jaxdist._src.keras.custom_loop.value_and_grad``).
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> loss_object = keras.losses.MeanSquaredError()

@@ -39,6 +39,8 @@ class TensorBoard(keras.callbacks.Callback):
         ValueError: ``update_freq`` is neither ``"epoch"`` nor a positive integer.
 
     Example:
+        >>> import jaxdist, keras  # doctest: +NEEDS_KERAS
+        >>> import numpy as np
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -110,6 +112,8 @@ class ModelCheckpoint(_ChiefModelCheckpoint):
     Takes Keras's arguments. On a single process it is Keras's callback.
 
     Example:
+        >>> import jaxdist, keras, os  # doctest: +NEEDS_KERAS
+        >>> import numpy as np
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")
@@ -139,6 +143,8 @@ class BackupAndRestore(_ChiefBackupAndRestore):
             platform watcher); default ``TerminationConfig()``.
 
     Example:
+        >>> import jaxdist, keras  # doctest: +NEEDS_KERAS
+        >>> import numpy as np
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse")

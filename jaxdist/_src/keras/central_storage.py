@@ -13,7 +13,9 @@ jaxdist scopes only); models of any other kind are untouched (their step functio
 own).
 
 Example:
-    >>> import keras
+    >>> import jaxdist
+    >>> import numpy as np
+    >>> import keras  # doctest: +NEEDS_KERAS
     >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> strategy = jaxdist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], "/cpu:0")
     >>> with strategy.scope():   # doctest: +NEEDS_2_DEVICES
@@ -50,7 +52,9 @@ def central_strategy_of(model: Any) -> Any:
     """The ``CentralStorageStrategy`` holding ``model``'s variables, or ``None``.
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> from jaxdist._src.keras.central_storage import central_strategy_of
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> strategy = jaxdist.CentralStorageStrategy()
         >>> with strategy.scope():
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -37,7 +37,8 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
             split over the replicas.
 
     Example:
-        >>> import keras, jaxdist.keras
+        >>> import numpy as np
+        >>> import keras, jaxdist.keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.zeros((512, 784), np.float32), np.zeros((512, 10), np.float32)
         >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
         >>> with strategy.scope():

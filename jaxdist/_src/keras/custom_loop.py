@@ -18,7 +18,9 @@ optimizer variable that differs is an error naming it (its update used a per-rep
 that was never reduced).
 
 Example:
-    >>> import keras, jaxdist.keras
+    >>> import jax
+    >>> import numpy as np
+    >>> import keras, jaxdist.keras  # doctest: +NEEDS_KERAS
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
     >>> with strategy.scope():
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
@@ -91,7 +93,8 @@ def find_keras_objects(fn: Callable) -> list[Any]:
     included), and the same for every function found there (to a bounded depth).
 
     Example:
-        >>> import keras
+        >>> from jaxdist._src.keras.custom_loop import find_keras_objects
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> optimizer = keras.optimizers.SGD(0.1)
         >>> def train_step(x):
@@ -332,7 +335,8 @@ def value_and_grad(
         ``(value, gradients)``: ``value`` is what ``fn`` returned.
 
     Example:
-        >>> import keras, jaxdist.keras
+        >>> import numpy as np
+        >>> import keras, jaxdist.keras  # doctest: +NEEDS_KERAS
         >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> optimizer, loss_object = keras.optimizers.SGD(0.1), keras.losses.MeanSquaredError()

@@ -70,6 +70,8 @@ class StrategyDistribution(keras.distribution.DataParallel):
             says which and what to use).
 
     Example:
+        >>> import jaxdist, keras  # doctest: +NEEDS_KERAS
+        >>> from jaxdist._src.keras.distribution import StrategyDistribution
         >>> with StrategyDistribution(jaxdist.MirroredStrategy()).scope():
         ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     """

@@ -123,6 +123,9 @@ class DatasetAdapter(JaxBackendAdapter):
             (``None``: the step count is not known, as for ``FILE``'s share of the files).
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> from jaxdist._src.keras.input_adapters import DatasetAdapter
         >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
         >>> adapter = DatasetAdapter(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32))
         >>> adapter.num_batches
@@ -323,7 +326,9 @@ def tf_data_files(dataset: Any) -> tuple[bool, int | None]:
     ``AutoShardPolicy.FILE`` shards.
 
     Example:
-        >>> tf_data_files(tf.data.TFRecordDataset(["a", "b"]))  # doctest: +SKIP
+        >>> import tensorflow as tf  # doctest: +NEEDS_TF
+        >>> from jaxdist._src.keras.input_adapters import tf_data_files
+        >>> tf_data_files(tf.data.TFRecordDataset(["a", "b"]))
         (True, 2)
     """
     nodes = _tf_data_nodes(dataset)
@@ -369,9 +374,13 @@ def tf_data_has_unseeded_shuffle(dataset: Any) -> bool:
     with TF's public API; ``False`` when the graph cannot be read.
 
     Example:
-        >>> import tensorflow as tf  # doctest: +SKIP
-        >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8))  # doctest: +SKIP
+        >>> import tensorflow as tf  # doctest: +NEEDS_TF
+        >>> from jaxdist._src.keras.input_adapters import tf_data_has_unseeded_shuffle
+        >>> tf.random.set_seed(None)  # no global seed either (keras.utils.set_random_seed sets one)
+        >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8))
         True
+        >>> tf_data_has_unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8, seed=1))
+        False
     """
     nodes = _tf_data_nodes(dataset)
 
@@ -456,6 +465,8 @@ def inner_adapter(kind: str, x: Any, y: Any = None, sample_weight: Any = None,
             sharded as asked (the message names the fix).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.keras.input_adapters import inner_adapter
         >>> adapter = inner_adapter("test", np.ones((8, 2)), np.ones((8, 1)), batch_size=4)
         >>> adapter.num_batches
         2

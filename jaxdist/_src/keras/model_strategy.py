@@ -23,7 +23,9 @@ again for its calls. Outside every scope ``JAXTrainer`` is Keras's own, and a mo
 outside every scope is a plain Keras model.
 
 Example:
-    >>> import keras
+    >>> import jaxdist
+    >>> import numpy as np
+    >>> import keras  # doctest: +NEEDS_KERAS
     >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> with jaxdist.MirroredStrategy().scope():
     ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -61,7 +63,9 @@ def unattached_error(model: Any, strategy: Any) -> RuntimeError:
     """The error for ``fit`` on a model of a ``ParameterServerStrategy`` that was not attached.
 
     Example:
-        >>> import keras
+        >>> import jaxdist
+        >>> from jaxdist._src.keras.model_strategy import unattached_error
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> strategy = jaxdist.ParameterServerStrategy()
         >>> raise unattached_error(model, strategy)
@@ -82,7 +86,9 @@ def strategy_of(model: Any) -> Any:
     """The strategy whose scope ``model`` was compiled in (``None``: outside every scope).
 
     Example:
-        >>> import keras
+        >>> import jax, jaxdist
+        >>> from jaxdist._src.keras.model_strategy import strategy_of
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope():
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -110,6 +116,7 @@ def check_multi_process_callbacks(callbacks: Any) -> None:
         ValueError: naming the callback and its ``jaxdist.keras`` replacement.
 
     Example:
+        >>> from jaxdist._src.keras.model_strategy import check_multi_process_callbacks
         >>> import jaxdist.keras
         >>> check_multi_process_callbacks([jaxdist.keras.ModelCheckpoint("ckpt.keras")])
     """

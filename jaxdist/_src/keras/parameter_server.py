@@ -33,6 +33,8 @@ Callbacks that cannot work when the state lives on the ps are rejected when ``fi
 optimizer state) and ``EarlyStopping(restore_best_weights=True)``.
 
 Example:
+    >>> import keras  # doctest: +NEEDS_KERAS
+    >>> import numpy as np
     >>> import jaxdist.keras
     >>> x, y = np.ones((64, 4), np.float32), np.ones((64, 1), np.float32)
     >>> strategy = jaxdist.ParameterServerStrategy()          # TF_CONFIG names the cluster
@@ -80,6 +82,8 @@ def check_callbacks(callbacks: Any) -> None:
     """Raises ``ValueError`` for a Keras callback that cannot work with state on the ps.
 
     Example:
+        >>> import keras  # doctest: +NEEDS_KERAS
+        >>> from jaxdist._src.keras.parameter_server import check_callbacks
         >>> check_callbacks([keras.callbacks.EarlyStopping()])   # fine
     """
     items = getattr(callbacks, "callbacks", callbacks) or []
@@ -219,6 +223,8 @@ class KerasPSTraining:
         steps: steps this process ran (between-graph) or scheduled (coordinator).
 
     Example:
+        >>> import keras  # doctest: +NEEDS_KERAS
+        >>> import numpy as np
         >>> import jaxdist.keras
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -646,6 +652,8 @@ def attach(model: Any, strategy: Any, *, ps_optimizer: Any = None, name: str = C
         ValueError: the model is not compiled/built, or its optimizer has no ps equivalent.
 
     Example:
+        >>> import keras  # doctest: +NEEDS_KERAS
+        >>> import numpy as np
         >>> import jaxdist.keras
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -45,7 +45,9 @@ tracker, the compiled loss and metrics, ``DataAdapter`` and Keras's own adapters
 through ``jaxdist._src.compat.keras_internals``.
 
 Example:
-    >>> import keras
+    >>> import jax, jaxdist
+    >>> import numpy as np
+    >>> import keras  # doctest: +NEEDS_KERAS
     >>> x, y = np.ones((70, 5), np.float32), np.ones((70, 1), np.float32)
     >>> with jaxdist.MirroredStrategy(jax.devices()[:4]).scope():  # doctest: +NEEDS_4_DEVICES
     ...     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
@@ -272,7 +274,8 @@ def blocker(model: Any, kind: str) -> str | None:
     """Why ``kind`` steps of ``model`` cannot mask padded rows, or ``None`` when they can.
 
     Example:
-        >>> import keras
+        >>> from jaxdist._src.keras.partial_batches import blocker
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
         >>> model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
         >>> blocker(model, "train") is None

@@ -13,7 +13,7 @@ would update rows a batch does not touch in Keras, so they are refused unless an
 ``embedding_optimizer=`` is given explicitly (TF's lazy-Adam semantics, by choice).
 
 Example:
-    >>> import keras, jaxdist.keras
+    >>> import keras, jaxdist.keras  # doctest: +NEEDS_KERAS
     >>> ids = keras.Input((2,), dtype="int32")
     >>> emb = keras.layers.Embedding(1000, 8, name="items")(ids)
     >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb)))
@@ -54,7 +54,8 @@ def input_index(model: Any, layer: Any) -> int:
     """The index in ``model.inputs`` of the input ``layer`` takes (``ValueError`` if none).
 
     Example:
-        >>> import keras
+        >>> from jaxdist._src.keras.ps_embedding import input_index
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> ids = keras.Input((2,), dtype="int32")
         >>> emb = keras.layers.Embedding(1000, 8, name="items")(ids)
         >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb)))

@@ -27,7 +27,8 @@ scaling, gradient accumulation, other optimizers or schedules) raises ``ValueErr
 setting: no silent approximation.
 
 Example:
-    >>> import keras
+    >>> from jaxdist._src.keras.ps_optimizers import keras_optimizer_spec
+    >>> import keras  # doctest: +NEEDS_KERAS
     >>> spec = keras_optimizer_spec(keras.optimizers.SGD(0.1, momentum=0.9))
     >>> spec.to_json()["name"]
     'momentum'
@@ -79,7 +80,8 @@ def keras_optimizer_spec(optimizer: Any) -> ps_opt.OptimizerSpec:
             names it and the supported ones).
 
     Example:
-        >>> import keras
+        >>> from jaxdist._src.keras.ps_optimizers import keras_optimizer_spec
+        >>> import keras  # doctest: +NEEDS_KERAS
         >>> keras_optimizer_spec(keras.optimizers.Adam(1e-3)).to_json()["name"]
         'adam'
     """

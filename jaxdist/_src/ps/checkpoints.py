@@ -10,6 +10,10 @@ naming the step every ps saved. ``PSCheckpointReader`` reassembles a pytree of v
 those files (shards of a partitioned leaf are concatenated on axis 0) without any ps running.
 
 Example:
+    >>> import jaxdist
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
+    >>> from jaxdist.ps import PSCheckpointReader
     >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
     >>> with strategy.scope():
     ...     params = strategy.create_variables(lambda: {"w": jnp.ones(3)})
@@ -165,6 +169,7 @@ def checkpoint_directory(task: str, requested: str | None, what: str, *, confine
             resolves outside the root.
 
     Example:
+        >>> from jaxdist._src.ps.checkpoints import checkpoint_directory
         >>> checkpoint_directory("ps:0", "run1", "save", confined=True, root="/ckpt",
         ...                      default="/ckpt")
         '/ckpt/run1'
@@ -303,6 +308,8 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
         PSCheckpointWriteError: the checkpoint could not be written (nothing of it is left).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.ps.checkpoints import write_task_checkpoint
         >>> write_task_checkpoint("/ckpt", "ps:0", 100, {"w": {"kind": "dense",
         ...     "optimizer": None, "version": 3, "num_state": 0}}, {"v/w": np.zeros(4)})
         '/ckpt/ps-0/ckpt-100'
@@ -462,6 +469,7 @@ def read_task_checkpoint(directory: str | None, task: str, step: int | None = No
         PSNotFoundError: no checkpoint under ``directory``, or that step's file is missing.
 
     Example:
+        >>> from jaxdist._src.ps.checkpoints import read_task_checkpoint
         >>> step, meta, arrays = read_task_checkpoint("/ckpt", "ps:0")
         >>> meta["variables"]["w"]["version"], arrays["v/w"].shape
         (3, (4,))

@@ -9,6 +9,8 @@ lost connection until the deadline (a restarting ps is waited for, not reported 
 The TF2 ``ClusterCoordinator`` reuses these clients: they know nothing about strategies.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist.ps import PSClient
     >>> import os
     >>> from jaxdist._src.ps.optimizers import sgd
     >>> from jaxdist._src.ps.server import ParameterServer
@@ -247,6 +249,7 @@ class LocalClient(_Base):
     and updates are applied on the host CPU.
 
     Example:
+        >>> from jaxdist.ps import LocalClient, ParameterService
         >>> client = LocalClient([ParameterService("local")])
     """
 

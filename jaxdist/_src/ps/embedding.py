@@ -5,6 +5,9 @@ sends only those rows, duplicates summed; the ps applies a row-wise optimizer (s
 adam: the state of untouched rows is left alone, "lazy" updates).
 
 Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
     >>> import jaxdist.ps
     >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
     >>> table = strategy.extended.create_embedding(

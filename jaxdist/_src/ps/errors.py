@@ -21,10 +21,11 @@ class PSUnavailableError(PSError):
     """A ps task did not answer within the timeout (down, unreachable, or overloaded).
 
     Example:
+        >>> from jaxdist.ps import PSUnavailableError
         >>> raise PSUnavailableError("ps:1 at 127.0.0.1:1234 did not answer within 5.0 s")
         Traceback (most recent call last):
         ...
-        PSUnavailableError: ps:1 at 127.0.0.1:1234 did not answer within 5.0 s
+        jaxdist.ps.PSUnavailableError: ps:1 at 127.0.0.1:1234 did not answer within 5.0 s
     """
 
 

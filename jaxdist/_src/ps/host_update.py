@@ -19,6 +19,9 @@ where it gives the very bits XLA gives:
   from the jitted add stays on the jitted add.
 
 Example:
+    >>> import jax
+    >>> import numpy as np
+    >>> from jaxdist._src.ps.host_update import host_add, host_add_mode
     >>> jitted_add = jax.jit(lambda value, delta: value + delta)
     >>> value, grad = np.zeros(3, np.float32), np.ones(3, np.float32)
     >>> mode = host_add_mode(np.dtype(np.float32), jitted_add)   # "flush" on x86-64 glibc

@@ -6,6 +6,8 @@ shard count into row ranges with TF's division: the first ``rows % n`` shards ge
 (13 rows over 5 shards -> 3, 3, 3, 2, 2).
 
 Example:
+    >>> from jaxdist import FixedShardsPartitioner
+    >>> from jaxdist.ps import split_rows
     >>> FixedShardsPartitioner(5)((13, 4), "float32")
     [5, 1]
     >>> split_rows(13, 5)
@@ -48,6 +50,7 @@ class FixedShardsPartitioner(Partitioner):
     """Splits every variable into ``num_shards`` (fewer if it has fewer rows).
 
     Example:
+        >>> from jaxdist import FixedShardsPartitioner
         >>> FixedShardsPartitioner(num_shards=2)((10, 3), "float32")
         [2, 1]
     """
@@ -71,6 +74,7 @@ class MinSizePartitioner(Partitioner):
     """As many shards as keep each at least ``min_shard_bytes``, at most ``max_shards``.
 
     Example:
+        >>> from jaxdist import MinSizePartitioner
         >>> MinSizePartitioner(min_shard_bytes=4, max_shards=2)((6, 1), "float32")
         [2, 1]
     """
@@ -104,6 +108,7 @@ class MaxSizePartitioner(Partitioner):
     """As few shards as keep each at most ``max_shard_bytes`` (at most ``max_shards``).
 
     Example:
+        >>> from jaxdist import MaxSizePartitioner
         >>> MaxSizePartitioner(max_shard_bytes=4)((6, 1), "float32")
         [6, 1]
     """
@@ -144,6 +149,7 @@ def split_rows(num_rows: int, num_shards: int) -> list[tuple[int, int]]:
     """Row ranges ``[(start, stop), ...]`` of ``num_shards`` shards, TF's division.
 
     Example:
+        >>> from jaxdist.ps import split_rows
         >>> [b - a for a, b in split_rows(13, 5)]
         [3, 3, 3, 2, 2]
     """

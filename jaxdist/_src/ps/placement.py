@@ -8,6 +8,8 @@ function returns exactly TF's device string (``DeviceSpec.to_string()`` form, e.
 variables, so every worker computes the same assignment.
 
 Example:
+    >>> from jaxdist import replica_device_setter
+    >>> from jaxdist.ps import VariableSpec
     >>> setter = replica_device_setter(ps_tasks=2)
     >>> [setter(VariableSpec(n, (4,), "float32")) for n in ("v1", "v2", "v3")]
     ['/job:ps/task:0', '/job:ps/task:1', '/job:ps/task:0']
@@ -37,6 +39,7 @@ class VariableSpec:
             ``STANDARD_PS_OPS``) go to a ps; any other (e.g. ``"AddV2"``) to ``worker_device``.
 
     Example:
+        >>> from jaxdist.ps import VariableSpec
         >>> VariableSpec("w", (10, 10), "float32", device="/cpu:0").nbytes
         400
     """
@@ -65,6 +68,8 @@ def byte_size_load_fn(op: VariableSpec) -> int:
     """Load of a variable = its size in bytes (TF's ``byte_size_load_fn``).
 
     Example:
+        >>> from jaxdist import byte_size_load_fn
+        >>> from jaxdist.ps import VariableSpec
         >>> byte_size_load_fn(VariableSpec("w", (10, 10), "float32"))
         400
     """
@@ -95,6 +100,8 @@ class GreedyLoadBalancingStrategy:
         load_fn: a variable's load (default ``byte_size_load_fn``).
 
     Example:
+        >>> from jaxdist import (
+        ...     GreedyLoadBalancingStrategy, byte_size_load_fn, replica_device_setter)
         >>> greedy = GreedyLoadBalancingStrategy(2, byte_size_load_fn)
         >>> setter = replica_device_setter(ps_tasks=2, ps_strategy=greedy)
     """
@@ -193,6 +200,7 @@ def canonical_device(device: str) -> str:
     """TF's canonical form of a device string (``DeviceSpec.from_string(d).to_string()``).
 
     Example:
+        >>> from jaxdist._src.ps.placement import canonical_device
         >>> canonical_device("/job:ps/task:0/cpu:0")
         '/job:ps/task:0/device:CPU:0'
     """
@@ -207,6 +215,8 @@ class ReplicaDeviceSetter:
     device constraint (what ``ParameterServerStrategy`` uses).
 
     Example:
+        >>> from jaxdist import replica_device_setter
+        >>> from jaxdist.ps import VariableSpec
         >>> setter = replica_device_setter(ps_tasks=2)
         >>> setter(VariableSpec("v", (2,), device="/cpu:0"))
         '/job:ps/task:0/device:CPU:0'
@@ -289,6 +299,7 @@ def replica_device_setter(
         TypeError: ``ps_strategy`` is not callable.
 
     Example:
+        >>> from jaxdist import replica_device_setter
         >>> setter = replica_device_setter(cluster={"ps": ["h0:2222", "h1:2222"],
         ...                                         "worker": ["h2:2222"]})
         >>> setter("v1"), setter("v2"), setter("v3")

@@ -9,6 +9,7 @@ refuses to start without them unless plaintext on loopback was asked for
 (``JAXDIST_INSECURE=1``).
 
 Example:
+    >>> from jaxdist.ps import ParameterServer, ParameterService
     >>> import os
     >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
     >>> server = ParameterServer(ParameterService("ps:0"), "127.0.0.1:0", token="s3cret")
@@ -168,6 +169,8 @@ def failure_status(task: str, method: str, e: Exception) -> tuple[grpc.StatusCod
     """The status and message a failed call answers (both transports).
 
     Example:
+        >>> from jaxdist._src.ps.server import failure_status
+        >>> from jaxdist.ps import PSNotFoundError
         >>> failure_status("ps:0", "Pull", PSNotFoundError("no variable 'w'"))[0]
         <StatusCode.NOT_FOUND: (5, 'not found')>
     """
@@ -197,6 +200,7 @@ def response_chunk_bytes(meta: dict) -> int:
         PSInvalidArgumentError: ``chunk_bytes`` is not a positive integer.
 
     Example:
+        >>> from jaxdist._src.ps.server import response_chunk_bytes
         >>> response_chunk_bytes({"chunk_bytes": 4 << 20})
         4194304
     """

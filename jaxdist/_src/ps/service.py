@@ -7,6 +7,8 @@ of updates applied to it. A push says which version its gradient was computed fr
 records the staleness (versions applied since) and applies the optax update.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist.ps import ParameterService
     >>> from jaxdist._src.ps.optimizers import sgd
     >>> svc = ParameterService("ps:0")
     >>> svc.create({"w": np.zeros(3, np.float32)}, {"w": {"optimizer": sgd(0.1).to_json()}})
@@ -532,12 +534,14 @@ class ParameterService:
         cannot make it write, prune or read files elsewhere.
 
         Example:
+            >>> from jaxdist.ps import ParameterService
             >>> svc = ParameterService("ps:0", checkpoint_dir="/ckpt")
             >>> svc.confine_checkpoints()
             >>> svc.save("/etc", step=1)
             Traceback (most recent call last):
             ...
-            PSInvalidArgumentError: ps:0 refuses save to '/etc': it resolves to '/etc', outside ...
+            jaxdist.ps.PSInvalidArgumentError: ps:0 refuses save to '/etc': it resolves to '/etc',
+            outside ...
         """
         self._confined = True
 

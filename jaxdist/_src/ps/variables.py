@@ -6,6 +6,8 @@ parallel), reassembles the pytree, and pushes gradients shard by shard, each pus
 version the gradient was computed from.
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> import numpy as np
     >>> import jaxdist.ps
     >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
     >>> init_fn = lambda: {"w": jnp.zeros(3)}
@@ -232,6 +234,9 @@ class PSVariables:
         ``set_weights``). Every shard's version goes up by one.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
+            >>> import numpy as np
             >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
             >>> params = strategy.create_variables(lambda: {"w": jnp.ones(3)})
             >>> params.assign(jax.tree.map(np.zeros_like, params.pull()))
@@ -256,6 +261,7 @@ class PSVariables:
             PSInvalidArgumentError: the rate follows a schedule, or is not in [0, 1e6].
 
         Example:
+            >>> import jax.numpy as jnp
             >>> import jaxdist.ps
             >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
             >>> params = strategy.create_variables(lambda: {"w": jnp.ones(3)},

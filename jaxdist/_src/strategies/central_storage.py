@@ -98,6 +98,8 @@ class CentralStorageStrategy(Strategy):
             if there is one).
 
     Example:
+        >>> import jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.CentralStorageStrategy(  # doctest: +NEEDS_2_DEVICES
         ...     ["/cpu:0", "/cpu:1"], "/cpu:0")
         >>> with strategy.scope():

@@ -85,6 +85,8 @@ class CompileReport:
         what: the compiled program, in words.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
         >>> batch = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: jax.ShapeDtypeStruct((32, 784), jnp.float32))
@@ -193,6 +195,9 @@ class CompileReport:
         """The report as plain values (for JSON or logs).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
+            >>> from jaxdist._src.strategies.compile_report import compile_run
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> report = compile_run(strategy, lambda x: x * 2, args=(jnp.ones(4),))
             >>> report.as_dict()["num_replicas"] == strategy.num_replicas_in_sync
@@ -274,6 +279,9 @@ def compile_run(strategy: Any, fn: Callable, args: Sequence[Any] = (),
         ValueError: a ``PerReplica`` argument does not have one entry per replica.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.compile_report import compile_run
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> dist_batch = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: jnp.ones((8, 3)))
@@ -340,6 +348,9 @@ def compile_global(strategy: Any, fn: Callable, state: Any, batch: Any,
     ``state`` and ``batch`` are read.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.compile_report import compile_global
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> train_step = lambda w, batch: w - 0.1 * jnp.mean(batch[0] * batch[1])
         >>> x, y = jnp.ones((8, 3)), jnp.ones((8, 1))

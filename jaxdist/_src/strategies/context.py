@@ -54,6 +54,7 @@ def current_strategy() -> Strategy | None:
     ``get_strategy()`` (``jaxdist._src.strategies.current``) falls back to the default strategy.
 
     Example:
+        >>> from jaxdist._src.strategies.context import current_strategy
         >>> current_strategy() is None
         True
     """
@@ -65,6 +66,7 @@ def has_strategy() -> bool:
     """True inside the scope of (or a replica function of) a non-default strategy.
 
     Example:
+        >>> import jaxdist
         >>> jaxdist.has_strategy()
         False
         >>> with jaxdist.MirroredStrategy().scope():
@@ -79,6 +81,7 @@ def in_cross_replica_context() -> bool:
     """True inside ``strategy.scope()`` but not inside a function run by ``strategy.run``.
 
     Example:
+        >>> import jax, jaxdist
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:1])
         >>> with strategy.scope():
         ...     jaxdist.in_cross_replica_context()
@@ -98,6 +101,7 @@ def get_cross_replica_context() -> Strategy | None:
     ``merge_call``'s merge function.
 
     Example:
+        >>> import jax, jaxdist
         >>> jaxdist.get_cross_replica_context() is None
         True
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
@@ -131,6 +135,8 @@ def require_cross_replica_or_default_context(strategy: Strategy) -> None:
             ("Method requires being in cross-replica context").
 
     Example:
+        >>> import jax, jaxdist
+        >>> from jaxdist._src.strategies.context import require_cross_replica_or_default_context
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> require_cross_replica_or_default_context(strategy)   # outside any scope: fine
     """
@@ -162,6 +168,7 @@ class StrategyScope:
     function raises TF's cross-replica error.
 
     Example:
+        >>> import jax, jaxdist
         >>> scope = jaxdist.MirroredStrategy(jax.devices()[:2]).scope()
         >>> with scope:
         ...     with scope:          # nested re-entry of the same object is allowed
@@ -222,6 +229,7 @@ def register_scope_hook(hook: Callable[[Any], Any]) -> None:
     """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
 
     Example:
+        >>> from jaxdist._src.strategies.context import _SCOPE_HOOKS, register_scope_hook
         >>> hook = lambda strategy: None          # a hook that never adds a context
         >>> register_scope_hook(hook)
         >>> _SCOPE_HOOKS.remove(hook)             # (a hook stays for the process otherwise)
@@ -238,6 +246,7 @@ class DefaultStrategyScope:
             tf.distribute.Strategy scopes").
 
     Example:
+        >>> import jaxdist
         >>> with jaxdist.get_strategy().scope():
         ...     jaxdist.get_replica_context() is not None
         True
@@ -288,6 +297,7 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
             `tf.distribute.Strategy` scope").
 
     Example:
+        >>> import jaxdist
         >>> jaxdist.experimental_set_strategy(jaxdist.MirroredStrategy())
         >>> jaxdist.in_cross_replica_context()
         True

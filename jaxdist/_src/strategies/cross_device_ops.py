@@ -51,6 +51,9 @@ def outside_context_mesh() -> Iterator[None]:
     Inside a trace there is no context to leave, and nothing changes.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.cross_device_ops import outside_context_mesh
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[1:3])  # doctest: +NEEDS_4_DEVICES
         >>> with strategy.scope(), outside_context_mesh():
         ...     y = jax.device_put(jnp.ones(2), jax.devices()[0]) * 2  # a device not in the mesh
@@ -123,6 +126,7 @@ def destination_sharding(destinations: Any) -> jax.sharding.Sharding | None:
         ValueError: an empty list, or a value that names no device.
 
     Example:
+        >>> from jaxdist._src.strategies.cross_device_ops import destination_sharding
         >>> sharding = destination_sharding(["/cpu:0", "/cpu:1"])  # doctest: +NEEDS_2_DEVICES
         >>> sorted(d.id for d in sharding.device_set)
         [0, 1]
@@ -182,6 +186,7 @@ class CrossDeviceOps:
     Subclasses implement ``_sum_varying`` (and ``mesh_layout`` if they need another mesh).
 
     Example:
+        >>> import jax, jaxdist
         >>> class Psum(jaxdist.CrossDeviceOps):
         ...     def _sum_varying(self, xs, axes, n):
         ...         return [jax.lax.psum(x, axes) for x in xs]
@@ -238,6 +243,8 @@ class CrossDeviceOps:
             ValueError: ``destinations`` is ``None`` or empty or names no device.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> per_replica = strategy.run(lambda: jnp.ones(()))
             >>> total = jaxdist.NcclAllReduce().reduce("SUM", per_replica, ["/cpu:0", "/cpu:1"])
@@ -262,6 +269,8 @@ class CrossDeviceOps:
         """``reduce`` for a list of ``(value, destinations)`` pairs.
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> x, y = jnp.ones(2), jnp.zeros(())
             >>> a, b = jaxdist.NcclAllReduce().batch_reduce("MEAN", [(x, "/cpu:0"), (y, "/cpu:0")])
         """
@@ -275,6 +284,8 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every device of ``destinations`` (TF's ``broadcast``).
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> m = jaxdist.NcclAllReduce().broadcast(  # doctest: +NEEDS_2_DEVICES
             ...     jnp.ones(()), ["/cpu:0", "/cpu:1"])
         """
@@ -418,6 +429,7 @@ class NcclAllReduce(CrossDeviceOps):
             all-reduce (TF's gradient packing); ``0`` reduces each value on its own.
 
     Example:
+        >>> import jaxdist
         >>> strategy = jaxdist.MirroredStrategy(cross_device_ops=jaxdist.NcclAllReduce(2))
     """
 
@@ -446,6 +458,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         num_packs: number of flat buffers the values are packed into first.
 
     Example:
+        >>> import jaxdist
         >>> strategy = jaxdist.MirroredStrategy(
         ...     cross_device_ops=jaxdist.HierarchicalCopyAllReduce(num_packs=1))
     """
@@ -489,6 +502,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             ``tf.math.add_n``).
 
     Example:
+        >>> import jaxdist
         >>> ops = jaxdist.ReductionToOneDevice(reduce_to_device="/cpu:0")
         >>> strategy = jaxdist.MirroredStrategy(cross_device_ops=ops)
     """

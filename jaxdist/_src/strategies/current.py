@@ -1,6 +1,7 @@
 """The current strategy and replica context, with the default strategy outside every scope.
 
 Example:
+    >>> from jaxdist import get_replica_context, get_strategy
     >>> get_strategy()
     DefaultStrategy()
     >>> get_replica_context().num_replicas_in_sync
@@ -23,6 +24,7 @@ def get_strategy() -> Strategy:
     """Returns the current strategy: the innermost ``scope()``, else the default strategy.
 
     Example:
+        >>> import jax, jaxdist
         >>> with jaxdist.MirroredStrategy(jax.devices()[:2]).scope():  # doctest: +NEEDS_2_DEVICES
         ...     jaxdist.get_strategy().num_replicas_in_sync
         2
@@ -39,6 +41,8 @@ def get_replica_context() -> ReplicaContext | None:
     Outside every scope this is the default strategy's replica context (one replica), as in TF.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> def step(x):
         ...     ctx = jaxdist.get_replica_context()
         ...     return ctx.all_reduce("SUM", x) / ctx.num_replicas_in_sync

@@ -56,6 +56,7 @@ class DefaultStrategy(Strategy):
     """The strategy in effect outside every ``scope()``: one replica, ``run(fn)`` calls ``fn``.
 
     Example:
+        >>> import jaxdist
         >>> jaxdist.get_strategy().run(lambda x: x + 1, args=(1,))
         2
     """
@@ -74,6 +75,7 @@ class DefaultStrategy(Strategy):
         """A no-op for the contexts (as in TF); raises inside another strategy's scope.
 
         Example:
+            >>> import jaxdist
             >>> with jaxdist.get_strategy().scope():
             ...     jaxdist.get_replica_context() is not None
             True

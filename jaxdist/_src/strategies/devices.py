@@ -50,6 +50,7 @@ def resolve_device(spec: Any) -> Any:
             lists the devices that do.
 
     Example:
+        >>> from jaxdist._src.strategies.devices import resolve_device
         >>> resolve_device("/cpu:1")  # doctest: +NEEDS_2_DEVICES
         CpuDevice(id=1)
     """

@@ -90,6 +90,7 @@ def function_key(fn: Any, _depth: int = 0) -> Any:
     """The compile cache's key of ``fn``: a ``FunctionKey`` for a plain function, else ``fn``.
 
     Example:
+        >>> from jaxdist._src.strategies.fn_key import function_key
         >>> def make(scale):
         ...     def step(x):
         ...         return x * scale

@@ -62,6 +62,9 @@ class StepThrottle:
     """Keeps at most ``max_in_flight`` steps dispatched and not finished.
 
     Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.inflight import StepThrottle
         >>> step, data = jax.jit(lambda x: x * 2), [jnp.ones(3)] * 4
         >>> throttle = StepThrottle(2)
         >>> for batch in data:

@@ -104,6 +104,8 @@ def compute_average_loss(
         TypeError: ``global_batch_size`` is not an int.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> def step(per_example):     # each replica's per-example losses
         ...     return jaxdist.compute_average_loss(per_example, global_batch_size=64)
@@ -148,6 +150,8 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
         RuntimeError: called in the cross-replica context (inside ``scope()``, outside ``run``).
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> def step(loss, l2):
         ...     return loss + jaxdist.scale_regularization_loss(1e-4 * l2)

@@ -27,6 +27,7 @@ class MirroredStrategy(Strategy):
             per value, which XLA's all-reduce combiner batches).
 
     Example:
+        >>> import jaxdist
         >>> strategy = jaxdist.MirroredStrategy(["/cpu:0", "/cpu:1"])  # doctest: +NEEDS_2_DEVICES
         >>> strategy.num_replicas_in_sync
         2

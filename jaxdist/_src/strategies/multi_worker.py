@@ -57,6 +57,7 @@ class CommunicationImplementation(enum.Enum):
     """Which collective implementation to use (``tf.distribute.experimental.*``).
 
     Example:
+        >>> import jaxdist
         >>> options = jaxdist.CommunicationOptions(
         ...     implementation=jaxdist.CommunicationImplementation.RING)
     """
@@ -81,6 +82,7 @@ class CommunicationOptions:
         implementation: ``AUTO``, ``RING`` (gloo on CPU, NCCL on GPU) or ``NCCL`` (GPUs only).
 
     Example:
+        >>> import jaxdist
         >>> options = jaxdist.CommunicationOptions(
         ...     bytes_per_pack=32 * 1024 * 1024, timeout_seconds=120,
         ...     implementation=jaxdist.CommunicationImplementation.RING)
@@ -117,6 +119,7 @@ class PackedAllReduce(NcclAllReduce):
     """All-reduce of values packed into buckets of ``bytes_per_pack`` bytes (one psum each).
 
     Example:
+        >>> from jaxdist._src.strategies.multi_worker import PackedAllReduce
         >>> ops = PackedAllReduce(bytes_per_pack=4 * 1024 * 1024)
     """
 
@@ -333,6 +336,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         ClusterTimeoutError: the other tasks did not join within the timeout.
 
     Example:
+        >>> import jaxdist
+        >>> import jax.numpy as jnp
+        >>> import numpy as np
         >>> strategy = jaxdist.MultiWorkerMirroredStrategy(   # TF_CONFIG unset: one worker
         ...     communication_options=jaxdist.CommunicationOptions(timeout_seconds=60))
         >>> with strategy.scope():

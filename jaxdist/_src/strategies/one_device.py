@@ -15,6 +15,7 @@ class OneDeviceStrategy(Strategy):
         device: a JAX device or TF device string such as ``"/gpu:0"`` or ``"/cpu:0"``.
 
     Example:
+        >>> import jaxdist
         >>> strategy = jaxdist.OneDeviceStrategy("/cpu:0")
         >>> strategy.num_replicas_in_sync
         1

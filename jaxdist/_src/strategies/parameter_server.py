@@ -355,6 +355,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 last complete one); ``None`` keeps all.
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
             >>> with strategy.scope():
             ...     params = strategy.create_variables(lambda: {"w": jnp.zeros(3)})
@@ -390,6 +392,8 @@ class ParameterServerStrategyExtended(StrategyExtended):
         complete-checkpoint pointer, else that task's latest), or ``None``.
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: trains locally
             >>> with strategy.scope():
             ...     params = strategy.create_variables(lambda: {"w": jnp.zeros(3)})
@@ -487,6 +491,9 @@ class ParameterServerStrategy(Strategy):
         compute_devices: this worker's devices (default: all local devices).
 
     Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import numpy as np
         >>> import jaxdist.ps
         >>> resolver = jaxdist.cluster_resolver.TFConfigClusterResolver()  # no TF_CONFIG: local
         >>> strategy = jaxdist.ParameterServerStrategy(resolver)

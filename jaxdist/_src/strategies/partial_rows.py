@@ -19,6 +19,7 @@ function that cannot be traced with another row count (shapes fixed in its code)
 the leading-axis test alone.
 
 Example:
+    >>> from jaxdist._src.strategies.partial_rows import per_row_lengths
     >>> per_row_lengths(((16, 13, 0, 0), 16), [(4, 16, 10), (4,)])   # (replicas, rows, ...)
     [(16, 13, 0, 0), None]
 """
@@ -59,6 +60,7 @@ def per_row_lengths(
             test alone.
 
     Example:
+        >>> from jaxdist._src.strategies.partial_rows import per_row_lengths
         >>> per_row_lengths(((2, 1), 2), [(2, 2, 5), (2, 2)])
         [(2, 1), (2, 1)]
     """
@@ -95,6 +97,9 @@ def batch_dependent_outputs(closed_jaxpr: Any, dependent_inputs: Sequence[bool])
     marked False does not depend on those inputs.
 
     Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.partial_rows import batch_dependent_outputs
         >>> jaxpr = jax.make_jaxpr(lambda params, batch: (params + 1, jnp.sum(batch) * params))(
         ...     jnp.ones(()), jnp.ones(3))
         >>> batch_dependent_outputs(jaxpr, [False, True])
@@ -124,6 +129,7 @@ def padding_warning(name: str, partial: Partial, outputs: Sequence[int]) -> str:
     """The one-time warning for a replica function that reduced a padded batch unmasked.
 
     Example:
+        >>> from jaxdist._src.strategies.partial_rows import padding_warning
         >>> print(padding_warning("step_fn", ((32, 31), 32), [0])[:60])
         strategy.run(step_fn): a partial batch reached this replica
     """
@@ -150,6 +156,8 @@ def wrap_outputs(flat: Sequence[Any], varying: Sequence[bool],
     partial step carry its ``lengths``), the replicated arrays as they are.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.partial_rows import wrap_outputs
         >>> stacked_preds, total = jnp.ones((2, 4)), jnp.float32(5.0)   # 2 replicas, 4 rows
         >>> wrap_outputs([stacked_preds, total], [True, False], [(4, 1), None])
         [PerReplica(num_replicas=2, shape=(4,), dtype=float32, lengths=(4, 1)), Array(5., ...)]
@@ -171,6 +179,9 @@ def gather_rows(v: PerReplica, axis: int, sharding: Any) -> Any:
         ValueError: ``axis`` is not the row axis (replicas have different row counts).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist import PerReplica
+        >>> from jaxdist._src.strategies.partial_rows import gather_rows
         >>> per_row_predictions = PerReplica(jnp.ones((2, 3)), (3, 1))  # replica 1 has 1 row
         >>> gather_rows(per_row_predictions, 0, None)
         Array([1., 1., 1., 1.], dtype=float32)
@@ -196,6 +207,9 @@ def reduce_rows(op: ReduceOp, v: PerReplica, axis: int | None) -> Any:
             not the row axis.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist import PerReplica, ReduceOp
+        >>> from jaxdist._src.strategies.partial_rows import reduce_rows
         >>> per_row_losses = PerReplica(jnp.ones((2, 3)), (3, 1))   # replica 1 has 1 row
         >>> reduce_rows(ReduceOp.SUM, per_row_losses, 0)     # the sum over the real rows
         Array(4., dtype=float32)

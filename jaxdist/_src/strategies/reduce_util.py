@@ -12,6 +12,7 @@ class ReduceOp(enum.Enum):
     ``"MEAN"`` (any case) are accepted wherever a ``ReduceOp`` is.
 
     Example:
+        >>> from jaxdist import ReduceOp
         >>> ReduceOp.from_value("mean") is ReduceOp.MEAN
         True
     """

@@ -20,6 +20,8 @@ class ReplicaContext:
     """The context of one replica inside ``strategy.run``.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> def step(x):
         ...     ctx = jaxdist.get_replica_context()
         ...     return ctx.all_reduce("SUM", x)
@@ -57,6 +59,8 @@ class ReplicaContext:
         warned once.
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> x = jnp.ones((4, 3))
             >>> ctx = jaxdist.get_replica_context()
             >>> if ctx.valid_rows is not None:
@@ -92,6 +96,8 @@ class ReplicaContext:
         """A bool mask of the real rows among ``rows`` (all True outside a partial step).
 
         Example:
+            >>> import jaxdist
+            >>> import jax.numpy as jnp
             >>> x = jnp.ones((4, 3))
             >>> jaxdist.get_replica_context().row_mask(x.shape[0])   # a full batch: all True
             Array([ True,  True,  True,  True], dtype=bool)
@@ -129,6 +135,8 @@ class ReplicaContext:
         and call ``all_reduce``:
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> loss_fn = lambda w, x: jnp.sum(w * x)
             >>> def step(params, batch):
@@ -164,6 +172,8 @@ class ReplicaContext:
                 Drop the ``all_reduce``, or differentiate w.r.t. ``ctx.local(params)``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> def step(per_replica_loss):
             ...     ctx = jaxdist.get_replica_context()
@@ -209,6 +219,8 @@ class ReplicaContext:
                 ``all_reduce`` inside such a body is fine.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> def merge_fn(strategy, x):
             ...     return strategy.reduce("SUM", x, axis=None)
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])

@@ -39,6 +39,8 @@ class DoubleReductionError(ValueError):
     """``all_reduce`` got a value that was already summed over the replicas.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> def step(params):
         ...     ctx = jaxdist.get_replica_context()
@@ -48,7 +50,8 @@ class DoubleReductionError(ValueError):
         >>> strategy.run(step, args=(jnp.ones(2),))
         Traceback (most recent call last):
         ...
-        DoubleReductionError: all_reduce(SUM) got a value that is already summed over the 2 ...
+        jaxdist.DoubleReductionError: all_reduce(SUM) got a value that is already summed over
+        the 2 ...
     """
 
 

@@ -22,6 +22,8 @@ class RunOptions:
         experimental_xla_options: accepted for TF compatibility.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> def train_step(params, opt_state, batch):
         ...     return params - 0.1 * batch, opt_state + 1, jnp.sum(batch)

@@ -103,6 +103,8 @@ class ValueContext:
         num_replicas_in_sync: the total number of replicas.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import numpy as np
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> v = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: np.full(2, ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync))
@@ -131,6 +133,8 @@ class StrategyExtended:
     """Strategy internals with TF's ``extended`` names (``reduce_to``, ``update``, ...).
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> ext = strategy.extended
         >>> len(ext.worker_devices)
@@ -311,6 +315,8 @@ class StrategyExtended:
         """compat.v1 name for ``Strategy.run``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> strategy.extended.call_for_each_replica(lambda: jnp.ones(()))  # same everywhere
             Array(1., dtype=float32)
@@ -730,6 +736,8 @@ class StrategyExtended:
             RuntimeError: called inside another strategy's scope or in a replica context.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> per_replica = strategy.run(lambda: jnp.ones(()))
             >>> strategy.extended.reduce_to("SUM", per_replica, None)
@@ -753,6 +761,8 @@ class StrategyExtended:
         """``reduce_to`` for a list of ``(value, destinations)`` pairs.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> x = strategy.run(lambda: jnp.ones(2))
             >>> y = strategy.run(lambda: jnp.zeros(()))
@@ -776,6 +786,8 @@ class StrategyExtended:
         means every replica's device (a replicated array).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> w = strategy.extended.broadcast_to(jnp.ones(3), strategy.extended.worker_devices)
         """
@@ -888,6 +900,8 @@ class StrategyExtended:
             RuntimeError: called inside another strategy's scope or in a replica context.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> step = jnp.zeros((), jnp.int32)
             >>> step = strategy.extended.update_non_slot(step, lambda: step + 1)
@@ -907,6 +921,8 @@ class StrategyExtended:
         """A ``jaxdist.Dataset`` of the slices of ``numpy_input``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import numpy as np
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> ds = strategy.extended.experimental_make_numpy_dataset(np.ones([10]))
         """
@@ -1172,6 +1188,8 @@ class Strategy:
     """The API shared by every distribution strategy (``tf.distribute.Strategy``).
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> with strategy.scope():
         ...     params = {"w": jnp.zeros((3,))}          # replicated on every device
@@ -1218,6 +1236,8 @@ class Strategy:
                 replica function.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> with strategy.scope():
             ...     params = {"w": jnp.zeros((3,))}   # replicated on every device
@@ -1256,6 +1276,8 @@ class Strategy:
             that varies is a ``PerReplica``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> def train_step(params, batch):
             ...     loss = jnp.mean((params * batch) ** 2)
@@ -1317,6 +1339,8 @@ class Strategy:
         """Reduces a (pytree of) per-replica value(s) across replicas, and along ``axis``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> per_replica_losses = strategy.run(lambda: jnp.float32(0.5))
             >>> strategy.reduce("SUM", per_replica_losses, axis=None)
@@ -1382,6 +1406,8 @@ class Strategy:
         """Calls ``value_fn(ValueContext)`` for each replica; returns the values as ``PerReplica``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
             >>> v = strategy.experimental_distribute_values_from_function(
             ...     lambda ctx: jnp.array([ctx.replica_id_in_sync_group]))
@@ -1417,6 +1443,8 @@ class Strategy:
         """Deprecated TF alias of ``distribute_datasets_from_function``.
 
         Example:
+            >>> import jax, jaxdist
+            >>> import numpy as np
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> def dataset_fn(ctx):
             ...     return jaxdist.Dataset.from_tensor_slices(np.arange(8.0)).batch(
@@ -1435,6 +1463,8 @@ class Strategy:
         """A ``jaxdist.Dataset`` of the slices of ``numpy_input`` (batch it yourself).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import numpy as np
             >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
             >>> ds = strategy.experimental_make_numpy_dataset(np.ones([10], np.float32))
         """
@@ -1501,6 +1531,7 @@ def register_run_state_hook(hook: Callable[[Callable, tuple, dict], Any]) -> Non
     """Makes every ``strategy.run`` ask ``hook`` for state its function reaches.
 
     Example:
+        >>> from jaxdist._src.strategies.strategy import _RUN_STATE_HOOKS, register_run_state_hook
         >>> hook = lambda fn, args, kwargs: None   # carries nothing
         >>> register_run_state_hook(hook)
         >>> _RUN_STATE_HOOKS.remove(hook)          # (a hook stays for the process otherwise)

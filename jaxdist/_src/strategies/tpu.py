@@ -44,6 +44,7 @@ def libtpu_available() -> bool:
     named TPU topology needs.
 
     Example:
+        >>> import jaxdist
         >>> jaxdist.tpu.libtpu_available()  # doctest: +NEEDS_LIBTPU
         True
     """
@@ -131,6 +132,7 @@ class Topology:
         ValueError: the name is malformed or libtpu does not know it.
 
     Example:
+        >>> import jaxdist
         >>> topology = jaxdist.tpu.Topology("v5e:2x2")  # doctest: +NEEDS_LIBTPU
         >>> topology.mesh_shape, topology.num_tasks, topology.device_kind
         (array([2, 2, 1, 1], dtype=int32), 1, 'TPU v5 lite')
@@ -232,6 +234,7 @@ class Topology:
         """The JAX device at ``[x, y, z, core]``.
 
         Example:
+            >>> import jaxdist
             >>> topology = jaxdist.tpu.Topology("v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> topology.device_at_coordinates([1, 0, 0, 0])
             TpuDevice(id=1, ...)
@@ -287,6 +290,7 @@ class DeviceAssignment:
         NotImplementedError: more than one core per replica (model parallelism).
 
     Example:
+        >>> import jaxdist
         >>> topology = jaxdist.tpu.Topology("v4:2x2x1")  # doctest: +NEEDS_LIBTPU
         >>> assignment = jaxdist.tpu.DeviceAssignment.build(topology, num_replicas=2)
         >>> strategy = jaxdist.TPUStrategy(experimental_device_assignment=assignment)
@@ -323,6 +327,8 @@ class DeviceAssignment:
             NotImplementedError: a ``computation_shape`` of more than one core.
 
         Example:
+            >>> import jaxdist
+            >>> from jaxdist.tpu import DeviceAssignment
             >>> topology = jaxdist.tpu.Topology("v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> assignment = DeviceAssignment.build(topology, num_replicas=4)
             >>> assignment.num_replicas
@@ -491,6 +497,8 @@ class TPUStrategy(Strategy):
         ImportError: a topology name was given and libtpu is not installed.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu="local")
         >>> jaxdist.tpu.initialize_tpu_system(resolver)  # doctest: +SKIP
         >>> strategy = jaxdist.TPUStrategy(resolver)    # doctest: +SKIP
@@ -577,6 +585,8 @@ class TPUStrategy(Strategy):
             program (``total_bytes``, ``flops``, ``memory_analysis``, ``cost_analysis``).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> batch = strategy.experimental_distribute_values_from_function(
             ...     lambda ctx: jax.ShapeDtypeStruct((32, 784), jnp.float32))
@@ -597,6 +607,8 @@ class TPUStrategy(Strategy):
         on the host (stacked with numpy).
 
         Example:
+            >>> import jax, jaxdist
+            >>> import jax.numpy as jnp
             >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
             >>> batch = strategy.experimental_distribute_values_from_function(
             ...     lambda ctx: jax.ShapeDtypeStruct((32, 784), jnp.float32))
@@ -666,6 +678,7 @@ def shutdown_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> N
     """No-op: JAX owns the TPU runtime's lifetime (kept for TF compatibility).
 
     Example:
+        >>> import jaxdist
         >>> jaxdist.tpu.shutdown_tpu_system()
     """
     del cluster_resolver
@@ -678,6 +691,7 @@ def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> Non
     processes brings up ``jax.distributed`` (see ``jaxdist._src.cluster``).
 
     Example:
+        >>> import jaxdist
         >>> resolver = jaxdist.cluster_resolver.TPUClusterResolver(tpu="local")
         >>> jaxdist.experimental_connect_to_cluster(resolver)  # doctest: +SKIP
     """

@@ -25,6 +25,7 @@ def current_trace() -> Any:
     """The JAX trace operations go to right now (``None`` if this JAX hides it).
 
     Example:
+        >>> from jaxdist._src.strategies.trace_util import current_trace
         >>> current_trace() is not None
         True
     """
@@ -45,6 +46,7 @@ def control_flow_between(home: Any, trace: Any = None) -> str | None:
         flow), or when ``home`` is not among ``trace``'s ancestors (another trace altogether).
 
     Example:
+        >>> from jaxdist._src.strategies.trace_util import control_flow_between, current_trace
         >>> control_flow_between(current_trace()) is None
         True
     """

@@ -68,6 +68,9 @@ class WatchedSteps(StepThrottle):
         Exception: what waiting on a step raised (a failed collective).
 
     Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.strategies.watched_steps import WatchedSteps
         >>> steps = WatchedSteps(2, 60.0, on_overrun=lambda elapsed: False)
         >>> steps.before_dispatch()
         >>> out = jax.jit(lambda x: x * 2)(jnp.ones(3))

@@ -17,6 +17,9 @@ Callbacks that write files (``ModelCheckpoint``, ``BackupAndRestore``, ``CSVLogg
 process, which see the same all-reduced metrics and so decide the same.
 
 Example:
+    >>> import jaxdist
+    >>> import numpy as np
+    >>> from jaxdist.train.callbacks import CSVLogger, EarlyStopping, ReduceLROnPlateau
     >>> import optax
     >>> from flax import nnx
     >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
@@ -49,6 +52,7 @@ class Callback:
     """Base class of callbacks (Keras' ``keras.callbacks.Callback``); override any hook.
 
     Example:
+        >>> from jaxdist.train.callbacks import Callback
         >>> class PrintLoss(Callback):
         ...     def on_epoch_end(self, epoch, logs=None):
         ...         print(epoch, logs["loss"])
@@ -138,6 +142,7 @@ class CallbackList:
         params: passed to ``set_params``.
 
     Example:
+        >>> from jaxdist.train.callbacks import CallbackList, EarlyStopping
         >>> cbs = CallbackList([EarlyStopping()], model=None, is_chief=True)
         >>> cbs.on_train_begin()
     """
@@ -166,6 +171,7 @@ class CallbackList:
         the caller computes what it would be passed only when someone reads it.
 
         Example:
+            >>> from jaxdist.train.callbacks import CallbackList, LambdaCallback
             >>> f = lambda batch, logs: None
             >>> CallbackList([LambdaCallback(on_test_batch_end=f)]).overrides("on_test_batch_end")
             True
@@ -250,6 +256,7 @@ class EarlyStopping(Callback):
         start_from_epoch: epochs to wait before watching.
 
     Example:
+        >>> from jaxdist.train.callbacks import EarlyStopping
         >>> stop = EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True)
     """
 
@@ -335,6 +342,7 @@ class ReduceLROnPlateau(Callback):
         min_lr: the rate never goes below this.
 
     Example:
+        >>> from jaxdist.train.callbacks import ReduceLROnPlateau
         >>> reduce_lr = ReduceLROnPlateau(monitor="val_loss", factor=0.2, patience=5, min_lr=1e-5)
     """
 
@@ -389,6 +397,7 @@ class LambdaCallback(Callback):
         **kwargs: any other hook by name.
 
     Example:
+        >>> from jaxdist.train.callbacks import LambdaCallback
         >>> cb = LambdaCallback(on_epoch_end=lambda epoch, logs: print(epoch, logs["loss"]))
     """
 
@@ -425,6 +434,7 @@ class CSVLogger(Callback):
         append: append to an existing file (default: overwrite).
 
     Example:
+        >>> from jaxdist.train.callbacks import CSVLogger
         >>> csv_logger = CSVLogger("runs/digits/training.csv")
     """
 
@@ -476,6 +486,7 @@ class TensorBoard(Callback):
         update_freq: ``"epoch"`` or a number of batches.
 
     Example:
+        >>> from jaxdist.train.callbacks import TensorBoard
         >>> tensorboard = TensorBoard(log_dir="runs/keras_style", update_freq=10)
     """
 
@@ -554,6 +565,7 @@ class ModelCheckpoint(Callback):
         initial_value_threshold: only a value better than this is saved.
 
     Example:
+        >>> from jaxdist.train.callbacks import ModelCheckpoint
         >>> checkpoint = ModelCheckpoint("runs/best", monitor="val_accuracy", save_best_only=True)
     """
 
@@ -689,6 +701,7 @@ def from_config(entries: Iterable[Mapping[str, Any]], where: str = "callbacks",
         ValueError: one line naming the entry, the bad key or value and what is valid.
 
     Example:
+        >>> from jaxdist._src.train.callbacks import from_config
         >>> from_config([{"name": "EarlyStopping", "monitor": "val_loss", "patience": 2}])
         [<jaxdist._src.train.callbacks.EarlyStopping object at ...>]
     """
@@ -727,6 +740,8 @@ def needs_batch_logs(callbacks: Iterable[Callback]) -> bool:
     """Whether any callback uses the training batch hooks' ``logs``.
 
     Example:
+        >>> from jaxdist._src.train.callbacks import needs_batch_logs
+        >>> from jaxdist.train.callbacks import TerminateOnNaN
         >>> needs_batch_logs([TerminateOnNaN()])
         True
     """

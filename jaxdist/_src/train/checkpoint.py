@@ -9,6 +9,8 @@ a save that fails (a full or read-only disk) removes that temporary directory an
 beyond ``keep`` go before the write (never the newest complete one).
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxdist.train import Checkpointer
     >>> ckpt = Checkpointer("run/ckpt", keep=3)
     >>> state = {"params": {"w": jnp.ones(3)}, "step": jnp.int32(100)}
     >>> ckpt.save(100, state, {"epoch": 1, "step_in_epoch": 78})
@@ -75,13 +77,15 @@ def check_checkpoint_dir(directory: str | os.PathLike, create: bool = False) -> 
         CheckpointDirError: one line naming the path and what was expected.
 
     Example:
+        >>> from jaxdist._src.train.checkpoint import check_checkpoint_dir
         >>> check_checkpoint_dir("run/ckpt")                  # can be created
         '/.../run/ckpt'
         >>> _ = open("file", "w").close()
         >>> check_checkpoint_dir("file/ckpt")
         Traceback (most recent call last):
             ...
-        CheckpointDirError: checkpoint.dir 'file/ckpt' cannot be created: /.../file is a file; \
+        jaxdist._src.train.checkpoint.CheckpointDirError: checkpoint.dir 'file/ckpt' cannot be
+        created: /.../file is a file; \
 expected a directory, or a path where one can be created
     """
     path = os.path.abspath(os.fspath(directory))
@@ -258,6 +262,8 @@ class Checkpointer:
         shapes (or other arrays) than ``like``: one line naming the first difference.
 
         Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxdist.train import Checkpointer
             >>> ckpt = Checkpointer("run/ckpt")
             >>> state = {"w": jnp.ones(3)}
             >>> ckpt.save(1, state, {})

@@ -6,6 +6,9 @@ a job that restarts at ``(epoch, step_in_epoch)`` sees exactly the batches an un
 would have seen.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist._src.train.data import epoch_order
+    >>> from jaxdist.train import ArrayData
     >>> data = ArrayData(np.zeros((10, 3), np.float32), np.arange(10) % 2)
     >>> epoch_order(len(data), epoch=0, seed=0).shape
     (10,)
@@ -40,6 +43,8 @@ class ArrayData:
     ``x`` is an array or a dict of arrays (named features, passed to the model as a dict).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist.train import ArrayData
         >>> data = ArrayData(np.zeros((10, 4), np.float32), np.zeros((10,), np.int32))
         >>> len(data)
         10

@@ -5,6 +5,8 @@ strategy's class (nearest in its MRO), else ``SyncHook`` (the synchronous strate
 ``ParameterServerStrategy`` gets the parameter-server hooks (``parameter_server_hook``).
 
 Example:
+    >>> import jaxdist
+    >>> from jaxdist._src.train.hook_registry import hook_for
     >>> hook_for(jaxdist.MirroredStrategy())
     SyncHook()
 """
@@ -26,6 +28,9 @@ def register_trainer_hook(strategy_class: type,
     """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
 
     Example:
+        >>> import jax, jaxdist
+        >>> from jaxdist._src.train.hook_registry import _HOOKS, hook_for
+        >>> from jaxdist.train import register_trainer_hook
         >>> from jaxdist.train import TrainerHook
         >>> class MyStrategy(jaxdist.MirroredStrategy):
         ...     pass
@@ -44,6 +49,8 @@ def hook_for(strategy: Any) -> hooks.TrainerHook:
     """The hook of ``strategy``'s class (nearest in its MRO), else ``SyncHook``.
 
     Example:
+        >>> import jaxdist
+        >>> from jaxdist._src.train.hook_registry import hook_for
         >>> hook_for(jaxdist.MirroredStrategy())
         SyncHook()
     """

@@ -10,6 +10,7 @@ attribute of the ``Trainer``. ``SyncHook`` is the hook of the synchronous strate
 hooks are in ``jaxdist._src.train.parameter_server``.
 
 Example:
+    >>> import jaxdist
     >>> from jaxdist._src.train.hook_registry import hook_for
     >>> hook_for(jaxdist.MirroredStrategy())
     SyncHook()
@@ -104,6 +105,7 @@ class TrainerHook:
     what differs.
 
     Example:
+        >>> from jaxdist.train import TrainerHook
         >>> class MyHook(TrainerHook):
         ...     def train_step(self, ctx, state, x, y, num_steps, w=None, chunk=0):
         ...         params, opt_state, stats = my_update(state.params, state.opt_state, x, y)
@@ -212,6 +214,8 @@ class SyncHook(TrainerHook):
         strategy: the strategy (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``, ...).
 
     Example:
+        >>> import jaxdist
+        >>> from jaxdist._src.train.hooks import SyncHook
         >>> hook = SyncHook(jaxdist.MirroredStrategy())
         >>> hook.local_state
         True

@@ -21,7 +21,8 @@ continues wherever the new one starts.
 grain is optional (``pip install 'jaxdist[grain]'``) and imported only when used.
 
 Example:
-    >>> import grain
+    >>> import numpy as np
+    >>> import grain  # doctest: +NEEDS_GRAIN
     >>> examples = [(np.ones(4, np.float32), np.int32(i % 2)) for i in range(256)]
     >>> ds = grain.MapDataset.source(examples).shuffle(seed=0).batch(64)
     >>> trainer.fit(ds, epochs=3)  # doctest: +SKIP
@@ -46,6 +47,7 @@ def import_grain() -> Any:
     """``import grain``, or a clear error with the install command.
 
     Example:
+        >>> from jaxdist._src.train.inputs import import_grain
         >>> grain = import_grain()
     """
     try:
@@ -77,6 +79,8 @@ def apply_class_weight(y: np.ndarray, w: np.ndarray | None,
         DataError: labels that are not integer class ids, or a class missing from the dict.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.train.inputs import apply_class_weight
         >>> apply_class_weight(np.array([0, 1, 1]), None, {0: 1.0, 1: 0.5})
         array([1. , 0.5, 0.5], dtype=float32)
     """
@@ -105,6 +109,8 @@ def array_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = "da
         DataError: arrays without labels, or mismatched rows.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.train.inputs import array_data
         >>> x, y = np.ones((100, 4), np.float32), np.zeros((100,), np.int32)
         >>> array_data(x, y).x.shape
         (100, 4)
@@ -134,6 +140,8 @@ def split_last(data: ArrayData, validation_split: float) -> tuple[ArrayData, Arr
     """Keras' ``validation_split``: the last fraction of the rows, before any shuffling.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.train.inputs import array_data, split_last
         >>> data = array_data(np.ones((100, 4), np.float32), np.zeros((100,), np.int32))
         >>> train, val = split_last(data, 0.2)
         >>> len(train), len(val)
@@ -185,6 +193,9 @@ class StreamSource:
         class_weight: Keras' ``class_weight`` (multiplies the sample weights).
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
+        >>> from jaxdist._src.train.inputs import StreamSource
         >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
         >>> src = StreamSource(jaxdist.Dataset.from_tensor_slices((x, y)).batch(32), "data")
         >>> xb, yb, wb = next(src.batches(32, epoch=0))
@@ -347,6 +358,8 @@ def source(data: Any, y: Any = None, sample_weight: Any = None,
     """``ArrayData`` for in-memory arrays (class weights applied), else a ``StreamSource``.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.train.inputs import source
         >>> x, y = np.ones((100, 4), np.float32), np.zeros((100,), np.int32)
         >>> source((x, y), what="train_data")
         ArrayData(...)

@@ -16,6 +16,8 @@ or a subclass of ``Metric``; a plain function ``fn(logits, labels) -> per-exampl
 is wrapped in ``MeanMetricWrapper``.
 
 Example:
+    >>> import jaxdist
+    >>> from jaxdist.train.metrics import SparseTopKCategoricalAccuracy
     >>> import optax
     >>> from flax import nnx
     >>> model = nnx.Linear(4, 10, rngs=nnx.Rngs(0))
@@ -40,6 +42,8 @@ class Metric:
     that the trainer all-reduces with ``SUM``) and ``result`` (numpy totals -> a float).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist.train.metrics import Metric
         >>> class MeanLogit(Metric):
         ...     name = "mean_logit"
         ...     def update(self, logits, labels, mask):
@@ -71,6 +75,7 @@ class MeanMetricWrapper(Metric):
     """The mean over examples of ``fn(logits, labels)`` (Keras' ``MeanMetricWrapper``).
 
     Example:
+        >>> from jaxdist.train.metrics import MeanMetricWrapper
         >>> MeanMetricWrapper(lambda logits, y: (logits.argmax(-1) == y), name="hit")
         MeanMetricWrapper(name='hit')
     """
@@ -91,6 +96,7 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     """Fraction of rows whose largest logit is the integer label.
 
     Example:
+        >>> from jaxdist.train.metrics import SparseCategoricalAccuracy
         >>> SparseCategoricalAccuracy().name
         'sparse_categorical_accuracy'
     """
@@ -103,6 +109,7 @@ class CategoricalAccuracy(MeanMetricWrapper):
     """Fraction of rows whose largest logit is at the one-hot label's 1.
 
     Example:
+        >>> from jaxdist.train.metrics import CategoricalAccuracy
         >>> CategoricalAccuracy().name
         'categorical_accuracy'
     """
@@ -116,6 +123,7 @@ class BinaryAccuracy(MeanMetricWrapper):
     probabilities: the default threshold 0 is probability 0.5).
 
     Example:
+        >>> from jaxdist.train.metrics import BinaryAccuracy
         >>> BinaryAccuracy().name
         'binary_accuracy'
     """
@@ -134,6 +142,7 @@ class SparseTopKCategoricalAccuracy(Metric):
     """Fraction of rows whose integer label is among the ``k`` largest logits.
 
     Example:
+        >>> from jaxdist.train.metrics import SparseTopKCategoricalAccuracy
         >>> SparseTopKCategoricalAccuracy(k=3).name
         'sparse_top_k_categorical_accuracy'
     """
@@ -168,6 +177,7 @@ class AUC(Metric):
         name: the logged name.
 
     Example:
+        >>> from jaxdist.train.metrics import AUC
         >>> AUC(num_thresholds=200).name
         'auc'
     """
@@ -214,6 +224,9 @@ def metric_sums(specs: Sequence[tuple[str, Any, bool]], logits: jax.Array, y: ja
     row by ``w`` (times ``mask``). Used inside replica functions (jax).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.keras_metrics import metric_sums
+        >>> from jaxdist.train.metrics import AUC
         >>> logits, labels = jnp.array([[2.0], [-1.0]]), jnp.array([[1.0], [0.0]])
         >>> sample_weight = jnp.array([1.0, 2.0])
         >>> sums = metric_sums([("auc", AUC(), False), ("weighted_auc", AUC(), True)],
@@ -251,6 +264,7 @@ def get(spec: Any) -> Metric:
         ValueError: an unknown name or bad arguments, naming the valid ones.
 
     Example:
+        >>> from jaxdist.train.metrics import get
         >>> get({"name": "sparse_top_k_categorical_accuracy", "k": 3}).k
         3
     """

@@ -7,6 +7,8 @@ sharding). Job configs build every optimizer this way; wrap your own as
 ``optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)``.
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxdist._src.train.learning_rate import get_learning_rate, set_learning_rate
     >>> import optax
     >>> params = {"w": jnp.zeros(3)}
     >>> tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
@@ -41,6 +43,8 @@ def has_learning_rate(opt_state: Any) -> bool:
     """Whether ``opt_state`` holds an injected ``learning_rate``.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.learning_rate import has_learning_rate
         >>> import optax
         >>> params = {"w": jnp.zeros(3)}
         >>> has_learning_rate(optax.adam(1e-3).init(params))
@@ -53,6 +57,8 @@ def is_scheduled(opt_state: Any) -> bool:
     """Whether the injected learning rate follows a schedule (recomputed every update).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.learning_rate import is_scheduled
         >>> import optax
         >>> params = {"w": jnp.zeros(3)}
         >>> is_scheduled(optax.inject_hyperparams(optax.sgd)(
@@ -67,6 +73,8 @@ def get_learning_rate(opt_state: Any) -> float | None:
     """The learning rate of the last update (or the initial one); ``None`` if not injected.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.learning_rate import get_learning_rate
         >>> import optax
         >>> p = {"w": jnp.zeros(3)}
         >>> get_learning_rate(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5).init(p))
@@ -88,6 +96,8 @@ def set_learning_rate(opt_state: Any, value: float) -> Any:
             would overwrite the value at the next update).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.learning_rate import set_learning_rate
         >>> import optax
         >>> state = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).init(jnp.zeros(3))
         >>> state = set_learning_rate(state, 1e-4)
@@ -119,6 +129,8 @@ def with_hyperparams_of(opt_state: Any, fresh: Any) -> Any:
     hyperparameters, or of another structure, come back unchanged.
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.learning_rate import get_learning_rate, with_hyperparams_of
         >>> import optax
         >>> old = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).init(jnp.zeros(3))
         >>> new = optax.inject_hyperparams(optax.adam)(learning_rate=0.1).init(jnp.zeros(3))

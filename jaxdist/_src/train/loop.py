@@ -11,6 +11,7 @@
 ``Trainer._fit_loop`` composes them; each is usable (and tested) alone.
 
 Example:
+    >>> from jaxdist._src.train.loop import plan_epoch
     >>> chunks, groups = plan_epoch(0, 5, 2, blocks=True, block_sizes={2: 4, 1: 1})
     >>> chunks
     [(0, 2), (2, 2), (4, 1)]
@@ -56,6 +57,7 @@ def plan_epoch(start: int, stop: int, steps_per_execution: int, *, blocks: bool,
     ``block_sizes[length]`` chunks each; one chunk per group without ``blocks``).
 
     Example:
+        >>> from jaxdist._src.train.loop import plan_epoch
         >>> plan_epoch(1, 4, 2, blocks=False, block_sizes={2: 1, 1: 1})
         ([(1, 2), (3, 1)], [[(1, 2)], [(3, 1)]])
     """
@@ -80,6 +82,7 @@ def epoch_steps(groups: Sequence[Sequence[tuple[int, int]]], inputs: Any):
     every chunk of ``groups``, ``inputs`` giving one ``(x, y, w)`` per group.
 
     Example:
+        >>> from jaxdist._src.train.loop import epoch_steps
         >>> list(epoch_steps([[(0, 1), (1, 1)]], iter([("x", "y", "w")])))[1]
         (1, (1, 1), ('x', 'y', 'w'))
     """
@@ -100,6 +103,8 @@ class StepRunner:
         blocks: whether the inputs are input blocks (``chunk`` names the chunk to run).
 
     Example:
+        >>> from jaxdist._src.train.loop import StepRunner
+        >>> from jaxdist.train import TrainState
         >>> class AddSteps:      # a hook that adds the number of steps to the "parameters"
         ...     def train_step(self, ctx, state, x, y, num_steps, w=None, chunk=0):
         ...         return state.replace(params=state.params + num_steps), {}
@@ -135,6 +140,7 @@ def summarize(fetched: Sequence[Mapping[str, Any]], batch_size: int, accuracy: b
     """The mean loss, the accuracy and the metrics over fetched step statistics.
 
     Example:
+        >>> from jaxdist._src.train.loop import summarize
         >>> summarize([{"loss": [1.0, 3.0], "correct": [2, 2], "weight": [4, 4]}], 4, True,
         ...           lambda sums: {})
         {'loss': 2.0, 'accuracy': 0.5}

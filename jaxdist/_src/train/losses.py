@@ -1,6 +1,8 @@
 """The losses a ``Trainer`` names (Keras' names) and the per-example accuracy of a step.
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxdist._src.train.losses import LOSSES
     >>> logits, labels = jnp.zeros((32, 10)), jnp.zeros((32,), jnp.int32)
     >>> LOSSES["sparse_categorical_crossentropy"](logits, labels).shape   # one per example
     (32,)

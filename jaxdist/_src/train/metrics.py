@@ -15,6 +15,7 @@ Console output follows Keras' ``verbose``: 0 prints nothing; 1 shows an epoch pr
 (tqdm) on a terminal, or each record as a log line otherwise; 2 prints one line per epoch.
 
 Example:
+    >>> from jaxdist.train import MetricsLogger
     >>> logger = MetricsLogger("runs/x", total_steps=100)
     >>> logger.write("train", step=10, epoch=0, loss=0.5)
     [train] step 10 epoch=0 loss=0.5

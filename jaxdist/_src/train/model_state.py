@@ -21,6 +21,8 @@ training or inference mode:
   statistics.
 
 Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxdist._src.train.model_state import ModelState
     >>> from flax import nnx
     >>> model, x = nnx.Linear(4, 2, rngs=nnx.Rngs(0)), jnp.ones((5, 4))
     >>> ms = ModelState.split(model)
@@ -45,6 +47,7 @@ def check_batch_norm(mode: str) -> str:
     """Returns ``mode`` if it is a valid ``batch_norm`` option, else raises ``ValueError``.
 
     Example:
+        >>> from jaxdist._src.train.model_state import check_batch_norm
         >>> check_batch_norm("sync")
         'sync'
     """
@@ -82,6 +85,8 @@ class ModelState:
         """Splits ``model`` (see the module docstring).
 
         Example:
+            >>> from flax import nnx
+            >>> from jaxdist._src.train.model_state import ModelState
             >>> ms = ModelState.split(nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
         """
         graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)

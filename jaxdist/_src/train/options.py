@@ -41,6 +41,7 @@ class TrainConfig:
         accuracy: compute accuracy when ``metrics`` is ``None``.
 
     Example:
+        >>> from jaxdist.train import TrainConfig
         >>> TrainConfig(global_batch_size=64, steps_per_execution=4).seed
         0
     """
@@ -84,6 +85,7 @@ class CheckpointConfig:
             model, optimizer and data keys).
 
     Example:
+        >>> from jaxdist.train import CheckpointConfig
         >>> CheckpointConfig(dir="/tmp/ckpt").every_steps
         100
         >>> CheckpointConfig(dir="/tmp/ckpt", allow_changes=["optimizer.learning_rate"]).keep
@@ -114,6 +116,7 @@ class LoggingConfig:
         progress_bar: ``"auto"``, ``"always"`` or ``"never"``.
 
     Example:
+        >>> from jaxdist.train import LoggingConfig
         >>> LoggingConfig(dir="runs", every_steps=50).tensorboard
         True
     """
@@ -156,6 +159,7 @@ def resolve(config: TrainConfig | None, checkpoint: CheckpointConfig | None,
             mean), or a flat keyword for a group that was also given.
 
     Example:
+        >>> from jaxdist._src.train.options import resolve
         >>> resolve(None, None, None, {"checkpoint_dir": "/tmp/c"})[1].dir
         '/tmp/c'
     """

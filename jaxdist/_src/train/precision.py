@@ -8,6 +8,8 @@ bfloat16 has float32's exponent range, so no loss scaling is needed (Keras' Loss
 is only for float16, which jaxdist does not offer).
 
 Example:
+    >>> import jaxdist
+    >>> from jaxdist._src.train.precision import compute_dtype
     >>> compute_dtype("bfloat16")
     dtype(bfloat16)
     >>> import optax
@@ -35,6 +37,7 @@ def compute_dtype(precision: str) -> Any:
         ValueError: an unknown precision.
 
     Example:
+        >>> from jaxdist._src.train.precision import compute_dtype
         >>> compute_dtype("float32") is None
         True
     """
@@ -49,6 +52,8 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     """Casts the floating-point leaves of ``tree`` to ``dtype`` (others unchanged).
 
     Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxdist._src.train.precision import cast_floating
         >>> cast_floating({"w": jnp.ones(2), "n": jnp.int32(3)}, jnp.bfloat16)["w"].dtype
         dtype(bfloat16)
     """

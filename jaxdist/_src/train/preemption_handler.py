@@ -22,6 +22,7 @@ Differences from TF, each a consequence of jaxdist's agreement:
   process must exit, so the handler raises ``PreemptionError`` there.
 
 Example:
+    >>> import jaxdist
     >>> import jax.numpy as jnp
     >>> ckpt = jaxdist.Checkpoint(params={"w": jnp.zeros(2)})
     >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "run/ckpt")
@@ -86,6 +87,7 @@ class PreemptionCheckpointHandler:
             saves through its coordinator).
 
     Example:
+        >>> import jaxdist
         >>> import jax.numpy as jnp
         >>> ckpt = jaxdist.Checkpoint(w=jnp.zeros(2))
         >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "preempt_ckpt")
@@ -172,6 +174,7 @@ class PreemptionCheckpointHandler:
             what ``distributed_train_function`` returns.
 
         Example:
+            >>> import jaxdist
             >>> import jax.numpy as jnp
             >>> ckpt = jaxdist.Checkpoint(w=jnp.zeros(2))
             >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "run_ckpt")
@@ -195,6 +198,7 @@ class PreemptionCheckpointHandler:
             **kwargs: passed to ``CheckpointManager.save``.
 
         Example:
+            >>> import jaxdist
             >>> import jax.numpy as jnp
             >>> ckpt = jaxdist.Checkpoint(w=jnp.zeros(2))
             >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "save_ckpt")
@@ -213,6 +217,7 @@ class PreemptionCheckpointHandler:
         answers notices from its creation on, so the scope only marks the loop.
 
         Example:
+            >>> import jaxdist
             >>> import jax.numpy as jnp
             >>> ckpt = jaxdist.Checkpoint(w=jnp.zeros(2))
             >>> handler = jaxdist.PreemptionCheckpointHandler(None, ckpt, "scope_ckpt")

@@ -18,6 +18,8 @@ by the examples seen (rounded down to whole new batches, so at most one new batc
 examples is seen twice in that epoch).
 
 Example:
+    >>> import os
+    >>> from jaxdist._src.train.run_record import RunRecord
     >>> record = RunRecord("ckpt", {"train.global_batch_size": 64, "seed": 0})
     >>> record.check()                 # the first run: no record yet, nothing to compare
     []
@@ -26,7 +28,8 @@ Example:
     >>> RunRecord("ckpt", {"train.global_batch_size": 32, "seed": 0}).check()
     Traceback (most recent call last):
         ...
-    SettingsChangedError: the checkpoint in ... (step 100) was trained with other settings: \
+    jaxdist._src.train.run_record.SettingsChangedError: the checkpoint in ... (step 100) was
+    trained with other settings: \
 train.global_batch_size: 64 -> 32; ...
 """
 
@@ -79,6 +82,8 @@ def trainer_settings(strategy: Any, global_batch_size: int | None, seed: int, sh
     """The settings a ``Trainer`` knows, under the job config's key names.
 
     Example:
+        >>> import jaxdist
+        >>> from jaxdist._src.train.run_record import trainer_settings
         >>> trainer_settings(jaxdist.MirroredStrategy(), 64, 0, True, "float32", "sync")
         {'strategy.name': 'MirroredStrategy', 'seed': 0, 'data.shuffle': True, \
 'train.global_batch_size': 64, 'train.precision': 'float32', 'train.batch_norm': 'sync'}
@@ -93,6 +98,7 @@ def plain(value: Any) -> Any:
     """``value`` as JSON keeps it (tuples become lists), so old and new compare equal.
 
     Example:
+        >>> from jaxdist._src.train.run_record import plain
         >>> plain({"sizes": (128, 64)})
         {'sizes': [128, 64]}
     """
@@ -135,6 +141,7 @@ def differences(recorded: Mapping[str, Any], current: Mapping[str, Any]
     """``[(key, old, new), ...]`` for the keys recorded in both whose values differ.
 
     Example:
+        >>> from jaxdist._src.train.run_record import differences
         >>> differences({"a": 1, "b": [1]}, {"a": 2, "b": (1,), "c": 3})
         [('a', 1, 2)]
     """
@@ -146,6 +153,7 @@ def describe(diffs: Sequence[tuple[str, Any, Any]]) -> str:
     """``"key: old -> new, ..."``.
 
     Example:
+        >>> from jaxdist._src.train.run_record import describe
         >>> describe([("optimizer.learning_rate", 0.001, 0.1)])
         'optimizer.learning_rate: 0.001 -> 0.1'
     """
@@ -167,6 +175,7 @@ class RunRecord:
         writer: whether this process writes the record (the chief).
 
     Example:
+        >>> from jaxdist._src.train.run_record import RunRecord
         >>> RunRecord("ckpt", {"seed": 0}).check()   # no checkpoint yet: nothing to compare
         []
     """
@@ -293,6 +302,7 @@ def convert_position(step_in_epoch: int, old_batch: int | None, new_batch: int |
     (rounded down to whole new batches); and whether that completes the epoch.
 
     Example:
+        >>> from jaxdist._src.train.run_record import convert_position
         >>> convert_position(10, 64, 32, 45)      # 640 examples: 20 batches of 32
         (20, False)
         >>> convert_position(3, 32, 64, 22)       # 96 examples: 1 batch of 64 (32 seen again)
@@ -322,6 +332,7 @@ def check_not_finished(directory: str | os.PathLike, epochs: int | None,
     checkpoint already completes ``epochs`` epochs (or ``steps`` steps, when set).
 
     Example:
+        >>> from jaxdist._src.train.run_record import check_not_finished
         >>> check_not_finished("no/such/dir", epochs=10, steps=None)   # no record: nothing
     """
     record = read_record(directory)

@@ -7,6 +7,7 @@ two runs start in the same second) or ``<log_dir>/<run_name>``. It holds ``metri
 validation curves of each.
 
 Example:
+    >>> from jaxdist._src.train.runs import latest_run, new_run_dir
     >>> from jaxdist._src.train.metrics import MetricsLogger
     >>> run = new_run_dir("runs/digits")             # runs/digits/20261123-093512
     >>> run = new_run_dir("runs/digits", "baseline")  # runs/digits/baseline
@@ -50,6 +51,7 @@ def new_run_dir(log_dir: str | os.PathLike, run_name: str | None = None) -> str:
             appended to), or contains a path separator.
 
     Example:
+        >>> from jaxdist._src.train.runs import new_run_dir
         >>> new_run_dir("runs/digits", "lr-0.1")
         'runs/digits/lr-0.1'
     """
@@ -82,6 +84,7 @@ def list_runs(log_dir: str | os.PathLike) -> list[str]:
     ``eval`` excepted), oldest first.
 
     Example:
+        >>> from jaxdist._src.train.runs import list_runs
         >>> list_runs("runs/digits")     # the runs that wrote metrics, oldest first
         []
     """
@@ -100,6 +103,7 @@ def latest_run(log_dir: str | os.PathLike) -> str:
         RunDirError: there is no run there.
 
     Example:
+        >>> from jaxdist._src.train.runs import latest_run, new_run_dir
         >>> from jaxdist._src.train.metrics import MetricsLogger
         >>> logger = MetricsLogger(new_run_dir("runs/digits", "baseline"))
         >>> _ = logger.write("train", step=1, loss=0.5); logger.close()

@@ -10,6 +10,7 @@ an attribute of the ``Trainer``.
 seed, where checkpoints go, the split model, the compiled replica step and the random streams.
 
 Example:
+    >>> from jaxdist.train import TrainState
     >>> state = TrainState(params={"w": 1.0}, rest={}, opt_state=None)
     >>> state.replace(step=3).step
     3
@@ -39,6 +40,7 @@ class TrainState:
         last_checkpoint: the step of the last checkpoint written or restored (``None``: none).
 
     Example:
+        >>> from jaxdist.train import TrainState
         >>> s = TrainState(params={"w": 1.0}, rest={}, opt_state=None)
         >>> s.replace(step=s.step + 1).step
         1

@@ -25,6 +25,7 @@ job only the chief writes: on the other processes ``save`` writes nothing and re
 the chief writes (every process restores on its own).
 
 Example:
+    >>> from jaxdist import Checkpoint, CheckpointManager
     >>> import jax.numpy as jnp
     >>> ckpt = Checkpoint(params={"w": jnp.zeros(3)}, epoch=0)
     >>> manager = CheckpointManager(ckpt, "run/ckpt", max_to_keep=2)
@@ -117,6 +118,7 @@ class Checkpoint:
             that is none of the above.
 
     Example:
+        >>> import jaxdist
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
@@ -217,6 +219,7 @@ class Checkpoint:
                 other objects or arrays of other shapes (the message names the first one).
 
         Example:
+            >>> import jaxdist
             >>> import jax.numpy as jnp
             >>> manager = jaxdist.CheckpointManager(jaxdist.Checkpoint(w=jnp.ones(2)), "ck", 1)
             >>> path = manager.save()
@@ -270,6 +273,7 @@ class CheckpointManager:
             positive integer or ``None``, or ``directory`` cannot be created or written.
 
     Example:
+        >>> import jaxdist, os
         >>> import jax.numpy as jnp
         >>> ckpt = jaxdist.Checkpoint(params={"w": jnp.zeros(2)})
         >>> manager = jaxdist.CheckpointManager(ckpt, "run/ckpt", max_to_keep=1)

@@ -9,6 +9,9 @@ whole global batch. ``steps_per_execution=k`` folds ``k`` steps into one compile
 ``lax.scan`` over ``k`` batches inside the replica function).
 
 Example:
+    >>> import jax, jaxdist, optax
+    >>> from flax import nnx
+    >>> import numpy as np
     >>> x, y = np.ones((128, 64), np.float32), np.zeros((128,), np.int32)
     >>> x_val, y_val = x[:64], y[:64]
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
@@ -155,6 +158,8 @@ class Trainer(TrainerHandle):
         TypeError: an unknown keyword argument (the message names the option it may mean).
 
     Example:
+        >>> import jaxdist, optax
+        >>> import numpy as np
         >>> from flax import nnx
         >>> from jaxdist.train import TrainConfig
         >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
@@ -702,6 +707,9 @@ class Trainer(TrainerHandle):
                 parameter-server strategy).
 
         Example:
+            >>> import jaxdist, optax
+            >>> from flax import nnx
+            >>> import numpy as np
             >>> model = nnx.Linear(784, 10, rngs=nnx.Rngs(0))
             >>> x_train, y_train = np.zeros((512, 784), np.float32), np.zeros((512,), np.int32)
             >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU

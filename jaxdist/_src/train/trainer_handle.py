@@ -5,6 +5,7 @@
 directory) and ``describe_run`` (the start-up line). ``Trainer`` inherits them.
 
 Example:
+    >>> import jaxdist
     >>> import optax
     >>> from flax import nnx
     >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)),
@@ -34,6 +35,7 @@ class TrainerHandle:
     ``should_save_summary`` and ``_hook`` on the instance.
 
     Example:
+        >>> from jaxdist._src.train.trainer_handle import TrainerHandle
         >>> class Trainer(TrainerHandle): ...
     """
 

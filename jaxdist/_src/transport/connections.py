@@ -37,6 +37,7 @@ Each limit has an environment variable: ``JAXDIST_HANDSHAKE_SECONDS``,
 ``JAXDIST_MAX_CONNECTIONS_PER_PEER``.
 
 Example:
+    >>> from jaxdist._src.transport.connections import ConnectionLimits, grpc_options
     >>> limits = ConnectionLimits.from_env(handshake_seconds=5.0)
     >>> ("grpc.server_handshake_timeout_ms", 5000) in grpc_options(limits)
     True
@@ -99,6 +100,7 @@ class ConnectionLimits:
             of one address authenticating at once on a direct or handshake port.
 
     Example:
+        >>> from jaxdist._src.transport.connections import ConnectionLimits
         >>> ConnectionLimits(handshake_seconds=2.0).max_connections
         1024
     """
@@ -126,6 +128,7 @@ class ConnectionLimits:
             ValueError: an environment variable is not a positive number (it is named).
 
         Example:
+            >>> from jaxdist._src.transport.connections import ConnectionLimits
             >>> ConnectionLimits.from_env(idle_seconds=30.0).idle_seconds
             30.0
         """
@@ -149,6 +152,7 @@ class ConnectionLimits:
         ``FD_RESERVE`` (never below 16).
 
         Example:
+            >>> from jaxdist._src.transport.connections import ConnectionLimits
             >>> ConnectionLimits(max_connections=100).effective_max_connections()
             100
         """
@@ -176,6 +180,7 @@ def raise_open_files_limit() -> None:
     process, silently (a limit that cannot be raised stays as it is).
 
     Example:
+        >>> from jaxdist._src.transport.connections import raise_open_files_limit
         >>> raise_open_files_limit()   # bind_server calls it
     """
     global _raised
@@ -197,6 +202,7 @@ def grpc_options(limits: ConnectionLimits) -> list[tuple[str, Any]]:
     """The gRPC server options that enforce ``limits`` (and the keepalive policy).
 
     Example:
+        >>> from jaxdist._src.transport.connections import ConnectionLimits, grpc_options
         >>> dict(grpc_options(ConnectionLimits(idle_seconds=60.0)))["grpc.max_connection_idle_ms"]
         60000
     """
@@ -303,6 +309,7 @@ class ConnectionGate:
     before the others.
 
     Example:
+        >>> from jaxdist._src.transport.connections import ConnectionGate
         >>> gate = ConnectionGate.shared()
         >>> gate.watch(40123, "ps:0 gRPC", ConnectionLimits())  # doctest: +SKIP
         >>> gate.unwatch(40123)  # doctest: +SKIP

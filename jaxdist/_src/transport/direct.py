@@ -73,6 +73,7 @@ def enabled(env: str = ENV_DIRECT) -> bool:
     ``0``/``false``/``no``.
 
     Example:
+        >>> from jaxdist._src.transport.direct import enabled
         >>> enabled()
         True
     """

@@ -46,6 +46,7 @@ def require_token(token: str | None, task: str, why: str) -> bytes:
     """The token as bytes; a clear error naming ``task`` when there is none.
 
     Example:
+        >>> from jaxdist._src.transport.grpc_util import require_token
         >>> require_token("s3cret", "ps:0", "it refuses requests without it")
         b's3cret'
     """
@@ -147,6 +148,7 @@ def open_channels(addresses: Sequence[str], tls: TLSConfig | None, job: str,
     ``None``.
 
     Example:
+        >>> from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, open_channels
         >>> import os
         >>> from jaxdist._src.cluster.tls import resolve_tls
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
@@ -159,6 +161,7 @@ def method_path(service_name: str, method: str, unary: bool = False) -> str:
     """The gRPC path of ``method`` as ``bind_server`` serves it.
 
     Example:
+        >>> from jaxdist._src.transport.grpc_util import method_path
         >>> method_path("jaxdist.ps.ParameterService", "Pull", unary=True)
         '/jaxdist.ps.ParameterService.Unary/Pull'
     """

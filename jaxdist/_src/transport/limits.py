@@ -24,6 +24,7 @@ Each has an environment variable (``JAXDIST_PS_MAX_REQUEST_BYTES``,
 in lower case.
 
 Example:
+    >>> from jaxdist.ps import ServerLimits
     >>> limits = ServerLimits.from_env(max_request_bytes=512 << 20)
     >>> server = ParameterServer(  # doctest: +SKIP
     ...     service, "127.0.0.1:0", token="s3cret", limits=limits)
@@ -69,6 +70,7 @@ def default_max_request_bytes() -> int:
     """1 GiB, or a quarter of physical memory if that is less (never below 288 MiB).
 
     Example:
+        >>> from jaxdist._src.transport.limits import default_max_request_bytes
         >>> default_max_request_bytes()   # on a 64 GiB machine
         1073741824
     """
@@ -85,6 +87,7 @@ def parse_positive(name: str, text: str, kind: type) -> Any:
         ValueError: not a number of that kind, or not positive (the message names ``name``).
 
     Example:
+        >>> from jaxdist._src.transport.limits import parse_positive
         >>> parse_positive("JAXDIST_MAX_CONNECTIONS", "64", int)
         64
     """
@@ -109,6 +112,7 @@ class ServerLimits:
         max_idle_seconds: seconds a call's request or response stream may make no progress.
 
     Example:
+        >>> from jaxdist.ps import ServerLimits
         >>> ServerLimits(max_request_bytes=64 << 20, max_call_seconds=30.0)
         ServerLimits(max_request_bytes=67108864, max_call_seconds=30.0, ...)
     """
@@ -139,6 +143,7 @@ class ServerLimits:
             ValueError: an environment variable is not a positive number (it is named).
 
         Example:
+            >>> from jaxdist.ps import ServerLimits
             >>> ServerLimits.from_env(max_call_seconds=60.0).max_call_seconds
             60.0
         """
@@ -241,6 +246,8 @@ class CallGuard:
         limits: the limits to enforce.
 
     Example:
+        >>> from jaxdist._src.transport.limits import CallGuard
+        >>> from jaxdist.ps import ServerLimits
         >>> guard = CallGuard("ps:0", ServerLimits())
         >>> with guard.call(context, "Push") as progress:  # in a handler  # doctest: +SKIP
         ...     meta, arrays = wire.decode(progress.watch_requests(request_iterator))

@@ -7,6 +7,7 @@ about as much CPU as the copies themselves. ``RECEIVE_POOL`` recycles the decode
 ``tune_malloc`` keeps glibc from returning the smaller blocks.
 
 Example:
+    >>> from jaxdist._src.transport.memory import RECEIVE_POOL, tune_malloc
     >>> tune_malloc()          # once per process; PSClient and ParameterServer call it
     True
     >>> buf = RECEIVE_POOL.take(64 << 20)
@@ -51,6 +52,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     Its ``base`` is the owning allocation (``nbytes + ALIGNMENT`` bytes).
 
     Example:
+        >>> from jaxdist._src.transport.memory import ALIGNMENT, aligned_empty
         >>> aligned_empty(1000).ctypes.data % ALIGNMENT
         0
     """
@@ -66,6 +68,8 @@ def aligned_copy(x: Any) -> np.ndarray:
     """A writable, ``ALIGNMENT``-aligned copy of array-like ``x`` (same dtype and shape).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.transport.memory import ALIGNMENT, aligned_copy
         >>> aligned_copy(np.arange(3.0)).ctypes.data % ALIGNMENT
         0
     """
@@ -151,6 +155,7 @@ def tune_malloc() -> bool:
     the receiving side spends about a quarter less CPU.
 
     Example:
+        >>> from jaxdist._src.transport.memory import tune_malloc
         >>> tune_malloc()
         True
     """

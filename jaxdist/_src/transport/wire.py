@@ -10,6 +10,8 @@ Frame of the first chunk: ``b"JDW1"``, 8-byte little-endian header length, 8-byt
 length, the JSON header, then the first payload bytes. Later chunks are payload bytes only.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxdist._src.transport.wire import decode, encode
     >>> chunks = list(encode({"op": "pull"}, {"w": np.ones((2, 3), np.float32)}))
     >>> meta, arrays = decode(chunks)
     >>> arrays["w"].shape
@@ -44,11 +46,13 @@ class MessageTooLargeError(WireError):
     Raised from the frame prefix, before any payload buffer is allocated.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.transport.wire import decode, encode
         >>> chunks = list(encode({"step": 1}, {"w": np.zeros(1024, np.float32)}))
         >>> decode(chunks, max_bytes=1000)   # the header declares 4 KiB of arrays
         Traceback (most recent call last):
         ...
-        MessageTooLargeError: ...
+        jaxdist._src.transport.wire.MessageTooLargeError: ...
     """
 
 
@@ -58,6 +62,7 @@ def dtype_from_name(name: str) -> np.dtype:
     Names that parse are cached (at most 256; a bad name raises every time).
 
     Example:
+        >>> from jaxdist._src.transport.wire import dtype_from_name
         >>> dtype_from_name("bfloat16")
         dtype(bfloat16)
     """
@@ -135,6 +140,8 @@ def encoded_nbytes(meta: Mapping[str, Any] | None = None,
     """The bytes ``encode(meta, arrays)`` yields in all (prefix, header, padded payload).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.transport.wire import encode, encoded_nbytes
         >>> msg = ({"step": 1}, {"w": np.ones(3)})
         >>> encoded_nbytes(*msg) == sum(len(c) for c in encode(*msg))
         True
@@ -210,6 +217,8 @@ def decode(
         WireError: the chunks do not form a complete, consistent message.
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.transport.wire import decode, encode
         >>> meta, arrays = decode(encode({"op": "pull"}, {"w": np.ones(3)}), max_bytes=1 << 20)
     """
     it = iter(chunks)
@@ -303,6 +312,7 @@ def loads_header(raw: bytes | bytearray) -> Any:
             a key twice in one object; the message names it.
 
     Example:
+        >>> from jaxdist._src.transport.wire import loads_header
         >>> loads_header(b'{"versions": {"w": 3}}')
         {'versions': {'w': 3}}
     """

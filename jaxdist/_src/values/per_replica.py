@@ -31,6 +31,8 @@ class PerReplica:
             zero padding).
 
     Example:
+        >>> import jax, jaxdist
+        >>> import jax.numpy as jnp
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> v = strategy.experimental_distribute_values_from_function(
         ...     lambda ctx: jnp.full((2,), ctx.replica_id_in_sync_group))
@@ -114,6 +116,8 @@ class PerReplicaSpec:
     replica, the plain ``jax.ShapeDtypeStruct``), as TF's ``PerReplicaSpec`` of ``TensorSpec``s.
 
     Example:
+        >>> import jax, jaxdist
+        >>> import numpy as np
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])  # doctest: +NEEDS_2_DEVICES
         >>> x, y = np.ones((32, 784), np.float32), np.zeros((32,), np.int32)
         >>> dist_dataset = strategy.experimental_distribute_dataset(

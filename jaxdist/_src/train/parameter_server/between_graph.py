@@ -17,6 +17,7 @@ training). With it, every worker runs the same ``Trainer.fit``:
   (while they make progress) before its final evaluation and checkpoint.
 
 Example:
+    >>> import numpy as np
     >>> import jaxdist.ps
     >>> from flax import nnx
     >>> x, y = np.ones((128, 4), np.float32), np.zeros((128,), np.int32)

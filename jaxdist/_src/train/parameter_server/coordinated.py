@@ -90,6 +90,8 @@ class WorkerShard:
     epoch after epoch from ``start_epoch`` (skipping ``start_batch`` batches of it).
 
     Example:
+        >>> import numpy as np
+        >>> from jaxdist._src.train.parameter_server.coordinated import WorkerShard
         >>> from jaxdist import InputContext
         >>> x, y = np.ones((128, 4), np.float32), np.zeros((128,), np.int32)
         >>> it = iter(WorkerShard(x, y, 32, seed=0)(InputContext(2, 1)))
@@ -143,7 +145,9 @@ class GrainWorkerShard:
         class_weight: Keras' ``class_weight``.
 
     Example:
-        >>> import grain
+        >>> import numpy as np
+        >>> from jaxdist._src.train.parameter_server.coordinated import GrainWorkerShard
+        >>> import grain  # doctest: +NEEDS_GRAIN
         >>> from jaxdist import InputContext
         >>> examples = [(np.ones(4, np.float32), np.int32(0)) for _ in range(128)]
         >>> ds = grain.MapDataset.source(examples).batch(32)
