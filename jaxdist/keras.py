@@ -12,10 +12,7 @@ Example:
     ...     model.compile(optimizer="sgd", loss="mse")
 """
 
-from jaxdist._src.keras import (
-    BackupAndRestore,
-    ModelCheckpoint,
-    TensorBoard,
+from jaxdist._src.keras.api import (
     attach,
     compile_fit_step,
     distribution_for,
@@ -23,6 +20,14 @@ from jaxdist._src.keras import (
     require_keras,
     scope,
     value_and_grad,
+)
+
+require_keras()  # Keras on the JAX backend (or a clear error) before the subclasses below import it
+
+from jaxdist._src.keras.callbacks import (  # noqa: E402
+    BackupAndRestore,
+    ModelCheckpoint,
+    TensorBoard,
 )
 
 __all__ = [

@@ -11,7 +11,7 @@ Example:
 
 import sys
 
-from jaxdist._src import publish as _publish
+from jaxdist._src.publish import publish as _publish
 from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileReport
 from jaxdist._src.strategies.tpu import (
     DeviceAssignment,

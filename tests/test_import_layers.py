@@ -56,6 +56,7 @@ ALLOWED: dict[str, set[str] | str] = {
     # The CLI and its job config (python -m jaxdist.train) over the Trainer library.
     "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
+    "publish": set(),  # jaxdist/_src/publish.py: the public modules' one helper
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
 }
 
@@ -493,6 +494,51 @@ def test_only_arrows_the_doc_table_allows():
     assert not missing, f"packages without a row in docs/architecture.md: {sorted(missing)}"
     bad = layer_violations(_jaxdist_graph(), doc, exceptions=KNOWN_EXCEPTIONS)
     assert not bad, "imports that docs/architecture.md's table does not allow:\n" + "\n".join(bad)
+
+
+def package_inits_with_code(root: str = ROOT) -> list[str]:
+    """The ``__init__.py`` files under ``root/_src`` that hold more than a docstring.
+
+    One facade (optax's way): a public module imports each name from the file that defines it
+    (``from jaxdist._src.ps.client import PSClient``); a private package's ``__init__`` only
+    says what the package is, and re-exports nothing.
+    """
+    out = []
+    for dirpath, _, names in os.walk(os.path.join(root, "_src")):
+        if "__init__.py" not in names:
+            continue
+        path = os.path.join(dirpath, "__init__.py")
+        with open(path, encoding="utf-8") as f:
+            body = ast.parse(f.read(), path).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]
+        if body:
+            rel = os.path.relpath(path, os.path.dirname(root))
+            out.append(f"{rel}:{body[0].lineno}: {type(body[0]).__name__}")
+    return sorted(out)
+
+
+def test_checker_finds_code_in_a_package_init(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist._src.a.x import f\n",      # a public module: anything
+        "_src/__init__.py": '"""The private tree."""\n',
+        "_src/a/__init__.py": '"""A."""\n\nfrom jaxdist._src.a.x import f\n',
+        "_src/a/x.py": "def f(): pass\n",
+        "_src/b/__init__.py": "",
+        "_src/b/c/__init__.py": '"""C."""\nX = 1\n',
+    })
+    assert package_inits_with_code(str(root)) == [
+        os.path.join("jaxdist", "_src", "a", "__init__.py") + ":3: ImportFrom",
+        os.path.join("jaxdist", "_src", "b", "c", "__init__.py") + ":2: Assign"]
+
+
+def test_private_package_inits_hold_a_docstring_only():
+    bad = package_inits_with_code()
+    assert not bad, ("a jaxdist/_src package __init__.py holds more than a docstring; import "
+                     "each name from its defining module instead (one facade: the public "
+                     "modules):\n" + "\n".join(bad))
 
 
 # Importing ``jaxdist.a.b`` runs ``import jaxdist`` first (Python imports the parents of a

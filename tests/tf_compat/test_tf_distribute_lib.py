@@ -16,7 +16,7 @@ import jaxdist
 from jaxdist import ReduceOp
 from jaxdist._src.input.dataset import Dataset
 from jaxdist._src.input.options import InputContext
-from jaxdist._src.strategies import get_default_strategy
+from jaxdist._src.strategies.default import get_default_strategy
 from jaxdist.cluster_resolver import ClusterSpec, SimpleClusterResolver
 
 

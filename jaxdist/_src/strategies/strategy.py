@@ -48,7 +48,7 @@ from jaxdist._src.strategies.partial_rows import (
 from jaxdist._src.strategies.reduce_util import ReduceOp
 from jaxdist._src.strategies.replica_context import ReplicaContext
 from jaxdist._src.strategies.run_options import RunOptions
-from jaxdist._src.values import PerReplica, is_per_replica, local_components
+from jaxdist._src.values.per_replica import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
 _Tracer = jax.core.Tracer

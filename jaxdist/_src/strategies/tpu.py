@@ -25,7 +25,7 @@ from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileRepo
 from jaxdist._src.strategies.devices import resolve_devices
 from jaxdist._src.strategies.run_options import RunOptions
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended, ValueContext
-from jaxdist._src.values import PerReplica
+from jaxdist._src.values.per_replica import PerReplica
 
 _TOPOLOGY_RE = re.compile(r"^(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})$")
 #: Generations whose chips have two TensorCores that JAX drives as one device (megacore).
@@ -685,6 +685,6 @@ def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> Non
     if isinstance(cluster_resolver, TPUClusterResolver):
         cluster_resolver.devices()
         return
-    from jaxdist._src.cluster import initialize_from_resolver  # multi-host bring-up
+    from jaxdist._src.cluster.bringup import initialize_from_resolver  # multi-host bring-up
 
     initialize_from_resolver(cluster_resolver)

@@ -45,8 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src import strategies as distribute
 from jaxdist._src.ps import optimizers as ps_optimizers
+from jaxdist._src.strategies.current import get_replica_context
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import keras_metrics
 from jaxdist._src.train.hooks import LazyStats, TrainerHook
@@ -274,7 +274,7 @@ class WorkerStep:
 def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
                        compute_dtype: Any = None, metrics: Any = ()) -> Callable:
     def grad_replica(params, rest, rngs, x, y, w, step):
-        ctx = distribute.get_replica_context()
+        ctx = get_replica_context()
         replica = ctx.replica_id_in_sync_group
 
         # the same sums as the synchronous trainer's (weighted_metrics weighted by w)
