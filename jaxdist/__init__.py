@@ -1,4 +1,6 @@
-"""jaxdist: tf.distribute's programming model on JAX.
+"""tf.distribute's programming model on JAX: the strategies, contexts, cross-device ops,
+distributed input and values, loss helpers, TF1's placement helpers, and the errors a training
+program catches.
 
 Example:
     >>> import jaxdist

@@ -1,4 +1,5 @@
-"""``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver`` names."""
+"""``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver``: where the tasks of a
+cluster are and which one this process is."""
 
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.resolver import (

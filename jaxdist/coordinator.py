@@ -1,4 +1,6 @@
-"""``jaxdist.coordinator``: TF's ``tf.distribute.coordinator``.
+"""``jaxdist.coordinator``: TF2's ``tf.distribute.experimental.coordinator``: ``ClusterCoordinator``
+schedules functions onto the worker tasks of a parameter-server cluster
+([coordinator.md](coordinator.md)), and the coordinator credential ([security.md](security.md)).
 
 Example:
     >>> strategy = jaxdist.ParameterServerStrategy(resolver)  # doctest: +SKIP

@@ -1,4 +1,5 @@
-"""``jaxdist.keras``: Keras 3 (JAX backend) under jaxdist strategies.
+"""``jaxdist.keras``: Keras 3 (JAX backend) under jaxdist strategies; Keras is an optional extra,
+imported only when these are called.
 
 Keras is an optional extra (``pip install 'jaxdist[keras]'``) and is imported only when these
 functions are called. ``scope(strategy)`` enters the strategy's scope and makes Keras distribute

@@ -1,5 +1,5 @@
-"""``jaxdist.ps``: the parameter service (``ParameterServer``, ``PSClient``),
-its variables, partitioners and TF1's ``replica_device_setter``.
+"""``jaxdist.ps``: the parameter service, its variables, placement and partitioners
+([parameter_server.md](parameter_server.md)).
 
 Example:
     >>> partitioner = jaxdist.ps.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=2)

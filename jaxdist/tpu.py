@@ -1,4 +1,5 @@
-"""TF's ``tf.tpu.experimental`` entry points, also reachable as ``jaxdist.tpu.experimental``.
+"""TF's ``tf.tpu.experimental`` names (also reachable as ``jaxdist.tpu.experimental``); compile-only
+TPU topologies.
 
 ``Topology`` and ``DeviceAssignment`` describe a TPU slice; a named topology (``"v5e:2x2"``)
 gives libtpu's compile-only devices, so ``TPUStrategy(topology=...)`` compiles steps for a TPU

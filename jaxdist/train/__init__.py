@@ -1,4 +1,6 @@
-"""``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job.
+"""``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job
+([trainer.md](trainer.md)); names are imported on first use, so ``import jaxdist`` stays free of
+flax, optax and orbax.
 
 Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
 Submodules: ``jaxdist.train.callbacks`` (Keras' callbacks), ``jaxdist.train.metrics`` (Keras'

@@ -243,7 +243,7 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
 
 def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
     """The gradient line of TF's custom loop: ``fn()``'s value and its gradient w.r.t. Keras
-    ``variables`` (see ``jaxdist._src.keras.custom_loop.value_and_grad``).
+    ``variables``.
 
     Example:
         >>> import keras

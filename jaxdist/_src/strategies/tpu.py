@@ -672,7 +672,8 @@ def shutdown_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> N
 
 
 def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> None:
-    """TF's ``tf.config.experimental_connect_to_cluster``.
+    """TF's ``tf.config.experimental_connect_to_cluster``: checks the resolver's cluster (JAX needs
+    no remote connection).
 
     For a TPU resolver on one host this checks the TPU is there. A resolver that names several
     processes brings up ``jax.distributed`` (see ``jaxdist._src.cluster``).
