@@ -541,6 +541,74 @@ def test_private_package_inits_hold_a_docstring_only():
                      "modules):\n" + "\n".join(bad))
 
 
+def private_name_reads(root: str = ROOT) -> list[str]:
+    """Where a jaxdist module reads another jaxdist module's private (underscored) names:
+    ``from jaxdist.a.b import _name`` and ``b._name`` with ``b`` an imported jaxdist module.
+
+    A name another module uses is not private: it loses its underscore where it is defined.
+    Importing a public name under a private alias (``import publish as _publish``) is fine.
+    """
+    files: dict[str, str] = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                files[_module_name(path, root)] = path
+    top = os.path.basename(root)
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    out = []
+    for module, path in sorted(files.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        rel = os.path.relpath(path, os.path.dirname(root))
+        aliases: dict[str, str] = {}  # local name -> the jaxdist module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == top or node.module.startswith(top + ".")):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in files:
+                        aliases[a.asname or a.name] = full
+                    elif private(a.name) and node.module != module:
+                        out.append(f"{rel}:{node.lineno}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in files:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr)
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != module):
+                out.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr} "
+                           f"({aliases[node.value.id]})")
+    return sorted(set(out))
+
+
+def test_checker_finds_private_names_read_across_modules(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist.a.x import f as _f\n",           # public name, private alias
+        "a/__init__.py": "",
+        "a/x.py": "def f(): pass\ndef _g(): pass\n_STATE = {}\nprint(_g, _STATE)\n",
+        "a/y.py": "from jaxdist.a.x import _g\nfrom jaxdist.a import x\nx._STATE['k'] = 1\n"
+                  "x.f()\nx.__name__\n",
+        "a/z.py": "import jaxdist.a.x as xx\nxx._g()\n",
+    })
+    y, z = os.path.join("jaxdist", "a", "y.py"), os.path.join("jaxdist", "a", "z.py")
+    assert private_name_reads(str(root)) == [
+        f"{y}:1: from jaxdist.a.x import _g", f"{y}:3: x._STATE (jaxdist.a.x)",
+        f"{z}:2: xx._g (jaxdist.a.x)"]
+
+
+def test_no_module_reads_another_modules_private_names():
+    bad = private_name_reads()
+    assert not bad, ("jaxdist modules that read another module's private names (a name another "
+                     "module uses loses its underscore where it is defined):\n" + "\n".join(bad))
+
+
 # Importing ``jaxdist.a.b`` runs ``import jaxdist`` first (Python imports the parents of a
 # module before it), and that import is the same in every fresh interpreter. So a module that
 # ``import jaxdist`` loads imports alone exactly when ``import jaxdist`` does, and any other

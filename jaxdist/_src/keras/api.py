@@ -148,7 +148,7 @@ def strategy_scope_hook(strategy: Any) -> Any:
     if dist is None:
         from jaxdist._src.keras import distribution as dist_lib
 
-        if dist_lib._unsupported_reason(strategy) is not None:
+        if dist_lib.unsupported_reason(strategy) is not None:
             return model_strategy.hooks()  # models remember the strategy (ps: attach check)
         dist = dist_lib.StrategyDistribution(strategy)
         strategy._jaxdist_keras_distribution = dist

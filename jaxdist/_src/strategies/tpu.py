@@ -433,13 +433,13 @@ class _CompileOnlyExtended(StrategyExtended):
         return tree
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
-        if _trace_state_clean():
+        if trace_state_clean():
             raise self.compile_only_error(
                 f"strategy.run({getattr(fn, '__qualname__', fn)})")
         return super()._run(fn, args, kwargs)
 
     def _reduce_leaf(self, op: Any, v: Any, axis: int | None) -> Any:
-        if _trace_state_clean():
+        if trace_state_clean():
             raise self.compile_only_error("strategy.reduce")
         return super()._reduce_leaf(op, v, axis)
 
@@ -454,8 +454,8 @@ class _CompileOnlyExtended(StrategyExtended):
         raise self.compile_only_error("strategy.extended.update")
 
 
-def _trace_state_clean() -> bool:
-    from jaxdist._src.strategies.strategy import _trace_state_clean as clean
+def trace_state_clean() -> bool:
+    from jaxdist._src.strategies.strategy import trace_state_clean as clean
 
     return clean()
 

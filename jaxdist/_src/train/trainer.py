@@ -659,7 +659,7 @@ class Trainer(TrainerHandle):
         ``callbacks=[...]`` get ``on_predict_begin``, ``on_predict_batch_begin(i)`` and
         ``on_predict_batch_end(i, {"outputs": the batch's outputs})`` for every global batch
         ``i`` (padding rows dropped), and ``on_predict_end({"outputs": all outputs})``."""
-        if isinstance(x, data_lib.ArrayData) or inputs_lib._is_features(x):
+        if isinstance(x, data_lib.ArrayData) or inputs_lib.is_features(x):
             feats = x.x if isinstance(x, data_lib.ArrayData) else x
             first = next(iter(feats.values())) if isinstance(feats, Mapping) else feats
             d: Any = data_lib.ArrayData(feats, np.zeros((np.shape(first)[0],), np.int32))
@@ -797,7 +797,7 @@ class Trainer(TrainerHandle):
             batches = data_lib.eval_batches(d, b)
         else:
             batches = (data_lib.pad_batch(x, y if y is not None else
-                                          np.zeros((inputs_lib._rows(x),), np.int32), w, b)
+                                          np.zeros((inputs_lib.row_count(x),), np.int32), w, b)
                        for x, y, w in d.batches(b, epoch=0, pad_last=True))
         n = self._mesh_replicas
         eb = -(-b // n) * n  # padded (masked) to a multiple of the mesh's replicas

@@ -183,7 +183,7 @@ class GrainWorkerShard:
             have = done = 0
             for i in share:
                 part = src._normalize(self.dataset[i])
-                n = inputs_lib._rows(part[0])
+                n = inputs_lib.row_count(part[0])
                 if n != self.rows:
                     raise ValueError(f"element {i} of the grain dataset has {n} rows; expected "
                                      f"{self.rows}, as its first element (every element but "
@@ -191,7 +191,7 @@ class GrainWorkerShard:
                 buf.append(part)
                 have += n
                 while have >= b and done < per:
-                    (xb, yb, wb), buf, have = inputs_lib._take(buf, b)
+                    (xb, yb, wb), buf, have = inputs_lib.take(buf, b)
                     done += 1
                     if done > skip:
                         yield (xb, yb) if wb is None else (xb, yb, wb)
@@ -328,7 +328,7 @@ def _element_rows(train: Any, elem: Any) -> int:
     from jaxdist._src.train import inputs as inputs_lib
 
     x, y, _ = train._normalize(elem)
-    return inputs_lib._rows(x) if y is None else int(np.shape(y)[0])
+    return inputs_lib.row_count(x) if y is None else int(np.shape(y)[0])
 
 
 class CoordinatorHook(PSHookMixin, TrainerHook):
