@@ -37,8 +37,10 @@ import functools
 from typing import Any
 
 from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.keras.object_registry import ObjectRegistry
 
-_ATTR = "_jaxdist_strategy"
+#: The strategy each Keras model was compiled under (``None``: compiled outside every scope).
+_MODEL_STRATEGY = ObjectRegistry()
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
                  "predict_on_batch")
 
@@ -90,7 +92,7 @@ def strategy_of(model: Any) -> Any:
         >>> strategy_of(model) is strategy
         True
     """
-    return getattr(model, _ATTR, None)
+    return _MODEL_STRATEGY.get(model)
 
 
 #: Keras callbacks that write files from every process of a multi-process job (the same paths:
@@ -214,11 +216,11 @@ def _compile(original: Any) -> Any:
         if not ki.hooks_active_here():
             return result
         if ki.in_jaxdist_scope_here():
-            object.__setattr__(self, _ATTR, current_strategy())
+            _MODEL_STRATEGY.set(self, current_strategy())
             add_model_hooks(self)
             _adopt_optimizer(self)
         else:  # compiled again outside every scope (through its own hook): a plain model
-            object.__setattr__(self, _ATTR, None)
+            _MODEL_STRATEGY.set(self, None)
             ki.clear_instance_hooks(self)
         return result
 
