@@ -24,6 +24,13 @@ from typing import Any
 _INSTALL = "pip install 'jaxdist[keras]'  (or: pip install 'keras>=3.8,<4')"
 
 
+def _is_default(strategy: Any) -> bool:
+    """Whether ``strategy`` is the default strategy (its scope distributes nothing)."""
+    from jaxdist._src.strategies.default import DefaultStrategy
+
+    return isinstance(strategy, DefaultStrategy)
+
+
 def require_keras() -> Any:
     """Imports Keras 3 and checks it runs on the JAX backend.
 
@@ -88,7 +95,7 @@ def distribution_for(strategy: Any) -> Any:
     require_keras()
     from jaxdist._src.keras.distribution import StrategyDistribution
 
-    if getattr(strategy, "_is_default_strategy", False):
+    if _is_default(strategy):
         return None  # the default strategy distributes nothing (its scope enters no context)
     return StrategyDistribution(strategy)
 
@@ -142,7 +149,7 @@ def strategy_scope_hook(strategy: Any) -> Any:
         return _other_backend_refusal(strategy, backend)
     from jaxdist._src.keras import model_strategy
 
-    if getattr(strategy, "_is_default_strategy", False):
+    if _is_default(strategy):
         return model_strategy.hooks()  # the default strategy distributes nothing
     dist = getattr(strategy, "_jaxdist_keras_distribution", None)
     if dist is None:
@@ -161,7 +168,7 @@ def _other_backend_refusal(strategy: Any, backend: str) -> Any:
     worker on its whole global batch), naming the fix. The scope itself works as without keras:
     a program that only imported keras through ``import tensorflow`` (for ``tf.data``) and
     trains with jax loses nothing."""
-    if getattr(strategy, "_is_default_strategy", False):
+    if _is_default(strategy):
         return None
     from jaxdist._src.compat import keras_internals as ki
 

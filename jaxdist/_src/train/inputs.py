@@ -245,14 +245,14 @@ class StreamSource:
             elem = self._peeked[0] if self._peeked else None
         if elem is None:
             raise DataError(f"{self.what}: the {self.name} is empty")
-        return self._normalize(elem)
+        return self.normalize(elem)
 
     def rows_per_element(self) -> int:
         """Rows of the first element (1 for single examples)."""
         x, y, _ = self.peek()
         return row_count(x) if y is None else int(np.shape(y)[0])
 
-    def _normalize(self, elem: Any) -> tuple[Any, Any, Any]:
+    def normalize(self, elem: Any) -> tuple[Any, Any, Any]:
         x, y, w = _element(elem, self.what)
         x = _tree(x, np.asarray)
         if y is not None:
@@ -290,7 +290,7 @@ class StreamSource:
         have = 0
         to_skip = 0 if restored or not self.reiterable else skip
         for elem in it:
-            part = self._normalize(elem)
+            part = self.normalize(elem)
             buf.append(part)
             have += row_count(part[0])
             while have >= size:

@@ -182,7 +182,7 @@ class GrainWorkerShard:
             buf: list[tuple[Any, Any, Any]] = []
             have = done = 0
             for i in share:
-                part = src._normalize(self.dataset[i])
+                part = src.normalize(self.dataset[i])
                 n = inputs_lib.row_count(part[0])
                 if n != self.rows:
                     raise ValueError(f"element {i} of the grain dataset has {n} rows; expected "
@@ -327,7 +327,7 @@ def _element_rows(train: Any, elem: Any) -> int:
     """Rows of one element of the stream ``train``."""
     from jaxdist._src.train import inputs as inputs_lib
 
-    x, y, _ = train._normalize(elem)
+    x, y, _ = train.normalize(elem)
     return inputs_lib.row_count(x) if y is None else int(np.shape(y)[0])
 
 
