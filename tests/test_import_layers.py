@@ -9,6 +9,10 @@ included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, 
 The public modules (``jaxdist/*.py``, ``jaxdist/train/``, ``jaxdist/testing/``) may import
 anything; nothing under ``jaxdist/_src`` imports them. Between files there is no circle at all.
 
+One facade: every ``jaxdist/_src/**/__init__.py`` holds a docstring and nothing else (each name
+is imported from the file that defines it), and no module reads another module's private names
+(``from x import _name``, ``x._name``): a name another module uses loses its underscore.
+
 docs/architecture.md's table of allowed arrows is read here (``read_doc_table``): an arrow in the
 code that it does not allow fails, and so does a table that differs from ``ALLOWED``.
 
@@ -539,6 +543,82 @@ def test_private_package_inits_hold_a_docstring_only():
     assert not bad, ("a jaxdist/_src package __init__.py holds more than a docstring; import "
                      "each name from its defining module instead (one facade: the public "
                      "modules):\n" + "\n".join(bad))
+
+
+def _defines(root: str, module: str, name: str) -> bool:
+    """Whether ``module`` (a dotted name under ``root``'s parent) defines ``name`` at its top
+    level (``def``, ``class``, an assignment) or has a submodule ``name``."""
+    base = os.path.join(os.path.dirname(root), *module.split("."))
+    if os.path.exists(os.path.join(base, name + ".py")) or os.path.isfile(
+            os.path.join(base, name, "__init__.py")):
+        return True
+    path = base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        body = ast.parse(f.read(), path).body
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                return True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+    return False
+
+
+def public_imports_not_from_the_defining_file(root: str = ROOT) -> list[str]:
+    """The names a public module imports from a private module that does not define them
+    (``from jaxdist._src.job.config import ConfigError`` when ``schema.py`` defines it), and the
+    same for ``jaxdist.train``'s lazy table ``_LAZY`` (name -> module)."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        if os.path.join(root, "_src") in os.path.join(dirpath, ""):
+            continue
+        for file in sorted(names):
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, file)
+            rel = os.path.relpath(path, os.path.dirname(root))
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                        node.module.startswith(os.path.basename(root) + "._src"):
+                    out += [f"{rel}:{node.lineno}: {a.name} from {node.module}"
+                            for a in node.names if not _defines(root, node.module, a.name)]
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                        isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+                    for k, v in zip(node.value.keys, node.value.values):
+                        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and \
+                                not _defines(root, v.value, k.value):
+                            out.append(f"{rel}:{k.lineno}: {k.value} from {v.value} (_LAZY)")
+    return sorted(out)
+
+
+def test_checker_finds_a_public_import_through_a_re_export(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist._src.a.x import f, sub\nfrom jaxdist._src.a.y import f as g\n"
+                       "_LAZY = {'F': 'jaxdist._src.a.x', 'G': 'jaxdist._src.a.y',\n"
+                       "         'f': 'jaxdist._src.a.y'}\n",
+        "_src/__init__.py": "",
+        "_src/a/__init__.py": "",
+        "_src/a/x.py": "def f(): pass\nF = 1\n",
+        "_src/a/sub.py": "",                       # a module of a, not of x
+        "_src/a/y.py": "from jaxdist._src.a.x import F, f\nG = F\n",
+    })
+    assert public_imports_not_from_the_defining_file(str(root)) == [
+        os.path.join("jaxdist", "__init__.py") + ":1: sub from jaxdist._src.a.x",
+        os.path.join("jaxdist", "__init__.py") + ":2: f from jaxdist._src.a.y",
+        os.path.join("jaxdist", "__init__.py") + ":4: f from jaxdist._src.a.y (_LAZY)"]
+
+
+def test_public_modules_import_each_name_from_its_defining_file():
+    bad = public_imports_not_from_the_defining_file()
+    assert not bad, ("public modules that import a name from a module that only re-exports it "
+                     "(import it from the file that defines it):\n" + "\n".join(bad))
 
 
 def private_name_reads(root: str = ROOT) -> list[str]:

@@ -18,8 +18,8 @@ from typing import Any
 
 _LAZY = {
     "Trainer": "jaxdist._src.train.trainer",
-    "History": "jaxdist._src.train.trainer",
-    "NaNLossError": "jaxdist._src.train.trainer",
+    "History": "jaxdist._src.train.callbacks",
+    "NaNLossError": "jaxdist._src.train.loop",
     "TrainConfig": "jaxdist._src.train.options",
     "CheckpointConfig": "jaxdist._src.train.options",
     "LoggingConfig": "jaxdist._src.train.options",
@@ -27,7 +27,7 @@ _LAZY = {
     "TrainerContext": "jaxdist._src.train.state",
     "TrainerHook": "jaxdist._src.train.hooks",
     "register_trainer_hook": "jaxdist._src.train.hook_registry",
-    "ConfigError": "jaxdist._src.job.config",
+    "ConfigError": "jaxdist._src.job.schema",
     "load_config": "jaxdist._src.job.config",
     "register_strategy": "jaxdist._src.job.strategy_registry",
     "run_job": "jaxdist._src.job.job",
