@@ -25,7 +25,7 @@ def _TestStrategy():  # noqa: N802 - TF's name
 
 
 def _default_replica_context():
-    return get_default_strategy()._default_replica_context
+    return get_default_strategy().default_replica_context
 
 
 def _assert_in_default_state():

@@ -49,7 +49,7 @@ def get_replica_context() -> ReplicaContext | None:
     """
     frame = top()
     if frame is None:
-        return get_default_strategy()._default_replica_context
+        return get_default_strategy().default_replica_context
     return frame.replica_context
 
 
