@@ -1,4 +1,6 @@
-"""jaxdist: tf.distribute's programming model on JAX.
+"""tf.distribute's programming model on JAX: the strategies, contexts, cross-device ops,
+distributed input and values, loss helpers, TF1's placement helpers, and the errors a training
+program catches.
 
 Example:
     >>> import jaxdist
@@ -26,7 +28,6 @@ if "keras" not in sys.modules:
 from jaxdist._src.job import startup as _startup  # noqa: F401
 # isort: on
 from jaxdist import cluster_resolver, coordinator, data, ps, tpu
-from jaxdist._src import publish as _publish
 from jaxdist._src.cluster.errors import (
     ClusterConfigError,
     ClusterError,
@@ -40,59 +41,53 @@ from jaxdist._src.cluster.handshake import ClusterAuthenticationError
 from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.coordinator.server import Server
 from jaxdist._src.distributed.termination import TerminationConfig
-from jaxdist._src.input import (
-    AutoShardPolicy,
-    Dataset,
-    DistributedDataset,
-    DistributedIterator,
-    InputContext,
-    InputOptions,
-)
-from jaxdist._src.ps import (
+from jaxdist._src.input.dataset import Dataset
+from jaxdist._src.input.distributed import DistributedDataset, DistributedIterator
+from jaxdist._src.input.options import AutoShardPolicy, InputContext, InputOptions
+from jaxdist._src.ps.partitioners import (
     FixedShardsPartitioner,
-    GreedyLoadBalancingStrategy,
     MaxSizePartitioner,
     MinSizePartitioner,
+)
+from jaxdist._src.ps.placement import (
+    GreedyLoadBalancingStrategy,
     byte_size_load_fn,
     replica_device_setter,
 )
-from jaxdist._src.strategies import (
-    CentralStorageStrategy,
-    CommunicationImplementation,
-    CommunicationOptions,
-    CrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    MirroredStrategy,
-    MultiWorkerMirroredStrategy,
-    NcclAllReduce,
-    OneDeviceStrategy,
-    PerReplica,
-    ReduceOp,
-    ReductionToOneDevice,
-    ReplicaContext,
-    RunOptions,
-    Strategy,
-    StrategyExtended,
-    TPUStrategy,
-    ValueContext,
-    compute_average_loss,
-    get_replica_context,
-    get_strategy,
-    has_strategy,
-    in_cross_replica_context,
-    scale_regularization_loss,
-)
+from jaxdist._src.publish import publish as _publish
+from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 from jaxdist._src.strategies.context import (
     experimental_set_strategy,
     get_cross_replica_context,
+    has_strategy,
+    in_cross_replica_context,
 )
 from jaxdist._src.strategies.context import register_scope_hook as _register_scope_hook
+from jaxdist._src.strategies.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from jaxdist._src.strategies.current import get_replica_context, get_strategy
+from jaxdist._src.strategies.losses import compute_average_loss, scale_regularization_loss
+from jaxdist._src.strategies.mirrored import MirroredStrategy
+from jaxdist._src.strategies.multi_worker import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
 from jaxdist._src.strategies.nnx_state import NnxStateError
+from jaxdist._src.strategies.one_device import OneDeviceStrategy
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
+from jaxdist._src.strategies.reduce_util import ReduceOp
+from jaxdist._src.strategies.replica_context import ReplicaContext
 from jaxdist._src.strategies.replica_reduce import DoubleReductionError
+from jaxdist._src.strategies.run_options import RunOptions
+from jaxdist._src.strategies.strategy import Strategy, StrategyExtended, ValueContext
 from jaxdist._src.strategies.strategy import register_run_state_hook as _register_run_state_hook
-from jaxdist._src.strategies.tpu import experimental_connect_to_cluster
-from jaxdist._src.values import PerReplicaSpec
+from jaxdist._src.strategies.tpu import TPUStrategy, experimental_connect_to_cluster
+from jaxdist._src.values.per_replica import PerReplica, PerReplicaSpec
 
 __version__ = "0.1.0"
 
@@ -111,7 +106,7 @@ def _keras_scope_hook(strategy):
     # every import of jaxdist._src.strategies passes first.
     if "keras" not in sys.modules:
         return None
-    from jaxdist._src.keras import strategy_scope_hook
+    from jaxdist._src.keras.api import strategy_scope_hook
 
     return strategy_scope_hook(strategy)
 

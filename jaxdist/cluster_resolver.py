@@ -1,6 +1,6 @@
-"""``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver`` names."""
+"""``jaxdist.cluster_resolver``: TF's ``tf.distribute.cluster_resolver``: where the tasks of a
+cluster are and which one this process is."""
 
-from jaxdist._src import publish as _publish
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.resolver import (
     ClusterResolver,
@@ -10,6 +10,7 @@ from jaxdist._src.cluster.resolver import (
 from jaxdist._src.cluster.slurm import SlurmClusterResolver
 from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
 from jaxdist._src.cluster.tpu_cluster_resolver import TPUClusterResolver, TPUNotFoundError
+from jaxdist._src.publish import publish as _publish
 
 __all__ = [
     "ClusterResolver",

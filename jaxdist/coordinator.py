@@ -1,35 +1,37 @@
-"""``jaxdist.coordinator``: TF's ``tf.distribute.coordinator``.
+"""``jaxdist.coordinator``: TF2's ``tf.distribute.experimental.coordinator``: ``ClusterCoordinator``
+schedules functions onto the worker tasks of a parameter-server cluster
+([coordinator.md](coordinator.md)), and the coordinator credential ([security.md](security.md)).
 
 Example:
     >>> strategy = jaxdist.ParameterServerStrategy(resolver)  # doctest: +SKIP
     >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
 """
 
-from jaxdist._src import publish as _publish
 from jaxdist._src.cluster.credentials import (
     CoordinatorKeys,
     WorkerCredential,
     new_coordinator_token,
 )
-from jaxdist._src.coordinator import (
+from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
+from jaxdist._src.coordinator.cluster_coordinator import (
+    ClusterCoordinator,
+    PerWorkerDataset,
+    PerWorkerIterator,
+    get_current_worker_index,
+)
+from jaxdist._src.coordinator.errors import (
     CancelledError,
     ClosureInputError,
-    ClusterCoordinator,
     CoordinatorError,
     CoordinatorShutdownError,
     JoinTimeoutError,
-    PerWorkerDataset,
-    PerWorkerIterator,
-    PerWorkerValues,
-    PSUnavailableError,
     RemoteError,
-    RemoteValue,
-    RemoteValueStatus,
-    UntrustedPickleError,
     WorkerAuthenticationError,
     WorkerUnavailableError,
-    get_current_worker_index,
 )
+from jaxdist._src.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
+from jaxdist._src.ps.errors import PSUnavailableError
+from jaxdist._src.publish import publish as _publish
 
 __all__ = [
     "CancelledError",

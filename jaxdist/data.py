@@ -1,4 +1,5 @@
-"""``jaxdist.data``: tf.data's names for jaxdist's input pipeline (``tf.data`` -> ``jaxdist.data``).
+"""``jaxdist.data``: ``tf.data``'s names for jaxdist's input pipeline (``tf.data`` ->
+``jaxdist.data``).
 
 Example:
     >>> import jaxdist
@@ -22,7 +23,8 @@ from jaxdist._src.input.dataset import (
 from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import AutoShardPolicy, DistributeOptions, Options
 
-#: ``tf.data.experimental``'s names used with distribution.
+#: ``tf.data.experimental``'s names used with distribution: ``AUTOTUNE``, ``AutoShardPolicy``,
+#: ``DistributeOptions``, ``INFINITE_CARDINALITY``, ``Optional``, ``UNKNOWN_CARDINALITY``.
 experimental = SimpleNamespace(
     AUTOTUNE=AUTOTUNE,
     AutoShardPolicy=AutoShardPolicy,

@@ -1,4 +1,5 @@
-"""``jaxdist.keras``: Keras 3 (JAX backend) under jaxdist strategies.
+"""``jaxdist.keras``: Keras 3 (JAX backend) under jaxdist strategies; Keras is an optional extra,
+imported only when these are called.
 
 Keras is an optional extra (``pip install 'jaxdist[keras]'``) and is imported only when these
 functions are called. ``scope(strategy)`` enters the strategy's scope and makes Keras distribute
@@ -13,10 +14,7 @@ Example:
     ...     model.compile(optimizer="sgd", loss="mse")
 """
 
-from jaxdist._src.keras import (
-    BackupAndRestore,
-    ModelCheckpoint,
-    TensorBoard,
+from jaxdist._src.keras.api import (
     attach,
     compile_fit_step,
     distribution_for,
@@ -24,6 +22,14 @@ from jaxdist._src.keras import (
     require_keras,
     scope,
     value_and_grad,
+)
+
+require_keras()  # Keras on the JAX backend (or a clear error) before the subclasses below import it
+
+from jaxdist._src.keras.callbacks import (  # noqa: E402
+    BackupAndRestore,
+    ModelCheckpoint,
+    TensorBoard,
 )
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""``python -m jaxdist.launch``: run a command as every task of a local cluster.
+"""``python -m jaxdist.launch``: runs a command as every task of a local cluster (a ``TF_CONFIG``,
+TLS identity and credentials per task).
 
 Starts one process per task on this machine, each with its own ``TF_CONFIG`` (free ports on
 127.0.0.1, a fresh cluster token), prints each output line prefixed with the task name, and:

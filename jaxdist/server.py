@@ -1,4 +1,4 @@
-"""``python -m jaxdist.server``: run a parameter-server or worker task until told to stop.
+"""``python -m jaxdist.server``: a parameter-server or worker task that serves until told to stop.
 
 The cluster comes from ``TF_CONFIG`` (the ``task`` must be of type ``ps``, or ``worker`` for
 a worker that runs the functions a ``jaxdist.coordinator.ClusterCoordinator`` sends), the

@@ -1,4 +1,5 @@
-"""``python -m jaxdist.slurm``: run a command as every task of a Slurm job.
+"""``python -m jaxdist.slurm``: runs a command as every task of a Slurm job (a ``TF_CONFIG``, TLS
+identity and credentials per task; a preempted job is requeued).
 
 Run in the batch script (``sbatch``) or under ``salloc``; it calls ``srun`` itself and gives
 each task its own ``TF_CONFIG`` (the allocation laid out as ``SlurmClusterResolver`` lays it

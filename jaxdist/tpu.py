@@ -1,4 +1,5 @@
-"""TF's ``tf.tpu.experimental`` entry points, also reachable as ``jaxdist.tpu.experimental``.
+"""TF's ``tf.tpu.experimental`` names (also reachable as ``jaxdist.tpu.experimental``); compile-only
+TPU topologies.
 
 ``Topology`` and ``DeviceAssignment`` describe a TPU slice; a named topology (``"v5e:2x2"``)
 gives libtpu's compile-only devices, so ``TPUStrategy(topology=...)`` compiles steps for a TPU
@@ -12,7 +13,7 @@ Example:
 
 import sys
 
-from jaxdist._src import publish as _publish
+from jaxdist._src.publish import publish as _publish
 from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileReport
 from jaxdist._src.strategies.tpu import (
     DeviceAssignment,

@@ -9,6 +9,10 @@ included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, 
 The public modules (``jaxdist/*.py``, ``jaxdist/train/``, ``jaxdist/testing/``) may import
 anything; nothing under ``jaxdist/_src`` imports them. Between files there is no circle at all.
 
+One facade: every ``jaxdist/_src/**/__init__.py`` holds a docstring and nothing else (each name
+is imported from the file that defines it), and no module reads another module's private names
+(``from x import _name``, ``x._name``): a name another module uses loses its underscore.
+
 docs/architecture.md's table of allowed arrows is read here (``read_doc_table``): an arrow in the
 code that it does not allow fails, and so does a table that differs from ``ALLOWED``.
 
@@ -55,6 +59,7 @@ ALLOWED: dict[str, set[str] | str] = {
     # The CLI and its job config (python -m jaxdist.train) over the Trainer library.
     "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
+    "publish": set(),  # jaxdist/_src/publish.py: the public modules' one helper
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
 }
 
@@ -489,6 +494,195 @@ def test_only_arrows_the_doc_table_allows():
     assert not missing, f"packages without a row in docs/architecture.md: {sorted(missing)}"
     bad = layer_violations(_jaxdist_graph(), doc, exceptions=KNOWN_EXCEPTIONS)
     assert not bad, "imports that docs/architecture.md's table does not allow:\n" + "\n".join(bad)
+
+
+def package_inits_with_code(root: str = ROOT) -> list[str]:
+    """The ``__init__.py`` files under ``root/_src`` that hold more than a docstring.
+
+    One facade (optax's way): a public module imports each name from the file that defines it
+    (``from jaxdist._src.ps.client import PSClient``); a private package's ``__init__`` only
+    says what the package is, and re-exports nothing.
+    """
+    out = []
+    for dirpath, _, names in os.walk(os.path.join(root, "_src")):
+        if "__init__.py" not in names:
+            continue
+        path = os.path.join(dirpath, "__init__.py")
+        with open(path, encoding="utf-8") as f:
+            body = ast.parse(f.read(), path).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]
+        if body:
+            rel = os.path.relpath(path, os.path.dirname(root))
+            out.append(f"{rel}:{body[0].lineno}: {type(body[0]).__name__}")
+    return sorted(out)
+
+
+def test_checker_finds_code_in_a_package_init(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist._src.a.x import f\n",      # a public module: anything
+        "_src/__init__.py": '"""The private tree."""\n',
+        "_src/a/__init__.py": '"""A."""\n\nfrom jaxdist._src.a.x import f\n',
+        "_src/a/x.py": "def f(): pass\n",
+        "_src/b/__init__.py": "",
+        "_src/b/c/__init__.py": '"""C."""\nX = 1\n',
+    })
+    assert package_inits_with_code(str(root)) == [
+        os.path.join("jaxdist", "_src", "a", "__init__.py") + ":3: ImportFrom",
+        os.path.join("jaxdist", "_src", "b", "c", "__init__.py") + ":2: Assign"]
+
+
+def test_private_package_inits_hold_a_docstring_only():
+    bad = package_inits_with_code()
+    assert not bad, ("a jaxdist/_src package __init__.py holds more than a docstring; import "
+                     "each name from its defining module instead (one facade: the public "
+                     "modules):\n" + "\n".join(bad))
+
+
+def _defines(root: str, module: str, name: str) -> bool:
+    """Whether ``module`` (a dotted name under ``root``'s parent) defines ``name`` at its top
+    level (``def``, ``class``, an assignment) or has a submodule ``name``."""
+    base = os.path.join(os.path.dirname(root), *module.split("."))
+    if os.path.exists(os.path.join(base, name + ".py")) or os.path.isfile(
+            os.path.join(base, name, "__init__.py")):
+        return True
+    path = base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as f:
+        body = ast.parse(f.read(), path).body
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == name:
+                return True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+    return False
+
+
+def public_imports_not_from_the_defining_file(root: str = ROOT) -> list[str]:
+    """The names a public module imports from a private module that does not define them
+    (``from jaxdist._src.job.config import ConfigError`` when ``schema.py`` defines it), and the
+    same for ``jaxdist.train``'s lazy table ``_LAZY`` (name -> module)."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        if os.path.join(root, "_src") in os.path.join(dirpath, ""):
+            continue
+        for file in sorted(names):
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, file)
+            rel = os.path.relpath(path, os.path.dirname(root))
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                        node.module.startswith(os.path.basename(root) + "._src"):
+                    out += [f"{rel}:{node.lineno}: {a.name} from {node.module}"
+                            for a in node.names if not _defines(root, node.module, a.name)]
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                        isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+                    for k, v in zip(node.value.keys, node.value.values):
+                        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and \
+                                not _defines(root, v.value, k.value):
+                            out.append(f"{rel}:{k.lineno}: {k.value} from {v.value} (_LAZY)")
+    return sorted(out)
+
+
+def test_checker_finds_a_public_import_through_a_re_export(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist._src.a.x import f, sub\nfrom jaxdist._src.a.y import f as g\n"
+                       "_LAZY = {'F': 'jaxdist._src.a.x', 'G': 'jaxdist._src.a.y',\n"
+                       "         'f': 'jaxdist._src.a.y'}\n",
+        "_src/__init__.py": "",
+        "_src/a/__init__.py": "",
+        "_src/a/x.py": "def f(): pass\nF = 1\n",
+        "_src/a/sub.py": "",                       # a module of a, not of x
+        "_src/a/y.py": "from jaxdist._src.a.x import F, f\nG = F\n",
+    })
+    assert public_imports_not_from_the_defining_file(str(root)) == [
+        os.path.join("jaxdist", "__init__.py") + ":1: sub from jaxdist._src.a.x",
+        os.path.join("jaxdist", "__init__.py") + ":2: f from jaxdist._src.a.y",
+        os.path.join("jaxdist", "__init__.py") + ":4: f from jaxdist._src.a.y (_LAZY)"]
+
+
+def test_public_modules_import_each_name_from_its_defining_file():
+    bad = public_imports_not_from_the_defining_file()
+    assert not bad, ("public modules that import a name from a module that only re-exports it "
+                     "(import it from the file that defines it):\n" + "\n".join(bad))
+
+
+def private_name_reads(root: str = ROOT) -> list[str]:
+    """Where a jaxdist module reads another jaxdist module's private (underscored) names:
+    ``from jaxdist.a.b import _name`` and ``b._name`` with ``b`` an imported jaxdist module.
+
+    A name another module uses is not private: it loses its underscore where it is defined.
+    Importing a public name under a private alias (``import publish as _publish``) is fine.
+    """
+    files: dict[str, str] = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                files[_module_name(path, root)] = path
+    top = os.path.basename(root)
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    out = []
+    for module, path in sorted(files.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        rel = os.path.relpath(path, os.path.dirname(root))
+        aliases: dict[str, str] = {}  # local name -> the jaxdist module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                    node.module == top or node.module.startswith(top + ".")):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in files:
+                        aliases[a.asname or a.name] = full
+                    elif private(a.name) and node.module != module:
+                        out.append(f"{rel}:{node.lineno}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in files:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr)
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != module):
+                out.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr} "
+                           f"({aliases[node.value.id]})")
+    return sorted(set(out))
+
+
+def test_checker_finds_private_names_read_across_modules(tmp_path):
+    root = tmp_path / "jaxdist"
+    _write(str(root), {
+        "__init__.py": "from jaxdist.a.x import f as _f\n",           # public name, private alias
+        "a/__init__.py": "",
+        "a/x.py": "def f(): pass\ndef _g(): pass\n_STATE = {}\nprint(_g, _STATE)\n",
+        "a/y.py": "from jaxdist.a.x import _g\nfrom jaxdist.a import x\nx._STATE['k'] = 1\n"
+                  "x.f()\nx.__name__\n",
+        "a/z.py": "import jaxdist.a.x as xx\nxx._g()\n",
+    })
+    y, z = os.path.join("jaxdist", "a", "y.py"), os.path.join("jaxdist", "a", "z.py")
+    assert private_name_reads(str(root)) == [
+        f"{y}:1: from jaxdist.a.x import _g", f"{y}:3: x._STATE (jaxdist.a.x)",
+        f"{z}:2: xx._g (jaxdist.a.x)"]
+
+
+def test_no_module_reads_another_modules_private_names():
+    bad = private_name_reads()
+    assert not bad, ("jaxdist modules that read another module's private names (a name another "
+                     "module uses loses its underscore where it is defined):\n" + "\n".join(bad))
 
 
 # Importing ``jaxdist.a.b`` runs ``import jaxdist`` first (Python imports the parents of a

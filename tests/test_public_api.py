@@ -1,7 +1,8 @@
 """The public surface: docs/api.md, the public modules' ``__all__`` and what the tests import.
 
 * docs/api.md lists every public module and every name in it; the modules' ``__all__`` equal
-  those lists (both ways, in order), so each ``__all__`` is sorted;
+  those lists (both ways, in order), so each ``__all__`` is sorted; docs/api.md is exactly what
+  ``python tools/api_doc.py`` writes from the ``__all__``s and the docstrings;
 * every name in an ``__all__`` resolves;
 * a public module exposes no other jaxdist name than its ``__all__`` (imports of other
   libraries, e.g. ``sys`` or ``typing.Any``, and documented public submodules aside);
@@ -15,7 +16,9 @@ The checkers are tested on small fakes first, so each is known to fail when it s
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
+import importlib.util
 import inspect
 import os
 import pathlib
@@ -305,6 +308,20 @@ def test_all_equals_api_md_and_is_sorted(api):
         assert not missing, f"{module}: in __all__ but not in docs/api.md: {missing}"
         assert not extra, f"{module}: in docs/api.md but not in __all__: {extra}"
         assert names == declared, f"{module}: docs/api.md lists the names in another order"
+
+
+def test_api_md_is_generated():
+    """docs/api.md is what tools/api_doc.py writes (each description: the first paragraph of the
+    name's docstring)."""
+    spec = importlib.util.spec_from_file_location("api_doc", ROOT / "tools" / "api_doc.py")
+    api_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_doc)
+    want = api_doc.render()
+    have = API_MD.read_text(encoding="utf-8")
+    diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                             "docs/api.md", "generated"))[:40])
+    assert have == want, (f"docs/api.md is out of date: run `{api_doc.COMMAND}` (it writes "
+                          f"docs/api.md from the public __all__s and docstrings):\n{diff}")
 
 
 def test_every_name_in_all_resolves(api):

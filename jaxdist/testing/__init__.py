@@ -1,4 +1,4 @@
-"""``jaxdist.testing``: a multi-process cluster harness for tests (``LocalCluster``).
+"""``jaxdist.testing``: a multi-process cluster harness for tests and benchmarks.
 
 Submodules: ``jaxdist.testing.tls`` (one throwaway PKI per test process),
 ``jaxdist.testing.netns`` (a multi-host cluster on one Linux machine: hosts as network

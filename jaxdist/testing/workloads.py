@@ -1,4 +1,5 @@
-"""Small deterministic training jobs run as cluster tasks by tests and benchmarks.
+"""``python -m jaxdist.testing.workloads linreg ...``: a small deterministic training job run as
+cluster tasks by tests and benchmarks.
 
 ``python -m jaxdist.testing.workloads linreg --steps 8 --global-batch 16 --out w.json`` trains a
 linear regression with ``strategy.run`` (per-replica gradients, all-reduced) and optax SGD on
@@ -110,6 +111,8 @@ def _run_linreg(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point of ``python -m jaxdist.testing.workloads``; returns the exit
+    status."""
     p = argparse.ArgumentParser(prog="python -m jaxdist.testing.workloads")
     p.add_argument("job", choices=["linreg"])
     p.add_argument("--strategy", choices=["multi_worker", "mirrored"], default="multi_worker")

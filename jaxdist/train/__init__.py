@@ -1,4 +1,6 @@
-"""``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job.
+"""``jaxdist.train``: the Keras-``fit``-like ``Trainer`` and the ``python -m jaxdist.train`` job
+([trainer.md](trainer.md)); names are imported on first use, so ``import jaxdist`` stays free of
+flax, optax and orbax.
 
 Names are imported lazily so that ``import jaxdist`` does not import flax, optax or orbax.
 Submodules: ``jaxdist.train.callbacks`` (Keras' callbacks), ``jaxdist.train.metrics`` (Keras'
@@ -16,8 +18,8 @@ from typing import Any
 
 _LAZY = {
     "Trainer": "jaxdist._src.train.trainer",
-    "History": "jaxdist._src.train.trainer",
-    "NaNLossError": "jaxdist._src.train.trainer",
+    "History": "jaxdist._src.train.callbacks",
+    "NaNLossError": "jaxdist._src.train.loop",
     "TrainConfig": "jaxdist._src.train.options",
     "CheckpointConfig": "jaxdist._src.train.options",
     "LoggingConfig": "jaxdist._src.train.options",
@@ -25,7 +27,7 @@ _LAZY = {
     "TrainerContext": "jaxdist._src.train.state",
     "TrainerHook": "jaxdist._src.train.hooks",
     "register_trainer_hook": "jaxdist._src.train.hook_registry",
-    "ConfigError": "jaxdist._src.job.config",
+    "ConfigError": "jaxdist._src.job.schema",
     "load_config": "jaxdist._src.job.config",
     "register_strategy": "jaxdist._src.job.strategy_registry",
     "run_job": "jaxdist._src.job.job",

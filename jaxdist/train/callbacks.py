@@ -1,4 +1,5 @@
-"""``jaxdist.train.callbacks``: Keras' callbacks for ``Trainer.fit`` / ``evaluate`` / ``predict``.
+"""``jaxdist.train.callbacks``: Keras' callbacks for ``Trainer.fit`` / ``evaluate`` / ``predict``,
+same names and hook points.
 
 Same names and hook points as ``keras.callbacks``; ``self.model`` of a callback is the
 ``Trainer``. Callbacks that write files run on the chief only.

@@ -1,4 +1,5 @@
-"""``jaxdist.train.metrics``: metrics for ``Trainer(metrics=[...])`` under Keras' names.
+"""``jaxdist.train.metrics``: metric objects for ``Trainer(metrics=[...])`` under Keras' names
+(strings such as ``"accuracy"`` work too).
 
 Strings work as in Keras (``"accuracy"``, ``"categorical_accuracy"``, ``"binary_accuracy"``,
 ``"sparse_top_k_categorical_accuracy"``, ``"auc"``); these are the objects. Each replica returns

@@ -20,14 +20,9 @@ from coordinator_util import (
 )
 
 import jaxdist
-from jaxdist._src.coordinator import (
-    CancelledError,
-    PerWorkerValues,
-    RemoteValue,
-    RemoteValueStatus,
-    WorkerAuthenticationError,
-    worker_thread,
-)
+from jaxdist._src.coordinator import worker_thread
+from jaxdist._src.coordinator.errors import CancelledError, WorkerAuthenticationError
+from jaxdist._src.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.ps import optimizers as O
 

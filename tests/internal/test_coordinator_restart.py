@@ -19,8 +19,8 @@ from coordinator_util import (
 )
 
 from jaxdist._src.coordinator.worker_client import WorkerClient
-from jaxdist._src.ps import PSUnavailableError
 from jaxdist._src.ps import optimizers as O
+from jaxdist._src.ps.errors import PSUnavailableError
 
 pytestmark = pytest.mark.slow
 by_value(__name__)

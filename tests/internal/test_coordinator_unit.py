@@ -10,16 +10,11 @@ import pytest
 import jaxdist
 import jaxdist.ps
 from jaxdist._src.cluster.task_info import TaskInfo
-from jaxdist._src.coordinator import (
-    CancelledError,
-    ClusterCoordinator,
-    JoinTimeoutError,
-    PerWorkerValues,
-    RemoteValue,
-    answer_codec,
-    closure_pickle,
-)
+from jaxdist._src.coordinator import answer_codec, closure_pickle
 from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist._src.coordinator.cluster_coordinator import ClusterCoordinator
+from jaxdist._src.coordinator.errors import CancelledError, JoinTimeoutError
+from jaxdist._src.coordinator.remote_value import PerWorkerValues, RemoteValue
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, set_current
 from jaxdist._src.coordinator.worker_service import (
     WorkerService,

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from jaxdist._src.cluster.task_info import TaskInfo
-from jaxdist._src.coordinator import CancelledError, RemoteValue
 from jaxdist._src.coordinator import worker_thread as wt
 from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
-from jaxdist._src.coordinator.errors import WorkerUnavailableError
+from jaxdist._src.coordinator.errors import CancelledError, WorkerUnavailableError
 from jaxdist._src.coordinator.health import WorkerState
+from jaxdist._src.coordinator.remote_value import RemoteValue
 from jaxdist._src.coordinator.resources import PerWorkerResources
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, set_current
 from jaxdist._src.coordinator.worker_service import SEQ_KEY, SESSION_KEY, WorkerService

@@ -6,7 +6,7 @@ needed."""
 
 import time
 
-from jaxdist._src.cluster import PeerLostError, ProcessFrozenError
+from jaxdist._src.cluster.errors import PeerLostError, ProcessFrozenError
 from jaxdist._src.cluster.runtime import FreezeGuard
 
 

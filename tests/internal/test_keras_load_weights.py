@@ -18,7 +18,7 @@ if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
 import jaxdist  # noqa: E402
-import jaxdist._src.keras as jk  # noqa: E402
+from jaxdist._src.keras import api as jk  # noqa: E402
 from jaxdist._src.keras import sharding_check  # noqa: E402
 
 X = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")

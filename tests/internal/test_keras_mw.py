@@ -102,7 +102,7 @@ def test_writers_skip_non_chief_processes(tmp_path, monkeypatch):
     keras = pytest.importorskip("keras")
     import jax
 
-    import jaxdist._src.keras as jk
+    from jaxdist._src.keras import callbacks as jk
 
     sys.path.insert(0, HERE)
     import keras_mw_worker as w

@@ -20,7 +20,7 @@ from coordinator_util import (  # noqa: E402
     wait_until,
 )
 
-import jaxdist._src.keras as jk  # noqa: E402
+from jaxdist._src.keras import api as jk  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist._src.cluster import ClusterConfigError, TFConfigClusterResolver
+from jaxdist._src.cluster.errors import ClusterConfigError
+from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
 from jaxdist._src.input.autoshard import (
     FileListDataset,
     auto_shard,

@@ -11,9 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist._src.cluster import TFConfigClusterResolver
 from jaxdist._src.cluster.errors import TFConfigError
-from jaxdist._src.cluster.tf_config import canonical_address
+from jaxdist._src.cluster.tf_config import TFConfigClusterResolver, canonical_address
 from jaxdist._src.ps import protocol
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.errors import PSInvalidArgumentError, PSNotFoundError

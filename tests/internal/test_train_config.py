@@ -113,7 +113,7 @@ def test_registry_is_keyed_by_class_and_every_default_is_in_the_schema():
     from jaxdist._src.job import schema
     from jaxdist._src.train import hooks, options
     from jaxdist._src.train.hook_registry import hook_for
-    from jaxdist._src.train.parameter_server import ParameterServerHook
+    from jaxdist._src.train.parameter_server.between_graph import ParameterServerHook
     from jaxdist._src.train.trainer import Trainer
 
     one_device = jaxdist.OneDeviceStrategy(jax.devices()[0])

@@ -25,14 +25,10 @@ import pytest
 from coordinator_util import by_value, start_cluster, strategy_for
 
 import jaxdist
-from jaxdist._src.coordinator import (
-    CancelledError,
-    ClosureInputError,
-    ClusterCoordinator,
-    RemoteValue,
-    RemoteValueStatus,
-)
 from jaxdist._src.coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist._src.coordinator.cluster_coordinator import ClusterCoordinator
+from jaxdist._src.coordinator.errors import CancelledError, ClosureInputError
+from jaxdist._src.coordinator.remote_value import RemoteValue, RemoteValueStatus
 from jaxdist._src.ps import optimizers as O
 
 by_value(__name__)

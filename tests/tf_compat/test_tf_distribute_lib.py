@@ -16,7 +16,7 @@ import jaxdist
 from jaxdist import ReduceOp
 from jaxdist._src.input.dataset import Dataset
 from jaxdist._src.input.options import InputContext
-from jaxdist._src.strategies import get_default_strategy
+from jaxdist._src.strategies.default import get_default_strategy
 from jaxdist.cluster_resolver import ClusterSpec, SimpleClusterResolver
 
 
@@ -25,7 +25,7 @@ def _TestStrategy():  # noqa: N802 - TF's name
 
 
 def _default_replica_context():
-    return get_default_strategy()._default_replica_context
+    return get_default_strategy().default_replica_context
 
 
 def _assert_in_default_state():

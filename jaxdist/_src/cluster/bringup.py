@@ -360,14 +360,28 @@ def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str,
     return None
 
 
-def _mark_lost(tasks: Iterable[str]) -> tuple[str, ...]:
+def mark_broken() -> None:
+    """Marks the training cluster broken (a step failed or timed out): at exit the process then
+    ends at once (``exit_broken``) instead of an orderly ``shutdown``."""
+    _state["broken"] = True
+
+
+def heartbeat_seconds(default: float) -> float:
+    """The heartbeat timeout of the coordination service this process joined (``default`` when
+    none was set): how long the service takes to declare a silent task lost."""
+    return float(_state["heartbeat"] or default)
+
+
+def mark_lost(tasks: Iterable[str]) -> tuple[str, ...]:
+    """Records ``tasks`` as the lost peers (the first report wins) and returns the lost peers."""
     tasks = tuple(tasks)
     if _state["lost"] is None:
         _state["lost"] = tasks
     return _state["lost"]
 
 
-def _raise_lost(tasks: tuple[str, ...], cause: BaseException | None, what: str) -> None:
+def raise_lost(tasks: tuple[str, ...], cause: BaseException | None, what: str) -> None:
+    """Raises the ``PeerLostError`` naming ``tasks``, lost during ``what``."""
     group = _state["group"]
     me = group.name if group else "this task"
     names = ", ".join(tasks)
@@ -409,7 +423,7 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
         _block(leaves)
         return outputs
     if _state["lost"]:
-        _raise_lost(_state["lost"], None, what)
+        raise_lost(_state["lost"], None, what)
     timeout = float(timeout_seconds or _state["timeout"])
     start = time.monotonic()
     # On a daemon thread, so a collective that never returns cannot keep the process alive.
@@ -418,7 +432,7 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
         _state["broken"] = True
         lost = find_lost_tasks(float(_state["heartbeat"] or timeout) + 2.0)
         if lost:
-            _raise_lost(_mark_lost(lost), None, what)
+            raise_lost(mark_lost(lost), None, what)
         peers = tuple(group.task_name(i) for i in range(group.num_processes)
                       if i != group.process_id)
         status = "no task lost" if lost == () else "nothing (it did not answer)"
@@ -457,7 +471,7 @@ def raise_if_peer_lost(error: BaseException, what: str = "a step",
     if isinstance(error, (PeerLostError, ClusterTimeoutError)):
         return
     if _state["lost"]:
-        _raise_lost(_state["lost"], error, what)
+        raise_lost(_state["lost"], error, what)
     if isinstance(error, (TypeError, KeyError, AttributeError)) or not _RUNTIME_FAILURE.search(
         f"{type(error).__name__}: {error}"
     ):
@@ -465,13 +479,13 @@ def raise_if_peer_lost(error: BaseException, what: str = "a step",
     _state["broken"] = True
     lost = find_lost_tasks(float(wait_seconds or _state["timeout"]), until_lost=True)
     if lost:
-        _raise_lost(_mark_lost(lost), error, what)
+        raise_lost(mark_lost(lost), error, what)
 
 
 def check_healthy(what: str = "a step") -> None:
     """Raises ``PeerLostError`` at once if a peer was already found lost."""
     if _state["lost"]:
-        _raise_lost(_state["lost"], None, what)
+        raise_lost(_state["lost"], None, what)
 
 
 # ---------------------------------------------------------------------- orderly exit
@@ -496,9 +510,9 @@ def cluster_broken() -> bool:
 
 
 def _at_exit() -> None:
-    """The exit hook: an orderly ``shutdown`` while healthy, else ``_exit_broken``."""
+    """The exit hook: an orderly ``shutdown`` while healthy, else ``exit_broken``."""
     if join_abandoned() and _state["joining"] is not None:
-        _exit_broken(_state["joining"], "its registration with the coordination service "
+        exit_broken(_state["joining"], "its registration with the coordination service "
                                         "timed out and is still pending")
     group = _state["group"]
     if group is None or not group.multi_process:
@@ -507,10 +521,10 @@ def _at_exit() -> None:
         shutdown()
     if cluster_broken():
         lost = ", ".join(_state["lost"] or ()) or "none named"
-        _exit_broken(group, f"the training cluster is broken (lost: {lost})")
+        exit_broken(group, f"the training cluster is broken (lost: {lost})")
 
 
-def _exit_broken(group: ProcessGroup, reason: str, status: int = 1) -> None:
+def exit_broken(group: ProcessGroup, reason: str, status: int = 1) -> None:
     """Ends the process at once with ``status``, skipping the interpreter's shutdown.
 
     Threads still blocked in the broken collective (and JAX's runtime waiting on them) would

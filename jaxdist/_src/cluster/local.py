@@ -52,7 +52,7 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def pick_free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct ports that are free on ``host`` now and that no outgoing connection takes.
+    """Distinct free ports that no outgoing connection can take before a server binds them.
 
     Where the kernel's ephemeral range is known (Linux), the ports come from below it, so no
     process's outgoing connection can take one before the server that gets it binds it; a port

@@ -144,7 +144,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 class NetworkNamespaces:
-    """``hosts`` network namespaces on one private bridged network (see the module docstring).
+    """Host namespaces joined by a bridge in a namespace of its own; ``set_link(i, up)``, ``wrap(i,
+    argv)``, ``close()``.
 
     Args:
         hosts: how many host namespaces.
@@ -304,7 +305,8 @@ def _delete(names: list[str]) -> None:
 
 
 class NetnsCluster(LocalCluster):
-    """``LocalCluster`` whose tasks run one per host of a ``NetworkNamespaces``.
+    """``LocalCluster`` with one task per namespace host, ``TF_CONFIG`` naming the hosts' addresses,
+    TLS certificates for those addresses.
 
     The tasks are placed in ``task_list`` order (chief, workers, ps, evaluator) on hosts 0, 1,
     ... (wrapping around when there are more tasks than hosts); each listens on its host's

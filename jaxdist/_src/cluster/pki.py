@@ -32,7 +32,8 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 @dataclasses.dataclass
 class LocalPKI:
-    """The files of a generated PKI.
+    """The files of a generated PKI: a CA and one ``TLSConfig`` identity per name (``identities``),
+    ``cleanup()``.
 
     Attributes:
         directory: the private directory holding them.
@@ -142,7 +143,8 @@ def _ca_pem(ca) -> bytes:
 
 def local_pki(names: Sequence[str], hosts: Sequence[str] = LOOPBACK_NAMES,
               directory: str | None = None, days: int = 7) -> LocalPKI:
-    """Generates a CA and one certificate per name in a new private directory.
+    """Generates a CA and one certificate per name in a new private directory (tests and small
+    clusters; use your own PKI in production).
 
     Args:
         names: identities to issue (task names like ``"worker:0"``, or ``"client"``).

@@ -74,7 +74,8 @@ def _loopback_address(name: str) -> str | None:
 
 
 class LocalSlurm:
-    """A Slurm cluster of ``nodes`` (names) on this machine; see the module docstring.
+    """A Slurm cluster of ``nodes`` (names) on this machine: ``run("sbatch", ...)``, ``wait_job``,
+    ``job_field``, ``stop_node``, ``close()``.
 
     Args:
         nodes: the node names (``("n1", "n2")``).

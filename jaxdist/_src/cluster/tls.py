@@ -61,7 +61,8 @@ class TLSConfigError(ClusterConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class TLSConfig:
-    """Paths of the PEM files of one task's mutual-TLS identity.
+    """Paths of the PEM files of one task's mutual-TLS identity (CA, certificate, key), for
+    ``Server``, ``PSClient`` and the coordinator's ``tls=`` arguments.
 
     Attributes:
         ca: the cluster CA certificate (peers must present certificates it signed).

@@ -206,6 +206,7 @@ class Server:
 
 
 def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
+    """Command-line entry point of ``python -m jaxdist.server``; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m jaxdist.server",
         description="Run a jaxdist parameter-server or worker task (cluster from TF_CONFIG).",

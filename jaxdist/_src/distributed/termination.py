@@ -80,7 +80,8 @@ def check_grace_period(seconds: Any, what: str = "grace_period") -> float:
 
 
 class TerminationConfig:
-    """What tells a process it will be terminated, and what it does then.
+    """How a preemption is announced (SIGTERM, a watcher function) and answered (grace period, exit,
+    save function): TF's ``TerminationConfig``.
 
     Args:
         termination_watcher_fn: ``fn() -> bool``, True once the platform announced this

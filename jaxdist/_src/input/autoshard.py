@@ -65,7 +65,7 @@ class FileListDataset:
         return f"FileListDataset({len(self.files)} files)"
 
 
-class _PolicyDataset:
+class PolicyDataset:
     def __init__(self, dataset: Any, policy: AutoShardPolicy):
         self.dataset = dataset
         self.auto_shard_policy = policy
@@ -86,7 +86,7 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
         >>> policy_of(ds)
         <AutoShardPolicy.DATA: 'DATA'>
     """
-    return _PolicyDataset(dataset, as_policy(policy))
+    return PolicyDataset(dataset, as_policy(policy))
 
 
 def policy_of(dataset: Any, default: AutoShardPolicy = AutoShardPolicy.AUTO) -> AutoShardPolicy:
@@ -103,7 +103,7 @@ def policy_of(dataset: Any, default: AutoShardPolicy = AutoShardPolicy.AUTO) -> 
 
 
 def _unwrap(dataset: Any) -> Any:
-    return dataset.dataset if isinstance(dataset, _PolicyDataset) else dataset
+    return dataset.dataset if isinstance(dataset, PolicyDataset) else dataset
 
 
 def _rows(element: Any, index: int, count: int, uneven: bool = False) -> Any:

@@ -38,12 +38,11 @@ import numpy as np
 from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import Options, as_options
 
-#: ``cardinality()`` of an infinite dataset (``tf.data.INFINITE_CARDINALITY``).
+#: ``Dataset.cardinality()`` of an endless dataset (-1).
 INFINITE_CARDINALITY = -1
-#: ``cardinality()`` when it is not known without reading the data
-#: (``tf.data.UNKNOWN_CARDINALITY``).
+#: ``Dataset.cardinality()`` when it cannot be known (-2).
 UNKNOWN_CARDINALITY = -2
-#: ``tf.data.AUTOTUNE``: accepted wherever tf.data accepts it (``prefetch``, ``map``).
+#: ``tf.data.AUTOTUNE`` (-1): let the pipeline pick a buffer size.
 AUTOTUNE = -1
 
 _INF, _UNK = INFINITE_CARDINALITY, UNKNOWN_CARDINALITY

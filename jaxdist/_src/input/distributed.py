@@ -20,7 +20,7 @@ import numpy as np
 from jaxdist._src.input import transfer
 from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import InputContext, InputOptions
-from jaxdist._src.values import PerReplica, PerReplicaSpec
+from jaxdist._src.values.per_replica import PerReplica, PerReplicaSpec
 
 
 class ReplicaLayout(Protocol):

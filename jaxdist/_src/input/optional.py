@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from jaxdist._src.values import PerReplica, is_per_replica
+from jaxdist._src.values.per_replica import PerReplica, is_per_replica
 
 _NO_VALUE = object()
 

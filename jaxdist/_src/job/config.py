@@ -34,13 +34,13 @@ from jaxdist._src.job.schema import (
     TOP_LEVEL,
     ConfigError,
     Field,
-    _check,
-    _fill,
-    _type_name,
-    _unknown,
+    check,
+    fill,
     fit_kwargs,
     trainer_defaults,
     trainer_options,
+    type_name,
+    unknown_key,
 )
 
 
@@ -59,15 +59,15 @@ def validate(raw: Any) -> dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"config: expected a mapping of sections, got {_type_name(raw)}")
+        raise ConfigError(f"config: expected a mapping of sections, got {type_name(raw)}")
     valid_top = [*TOP_LEVEL, *SECTIONS]
     for key in raw:
         if key not in valid_top:
-            raise _unknown("", str(key), valid_top)
-    cfg: dict[str, Any] = {k: _check(k, f, raw.get(k, f.default)) for k, f in TOP_LEVEL.items()}
-    cfg["strategy"] = strategy_registry.validate_section(raw.get("strategy"), _fill)
+            raise unknown_key("", str(key), valid_top)
+    cfg: dict[str, Any] = {k: check(k, f, raw.get(k, f.default)) for k, f in TOP_LEVEL.items()}
+    cfg["strategy"] = strategy_registry.validate_section(raw.get("strategy"), fill)
     for section, fields in SCHEMA.items():
-        cfg[section] = _fill(section, fields, raw.get(section))
+        cfg[section] = fill(section, fields, raw.get(section))
     _cross_checks(cfg)
     return cfg
 
@@ -206,7 +206,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {os.fspath(path)!r}: expected a mapping of sections, got "
-                          f"{_type_name(raw)}")
+                          f"{type_name(raw)}")
     return raw
 
 

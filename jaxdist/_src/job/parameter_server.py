@@ -31,10 +31,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist._src import ps as ps_lib
 from jaxdist._src.cluster.task_info import task_info
 from jaxdist._src.job.optimizers import learning_rate_from_config
 from jaxdist._src.job.schema import ConfigError, Field
+from jaxdist._src.ps.partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+)
+from jaxdist._src.ps.placement import GreedyLoadBalancingStrategy, byte_size_load_fn
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 
 NAME = "parameter_server"
@@ -74,7 +79,7 @@ def strategy_from_config(section: Mapping[str, Any]) -> Any:
     ps_strategy = None
     if section["placement"] == "greedy":
         num_ps = max(1, len(task_info(None).ps_addresses))
-        ps_strategy = ps_lib.GreedyLoadBalancingStrategy(num_ps, ps_lib.byte_size_load_fn)
+        ps_strategy = GreedyLoadBalancingStrategy(num_ps, byte_size_load_fn)
     return ParameterServerStrategy(
         None, _partitioner(section), ps_strategy=ps_strategy,
         max_staleness=section["max_staleness"], timeout=section["timeout"])
@@ -88,12 +93,12 @@ def _partitioner(section: Mapping[str, Any]) -> Any:
     if kind == "fixed_shards":
         if n is None:
             raise ValueError("variable_partitioner 'fixed_shards' needs num_shards (e.g. 2)")
-        return ps_lib.FixedShardsPartitioner(n)
+        return FixedShardsPartitioner(n)
     if kind == "min_size":
-        return ps_lib.MinSizePartitioner(nbytes or 256 << 10, n or 1)
+        return MinSizePartitioner(nbytes or 256 << 10, n or 1)
     if nbytes is None:
         raise ValueError("variable_partitioner 'max_size' needs shard_bytes (e.g. 65536)")
-    return ps_lib.MaxSizePartitioner(nbytes, n)
+    return MaxSizePartitioner(nbytes, n)
 
 
 def ps_optimizer_from_config(section: Mapping[str, Any]) -> Any:
@@ -199,7 +204,7 @@ def coordinator_strategy_from_config(section: Mapping[str, Any]) -> Any:
         ValueError: no ``TF_CONFIG`` cluster, this task is not the chief, a job is missing,
             a non-positive timeout, or a partitioner without the size it needs.
     """
-    from jaxdist._src.coordinator import ClusterCoordinator
+    from jaxdist._src.coordinator.cluster_coordinator import ClusterCoordinator
 
     name = COORDINATOR_NAME
     timeout = _positive(section, "timeout")
@@ -225,8 +230,8 @@ def coordinator_strategy_from_config(section: Mapping[str, Any]) -> Any:
                          f"expected chief:0 (worker and ps tasks run python -m jaxdist.server)")
     ps_strategy = None
     if section["placement"] == "greedy":
-        ps_strategy = ps_lib.GreedyLoadBalancingStrategy(len(info.ps_addresses),
-                                                         ps_lib.byte_size_load_fn)
+        ps_strategy = GreedyLoadBalancingStrategy(len(info.ps_addresses),
+                                                  byte_size_load_fn)
     strategy = ParameterServerStrategy(
         None, _partitioner(section), ps_strategy=ps_strategy, timeout=timeout)
     coordinator = ClusterCoordinator(strategy, heartbeat_interval=interval,

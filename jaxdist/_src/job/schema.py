@@ -238,11 +238,11 @@ TOP_LEVEL: dict[str, Field] = {
 SECTIONS = ("strategy", *SCHEMA)
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _check(where: str, field: Field, value: Any) -> Any:
+def check(where: str, field: Field, value: Any) -> Any:
     """Returns ``value`` converted to ``field``'s type, or raises ``ConfigError``."""
     if value is None:
         if field.optional:
@@ -252,12 +252,12 @@ def _check(where: str, field: Field, value: Any) -> Any:
     out: Any
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a bool; "
+            raise ConfigError(f"{where}: {value!r} ({type_name(value)}) is not a bool; "
                               f"expected true or false")
         out = value
     elif kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not an int")
+            raise ConfigError(f"{where}: {value!r} ({type_name(value)}) is not an int")
         out = value
     elif kind is float:
         if isinstance(value, str):
@@ -266,18 +266,18 @@ def _check(where: str, field: Field, value: Any) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a number")
+            raise ConfigError(f"{where}: {value!r} ({type_name(value)}) is not a number")
         out = float(value)
     elif kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a string")
+            raise ConfigError(f"{where}: {value!r} ({type_name(value)}) is not a string")
         out = value
     elif kind is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: {value!r} ({_type_name(value)}) is not a list; "
+            raise ConfigError(f"{where}: {value!r} ({type_name(value)}) is not a list; "
                               f"expected {field.describe()}")
         item = Field(field.item, None, "") if field.item else None
-        out = [_check(f"{where}[{i}]", item, v) if item else v for i, v in enumerate(value)]
+        out = [check(f"{where}[{i}]", item, v) if item else v for i, v in enumerate(value)]
         if field.minimum is not None and len(out) < field.minimum:
             raise ConfigError(f"{where}: {value!r} needs at least {int(field.minimum)} "
                               f"entries")
@@ -292,20 +292,20 @@ def _check(where: str, field: Field, value: Any) -> Any:
     return out
 
 
-def _unknown(where: str, key: str, valid: Sequence[str]) -> ConfigError:
+def unknown_key(where: str, key: str, valid: Sequence[str]) -> ConfigError:
     return ConfigError(f"{where}{key}: unknown key; valid keys: {', '.join(sorted(valid))}")
 
 
-def _fill(section: str, fields: Mapping[str, Field], raw: Any) -> dict[str, Any]:
+def fill(section: str, fields: Mapping[str, Field], raw: Any) -> dict[str, Any]:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{section}: {raw!r} ({_type_name(raw)}) is not a mapping; expected "
+        raise ConfigError(f"{section}: {raw!r} ({type_name(raw)}) is not a mapping; expected "
                           f"keys {', '.join(sorted(fields))}")
     for key in raw:
         if key not in fields:
-            raise _unknown(f"{section}.", str(key), list(fields))
-    return {k: _check(f"{section}.{k}", f, raw.get(k, copy.deepcopy(f.default)))
+            raise unknown_key(f"{section}.", str(key), list(fields))
+    return {k: check(f"{section}.{k}", f, raw.get(k, copy.deepcopy(f.default)))
             for k, f in fields.items()}
 
 

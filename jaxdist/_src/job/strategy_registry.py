@@ -96,7 +96,8 @@ _REGISTRY: dict[type, _Entry] = {}
 def register_strategy(strategy_class: type, name: str, build: Builder,
                       fields: Mapping[str, Field] | None = None, *, help: str = "",
                       **options: Any) -> StrategyConfig:
-    """Makes ``strategy.name: <name>`` available in job configs (see ``StrategyConfig``).
+    """Makes ``strategy.name: <name>`` available in job configs, with its keys, builder and checks
+    ([trainer.md](trainer.md)).
 
     Raises:
         ValueError: ``name`` is taken by another class, or ``fields`` has ``name``.

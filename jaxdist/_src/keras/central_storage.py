@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.keras.object_registry import ObjectRegistry
 
 _STEP_ATTRS = {
     "make_train_function": "train_function",
@@ -43,9 +44,13 @@ _STEP_ATTRS = {
 }
 
 
+#: The ``CentralStorageStrategy`` whose parameter device holds each Keras variable placed there.
+_CENTRAL_VARIABLES = ObjectRegistry()
+
+
 def mark_central(variable: Any, strategy: Any) -> None:
     """Records that ``variable`` lives on ``strategy``'s parameter device."""
-    variable._jaxdist_central_storage = strategy
+    _CENTRAL_VARIABLES.set(variable, strategy)
 
 
 def central_strategy_of(model: Any) -> Any:
@@ -69,7 +74,7 @@ def central_strategy_of(model: Any) -> Any:
     if isinstance(strategy, CentralStorageStrategy):
         return strategy
     for v in getattr(model, "variables", ()):
-        strategy = getattr(v, "_jaxdist_central_storage", None)
+        strategy = _CENTRAL_VARIABLES.get(v)
         if strategy is not None:
             return strategy
     return None

@@ -49,13 +49,13 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
         per chip: memory ...
     """
     from jaxdist._src.compat import keras_internals as ki
-    from jaxdist._src.keras.model_strategy import _current_strategy, strategy_of
+    from jaxdist._src.keras.model_strategy import current_strategy, strategy_of
     from jaxdist._src.strategies.compile_report import compile_global
 
     if not getattr(model, "compiled", False):
         raise ValueError(f"Keras model {getattr(model, 'name', model)!r} is not compiled: call "
                          f"model.compile(optimizer=..., loss=...) first")
-    strategy = strategy or strategy_of(model) or _current_strategy()
+    strategy = strategy or strategy_of(model) or current_strategy()
     if strategy is None:
         raise ValueError("no strategy to compile for: compile the model inside "
                          "strategy.scope() or pass strategy=")

@@ -239,7 +239,7 @@ def _padding_masked(metrics: list[Any]) -> Iterator[None]:
     """
     from jaxdist._src.strategies import context as ctx_lib
 
-    frame = ctx_lib._top()
+    frame = ctx_lib.top()
     rctx = None if frame is None else frame.replica_context
     # jaxdist's own reads of the row mask (the step's code did not ask: an unmasked loss in
     # it is still warned about, see ReplicaContext.valid_rows).
@@ -279,7 +279,7 @@ def _sync_on_read(variables: list[Any], old: list[Any], new: list[Any]) -> list[
     from jaxdist._src.strategies import context as ctx_lib
     from jaxdist._src.strategies.cross_device_ops import varying_axes
 
-    frame = ctx_lib._top()
+    frame = ctx_lib.top()
     rctx = None if frame is None else frame.replica_context
     axes = None if rctx is None else rctx.axis_name
     if axes is None:

@@ -31,7 +31,7 @@ class _Layout:
         self.backend_layout = sharding
 
 
-def _unsupported_reason(strategy: Any) -> str | None:
+def unsupported_reason(strategy: Any) -> str | None:
     """Why Keras fit cannot follow ``strategy`` as a data-parallel distribution (or None)."""
     from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 
@@ -52,7 +52,7 @@ def _unsupported_reason(strategy: Any) -> str | None:
 def _check_supported(strategy: Any) -> None:
     if not isinstance(strategy, Strategy):
         raise TypeError(f"expected a jaxdist strategy, got {strategy!r}")
-    why = _unsupported_reason(strategy)
+    why = unsupported_reason(strategy)
     if why is not None:
         raise NotImplementedError(f"jaxdist.keras with {type(strategy).__name__}: {why}")
 

@@ -92,17 +92,17 @@ def is_tf_dataset(x: Any) -> bool:
 def is_dataset(x: Any) -> bool:
     """A dataset whose elements are Keras batches: ``jaxdist.Dataset``, ``tf.data.Dataset``, a
     ``FileListDataset`` or a dataset tagged with an ``AutoShardPolicy``."""
-    from jaxdist._src.input.autoshard import FileListDataset, _PolicyDataset
+    from jaxdist._src.input.autoshard import FileListDataset, PolicyDataset
     from jaxdist._src.input.dataset import Dataset
 
-    return isinstance(x, (Dataset, FileListDataset, _PolicyDataset)) or is_tf_dataset(x)
+    return isinstance(x, (Dataset, FileListDataset, PolicyDataset)) or is_tf_dataset(x)
 
 
 def untagged(x: Any) -> Any:
     """The dataset under an ``AutoShardPolicy`` tag (its length is the data's)."""
-    from jaxdist._src.input.autoshard import _PolicyDataset
+    from jaxdist._src.input.autoshard import PolicyDataset
 
-    return x.dataset if isinstance(x, _PolicyDataset) else x
+    return x.dataset if isinstance(x, PolicyDataset) else x
 
 
 class DatasetAdapter(JaxBackendAdapter):

@@ -39,13 +39,15 @@ import functools
 from typing import Any
 
 from jaxdist._src.compat import keras_internals as ki
+from jaxdist._src.keras.object_registry import ObjectRegistry
 
-_ATTR = "_jaxdist_strategy"
+#: The strategy each Keras model was compiled under (``None``: compiled outside every scope).
+_MODEL_STRATEGY = ObjectRegistry()
 _ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
                  "predict_on_batch")
 
 
-def _current_strategy() -> Any:
+def current_strategy() -> Any:
     """The strategy of the innermost scope, or ``None`` outside every scope."""
     from jaxdist._src.strategies.context import has_strategy
     from jaxdist._src.strategies.current import get_strategy
@@ -96,7 +98,7 @@ def strategy_of(model: Any) -> Any:
         >>> strategy_of(model) is strategy
         True
     """
-    return getattr(model, _ATTR, None)
+    return _MODEL_STRATEGY.get(model)
 
 
 #: Keras callbacks that write files from every process of a multi-process job (the same paths:
@@ -172,12 +174,12 @@ def _bounded_maker(maker: str, attr: str, original: Any) -> Any:
     def make(self: Any, force: bool = False) -> Any:
         if not ki.hooks_active_here():
             return original(self, force)
-        strategy = strategy_of(self) or _current_strategy()
+        strategy = strategy_of(self) or current_strategy()
         if maker == "make_train_function":
-            for s in (strategy_of(self), _current_strategy()):
+            for s in (strategy_of(self), current_strategy()):
                 if s is not None and _is_ps(s):
                     raise unattached_error(self, s)
-        for s in (strategy_of(self), _current_strategy()):
+        for s in (strategy_of(self), current_strategy()):
             if s is not None and getattr(s, "compile_only", False):
                 raise s.extended.compile_only_error(f"Keras {maker}")
         result = original(self, force)
@@ -206,7 +208,7 @@ def _reenter(name: str, original: Any) -> Any:
             a, k = partial_batches.adapt_call(name, original, self, args, kwargs)
             return original(self, *a, **k)
 
-        if strategy is None or _is_ps(strategy) or _current_strategy() is not None:
+        if strategy is None or _is_ps(strategy) or current_strategy() is not None:
             return run()
         with strategy.scope():  # as TF: the model's strategy distributes it outside the scope
             return run()
@@ -221,11 +223,11 @@ def _compile(original: Any) -> Any:
         if not ki.hooks_active_here():
             return result
         if ki.in_jaxdist_scope_here():
-            object.__setattr__(self, _ATTR, _current_strategy())
+            _MODEL_STRATEGY.set(self, current_strategy())
             add_model_hooks(self)
             _adopt_optimizer(self)
         else:  # compiled again outside every scope (through its own hook): a plain model
-            object.__setattr__(self, _ATTR, None)
+            _MODEL_STRATEGY.set(self, None)
             ki.clear_instance_hooks(self)
         return result
 

@@ -1,4 +1,5 @@
-"""Optimizers a parameter server can run, as specs it can rebuild without pickle.
+"""Optimizers a parameter server runs, as JSON specs it rebuilds without pickle (``from jaxdist.ps
+import optimizers``; an attribute of ``jaxdist.ps``).
 
 A ps applies the optax update to the shards it holds, each shard on its own. That is exact only
 for transforms that act element by element (every output element depends on the same element
@@ -429,8 +430,11 @@ def _drop_none(**kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+#: Names of the optimizers that act element by element (they run on the ps, shard by shard).
 ELEMENTWISE = tuple(sorted(_ELEMENTWISE))
+#: Names of the transforms that need the whole gradient and so run on the worker before the push.
 WORKER_SIDE = tuple(sorted(_WORKER_SIDE))
+#: Names of the learning-rate schedules a spec may use.
 SCHEDULES = tuple(sorted(_SCHEDULES))
 
 __all__ = [

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, SingleDeviceSharding
 from jaxdist._src.strategies.devices import resolve_device, resolve_devices
 from jaxdist._src.strategies.reduce_util import ReduceOp
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended
-from jaxdist._src.values import PerReplica
+from jaxdist._src.values.per_replica import PerReplica
 
 
 def _default_parameter_device(compute: Sequence[Any]) -> Any:

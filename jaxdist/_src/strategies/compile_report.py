@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxdist._src.strategies.run_options import RunOptions
-from jaxdist._src.values import PerReplica, is_per_replica
+from jaxdist._src.values.per_replica import PerReplica, is_per_replica
 
 #: HBM per chip of the TPU generations libtpu compiles for (public Cloud TPU specifications),
 #: by ``device.device_kind``. A device that is one TensorCore of a two-core chip gets half.

@@ -41,11 +41,11 @@ class _State(threading.local):
         self.global_scope: StrategyScope | None = None
 
 
-_state = _State()
+state = _State()
 
 
-def _top() -> _Frame | None:
-    return _state.stack[-1] if _state.stack else None
+def top() -> _Frame | None:
+    return state.stack[-1] if state.stack else None
 
 
 def current_strategy() -> Strategy | None:
@@ -58,7 +58,7 @@ def current_strategy() -> Strategy | None:
         >>> current_strategy() is None
         True
     """
-    frame = _top()
+    frame = top()
     return None if frame is None else frame.strategy
 
 
@@ -73,7 +73,7 @@ def has_strategy() -> bool:
         ...     jaxdist.has_strategy()
         True
     """
-    frame = _top()
+    frame = top()
     return frame is not None and not frame.strategy._is_default_strategy
 
 
@@ -89,7 +89,7 @@ def in_cross_replica_context() -> bool:
         >>> _ = strategy.run(lambda: print(jaxdist.in_cross_replica_context()))
         False
     """
-    frame = _top()
+    frame = top()
     return frame is not None and frame.replica_context is None
 
 
@@ -109,13 +109,13 @@ def get_cross_replica_context() -> Strategy | None:
         ...     jaxdist.get_cross_replica_context() is strategy
         True
     """
-    frame = _top()
+    frame = top()
     if frame is None:
         return None
     return frame.strategy if frame.replica_context is None else None
 
 
-def _mixing_error(current: Strategy, wanted: Strategy) -> RuntimeError:
+def mixing_error(current: Strategy, wanted: Strategy) -> RuntimeError:
     return RuntimeError(
         f"Mixing different tf.distribute.Strategy objects: {current!r} is not {wanted!r}. "
         f"Use {wanted!r} outside the scope of {current!r} (or inside its own scope)."
@@ -140,7 +140,7 @@ def require_cross_replica_or_default_context(strategy: Strategy) -> None:
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> require_cross_replica_or_default_context(strategy)   # outside any scope: fine
     """
-    frame = _top()
+    frame = top()
     if frame is None:
         return
     if frame.replica_context is None and frame.strategy is strategy:
@@ -151,7 +151,7 @@ def require_cross_replica_or_default_context(strategy: Strategy) -> None:
                 f'Need to be inside "with strategy.scope()" for {strategy!r}: the current '
                 f"context is the default strategy's cross-replica context (a merge_call)."
             )
-        raise _mixing_error(frame.strategy, strategy)
+        raise mixing_error(frame.strategy, strategy)
     raise RuntimeError(
         f"Method requires being in cross-replica context, use "
         f"get_replica_context().merge_call(): {strategy!r} was called inside its own replica "
@@ -187,14 +187,14 @@ class StrategyScope:
             self._same_scope_again += 1
             return self._strategy
         frame = _Frame(self._strategy, None)
-        _state.stack.append(frame)
+        state.stack.append(frame)
         extra = None
         try:
             if self._on_enter is not None:
                 extra = self._on_enter()
                 extra.__enter__()
         except BaseException:
-            _state.stack.remove(frame)
+            state.stack.remove(frame)
             raise
         self._pushed.append((frame, extra))
         return self._strategy
@@ -208,11 +208,11 @@ class StrategyScope:
             if extra is not None:
                 extra.__exit__(exc_type, exc, tb)
         finally:
-            if _state.stack and _state.stack[-1] is frame:
-                _state.stack.pop()
+            if state.stack and state.stack[-1] is frame:
+                state.stack.pop()
             else:
-                if frame in _state.stack:
-                    _state.stack.remove(frame)
+                if frame in state.stack:
+                    state.stack.remove(frame)
                 raise RuntimeError(
                     f"Strategy scope nesting error: the scope of {self._strategy!r} was exited "
                     f"while an inner scope was still open; exit scopes in reverse order."
@@ -222,7 +222,7 @@ class StrategyScope:
 #: ``fn(strategy) -> context manager | None``: contexts every ``scope()`` enters after the
 #: placement context. ``jaxdist/__init__.py`` registers Keras's, so that this package imports
 #: nothing above it (``jaxdist.keras`` sits above ``strategies``).
-_SCOPE_HOOKS: list[Callable[[Any], Any]] = []
+SCOPE_HOOKS: list[Callable[[Any], Any]] = []
 
 
 def register_scope_hook(hook: Callable[[Any], Any]) -> None:
@@ -232,10 +232,10 @@ def register_scope_hook(hook: Callable[[Any], Any]) -> None:
         >>> from jaxdist._src.strategies.context import _SCOPE_HOOKS, register_scope_hook
         >>> hook = lambda strategy: None          # a hook that never adds a context
         >>> register_scope_hook(hook)
-        >>> _SCOPE_HOOKS.remove(hook)             # (a hook stays for the process otherwise)
+        >>> SCOPE_HOOKS.remove(hook)             # (a hook stays for the process otherwise)
     """
-    if hook not in _SCOPE_HOOKS:
-        _SCOPE_HOOKS.append(hook)
+    if hook not in SCOPE_HOOKS:
+        SCOPE_HOOKS.append(hook)
 
 
 class DefaultStrategyScope:
@@ -267,7 +267,7 @@ class DefaultStrategyScope:
         # tf.data); it is entered with this scope and left with it.
         entered: list[Any] = []
         try:
-            for hook in _SCOPE_HOOKS:
+            for hook in SCOPE_HOOKS:
                 extra = hook(self._strategy)
                 if extra is not None:
                     extra.__enter__()
@@ -303,10 +303,10 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
         True
         >>> jaxdist.experimental_set_strategy(None)
     """
-    old = _state.global_scope
+    old = state.global_scope
     if old is not None:
         old.__exit__(None, None, None)
-        _state.global_scope = None
+        state.global_scope = None
     if has_strategy():
         raise RuntimeError(
             "Must not be called inside a `tf.distribute.Strategy` scope: leave the scope of "
@@ -315,17 +315,17 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
     if strategy is not None:
         scope = strategy.scope()
         scope.__enter__()
-        _state.global_scope = scope
+        state.global_scope = scope
 
 
 @contextlib.contextmanager
 def enter_replica(strategy: Strategy, replica_context: Any) -> Iterator[None]:
     """Pushes a replica frame while a replica function is traced."""
-    _state.stack.append(_Frame(strategy, replica_context))
+    state.stack.append(_Frame(strategy, replica_context))
     try:
         yield
     finally:
-        _state.stack.pop()
+        state.stack.pop()
 
 
 @contextlib.contextmanager
@@ -337,14 +337,14 @@ def enter_merge(strategy: Strategy, replica_context: Any = None) -> Iterator[Non
     """
     frame = _Frame(strategy, None)
     frame.merged_from = replica_context
-    _state.stack.append(frame)
+    state.stack.append(frame)
     try:
         yield
     finally:
-        _state.stack.pop()
+        state.stack.pop()
 
 
 def merged_from() -> Any:
     """The replica context whose ``merge_call`` is running (``None`` elsewhere)."""
-    frame = _top()
+    frame = top()
     return None if frame is None else frame.merged_from

@@ -84,7 +84,7 @@ def _varies(x: Any, axes: tuple[str, ...]) -> bool:
 
 
 def _is_per_replica(x: Any) -> bool:
-    from jaxdist._src.values import PerReplica
+    from jaxdist._src.values.per_replica import PerReplica
 
     return isinstance(x, PerReplica)
 
@@ -536,7 +536,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         ``axis`` (optional) is first summed over on each replica; ``MEAN`` divides by the
         replica count (times the size of ``axis``).
         """
-        from jaxdist._src.values import local_components
+        from jaxdist._src.values.per_replica import local_components
 
         with outside_context_mesh():  # ``device`` may be outside the scope's mesh
             parts = [jax.device_put(p, device) for p in local_components(stacked)]

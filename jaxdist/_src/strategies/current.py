@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxdist._src.strategies.context import _top
+from jaxdist._src.strategies.context import top
 from jaxdist._src.strategies.default import get_default_strategy
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def get_strategy() -> Strategy:
         ...     jaxdist.get_strategy().num_replicas_in_sync
         2
     """
-    frame = _top()
+    frame = top()
     if frame is None:
         return get_default_strategy()
     return frame.strategy
@@ -51,9 +51,9 @@ def get_replica_context() -> ReplicaContext | None:
         ...     lambda ctx: jnp.float32(ctx.replica_id_in_sync_group))
         >>> mean = strategy.run(step, args=(per_replica_x,))
     """
-    frame = _top()
+    frame = top()
     if frame is None:
-        return get_default_strategy()._default_replica_context
+        return get_default_strategy().default_replica_context
     return frame.replica_context
 
 

@@ -69,7 +69,9 @@ class DefaultStrategy(Strategy):
 
     def __init__(self):
         super().__init__(_DefaultExtended(self))
-        self._default_replica_context = ReplicaContext(self, None)
+        #: The replica context outside every strategy: what ``get_replica_context()`` returns
+        #: when no strategy's scope is entered.
+        self.default_replica_context = ReplicaContext(self, None)
 
     def scope(self):
         """A no-op for the contexts (as in TF); raises inside another strategy's scope.

@@ -254,11 +254,11 @@ class MultiWorkerExtended(StrategyExtended):
         from jaxdist._src.cluster import bringup
 
         group = self._group
-        bringup._state["broken"] = True
-        lost = bringup.find_lost_tasks(float(bringup._state["heartbeat"] or self._timeout) + 2.0,
+        bringup.mark_broken()
+        lost = bringup.find_lost_tasks(bringup.heartbeat_seconds(self._timeout) + 2.0,
                                        until_lost=True)
         if lost:
-            bringup._raise_lost(bringup._mark_lost(lost), None, "a step")
+            bringup.raise_lost(bringup.mark_lost(lost), None, "a step")
         peers = tuple(group.task_name(i) for i in range(group.num_processes)
                       if i != group.process_id)
         status = "no task lost" if lost == () else "nothing (it did not answer)"
@@ -280,7 +280,7 @@ class MultiWorkerExtended(StrategyExtended):
         # service), so the watchdog only acts when that wait could not run.
         from jaxdist._src.cluster import bringup
 
-        return self._timeout + float(bringup._state["heartbeat"] or self._timeout) + 4.0
+        return self._timeout + bringup.heartbeat_seconds(self._timeout) + 4.0
 
     def _on_stuck_step(self, elapsed: float) -> bool:
         """The step has run ``elapsed`` s, blocked where no exception can reach it: if a peer
@@ -288,14 +288,14 @@ class MultiWorkerExtended(StrategyExtended):
         from jaxdist._src.cluster import bringup
 
         group = self._group
-        hb = float(bringup._state["heartbeat"] or self._timeout)
+        hb = bringup.heartbeat_seconds(self._timeout)
         lost = bringup.find_lost_tasks(hb + 2.0, until_lost=True)
         if lost == ():
             log.warning("%s: a step has run for %.0f s and every peer is alive; still waiting",
                         group.name, elapsed)
             return False
         if lost:
-            lost = bringup._mark_lost(lost)
+            lost = bringup.mark_lost(lost)
             error: Exception = PeerLostError(
                 f"{group.name}: lost peer task(s) {', '.join(lost)} during a step; the "
                 f"training cluster is broken. Restart the job (it resumes from the last "
@@ -307,7 +307,7 @@ class MultiWorkerExtended(StrategyExtended):
                 f"{group.name}: a step did not finish within {elapsed:.0f} s and the "
                 f"coordination service did not answer. Waiting on peers {list(peers)}",
                 tasks=peers, timeout_seconds=self._timeout)
-        bringup._state["broken"] = True
+        bringup.mark_broken()
         try:
             sys.stderr.write(
                 f"jaxdist: {group.name}: the step is blocked inside XLA's collectives, where no "
@@ -315,7 +315,7 @@ class MultiWorkerExtended(StrategyExtended):
                 f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-        bringup._exit_broken(group, f"{type(error).__name__} in a step")
+        bringup.exit_broken(group, f"{type(error).__name__} in a step")
         return True
 
 

@@ -54,14 +54,14 @@ class NnxStateError(ValueError):
     """NNX state cannot cross ``strategy.run`` as asked (the message names the variable)."""
 
 
-def _nnx() -> Any:
+def nnx_module() -> Any:
     """``flax.nnx`` if it has been imported (no NNX object can exist before), else ``None``."""
     return sys.modules.get("flax.nnx")
 
 
 def is_global_view(fn: Callable) -> bool:
     """Whether ``fn`` is an ``nnx.jit`` function (run over the global batch)."""
-    nnx = _nnx()
+    nnx = nnx_module()
     if nnx is None:
         return False
     from flax.nnx.transforms.compilation import JitWrapped
@@ -98,7 +98,7 @@ def split_args(fn: Callable, args: tuple, kwargs: dict, is_leaf: Callable[[Any],
     ``step(state, args_with_slots, kwargs_with_slots)`` (cached per function and graph), whose
     result is ``(fn's outputs, new state)``, then ``update(nodes, new_state)``.
     """
-    nnx = _nnx()
+    nnx = nnx_module()
     if nnx is None:
         return None
     leaves, treedef = jax.tree.flatten(
@@ -135,12 +135,12 @@ def split_args(fn: Callable, args: tuple, kwargs: dict, is_leaf: Callable[[Any],
 
 def update(nodes: tuple, new_state: Any) -> None:
     """Writes a step's new NNX state into the caller's objects (in place, as ``nnx.jit``)."""
-    _nnx().update(nodes, new_state)
+    nnx_module().update(nodes, new_state)
 
 
 def _variable_kinds(state: Any) -> list[tuple[str, str]]:
     """(path, rule) per array leaf of ``state``, in ``jax.tree.leaves`` order."""
-    nnx = _nnx()
+    nnx = nnx_module()
     pairs, _ = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
@@ -158,7 +158,7 @@ def _variable_kinds(state: Any) -> list[tuple[str, str]]:
 
 
 def _make_step(fn: Callable, graphdef: Any, global_view: bool) -> Callable:
-    nnx = _nnx()
+    nnx = nnx_module()
 
     def step(state, args, kwargs):
         old_leaves = jax.tree.leaves(state)  # merge shares the Variables: read them first
@@ -191,7 +191,7 @@ def _sync_on_read(old_leaves: list[Any], new_state: Any) -> Any:
     """Replica view: reduces NNX state that differs across replicas by ``VARIABLE_RULES``."""
     from jaxdist._src.strategies import context as ctx_lib
 
-    frame = ctx_lib._top()
+    frame = ctx_lib.top()
     rctx = None if frame is None else frame.replica_context
     axes = None if rctx is None else rctx.axis_name
     partial = rctx is not None and rctx._padded_rows() is not None  # not a user read

@@ -36,7 +36,7 @@ from jaxdist._src.ps.variables import Layout, PSVariables, ShardInfo, wait_for_m
 from jaxdist._src.strategies.devices import resolve_devices
 from jaxdist._src.strategies.reduce_util import ReduceOp
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended
-from jaxdist._src.values import PerReplica, is_per_replica
+from jaxdist._src.values.per_replica import PerReplica, is_per_replica
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist._src.strategies.reduce_util import ReduceOp
-from jaxdist._src.values import PerReplica
+from jaxdist._src.values.per_replica import PerReplica
 
 #: ``(lengths, padded_rows)`` of a partial-batch step: each replica's real row count, and the
 #: row count every replica's rows are padded to.

@@ -6,7 +6,7 @@ import enum
 
 
 class ReduceOp(enum.Enum):
-    """Indicates how a set of values should be reduced.
+    """How values are reduced across replicas: ``SUM`` or ``MEAN`` (``tf.distribute.ReduceOp``).
 
     ``SUM`` adds the values of all replicas; ``MEAN`` averages them. The strings ``"SUM"`` and
     ``"MEAN"`` (any case) are accepted wherever a ``ReduceOp`` is.

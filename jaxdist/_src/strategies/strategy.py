@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist._src.compat import jax_internals
 from jaxdist._src.strategies import context as ctx_lib
 from jaxdist._src.strategies import nnx_state
-from jaxdist._src.strategies.context import _SCOPE_HOOKS
+from jaxdist._src.strategies.context import SCOPE_HOOKS
 from jaxdist._src.strategies.cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -48,7 +48,7 @@ from jaxdist._src.strategies.partial_rows import (
 from jaxdist._src.strategies.reduce_util import ReduceOp
 from jaxdist._src.strategies.replica_context import ReplicaContext
 from jaxdist._src.strategies.run_options import RunOptions
-from jaxdist._src.values import PerReplica, is_per_replica, local_components
+from jaxdist._src.values.per_replica import PerReplica, is_per_replica, local_components
 
 _SCALAR_TYPES = (int, float, bool, complex)
 _Tracer = jax.core.Tracer
@@ -372,7 +372,7 @@ class StrategyExtended:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__name__}: {args!r}")
         kwargs = dict(kwargs or {})
-        if nnx_state._nnx() is not None:
+        if nnx_state.nnx_module() is not None:
             split = nnx_state.split_args(fn, args, kwargs, is_per_replica)
             if split is not None:
                 return self._run_nnx(*split)
@@ -524,7 +524,7 @@ class StrategyExtended:
             kinds, statics, dyn, partial, _ = self._classify(leaves)
             if statics:  # a constant or empty array (jit refuses the former anyway)
                 raise _FastMiss
-            if nnx_state._nnx() is not None and nnx_state.split_args(
+            if nnx_state.nnx_module() is not None and nnx_state.split_args(
                     fn, args, {}, is_per_replica) is not None:
                 raise _FastMiss
             if any(hook(fn, args, {}) is not None for hook in _RUN_STATE_HOOKS):
@@ -715,7 +715,7 @@ class StrategyExtended:
         """Raises TF's mixing error when called inside another (non-default) strategy's scope."""
         strategy = self._container_strategy
         if ctx_lib.has_strategy() and ctx_lib.current_strategy() is not strategy:
-            raise ctx_lib._mixing_error(ctx_lib.current_strategy(), strategy)
+            raise ctx_lib.mixing_error(ctx_lib.current_strategy(), strategy)
 
     def reduce_to(
         self, reduce_op: ReduceOp | str, value: Any, destinations: Any = None, options: Any = None
@@ -1252,7 +1252,7 @@ class Strategy:
         scope are distributed as this strategy (see ``jaxdist.keras``).
         """
         entered = self._extended._scope_context()
-        for hook in _SCOPE_HOOKS:
+        for hook in SCOPE_HOOKS:
             extra = hook(self)
             if extra is not None:
                 entered = _Entered(entered, extra)
@@ -1299,7 +1299,7 @@ class Strategy:
         if steady:
             # Outside every scope, or in this strategy's scope and not in a merge_call, the
             # checks below have nothing to say: the steady-state jit first.
-            stack = ctx_lib._state.stack
+            stack = ctx_lib.state.stack
             if not stack or (stack[-1].strategy is self and stack[-1].merged_from is None):
                 out = ext._run_steady(fn, donate, args)
                 if out is not _MISS:
@@ -1479,7 +1479,7 @@ class Strategy:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
 
 
-def _trace_state_clean() -> bool:
+def trace_state_clean() -> bool:
     return jax_internals.trace_state_clean()
 
 
@@ -1488,7 +1488,7 @@ def stack_per_replica(values: Sequence[Any], sharding: NamedSharding) -> Any:
     n = len(values)
     leaves_per = [jax.tree.leaves(v) for v in values]
     treedef = jax.tree.structure(values[0])
-    if not _trace_state_clean() or any(
+    if not trace_state_clean() or any(
         isinstance(x, jax.core.Tracer) for leaves in leaves_per for x in leaves
     ):
         # Inside a user's jax.jit (TF: inside tf.function): stack and constrain the sharding.

@@ -25,7 +25,7 @@ from jaxdist._src.strategies.compile_report import CompileOnlyError, CompileRepo
 from jaxdist._src.strategies.devices import resolve_devices
 from jaxdist._src.strategies.run_options import RunOptions
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended, ValueContext
-from jaxdist._src.values import PerReplica
+from jaxdist._src.values.per_replica import PerReplica
 
 _TOPOLOGY_RE = re.compile(r"^(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})$")
 #: Generations whose chips have two TensorCores that JAX drives as one device (megacore).
@@ -439,13 +439,13 @@ class _CompileOnlyExtended(StrategyExtended):
         return tree
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
-        if _trace_state_clean():
+        if trace_state_clean():
             raise self.compile_only_error(
                 f"strategy.run({getattr(fn, '__qualname__', fn)})")
         return super()._run(fn, args, kwargs)
 
     def _reduce_leaf(self, op: Any, v: Any, axis: int | None) -> Any:
-        if _trace_state_clean():
+        if trace_state_clean():
             raise self.compile_only_error("strategy.reduce")
         return super()._reduce_leaf(op, v, axis)
 
@@ -460,8 +460,8 @@ class _CompileOnlyExtended(StrategyExtended):
         raise self.compile_only_error("strategy.extended.update")
 
 
-def _trace_state_clean() -> bool:
-    from jaxdist._src.strategies.strategy import _trace_state_clean as clean
+def trace_state_clean() -> bool:
+    from jaxdist._src.strategies.strategy import trace_state_clean as clean
 
     return clean()
 
@@ -685,7 +685,8 @@ def shutdown_tpu_system(cluster_resolver: TPUClusterResolver | None = None) -> N
 
 
 def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> None:
-    """TF's ``tf.config.experimental_connect_to_cluster``.
+    """TF's ``tf.config.experimental_connect_to_cluster``: checks the resolver's cluster (JAX needs
+    no remote connection).
 
     For a TPU resolver on one host this checks the TPU is there. A resolver that names several
     processes brings up ``jax.distributed`` (see ``jaxdist._src.cluster``).
@@ -699,6 +700,6 @@ def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> Non
     if isinstance(cluster_resolver, TPUClusterResolver):
         cluster_resolver.devices()
         return
-    from jaxdist._src.cluster import initialize_from_resolver  # multi-host bring-up
+    from jaxdist._src.cluster.bringup import initialize_from_resolver  # multi-host bring-up
 
     initialize_from_resolver(cluster_resolver)

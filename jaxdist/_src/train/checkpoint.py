@@ -35,7 +35,7 @@ ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class CheckpointMismatchError(ValueError):
-    """A checkpoint whose arrays do not fit the state to restore into (another model).
+    """A checkpoint that does not fit: another model, or other settings (exit 2 from the CLI).
 
     ``exit_code`` is 2 for the CLI: the config must change before the job can run.
     """
@@ -60,7 +60,7 @@ class CheckpointWriteError(RuntimeError):
 
 
 class CheckpointDirError(ValueError):
-    """A checkpoint directory that cannot be created or written (the chief's).
+    """A checkpoint directory that cannot be created or written (exit 2 from the CLI).
 
     ``exit_code`` is 2 for the CLI: the config must change before the job can run.
     """

@@ -25,7 +25,7 @@ _HOOKS: dict[type, Callable[[Any], hooks.TrainerHook]] = {}
 
 def register_trainer_hook(strategy_class: type,
                           hook: Callable[[Any], hooks.TrainerHook]) -> None:
-    """The ``Trainer`` delegates to ``hook(strategy)`` for ``strategy_class`` and subclasses.
+    """Makes the ``Trainer`` delegate to a ``TrainerHook`` for a strategy class and its subclasses.
 
     Example:
         >>> import jax, jaxdist

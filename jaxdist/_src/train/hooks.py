@@ -96,7 +96,8 @@ class PackedStepStats(LazyStats):
 
 
 class TrainerHook:
-    """What a strategy with its own state handling does inside ``Trainer``.
+    """The per-strategy part of ``Trainer.fit`` (state creation, the step, resume and save);
+    subclass it for a new strategy class.
 
     Every method gets a ``TrainerContext`` (``ctx``: the strategy, optimizer, loss, batch
     size, checkpoint settings...) and, where the state matters, the ``TrainState``

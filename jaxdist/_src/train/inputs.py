@@ -65,7 +65,7 @@ def _is_array_like(v: Any) -> bool:
     return isinstance(v, np.ndarray) or (hasattr(v, "__array__") and hasattr(v, "shape"))
 
 
-def _is_features(v: Any) -> bool:
+def is_features(v: Any) -> bool:
     if isinstance(v, Mapping):
         return bool(v) and all(_is_array_like(a) for a in v.values())
     return _is_array_like(v)
@@ -120,16 +120,16 @@ def array_data(x: Any, y: Any = None, sample_weight: Any = None, what: str = "da
             return ArrayData(x.x, x.y if y is None else y,
                              x.w if sample_weight is None else sample_weight)
         return x
-    if isinstance(x, Mapping) and "x" in x and _is_features(x["x"]):
+    if isinstance(x, Mapping) and "x" in x and is_features(x["x"]):
         if "y" not in x:
             raise DataError(f"{what}: the dict has 'x' but no 'y'; expected labels")
         return ArrayData(x["x"], x["y"], x.get("sample_weight", sample_weight))
-    if (isinstance(x, (tuple, list)) and len(x) in (2, 3) and _is_features(x[0])
+    if (isinstance(x, (tuple, list)) and len(x) in (2, 3) and is_features(x[0])
             and _is_array_like(x[1])):
         if y is not None:
             raise DataError(f"{what}: y was given twice (in the tuple and as y=)")
         return ArrayData(x[0], x[1], x[2] if len(x) == 3 else sample_weight)
-    if _is_features(x):
+    if is_features(x):
         if y is None:
             raise DataError(f"{what}: got features without labels; pass y=, or (x, y)")
         return ArrayData(x, y, sample_weight)
@@ -169,7 +169,7 @@ def _element(elem: Any, what: str) -> tuple[Any, Any, Any]:
             return elem[0], elem[1], elem[2] if len(elem) == 3 else None
         raise DataError(f"{what}: a stream element is a tuple of {len(elem)}; expected (x,), "
                         f"(x, y) or (x, y, sample_weight)")
-    if _is_features(elem):
+    if is_features(elem):
         return elem, None, None
     raise DataError(f"{what}: a stream element is a {type(elem).__name__}; expected a batch "
                     f"(x, y), (x, y, sample_weight) or a dict with 'x' and 'y'")
@@ -179,7 +179,7 @@ def _tree(x: Any, fn) -> Any:
     return {k: fn(v) for k, v in x.items()} if isinstance(x, Mapping) else fn(x)
 
 
-def _rows(x: Any) -> int:
+def row_count(x: Any) -> int:
     first = next(iter(x.values())) if isinstance(x, Mapping) else x
     return int(np.shape(first)[0])
 
@@ -256,14 +256,14 @@ class StreamSource:
             elem = self._peeked[0] if self._peeked else None
         if elem is None:
             raise DataError(f"{self.what}: the {self.name} is empty")
-        return self._normalize(elem)
+        return self.normalize(elem)
 
     def rows_per_element(self) -> int:
         """Rows of the first element (1 for single examples)."""
         x, y, _ = self.peek()
-        return _rows(x) if y is None else int(np.shape(y)[0])
+        return row_count(x) if y is None else int(np.shape(y)[0])
 
-    def _normalize(self, elem: Any) -> tuple[Any, Any, Any]:
+    def normalize(self, elem: Any) -> tuple[Any, Any, Any]:
         x, y, w = _element(elem, self.what)
         x = _tree(x, np.asarray)
         if y is not None:
@@ -301,11 +301,11 @@ class StreamSource:
         have = 0
         to_skip = 0 if restored or not self.reiterable else skip
         for elem in it:
-            part = self._normalize(elem)
+            part = self.normalize(elem)
             buf.append(part)
-            have += _rows(part[0])
+            have += row_count(part[0])
             while have >= size:
-                batch, buf, have = _take(buf, size)
+                batch, buf, have = take(buf, size)
                 if to_skip:
                     to_skip -= 1
                     continue
@@ -313,7 +313,7 @@ class StreamSource:
                 self._exact = have == 0
                 yield batch
         if pad_last and have:
-            batch, buf, have = _take(buf, have)
+            batch, buf, have = take(buf, have)
             self._consumed += 1
             yield batch
 
@@ -327,7 +327,7 @@ class StreamSource:
         return pos
 
 
-def _take(buf: list[tuple[Any, Any, Any]], size: int
+def take(buf: list[tuple[Any, Any, Any]], size: int
           ) -> tuple[tuple[Any, Any, Any], list[tuple[Any, Any, Any]], int]:
     """The first ``size`` rows of the buffered parts; the rest stays buffered."""
     xs = [p[0] for p in buf]
@@ -338,11 +338,11 @@ def _take(buf: list[tuple[Any, Any, Any]], size: int
     has_y = buf[0][1] is not None
     y = np.concatenate([p[1] for p in buf]) if has_y else None
     if any(p[2] is not None for p in buf):
-        w = np.concatenate([p[2] if p[2] is not None else np.ones((_rows(p[0]),), np.float32)
+        w = np.concatenate([p[2] if p[2] is not None else np.ones((row_count(p[0]),), np.float32)
                             for p in buf])
     else:
         w = None
-    total = _rows(x)
+    total = row_count(x)
     head = (_tree(x, lambda a: a[:size]), None if y is None else y[:size],
             None if w is None else w[:size])
     rest: list[tuple[Any, Any, Any]] = []

@@ -24,8 +24,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """How the ``Trainer`` trains (a job config's ``train`` section, with ``seed`` and
-    ``data.shuffle``).
+    """The Trainer's training options (``global_batch_size``, ``steps_per_execution``, precision,
+    ...): the config's ``train`` section.
 
     Attributes:
         global_batch_size: examples per step over all replicas (``None``: ``fit``'s
@@ -60,7 +60,8 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Where and how often the ``Trainer`` checkpoints (a job config's ``checkpoint`` section).
+    """The Trainer's checkpoint options (``dir``, ``every_epochs``, ``keep``, ...): the config's
+    ``checkpoint`` section.
 
     Attributes:
         dir: the checkpoint directory (``None``: no checkpoints); ``fit`` resumes from the
@@ -104,7 +105,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """What the ``Trainer`` writes (a job config's ``logging`` section).
+    """The Trainer's logging options (directory, TensorBoard, progress bar): the config's
+    ``logging`` section.
 
     Attributes:
         dir: the parent of the run directories: each ``Trainer`` writes ``metrics.jsonl`` and

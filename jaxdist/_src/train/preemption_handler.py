@@ -61,8 +61,8 @@ def _local_mode(cluster_resolver: Any) -> bool:
 
 
 class PreemptionCheckpointHandler:
-    """Saves a checkpoint and exits when any process of the job is about to be preempted
-    (``tf.distribute.experimental.PreemptionCheckpointHandler``).
+    """Saves a checkpoint at the step every process agreed on and exits when any process is
+    preempted (TF's ``PreemptionCheckpointHandler``, for custom loops).
 
     Args:
         cluster_resolver: the job's cluster resolver (``strategy.cluster_resolver``): it says

@@ -56,7 +56,8 @@ TRAINER_KEYS = ("strategy.name", "seed", "data.shuffle", "train.global_batch_siz
 
 
 class SettingsChangedError(CheckpointMismatchError):
-    """A resume whose settings differ from those the checkpoint was trained with.
+    """A resume whose settings differ from those recorded with the checkpoint
+    ([trainer.md](trainer.md#reruns-what-a-checkpoint-records)).
 
     Attributes:
         directory: the checkpoint directory.
@@ -71,8 +72,8 @@ class SettingsChangedError(CheckpointMismatchError):
 
 
 class TrainingCompleteError(CheckpointMismatchError):
-    """A resume from a checkpoint that already completes the configured training (nothing
-    left to train). ``exit_code`` is 3 (``EXIT_ALREADY_DONE``)."""
+    """A resume from a checkpoint that already completes the training asked for (nothing left
+    to train; exit 3 from the CLI: ``exit_code`` is ``EXIT_ALREADY_DONE``)."""
 
     exit_code = EXIT_ALREADY_DONE
 

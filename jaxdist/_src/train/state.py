@@ -27,7 +27,8 @@ from jaxdist._src.train import keras_metrics
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """The training state a ``TrainerHook`` takes and returns (see the module docstring).
+    """The training state a ``TrainerHook`` takes and returns (``params``, ``rest``, ``opt_state``,
+    ``step``, ``epoch``, ...), a frozen dataclass.
 
     Attributes:
         params: the model's ``nnx.Param`` variables (placed by the strategy; under the
@@ -65,7 +66,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerContext:
-    """What a ``TrainerHook`` reads besides the ``TrainState``; built by the ``Trainer``.
+    """What a ``TrainerHook`` reads of its Trainer (strategy, optimizer, loss, batch size,
+    checkpoint settings, the compiled step).
 
     Attributes:
         strategy: the distribution strategy.

@@ -107,7 +107,8 @@ def _from_saved(saved: Any, like: Any) -> Any:
 
 
 class Checkpoint:
-    """The objects a training loop checkpoints, by name (``tf.train.Checkpoint``).
+    """The objects a custom loop checkpoints, by name: flax NNX objects (restored in place), pytrees
+    and JSON scalars (``tf.train.Checkpoint``).
 
     Args:
         **objects: NNX objects and ``nnx.Variable`` s (restored in place), pytrees of arrays
@@ -258,7 +259,8 @@ def _is_writer() -> bool:
 
 
 class CheckpointManager:
-    """Numbered checkpoints of a ``Checkpoint`` in one directory (``tf.train.CheckpointManager``).
+    """Numbered, atomic orbax checkpoints of a ``Checkpoint`` in one directory, the newest
+    ``max_to_keep`` kept; only the chief writes (``tf.train.CheckpointManager``).
 
     Args:
         checkpoint: the ``Checkpoint`` to save and restore.

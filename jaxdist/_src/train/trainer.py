@@ -39,10 +39,14 @@ import optax
 from flax import nnx
 from jax import lax
 
-from jaxdist._src import strategies as distribute
 from jaxdist._src.distributed import preemption
 from jaxdist._src.input.options import InputOptions
+from jaxdist._src.strategies.context import has_strategy
 from jaxdist._src.strategies.cross_device_ops import varying_axes
+from jaxdist._src.strategies.current import get_replica_context, get_strategy
+from jaxdist._src.strategies.losses import compute_average_loss
+from jaxdist._src.strategies.one_device import OneDeviceStrategy
+from jaxdist._src.strategies.strategy import Strategy
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
@@ -67,6 +71,7 @@ from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainCon
 from jaxdist._src.train.precision import compute_dtype
 from jaxdist._src.train.state import TrainerContext, TrainState
 from jaxdist._src.train.trainer_handle import TrainerHandle
+from jaxdist._src.values.per_replica import PerReplica
 
 # Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
 # steps, of at most this many bytes (this process's rows).
@@ -80,10 +85,10 @@ _DEFAULT_BATCH_SIZE = 32
 __all__ = ["History", "LOSSES", "NaNLossError", "Trainer"]  # History: jaxdist._src.train.callbacks
 
 
-def _default_strategy() -> distribute.Strategy:
-    if distribute.has_strategy():
-        return distribute.get_strategy()
-    return distribute.OneDeviceStrategy(jax.local_devices()[0])
+def _default_strategy() -> Strategy:
+    if has_strategy():
+        return get_strategy()
+    return OneDeviceStrategy(jax.local_devices()[0])
 
 
 def _state_property(name: str, doc: str) -> property:
@@ -184,7 +189,7 @@ class Trainer(TrainerHandle):
         optimizer: optax.GradientTransformation,
         loss: str | LossFn = "sparse_categorical_crossentropy",
         *,
-        strategy: distribute.Strategy | None = None,
+        strategy: Strategy | None = None,
         config: TrainConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         logging: LoggingConfig | None = None,
@@ -349,7 +354,7 @@ class Trainer(TrainerHandle):
         """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
         if self.batch_norm != "sync":
             return None
-        return distribute.get_replica_context().axis_name
+        return get_replica_context().axis_name
 
     def _make_train_replica(self) -> Callable:
         gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
@@ -362,7 +367,7 @@ class Trainer(TrainerHandle):
             # x, y, w: a block of chunks, one per leading index (``_input_block``), whose
             # first step is ``block_step``; this dispatch runs chunk ``chunk``, its steps one
             # after the other.
-            ctx = distribute.get_replica_context()
+            ctx = get_replica_context()
             num_steps = y.shape[1] // per_replica
             step = block_step + chunk * num_steps
             split = lambda a: lax.dynamic_index_in_dim(  # noqa: E731
@@ -379,7 +384,7 @@ class Trainer(TrainerHandle):
                                                 replica_id=replica, sync_axes=axes,
                                                 compute_dtype=dtype, rngs=rngs)
                     per_example = loss_fn(logits, yb)
-                    loss = distribute.compute_average_loss(per_example, sample_weight=wb,
+                    loss = compute_average_loss(per_example, sample_weight=wb,
                                                         global_batch_size=gbs)
                     return loss, (logits, new_rest)
 
@@ -419,7 +424,7 @@ class Trainer(TrainerHandle):
                 "count": jnp.sum(mask),
             }
             stats.update(metric_stats(logits, y, mask, w))
-            return distribute.get_replica_context().all_reduce("SUM", stats)
+            return get_replica_context().all_reduce("SUM", stats)
 
         return eval_replica
 
@@ -659,7 +664,7 @@ class Trainer(TrainerHandle):
         ``callbacks=[...]`` get ``on_predict_begin``, ``on_predict_batch_begin(i)`` and
         ``on_predict_batch_end(i, {"outputs": the batch's outputs})`` for every global batch
         ``i`` (padding rows dropped), and ``on_predict_end({"outputs": all outputs})``."""
-        if isinstance(x, data_lib.ArrayData) or inputs_lib._is_features(x):
+        if isinstance(x, data_lib.ArrayData) or inputs_lib.is_features(x):
             feats = x.x if isinstance(x, data_lib.ArrayData) else x
             first = next(iter(feats.values())) if isinstance(feats, Mapping) else feats
             d: Any = data_lib.ArrayData(feats, np.zeros((np.shape(first)[0],), np.int32))
@@ -733,10 +738,10 @@ class Trainer(TrainerHandle):
         n, k = self._mesh_replicas, self.steps_per_execution
         per = self.global_batch_size // n
 
-        def block(a: Any) -> distribute.PerReplica:
+        def block(a: Any) -> PerReplica:
             # one input block of one chunk: (replicas, 1, k x rows per replica, *row shape)
             shape = (n, 1, k * per, *tuple(np.shape(a))[1:])
-            return distribute.PerReplica(jax.ShapeDtypeStruct(shape, np.dtype(a.dtype)))
+            return PerReplica(jax.ShapeDtypeStruct(shape, np.dtype(a.dtype)))
 
         xs = jax.tree.map(block, x, is_leaf=lambda v: isinstance(v, jax.ShapeDtypeStruct))
         w = jax.ShapeDtypeStruct((self.global_batch_size,), np.float32)
@@ -800,7 +805,7 @@ class Trainer(TrainerHandle):
             batches = data_lib.eval_batches(d, b)
         else:
             batches = (data_lib.pad_batch(x, y if y is not None else
-                                          np.zeros((inputs_lib._rows(x),), np.int32), w, b)
+                                          np.zeros((inputs_lib.row_count(x),), np.int32), w, b)
                        for x, y, w in d.batches(b, epoch=0, pad_last=True))
         n = self._mesh_replicas
         eb = -(-b // n) * n  # padded (masked) to a multiple of the mesh's replicas

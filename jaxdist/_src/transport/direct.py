@@ -57,7 +57,7 @@ MAX_HANDSHAKE_BYTES = 4096
 #: Methods never sent over the direct transport (``Stop`` ends the server: keep it on gRPC).
 GRPC_ONLY = frozenset({"Stop"})
 _SMALL = 256 << 10  # arrays below this are joined into one send with the header
-_IDLE_REUSE_S = 60.0  # a pooled connection idle for longer is not reused
+IDLE_REUSE_S = 60.0  # a pooled connection idle for longer is not reused
 _MAX_IOV = 64  # buffers per sendmsg call (the kernel accepts up to IOV_MAX = 1024)
 #: A new connection's TCP connect, TLS handshake, hello and token must be done within this
 #: (or the call's deadline, if sooner): a hung task is left to gRPC, whose calls can be
@@ -170,7 +170,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -
 def _specs(arrays: Mapping[str, Any]) -> tuple[list, list[Any], int]:
     specs, views, offset = [], [], 0
     for name, x in arrays.items():
-        arr = wire._as_wire_array(x)
+        arr = wire.as_wire_array(x)
         pad = (-offset) % ALIGNMENT
         if pad and arr.nbytes:
             views.append(bytes(pad))
@@ -333,7 +333,7 @@ class _Conn:
 
     def stale(self) -> bool:
         """True when the server closed it (readable with nothing asked) or it idled long."""
-        return time.monotonic() - self.last_used > _IDLE_REUSE_S or readable(self.sock)
+        return time.monotonic() - self.last_used > IDLE_REUSE_S or readable(self.sock)
 
     def close(self) -> None:
         try:

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_SECONDS = 10.0
 MAX_HANDSHAKES = 128  # connections authenticating at once (past it: the oldest is closed)
 IDLE_SECONDS = 90.0  # an authenticated connection idle this long is closed
-EVICT_IDLE_SECONDS = direct._IDLE_REUSE_S + 15.0  # ... and this long, closed to make room
+EVICT_IDLE_SECONDS = direct.IDLE_REUSE_S + 15.0  # ... and this long, closed to make room
 
 
 class CallFailed(Exception):

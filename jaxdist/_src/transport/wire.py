@@ -108,7 +108,7 @@ def dtype_name(dtype: Any) -> str:
 _NAMES: dict[np.dtype, str] = {}  # dtype_name's answers for dtypes that have a wire form
 
 
-def _as_wire_array(x: Any) -> np.ndarray:
+def as_wire_array(x: Any) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -122,7 +122,7 @@ def _layout(meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] | None
     views: list[Any] = []
     offset = 0
     for name, x in (arrays or {}).items():
-        arr = _as_wire_array(x)
+        arr = as_wire_array(x)
         pad = (-offset) % ALIGNMENT  # every array starts aligned in the decoded payload
         if pad and arr.nbytes:
             views.append(memoryview(bytes(pad)))

@@ -4,19 +4,8 @@ Both ``_src.strategies`` (``Strategy.run`` returns them) and ``_src.input`` (dis
 datasets yield them) import this package; it imports only JAX and NumPy.
 
 Example:
-    >>> import numpy as np
-    >>> from jaxdist._src.values import PerReplica
+    >>> from jaxdist._src.values.per_replica import PerReplica
     >>> v = PerReplica(np.arange(4).reshape(2, 2))
     >>> v.values
     (array([0, 1]), array([2, 3]))
 """
-
-from jaxdist._src.values.per_replica import (
-    PerReplica,
-    PerReplicaSpec,
-    is_per_replica,
-    local_components,
-    regroup,
-)
-
-__all__ = ["PerReplica", "PerReplicaSpec", "is_per_replica", "local_components", "regroup"]

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxdist._src import strategies as distribute
 from jaxdist._src.ps import optimizers as ps_optimizers
+from jaxdist._src.strategies.current import get_replica_context
+from jaxdist._src.strategies.losses import compute_average_loss
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train.hooks import TrainerHook
 from jaxdist._src.train.state import TrainerContext, TrainState
@@ -253,12 +254,12 @@ def replica_gradients(ms: Any, params: Any, rest: Any, rngs: Any, x: Any, y: Any
     """
     from jaxdist._src.train.losses import correct_per_example
 
-    ctx = distribute.get_replica_context()
+    ctx = get_replica_context()
 
     def objective(p):
         logits, _ = ms.apply(p, rest, x, training=True, step=step, replica_id=replica,
                              compute_dtype=compute_dtype, rngs=rngs)
-        loss = distribute.compute_average_loss(loss_fn(logits, y), sample_weight=w,
+        loss = compute_average_loss(loss_fn(logits, y), sample_weight=w,
                                                global_batch_size=global_batch_size)
         return loss, logits
 
@@ -277,7 +278,7 @@ def _make_grad_replica(ctx: TrainerContext):
     per = gbs // num_replicas
 
     def grad_replica(params, rest, rngs, x, y, w, i, step, worker):
-        rctx = distribute.get_replica_context()
+        rctx = get_replica_context()
         part = lambda a: lax.dynamic_slice_in_dim(a, i * per, per)  # noqa: E731
         xb, yb, wb = jax.tree.map(part, x), part(y), part(w)
         replica = worker * num_replicas + rctx.replica_id_in_sync_group

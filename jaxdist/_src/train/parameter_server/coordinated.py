@@ -45,8 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src import strategies as distribute
 from jaxdist._src.ps import optimizers as ps_optimizers
+from jaxdist._src.strategies.current import get_replica_context
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import keras_metrics
 from jaxdist._src.train.hooks import LazyStats, TrainerHook
@@ -186,8 +186,8 @@ class GrainWorkerShard:
             buf: list[tuple[Any, Any, Any]] = []
             have = done = 0
             for i in share:
-                part = src._normalize(self.dataset[i])
-                n = inputs_lib._rows(part[0])
+                part = src.normalize(self.dataset[i])
+                n = inputs_lib.row_count(part[0])
                 if n != self.rows:
                     raise ValueError(f"element {i} of the grain dataset has {n} rows; expected "
                                      f"{self.rows}, as its first element (every element but "
@@ -195,7 +195,7 @@ class GrainWorkerShard:
                 buf.append(part)
                 have += n
                 while have >= b and done < per:
-                    (xb, yb, wb), buf, have = inputs_lib._take(buf, b)
+                    (xb, yb, wb), buf, have = inputs_lib.take(buf, b)
                     done += 1
                     if done > skip:
                         yield (xb, yb) if wb is None else (xb, yb, wb)
@@ -278,7 +278,7 @@ class WorkerStep:
 def _make_grad_replica(ms: Any, loss_fn: Callable, global_batch_size: int,
                        compute_dtype: Any = None, metrics: Any = ()) -> Callable:
     def grad_replica(params, rest, rngs, x, y, w, step):
-        ctx = distribute.get_replica_context()
+        ctx = get_replica_context()
         replica = ctx.replica_id_in_sync_group
 
         # the same sums as the synchronous trainer's (weighted_metrics weighted by w)
@@ -331,8 +331,8 @@ def _element_rows(train: Any, elem: Any) -> int:
     """Rows of one element of the stream ``train``."""
     from jaxdist._src.train import inputs as inputs_lib
 
-    x, y, _ = train._normalize(elem)
-    return inputs_lib._rows(x) if y is None else int(np.shape(y)[0])
+    x, y, _ = train.normalize(elem)
+    return inputs_lib.row_count(x) if y is None else int(np.shape(y)[0])
 
 
 class CoordinatorHook(PSHookMixin, TrainerHook):
