@@ -8,6 +8,7 @@ def publish(module_name: str, *classes: type) -> None:
     private module that defines it.
 
     Example:
+        >>> from jaxdist._src.publish import publish
         >>> class PeerLostError(Exception): ...
         >>> publish("jaxdist", PeerLostError)
         >>> PeerLostError.__module__

@@ -160,6 +160,7 @@ def positive_float(text: str) -> float:
     """An argparse ``type``: a number > 0 (``--cpus-per-task``).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import positive_float
         >>> positive_float("0.5")
         0.5
     """
@@ -170,6 +171,7 @@ def non_negative_float(text: str) -> float:
     """An argparse ``type``: a number >= 0 (``--gpus-per-task``).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import non_negative_float
         >>> non_negative_float("0")
         0.0
     """
@@ -441,6 +443,7 @@ def parse_launch_args(argv: Sequence[str] | None = None
     one).
 
     Example:
+        >>> from jaxdist._src.cluster.launcher import parse_launch_args
         >>> args, command = parse_launch_args(["--workers", "2", "--", "python", "x.py"])
         >>> args.workers, args.backend, command
         (2, 'local', ['python', 'x.py'])

@@ -187,6 +187,7 @@ class TaskCA:
         days: validity of the CA and of every certificate it issues.
 
     Example:
+        >>> from jaxdist._src.cluster.pki import TaskCA
         >>> ca = TaskCA()
         >>> cert, key = ca.issue("worker:0", ["10.0.0.2"])
         >>> ca.ca_pem.startswith(b"-----BEGIN CERTIFICATE"), key.startswith(b"-----BEGIN")
@@ -243,6 +244,8 @@ def write_task_identity(task_dir: str, ca_pem: bytes, cert_pem: bytes,
         FileExistsError: ``task_dir`` exists (a task's directory is never reused).
 
     Example:
+        >>> import os
+        >>> from jaxdist._src.cluster.pki import TaskCA, write_task_identity
         >>> import tempfile
         >>> ca = TaskCA()
         >>> task_dir = f"{tempfile.mkdtemp()}/t"

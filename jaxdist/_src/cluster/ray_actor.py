@@ -12,6 +12,7 @@ ended.
 Nothing it holds is printed: Ray's worker logs never see a secret.
 
 Example:
+    >>> from jaxdist._src.cluster.ray_actor import TaskRunner
     >>> runner = TaskRunner("worker:0")
     >>> runner.where()["address"] != ""
     True
@@ -44,6 +45,7 @@ def node_address() -> str:
     address this host reaches others from.
 
     Example:
+        >>> from jaxdist._src.cluster.ray_actor import node_address
         >>> isinstance(node_address(), str)
         True
     """
@@ -63,6 +65,7 @@ def task_environment(base: Mapping[str, str], overlay: Mapping[str, str],
     ``overlay`` (``TF_CONFIG``, tokens, forced devices ...) and the TLS files in ``tls_dir``.
 
     Example:
+        >>> from jaxdist._src.cluster.ray_actor import task_environment
         >>> env = task_environment({"PATH": "/bin", "JAXDIST_INSECURE": "1"},
         ...                        {"TF_CONFIG": "{}"}, "/run/t")
         >>> sorted(env)

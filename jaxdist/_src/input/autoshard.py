@@ -80,10 +80,9 @@ def with_auto_shard_policy(dataset: Any, policy: AutoShardPolicy | str) -> Any:
     Example:
         >>> import jaxdist
         >>> from jaxdist import AutoShardPolicy
-        >>> from jaxdist._src.input.autoshard import policy_of
         >>> from jaxdist.data import with_auto_shard_policy
         >>> ds = with_auto_shard_policy(jaxdist.Dataset.range(8).batch(2), AutoShardPolicy.DATA)
-        >>> policy_of(ds)
+        >>> ds.auto_shard_policy
         <AutoShardPolicy.DATA: 'DATA'>
     """
     return PolicyDataset(dataset, as_policy(policy))

@@ -6,6 +6,8 @@ distribute variables and batches over the strategy's own mesh (one mesh, so Kera
 train step and jaxdist agree on every placement).
 
 Example:
+    >>> import jax
+    >>> import numpy as np
     >>> import keras, jaxdist, jaxdist.keras
     >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
     >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])

@@ -43,6 +43,7 @@ def require_keras() -> Any:
             keras).
 
     Example:
+        >>> import jaxdist
         >>> keras = jaxdist.keras.require_keras()
     """
     if "keras" not in sys.modules:
@@ -87,6 +88,8 @@ def distribution_for(strategy: Any) -> Any:
         A ``keras.distribution.DataParallel`` over the strategy's own mesh.
 
     Example:
+        >>> import jax
+        >>> import jaxdist
         >>> import keras
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with jaxdist.keras.distribution_for(strategy).scope():
@@ -108,6 +111,8 @@ def distribution_scope(strategy: Any) -> Iterator[Any]:
     a keras dependency.
 
     Example:
+        >>> import jax
+        >>> import jaxdist.keras
         >>> import keras
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope(), jaxdist.keras.distribution_scope(strategy):
@@ -133,6 +138,8 @@ def strategy_scope_hook(strategy: Any) -> Any:
     strategy; ``jaxdist.Dataset`` input).
 
     Example:
+        >>> import jax
+        >>> import jaxdist
         >>> import keras
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> with strategy.scope():    # enters strategy_scope_hook(strategy) after the mesh
@@ -191,7 +198,9 @@ def scope(strategy: Any) -> Iterator[Any]:
         The strategy.
 
     Example:
+        >>> import jaxdist.keras
         >>> import keras
+        >>> import numpy as np
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> with jaxdist.keras.scope(jaxdist.MirroredStrategy()) as strategy:
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -213,6 +222,8 @@ def compile_fit_step(model: Any, x: Any, y: Any = None, batch_size: int = 32,
     machine without a TPU.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> import keras
         >>> x, y = np.zeros((512, 784), np.float32), np.zeros((512, 10), np.float32)
         >>> with jaxdist.TPUStrategy(topology="v5e:2x2").scope():  # doctest: +NEEDS_LIBTPU
@@ -235,6 +246,8 @@ def attach(model: Any, strategy: Any, **kwargs: Any) -> Any:
     See ``jaxdist._src.keras.parameter_server.attach``.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> import keras
         >>> x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -253,6 +266,8 @@ def value_and_grad(fn: Any, variables: Any, has_aux: bool = False) -> Any:
     ``variables``.
 
     Example:
+        >>> import jaxdist
+        >>> import numpy as np
         >>> import keras
         >>> x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

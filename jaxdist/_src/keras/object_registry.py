@@ -17,6 +17,7 @@ class ObjectRegistry:
     """A value per object, by identity, for as long as the object lives.
 
     Example:
+        >>> from jaxdist._src.keras.object_registry import ObjectRegistry
         >>> class Variable:
         ...     __hash__ = None  # unhashable, as Keras variables are
         >>> placed = ObjectRegistry()

@@ -313,8 +313,8 @@ def clip_by_global_norm(max_norm: float):
     """Global-norm clipping: needs the whole gradient, so it runs on the worker before the push.
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import adam, chain, clip_by_global_norm
-        >>> opt = chain(clip_by_global_norm(1.0), adam(1e-3))
+        >>> from jaxdist.ps import optimizers
+        >>> opt = optimizers.chain(optimizers.clip_by_global_norm(1.0), optimizers.adam(1e-3))
     """
     return OptimizerSpec("clip_by_global_norm", dict(max_norm=max_norm))
 
@@ -323,8 +323,8 @@ def chain(*specs: OptimizerSpec) -> OptimizerSpec:
     """``optax.chain`` of specs; whole-gradient transforms must come first.
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import chain, clip_by_global_norm, sgd
-        >>> opt = chain(clip_by_global_norm(1.0), sgd(0.1))
+        >>> from jaxdist.ps import optimizers
+        >>> opt = optimizers.chain(optimizers.clip_by_global_norm(1.0), optimizers.sgd(0.1))
     """
     spec = OptimizerSpec("chain", {}, tuple(specs))
     spec.split()  # validates the order now
@@ -342,8 +342,8 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     """``optax.cosine_decay_schedule``: from ``init_value`` to ``alpha * init_value``.
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import adam, cosine_decay_schedule
-        >>> opt = adam(cosine_decay_schedule(1e-3, decay_steps=10_000))
+        >>> from jaxdist.ps import optimizers
+        >>> opt = optimizers.adam(optimizers.cosine_decay_schedule(1e-3, decay_steps=10_000))
     """
     return ScheduleSpec("cosine_decay_schedule", dict(
         init_value=init_value, decay_steps=decay_steps, alpha=alpha, exponent=exponent))
@@ -355,8 +355,10 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     """``optax.warmup_cosine_decay_schedule`` (``decay_steps`` includes the warm-up).
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import adamw, warmup_cosine_decay_schedule
-        >>> opt = adamw(warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=100, decay_steps=1000))
+        >>> from jaxdist.ps import optimizers
+        >>> schedule = optimizers.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=100,
+        ...                                                     decay_steps=1000)
+        >>> opt = optimizers.adamw(schedule)
     """
     return ScheduleSpec("warmup_cosine_decay_schedule", dict(
         init_value=init_value, peak_value=peak_value, warmup_steps=warmup_steps,
@@ -369,9 +371,10 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     """``optax.exponential_decay`` (TF's ``tf.compat.v1.train.exponential_decay``).
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import exponential_decay, sgd
-        >>> opt = sgd(exponential_decay(0.1, transition_steps=1000, decay_rate=0.96,
-        ...                             staircase=True))
+        >>> from jaxdist.ps import optimizers
+        >>> schedule = optimizers.exponential_decay(0.1, transition_steps=1000, decay_rate=0.96,
+        ...                                         staircase=True)
+        >>> opt = optimizers.sgd(schedule)
     """
     return ScheduleSpec("exponential_decay", _drop_none(
         init_value=init_value, transition_steps=transition_steps, decay_rate=decay_rate,
@@ -385,8 +388,9 @@ def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warm
     """``optax.warmup_exponential_decay_schedule``.
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import adam, warmup_exponential_decay_schedule
-        >>> opt = adam(warmup_exponential_decay_schedule(0.0, 1e-3, 100, 1000, 0.5))
+        >>> from jaxdist.ps import optimizers
+        >>> schedule = optimizers.warmup_exponential_decay_schedule(0.0, 1e-3, 100, 1000, 0.5)
+        >>> opt = optimizers.adam(schedule)
     """
     return ScheduleSpec("warmup_exponential_decay_schedule", _drop_none(
         init_value=init_value, peak_value=peak_value, warmup_steps=warmup_steps,
@@ -416,8 +420,9 @@ def piecewise_constant_schedule(init_value: float,
     """``optax.piecewise_constant_schedule`` (TF's ``piecewise_constant`` with scales).
 
     Example:
-        >>> from jaxdist._src.ps.optimizers import momentum, piecewise_constant_schedule
-        >>> opt = momentum(piecewise_constant_schedule(0.1, {3000: 0.1, 6000: 0.1}))
+        >>> from jaxdist.ps import optimizers
+        >>> schedule = optimizers.piecewise_constant_schedule(0.1, {3000: 0.1, 6000: 0.1})
+        >>> opt = optimizers.momentum(schedule)
     """
     pairs = None
     if boundaries_and_scales is not None:

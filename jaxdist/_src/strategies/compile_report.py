@@ -195,11 +195,10 @@ class CompileReport:
         """The report as plain values (for JSON or logs).
 
         Example:
-            >>> import jax, jaxdist
+            >>> import jaxdist
             >>> import jax.numpy as jnp
-            >>> from jaxdist._src.strategies.compile_report import compile_run
-            >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
-            >>> report = compile_run(strategy, lambda x: x * 2, args=(jnp.ones(4),))
+            >>> strategy = jaxdist.TPUStrategy(topology="v5e:2x2")  # doctest: +NEEDS_LIBTPU
+            >>> report = strategy.experimental_compile(lambda x: x * 2, args=(jnp.ones(4),))
             >>> report.as_dict()["num_replicas"] == strategy.num_replicas_in_sync
             True
         """

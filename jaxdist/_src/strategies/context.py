@@ -229,7 +229,7 @@ def register_scope_hook(hook: Callable[[Any], Any]) -> None:
     """Makes every ``strategy.scope()`` also enter ``hook(strategy)`` (when not ``None``).
 
     Example:
-        >>> from jaxdist._src.strategies.context import _SCOPE_HOOKS, register_scope_hook
+        >>> from jaxdist._src.strategies.context import SCOPE_HOOKS, register_scope_hook
         >>> hook = lambda strategy: None          # a hook that never adds a context
         >>> register_scope_hook(hook)
         >>> SCOPE_HOOKS.remove(hook)             # (a hook stays for the process otherwise)

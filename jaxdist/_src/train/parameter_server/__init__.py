@@ -12,6 +12,7 @@ The hooks talk to the ps tasks only through ``strategy.extended`` (``save``, ``r
 ``latest_checkpoint_step``, ``mark_done``, ``wait_for_workers`` ...), never by RPC name.
 
 Example:
+    >>> import jaxdist
     >>> from jaxdist._src.train.parameter_server.coordinated import parameter_server_hook
     >>> parameter_server_hook(jaxdist.ParameterServerStrategy())    # no coordinator: TF1
     <...ParameterServerHook object at ...>
