@@ -304,6 +304,19 @@ def test_a_parameter_server_job_trains_across_both_nodes(ray_cluster, tmp_path):
     print(f"parameter-server job {wall:.1f} s")
 
 
+@pytest.mark.timeout(200)
+def test_a_coordinator_job_runs_its_chief_workers_and_ps_across_both_nodes(ray_cluster,
+                                                                          tmp_path):
+    """``--coordinator``: the chief runs the program (TF2 ClusterCoordinator), the workers and
+    the ps serve, each an actor; the chief schedules its steps on workers on both nodes."""
+    r, wall = _train(ray_cluster, tmp_path, ["--coordinator", "--workers", "2", "--ps", "1"],
+                     "parameter_server_coordinator.yaml", "--set", "strategy.timeout=30")
+    _assert_on_both_nodes(r.stdout, ["chief:0", "worker:0", "worker:1", "ps:0"])
+    assert _val_accuracy(r.stdout) >= 0.7, r.stdout[-2000:]
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished"), r.stdout[-2000:]
+    print(f"coordinator job {wall:.1f} s")
+
+
 @pytest.mark.timeout(120)
 def test_each_task_gets_its_own_credentials_and_ray_records_none(ray_cluster, tmp_path):
     probes, go = tmp_path / "probes", tmp_path / "go"
