@@ -53,21 +53,119 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_SECONDS = 60.0
 _POLL_SECONDS = 0.5  # how often a failed step asks the service again who is gone
 
-_lock = threading.Lock()
-_state: dict[str, Any] = {
-    "group": None,  # ProcessGroup this process joined
-    "timeout": DEFAULT_TIMEOUT_SECONDS,
-    "heartbeat": None,
-    "lost": None,  # tuple of task names once a peer is lost
-    "broken": False,  # a step failed or timed out
-    "uncaught": False,
-    "atexit": False,
-    "joining": None,  # the group whose registration timed out (JAX still waits on it)
-    "freeze_guard": None,  # FreezeGuard of the joined group
-}
+class ClusterState:
+    """This process's bring-up state: one instance, ``cluster_state`` (JAX's
+    ``jax._src.distributed.State`` is the model).
+
+    ``initialize_from_resolver`` fills it when the process joins a multi-process group; the
+    step machinery (``strategies/multi_worker.py``) and the exit hooks read it through these
+    methods and properties; nothing else writes it.
+
+    Attributes:
+        group: the ``ProcessGroup`` this process joined (``None`` before).
+        timeout: how long registration and a step may take (``timeout_seconds``).
+        heartbeat: the coordination service's heartbeat timeout in seconds (``None`` before).
+        lost: the tasks found lost (``None`` while every peer is alive).
+        broken: a step failed or timed out.
+
+    Example:
+        >>> from jaxdist._src.cluster.bringup import cluster_state
+        >>> cluster_state.group is None, cluster_state.is_broken   # a single process
+        (True, False)
+        >>> cluster_state.heartbeat_seconds(30.0)
+        30.0
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.group: ProcessGroup | None = None
+        self.timeout: float = DEFAULT_TIMEOUT_SECONDS
+        self.heartbeat: int | None = None
+        self.lost: tuple[str, ...] | None = None
+        self.broken: bool = False
+        self.uncaught: bool = False  # the process is exiting on an uncaught exception
+        self.exit_hooks_installed: bool = False
+        self.joining: ProcessGroup | None = None  # registration timed out, JAX still waits
+        self.freeze_guard: FreezeGuard | None = None
+        self.shutdown_hooks: list[Callable[[], None]] = []
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether this process joined a group of several processes."""
+        return self.group is not None and self.group.multi_process
+
+    @property
+    def is_broken(self) -> bool:
+        """A step failed or timed out, a peer was lost, or the coordination service is gone."""
+        return bool(self.lost or self.broken)
+
+    def joined(self, group: ProcessGroup, timeout: float, heartbeat: int) -> None:
+        """Records a successful join of ``group`` (a fresh, healthy state)."""
+        self.group, self.timeout, self.heartbeat = group, timeout, heartbeat
+        self.lost, self.broken = None, False
+
+    def heartbeat_seconds(self, default: float) -> float:
+        """The heartbeat timeout of the coordination service this process joined (``default``
+        when none was set): how long the service takes to declare a silent task lost."""
+        return float(self.heartbeat or default)
+
+    def mark_broken(self) -> None:
+        """Marks the training cluster broken (a step failed or timed out): at exit the process
+        then ends at once (``exit_broken``) instead of an orderly ``shutdown``."""
+        self.broken = True
+
+    def mark_lost(self, tasks: Iterable[str]) -> tuple[str, ...]:
+        """Records ``tasks`` as the lost peers (the first report wins); returns the lost peers."""
+        if self.lost is None:
+            self.lost = tuple(tasks)
+        return self.lost
+
+    def raise_lost(self, tasks: tuple[str, ...] | None = None,
+                   cause: BaseException | None = None, what: str = "a step") -> None:
+        """Raises the ``PeerLostError`` naming ``tasks`` (default: the recorded lost peers),
+        lost during ``what``."""
+        tasks = tuple(self.lost or ()) if tasks is None else tuple(tasks)
+        me = self.group.name if self.group else "this task"
+        raise PeerLostError(
+            f"{me}: lost peer task(s) {', '.join(tasks)} during {what}; the training cluster "
+            f"is broken. Restart the job (it resumes from the last checkpoint)"
+            + (f" (error: {_first_line(cause)})" if cause is not None else ""),
+            tasks=tasks,
+        ) from cause
+
+    def raise_if_lost(self, cause: BaseException | None = None, what: str = "a step") -> None:
+        """Raises ``PeerLostError`` at once if a peer was already found lost."""
+        if self.lost:
+            self.raise_lost(self.lost, cause, what)
+
+    def exit_broken(self, reason: str, status: int = 1, group: ProcessGroup | None = None
+                    ) -> None:
+        """Ends the process at once with ``status``, skipping the interpreter's shutdown.
+
+        Threads still blocked in the broken collective (and JAX's runtime waiting on them) would
+        otherwise hang the exit or abort it ("FATAL: exception not rethrown", SIGABRT) when the
+        interpreter tears them down. Output is flushed first; exit hooks registered after
+        jaxdist's have already run. ``group`` names this process (default: the joined group).
+        """
+        group = group or self.group
+        me = group.name if group is not None else "this task"
+        try:
+            sys.stderr.write(
+                f"jaxdist: {me} exits with status {status}: {reason}; skipping "
+                f"interpreter shutdown (threads may be stuck waiting on the cluster)\n"
+            )
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(status)
 
 
-_shutdown_hooks: list[Callable[[], None]] = []
+cluster_state = ClusterState()
 
 
 def add_shutdown_hook(hook: Callable[[], None]) -> None:
@@ -78,17 +176,17 @@ def add_shutdown_hook(hook: Callable[[], None]) -> None:
         >>> from jaxdist._src.cluster.bringup import add_shutdown_hook
         >>> add_shutdown_hook(lambda: None)
     """
-    _shutdown_hooks.append(hook)
+    cluster_state.shutdown_hooks.append(hook)
 
 
 def current_group() -> ProcessGroup | None:
     """The process group ``initialize_from_resolver`` joined (``None`` before)."""
-    return _state["group"]
+    return cluster_state.group
 
 
 def lost_tasks() -> tuple[str, ...] | None:
     """The tasks found lost so far (``None`` while the cluster is healthy)."""
-    return _state["lost"]
+    return cluster_state.lost
 
 
 def _jax_distributed():
@@ -206,87 +304,109 @@ def initialize_from_resolver(resolver: Any, timeout_seconds: float | None = None
     """
     timeout = float(timeout_seconds or DEFAULT_TIMEOUT_SECONDS)
     group = process_group(resolver)
-    with _lock:
-        prev = _state["group"]
+    with cluster_state.lock:
+        prev = cluster_state.group
         if prev is not None:
-            if (prev.tasks, prev.process_id, prev.coordination_address) != (
-                group.tasks, group.process_id, group.coordination_address
-            ):
-                raise ClusterConfigError(
-                    f"jax.distributed is already initialized as {prev.name} of "
-                    f"{[prev.task_name(i) for i in range(prev.num_processes)]} (coordinator "
-                    f"{prev.coordination_address}); cannot join as {group.name} of "
-                    f"{[group.task_name(i) for i in range(group.num_processes)]}"
-                )
+            _check_same_group(prev, group)
             return prev
         if not group.multi_process:
             return group  # one process, or a ps / evaluator task: no jax.distributed
-        dist = _jax_distributed()
-        xla_bridge = jax_internals.xla_bridge()
-
-        if dist.is_initialized():
-            raise ClusterConfigError(
-                "jax.distributed was initialized outside jaxdist; create the strategy from a "
-                "resolver instead of calling jax.distributed.initialize yourself"
-            )
-        if xla_bridge.backends_are_initialized():
-            raise ClusterConfigError(
-                f"cannot join the cluster as {group.name}: JAX already initialized its "
-                f"backend in this process (something called jax.devices(), created an array "
-                f"or ran a computation). Create MultiWorkerMirroredStrategy (or call "
-                f"jaxdist.experimental_connect_to_cluster) before any other JAX call"
-            )
+        _check_jax_not_started(group)
         token = _cluster_token(resolver, group)
         _configure_jax(cpu_collectives, _own_host(resolver, group))
         hb = int(heartbeat_timeout_seconds or max(3, math.ceil(timeout / 2)))
         deadline = time.monotonic() + timeout
-        # Every process proves the token to process 0 (and it to them) before JAX starts.
-        if group.process_id == 0:
-            serve_handshake(group, token, timeout)
-        else:
-            join_handshake(group, token, timeout)
-            # JAX aborts the process when the coordinator never answers: probe it first.
-            _wait_for_coordination_service(group, max(1.0, deadline - time.monotonic()))
-        try:
-            start_runtime(
-                coordination_address=group.coordination_address,
-                num_processes=group.num_processes,
-                process_id=group.process_id,
-                bind_address=group.coordination_bind_address,
-                join_timeout=max(1.0, deadline - time.monotonic()),
-                heartbeat_timeout=hb,
-                shutdown_timeout=max(1, math.ceil(timeout)),
-                recoverable=_recoverable(),
-                linger_seconds=2 * timeout + hb,
-            )
-        except Exception as e:
-            if join_abandoned():  # JAX's registration still runs: exit without shutdown
-                _state["joining"] = group
-                _install_exit_hooks()
-            else:
-                try:
-                    dist.global_state.shutdown()
-                except Exception:  # noqa: BLE001 - best effort after a failed start
-                    pass
-            others = [group.task_name(i) for i in range(group.num_processes)
-                      if i != group.process_id]
-            raise ClusterTimeoutError(
-                f"{group.name} could not join the cluster within {timeout:g} s: the "
-                f"coordinator {group.task_name(0)} at {group.coordination_address} and the "
-                f"tasks {others} must all start (error: {_first_line(e)})",
-                tasks=tuple(others),
-                timeout_seconds=timeout,
-            ) from e
-        _state.update(group=group, timeout=timeout, heartbeat=hb, lost=None, broken=False)
-        client = dist.global_state.client
-        peers = [group.task_name(i) for i in range(group.num_processes)
-                 if i != group.process_id]
-        link = LinkGuard(group.name, group.process_id, peers,
-                         f"{group.task_name(0)} at {group.coordination_address}", hb, client)
-        _state["freeze_guard"] = FreezeGuard(
-            group.name, group.process_id, group.num_processes, hb, client, link=link).start()
+        _authenticate(group, token, timeout, deadline)
+        _start_jax_runtime(group, timeout, hb, deadline)
+        cluster_state.joined(group, timeout, hb)
+        _start_freeze_guard(group, hb)
         _install_exit_hooks()
         return group
+
+
+def _check_same_group(prev: ProcessGroup, group: ProcessGroup) -> None:
+    """A second ``initialize_from_resolver`` must describe the group already joined."""
+    if (prev.tasks, prev.process_id, prev.coordination_address) != (
+        group.tasks, group.process_id, group.coordination_address
+    ):
+        raise ClusterConfigError(
+            f"jax.distributed is already initialized as {prev.name} of "
+            f"{[prev.task_name(i) for i in range(prev.num_processes)]} (coordinator "
+            f"{prev.coordination_address}); cannot join as {group.name} of "
+            f"{[group.task_name(i) for i in range(group.num_processes)]}"
+        )
+
+
+def _check_jax_not_started(group: ProcessGroup) -> None:
+    """Neither ``jax.distributed`` nor a JAX backend may be running in this process yet."""
+    if _jax_distributed().is_initialized():
+        raise ClusterConfigError(
+            "jax.distributed was initialized outside jaxdist; create the strategy from a "
+            "resolver instead of calling jax.distributed.initialize yourself"
+        )
+    if jax_internals.xla_bridge().backends_are_initialized():
+        raise ClusterConfigError(
+            f"cannot join the cluster as {group.name}: JAX already initialized its "
+            f"backend in this process (something called jax.devices(), created an array "
+            f"or ran a computation). Create MultiWorkerMirroredStrategy (or call "
+            f"jaxdist.experimental_connect_to_cluster) before any other JAX call"
+        )
+
+
+def _authenticate(group: ProcessGroup, token: str, timeout: float, deadline: float) -> None:
+    """Every process proves the token to process 0 (and it to them) before JAX starts."""
+    if group.process_id == 0:
+        serve_handshake(group, token, timeout)
+    else:
+        join_handshake(group, token, timeout)
+        # JAX aborts the process when the coordinator never answers: probe it first.
+        _wait_for_coordination_service(group, max(1.0, deadline - time.monotonic()))
+
+
+def _start_jax_runtime(group: ProcessGroup, timeout: float, hb: int, deadline: float) -> None:
+    """Starts JAX's coordination service (process 0) and client; a failure to register within
+    the deadline is a ``ClusterTimeoutError`` naming the coordinator and the other tasks."""
+    try:
+        start_runtime(
+            coordination_address=group.coordination_address,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            bind_address=group.coordination_bind_address,
+            join_timeout=max(1.0, deadline - time.monotonic()),
+            heartbeat_timeout=hb,
+            shutdown_timeout=max(1, math.ceil(timeout)),
+            recoverable=_recoverable(),
+            linger_seconds=2 * timeout + hb,
+        )
+    except Exception as e:
+        if join_abandoned():  # JAX's registration still runs: exit without shutdown
+            cluster_state.joining = group
+            _install_exit_hooks()
+        else:
+            try:
+                _jax_distributed().global_state.shutdown()
+            except Exception:  # noqa: BLE001 - best effort after a failed start
+                pass
+        others = [group.task_name(i) for i in range(group.num_processes)
+                  if i != group.process_id]
+        raise ClusterTimeoutError(
+            f"{group.name} could not join the cluster within {timeout:g} s: the "
+            f"coordinator {group.task_name(0)} at {group.coordination_address} and the "
+            f"tasks {others} must all start (error: {_first_line(e)})",
+            tasks=tuple(others),
+            timeout_seconds=timeout,
+        ) from e
+
+
+def _start_freeze_guard(group: ProcessGroup, hb: int) -> None:
+    """Starts the ``FreezeGuard`` (with its ``LinkGuard``) of the joined group."""
+    client = _jax_distributed().global_state.client
+    peers = [group.task_name(i) for i in range(group.num_processes)
+             if i != group.process_id]
+    link = LinkGuard(group.name, group.process_id, peers,
+                     f"{group.task_name(0)} at {group.coordination_address}", hb, client)
+    cluster_state.freeze_guard = FreezeGuard(
+        group.name, group.process_id, group.num_processes, hb, client, link=link).start()
 
 
 def _wait_for_coordination_service(group: ProcessGroup, timeout: float) -> None:
@@ -332,7 +452,7 @@ def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str,
         ``None`` when the service did not answer within ``wait_seconds``. If the service
         itself is unreachable the coordinator task is reported lost.
     """
-    group = _state["group"]
+    group = cluster_state.group
     if group is None or not group.multi_process:
         return ()
     client = _jax_distributed().global_state.client
@@ -360,39 +480,6 @@ def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str,
     return None
 
 
-def mark_broken() -> None:
-    """Marks the training cluster broken (a step failed or timed out): at exit the process then
-    ends at once (``exit_broken``) instead of an orderly ``shutdown``."""
-    _state["broken"] = True
-
-
-def heartbeat_seconds(default: float) -> float:
-    """The heartbeat timeout of the coordination service this process joined (``default`` when
-    none was set): how long the service takes to declare a silent task lost."""
-    return float(_state["heartbeat"] or default)
-
-
-def mark_lost(tasks: Iterable[str]) -> tuple[str, ...]:
-    """Records ``tasks`` as the lost peers (the first report wins) and returns the lost peers."""
-    tasks = tuple(tasks)
-    if _state["lost"] is None:
-        _state["lost"] = tasks
-    return _state["lost"]
-
-
-def raise_lost(tasks: tuple[str, ...], cause: BaseException | None, what: str) -> None:
-    """Raises the ``PeerLostError`` naming ``tasks``, lost during ``what``."""
-    group = _state["group"]
-    me = group.name if group else "this task"
-    names = ", ".join(tasks)
-    raise PeerLostError(
-        f"{me}: lost peer task(s) {names} during {what}; the training cluster is broken. "
-        f"Restart the job (it resumes from the last checkpoint)"
-        + (f" (error: {_first_line(cause)})" if cause is not None else ""),
-        tasks=tasks,
-    ) from cause
-
-
 def _block(leaves: list[Any]) -> None:
     for x in leaves:
         if hasattr(x, "block_until_ready"):
@@ -418,21 +505,20 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
     import jax
 
     leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
-    group = _state["group"]
+    group = cluster_state.group
     if group is None or not group.multi_process:
         _block(leaves)
         return outputs
-    if _state["lost"]:
-        raise_lost(_state["lost"], None, what)
-    timeout = float(timeout_seconds or _state["timeout"])
+    cluster_state.raise_if_lost(None, what)
+    timeout = float(timeout_seconds or cluster_state.timeout)
     start = time.monotonic()
     # On a daemon thread, so a collective that never returns cannot keep the process alive.
     finished, error = call_with_timeout(lambda: _block(leaves), timeout, "jaxdist-wait")
     if not finished:
-        _state["broken"] = True
-        lost = find_lost_tasks(float(_state["heartbeat"] or timeout) + 2.0)
+        cluster_state.mark_broken()
+        lost = find_lost_tasks(cluster_state.heartbeat_seconds(timeout) + 2.0)
         if lost:
-            raise_lost(mark_lost(lost), None, what)
+            cluster_state.raise_lost(cluster_state.mark_lost(lost), None, what)
         peers = tuple(group.task_name(i) for i in range(group.num_processes)
                       if i != group.process_id)
         status = "no task lost" if lost == () else "nothing (it did not answer)"
@@ -465,38 +551,36 @@ def raise_if_peer_lost(error: BaseException, what: str = "a step",
     Raises:
         PeerLostError: the coordination service reports lost tasks; ``.tasks`` names them.
     """
-    group = _state["group"]
-    if group is None or not group.multi_process:
+    if not cluster_state.multi_process:
         return
     if isinstance(error, (PeerLostError, ClusterTimeoutError)):
         return
-    if _state["lost"]:
-        raise_lost(_state["lost"], error, what)
+    cluster_state.raise_if_lost(error, what)
     if isinstance(error, (TypeError, KeyError, AttributeError)) or not _RUNTIME_FAILURE.search(
         f"{type(error).__name__}: {error}"
     ):
         return
-    _state["broken"] = True
-    lost = find_lost_tasks(float(wait_seconds or _state["timeout"]), until_lost=True)
+    cluster_state.mark_broken()
+    lost = find_lost_tasks(float(wait_seconds or cluster_state.timeout), until_lost=True)
     if lost:
-        raise_lost(mark_lost(lost), error, what)
+        cluster_state.raise_lost(cluster_state.mark_lost(lost), error, what)
 
 
 def check_healthy(what: str = "a step") -> None:
     """Raises ``PeerLostError`` at once if a peer was already found lost."""
-    if _state["lost"]:
-        raise_lost(_state["lost"], None, what)
+    cluster_state.raise_if_lost(None, what)
+
 
 
 # ---------------------------------------------------------------------- orderly exit
 def _install_exit_hooks() -> None:
-    if _state["atexit"]:
+    if cluster_state.exit_hooks_installed:
         return
-    _state["atexit"] = True
+    cluster_state.exit_hooks_installed = True
     previous = sys.excepthook
 
     def excepthook(tp, value, tb):
-        _state["uncaught"] = True
+        cluster_state.uncaught = True
         previous(tp, value, tb)
 
     sys.excepthook = excepthook
@@ -506,46 +590,23 @@ def _install_exit_hooks() -> None:
 
 def cluster_broken() -> bool:
     """A step failed or timed out, a peer was lost, or the coordination service is gone."""
-    return bool(_state["lost"] or _state["broken"])
+    return cluster_state.is_broken
+
 
 
 def _at_exit() -> None:
     """The exit hook: an orderly ``shutdown`` while healthy, else ``exit_broken``."""
-    if join_abandoned() and _state["joining"] is not None:
-        exit_broken(_state["joining"], "its registration with the coordination service "
-                                        "timed out and is still pending")
-    group = _state["group"]
+    if join_abandoned() and cluster_state.joining is not None:
+        cluster_state.exit_broken("its registration with the coordination service timed out "
+                                  "and is still pending", group=cluster_state.joining)
+    group = cluster_state.group
     if group is None or not group.multi_process:
         return
     if not cluster_broken():
         shutdown()
     if cluster_broken():
-        lost = ", ".join(_state["lost"] or ()) or "none named"
-        exit_broken(group, f"the training cluster is broken (lost: {lost})")
-
-
-def exit_broken(group: ProcessGroup, reason: str, status: int = 1) -> None:
-    """Ends the process at once with ``status``, skipping the interpreter's shutdown.
-
-    Threads still blocked in the broken collective (and JAX's runtime waiting on them) would
-    otherwise hang the exit or abort it ("FATAL: exception not rethrown", SIGABRT) when the
-    interpreter tears them down. Output is flushed first; exit hooks registered after jaxdist's
-    have already run.
-    """
-    try:
-        sys.stderr.write(
-            f"jaxdist: {group.name} exits with status {status}: {reason}; skipping "
-            f"interpreter shutdown (threads may be stuck waiting on the cluster)\n"
-        )
-    except Exception:  # noqa: BLE001 - exiting anyway
-        pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(status)
+        lost = ", ".join(cluster_state.lost or ()) or "none named"
+        cluster_state.exit_broken(f"the training cluster is broken (lost: {lost})", group=group)
 
 
 def shutdown(timeout_seconds: float | None = None) -> None:
@@ -554,24 +615,24 @@ def shutdown(timeout_seconds: float | None = None) -> None:
     Runs automatically at exit; skips the barrier when a peer was lost or this process is
     exiting on an uncaught exception (so the others learn it quickly instead of waiting).
     """
-    while _shutdown_hooks:
-        hook = _shutdown_hooks.pop()
+    while cluster_state.shutdown_hooks:
+        hook = cluster_state.shutdown_hooks.pop()
         try:
             hook()
         except Exception as e:  # noqa: BLE001 - shut down anyway
             log.warning("shutdown hook %r failed: %s", hook, _first_line(e))
-    group = _state["group"]
+    group = cluster_state.group
     if group is None or not group.multi_process:
         return
-    if _state["freeze_guard"] is not None:
-        _state["freeze_guard"].stop()
+    if cluster_state.freeze_guard is not None:
+        cluster_state.freeze_guard.stop()
     dist = _jax_distributed()
     state = dist.global_state
     client = state.client
     if client is None:
         return
-    timeout = float(timeout_seconds or min(_state["timeout"], 60.0))
-    healthy = not (_state["lost"] or _state["broken"] or _state["uncaught"])
+    timeout = float(timeout_seconds or min(cluster_state.timeout, 60.0))
+    healthy = not (cluster_state.is_broken or cluster_state.uncaught)
     if healthy:
         try:
             client.wait_at_barrier("jaxdist_exit", int(timeout * 1000))
@@ -590,7 +651,7 @@ def shutdown(timeout_seconds: float | None = None) -> None:
         state.shutdown()
     except Exception as e:  # noqa: BLE001
         log.info("distributed shutdown: %s", _first_line(e))
-    _state["group"] = None
+    cluster_state.group = None
 
 
 def should_save_checkpoint() -> bool:
@@ -624,7 +685,9 @@ __all__ = [
     "should_load_checkpoint",
     "should_save_checkpoint",
     "DEFAULT_TIMEOUT_SECONDS",
+    "ClusterState",
     "check_healthy",
+    "cluster_state",
     "cluster_broken",
     "current_group",
     "find_lost_tasks",

@@ -38,6 +38,8 @@ from jax import lax
 from jaxdist._src.cluster.bringup import (
     DEFAULT_TIMEOUT_SECONDS,
     check_healthy,
+    cluster_state,
+    find_lost_tasks,
     initialize_from_resolver,
     raise_if_peer_lost,
 )
@@ -251,14 +253,12 @@ class MultiWorkerExtended(StrategyExtended):
 
     def _raise_step_timeout(self) -> None:
         """The oldest step in flight did not finish in ``timeout_seconds``: a typed error."""
-        from jaxdist._src.cluster import bringup
-
         group = self._group
-        bringup.mark_broken()
-        lost = bringup.find_lost_tasks(bringup.heartbeat_seconds(self._timeout) + 2.0,
-                                       until_lost=True)
+        cluster_state.mark_broken()
+        lost = find_lost_tasks(cluster_state.heartbeat_seconds(self._timeout) + 2.0,
+                               until_lost=True)
         if lost:
-            bringup.raise_lost(bringup.mark_lost(lost), None, "a step")
+            cluster_state.raise_lost(cluster_state.mark_lost(lost), None, "a step")
         peers = tuple(group.task_name(i) for i in range(group.num_processes)
                       if i != group.process_id)
         status = "no task lost" if lost == () else "nothing (it did not answer)"
@@ -278,24 +278,20 @@ class MultiWorkerExtended(StrategyExtended):
     def _watch_seconds(self) -> float:
         # Past the step's own bounded wait (timeout, then up to heartbeat + 2 s asking the
         # service), so the watchdog only acts when that wait could not run.
-        from jaxdist._src.cluster import bringup
-
-        return self._timeout + bringup.heartbeat_seconds(self._timeout) + 4.0
+        return self._timeout + cluster_state.heartbeat_seconds(self._timeout) + 4.0
 
     def _on_stuck_step(self, elapsed: float) -> bool:
         """The step has run ``elapsed`` s, blocked where no exception can reach it: if a peer
         is gone, print the typed error and end the process (status 1); else keep waiting."""
-        from jaxdist._src.cluster import bringup
-
         group = self._group
-        hb = bringup.heartbeat_seconds(self._timeout)
-        lost = bringup.find_lost_tasks(hb + 2.0, until_lost=True)
+        hb = cluster_state.heartbeat_seconds(self._timeout)
+        lost = find_lost_tasks(hb + 2.0, until_lost=True)
         if lost == ():
             log.warning("%s: a step has run for %.0f s and every peer is alive; still waiting",
                         group.name, elapsed)
             return False
         if lost:
-            lost = bringup.mark_lost(lost)
+            lost = cluster_state.mark_lost(lost)
             error: Exception = PeerLostError(
                 f"{group.name}: lost peer task(s) {', '.join(lost)} during a step; the "
                 f"training cluster is broken. Restart the job (it resumes from the last "
@@ -307,7 +303,7 @@ class MultiWorkerExtended(StrategyExtended):
                 f"{group.name}: a step did not finish within {elapsed:.0f} s and the "
                 f"coordination service did not answer. Waiting on peers {list(peers)}",
                 tasks=peers, timeout_seconds=self._timeout)
-        bringup.mark_broken()
+        cluster_state.mark_broken()
         try:
             sys.stderr.write(
                 f"jaxdist: {group.name}: the step is blocked inside XLA's collectives, where no "
@@ -315,7 +311,7 @@ class MultiWorkerExtended(StrategyExtended):
                 f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
-        bringup.exit_broken(group, f"{type(error).__name__} in a step")
+        cluster_state.exit_broken(f"{type(error).__name__} in a step", group=group)
         return True
 
 
