@@ -319,7 +319,6 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
     """With a coordinator, ``num_replicas_in_sync`` is the workers' count (here 1) while the
     chief evaluates and predicts on its own devices (here 2): the numbers equal a one-device
     synchronous trainer's, also when the chief's devices do not divide the batch (3 rows)."""
-    import threading
 
     import jax
     import optax
@@ -332,9 +331,7 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
     class OneDeviceWorkers:  # what the chief's hook and strategy ask of a ClusterCoordinator
         num_workers = 1
         _num_replicas = 1
-
-        def __init__(self):
-            self._stopping = threading.Event()
+        stopping = False
 
         def worker_num_replicas(self):
             return 1
@@ -355,7 +352,7 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
                                    progress_bar="never")
 
     chief = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:2], timeout=30.0)
-    chief._jaxdist_coordinator = OneDeviceWorkers()
+    chief.attach_coordinator(OneDeviceWorkers())
     t = trainer(chief, O.sgd(0.1))
     assert type(t._hook).__name__ == "CoordinatorHook"
     assert chief.num_replicas_in_sync == 1 and chief.extended.num_replicas_in_mesh == 2

@@ -200,8 +200,8 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy: Any, **settings: Any) -> ClusterCoordinator:
-        existing = getattr(strategy, "_jaxdist_coordinator", None)
-        if isinstance(existing, cls) and not existing._stopping.is_set():
+        existing = getattr(strategy, "coordinator", None)  # the live one, if any
+        if isinstance(existing, cls) and not existing.stopping:
             if settings and settings != existing._settings:
                 raise ValueError(
                     f"this strategy already has a ClusterCoordinator with settings "
@@ -268,12 +268,25 @@ class ClusterCoordinator:
         self._health.start()
         for w in self._workers:
             w.start()
-        strategy._jaxdist_coordinator = self
+        strategy.attach_coordinator(self)
 
     # -------------------------------------------------------------- properties
     @property
     def strategy(self) -> Any:
         return self._strategy
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``shutdown`` has started: the coordinator schedules nothing more, and its
+        strategy's ``coordinator`` property no longer returns it.
+
+        Example:
+            >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+            >>> coordinator.shutdown()  # doctest: +SKIP
+            >>> coordinator.stopping, strategy.coordinator  # doctest: +SKIP
+            (True, None)
+        """
+        return self._stopping.is_set()
 
     @property
     def num_workers(self) -> int:

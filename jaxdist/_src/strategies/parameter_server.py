@@ -122,11 +122,9 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
     @property
     def cluster_coordinator(self) -> Any:
-        """The live ``ClusterCoordinator`` created on this strategy, or ``None``."""
-        coordinator = getattr(self._container_strategy, "_jaxdist_coordinator", None)
-        if coordinator is None or coordinator._stopping.is_set():
-            return None
-        return coordinator
+        """The live ``ClusterCoordinator`` created on this strategy, or ``None`` (the
+        strategy's ``coordinator``)."""
+        return getattr(self._container_strategy, "coordinator", None)
 
     @property
     def timeout(self) -> float:
@@ -317,7 +315,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
 
     def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
         container = self._container_strategy
-        if getattr(container, "_jaxdist_coordinator", None) is not None and not getattr(
+        if getattr(container, "_coordinator", None) is not None and not getattr(
                 container, "_allow_run_without_coordinator", False):
             # This is the coordinator (workers' strategies have no coordinator): TF's warning.
             log.warning(
@@ -505,6 +503,14 @@ class ParameterServerStrategy(Strategy):
         >>> for batch in strategy.experimental_distribute_dataset(ds):
         ...     loss, grads = strategy.run(grad_fn, args=(params, batch))
         ...     _ = params.apply_gradients(grads)
+
+    On the chief, ``jaxdist.coordinator.ClusterCoordinator(strategy)`` attaches itself to the
+    strategy (``attach_coordinator``); ``strategy.coordinator`` is then that coordinator, until
+    it is shut down, and ``None`` before and after (TF keeps the link private, as
+    ``strategy._cluster_coordinator``):
+
+        >>> strategy.coordinator is None   # no ClusterCoordinator on this strategy
+        True
     """
 
     def __init__(self, cluster_resolver: Any = None, variable_partitioner: Any = None, *,
@@ -526,6 +532,7 @@ class ParameterServerStrategy(Strategy):
         # TF's flag: a deliberate run on the coordinator (Keras' inline evaluation) sets it to
         # skip the "invoked without ClusterCoordinator.schedule" warning.
         self._allow_run_without_coordinator = False
+        self._coordinator: Any = None  # the ClusterCoordinator attached on the chief
         devices = resolve_devices(compute_devices, default=jax.local_devices())
         super().__init__(ParameterServerStrategyExtended(
             self, info, devices, variable_partitioner, ps_strategy, max_staleness, timeout
@@ -534,6 +541,38 @@ class ParameterServerStrategy(Strategy):
     @property
     def cluster_resolver(self) -> Any:
         return self._cluster_resolver
+
+    @property
+    def coordinator(self) -> Any:
+        """The live ``ClusterCoordinator`` created on this strategy, or ``None`` (none was
+        created, or it was shut down). Read-only: ``ClusterCoordinator(strategy)`` sets it
+        through ``attach_coordinator``.
+
+        Example:
+            >>> import jaxdist
+            >>> strategy = jaxdist.ParameterServerStrategy()   # no TF_CONFIG: local
+            >>> strategy.coordinator is None
+            True
+        """
+        coordinator = self._coordinator
+        if coordinator is None or coordinator.stopping:
+            return None
+        return coordinator
+
+    def attach_coordinator(self, coordinator: Any) -> None:
+        """Links ``coordinator`` to this strategy: ``ClusterCoordinator(strategy)`` calls it.
+
+        From then on ``strategy.run`` on the chief outside ``coordinator.schedule`` logs TF's
+        "invoked without using ``ClusterCoordinator.schedule``" warning, and
+        ``num_replicas_in_sync`` is the workers' replica count, while ``coordinator`` is live
+        (it has a ``stopping`` property, ``worker_num_replicas()`` and ``join()``).
+
+        Example:
+            >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
+            >>> strategy.coordinator is coordinator   # doctest: +SKIP
+            True
+        """
+        self._coordinator = coordinator
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -549,8 +588,8 @@ class ParameterServerStrategy(Strategy):
             >>> strategy.num_replicas_in_sync   # doctest: +SKIP
             1
         """
-        coordinator = getattr(self, "_jaxdist_coordinator", None)
-        if coordinator is not None and not coordinator._stopping.is_set():
+        coordinator = self.coordinator
+        if coordinator is not None:
             return coordinator.worker_num_replicas()
         return super().num_replicas_in_sync
 
@@ -582,7 +621,7 @@ class ParameterServerStrategy(Strategy):
 
     def __repr__(self) -> str:
         ext = self._extended
-        coordinator = getattr(self, "_jaxdist_coordinator", None)
+        coordinator = self._coordinator
         # Never probe the workers from repr (they may be down): use what is known.
         known = getattr(coordinator, "_num_replicas", None) or ext._num_replicas
         return (f"ParameterServerStrategy(task={ext.task_info.name}, "
