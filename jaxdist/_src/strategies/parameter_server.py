@@ -13,10 +13,11 @@ compute runs on the local devices, like TF's contrib strategy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -529,8 +530,9 @@ class ParameterServerStrategy(Strategy):
                 "(python -m jaxdist.server) there, not ParameterServerStrategy"
             )
         self._cluster_resolver = cluster_resolver
-        # TF's flag: a deliberate run on the coordinator (Keras' inline evaluation) sets it to
-        # skip the "invoked without ClusterCoordinator.schedule" warning.
+        # TF's flag: a deliberate run on the coordinator (Keras' inline evaluation) sets it,
+        # through running_without_coordinator(), to skip the "invoked without
+        # ClusterCoordinator.schedule" warning.
         self._allow_run_without_coordinator = False
         self._coordinator: Any = None  # the ClusterCoordinator attached on the chief
         devices = resolve_devices(compute_devices, default=jax.local_devices())
@@ -573,6 +575,27 @@ class ParameterServerStrategy(Strategy):
             True
         """
         self._coordinator = coordinator
+
+    @contextlib.contextmanager
+    def running_without_coordinator(self) -> Iterator[None]:
+        """Within it, ``run`` on the chief outside ``ClusterCoordinator.schedule`` is deliberate
+        (Keras' inline evaluation, the Trainer's ``evaluate`` and ``predict`` on the chief) and
+        logs no warning: TF's ``_allow_run_without_coordinator`` flag, as a context manager.
+        Nests; the previous permission comes back on exit.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxdist
+            >>> strategy = jaxdist.ParameterServerStrategy(compute_devices=jax.devices()[:1])
+            >>> with strategy.running_without_coordinator():
+            ...     out = strategy.run(lambda x: x + 1, args=(jnp.ones(2),))
+        """
+        before = self._allow_run_without_coordinator
+        self._allow_run_without_coordinator = True
+        try:
+            yield
+        finally:
+            self._allow_run_without_coordinator = before
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -1192,17 +1192,10 @@ def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
                 exit_code=2)
 
 
-@contextlib.contextmanager
-def _inline_on_coordinator(strategy: Any):
+def _inline_on_coordinator(strategy: Any) -> contextlib.AbstractContextManager:
     """The Trainer's own evaluation and prediction on the coordinator are meant to run
-    there (Keras' inline evaluation): TF's ``_allow_run_without_coordinator`` keeps
-    ``ParameterServerStrategy`` from warning once per batch that they were not scheduled."""
-    if not hasattr(strategy, "_allow_run_without_coordinator"):
-        yield
-        return
-    before = strategy._allow_run_without_coordinator
-    strategy._allow_run_without_coordinator = True
-    try:
-        yield
-    finally:
-        strategy._allow_run_without_coordinator = before
+    there (Keras' inline evaluation): ``ParameterServerStrategy.running_without_coordinator``
+    keeps it from warning once per batch that they were not scheduled (other strategies have
+    nothing to allow)."""
+    allow = getattr(strategy, "running_without_coordinator", None)
+    return allow() if allow is not None else contextlib.nullcontext()
