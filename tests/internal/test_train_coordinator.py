@@ -330,7 +330,7 @@ def test_the_chief_evaluates_and_predicts_on_more_devices_than_each_worker_has()
 
     class OneDeviceWorkers:  # what the chief's hook and strategy ask of a ClusterCoordinator
         num_workers = 1
-        _num_replicas = 1
+        known_worker_num_replicas = 1
         stopping = False
 
         def worker_num_replicas(self):

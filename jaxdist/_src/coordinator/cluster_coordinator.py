@@ -305,6 +305,12 @@ class ClusterCoordinator:
         for w in self._workers:
             w.cancel()
 
+    @property
+    def known_worker_num_replicas(self) -> int | None:
+        """``worker_num_replicas()`` if the workers were already asked, else ``None``; never
+        contacts a worker (for ``repr`` and logs, when the workers may be down)."""
+        return self._num_replicas
+
     def worker_num_replicas(self) -> int:
         """The replicas of one worker's strategy (``num_replicas_in_sync`` inside ``schedule``).
 

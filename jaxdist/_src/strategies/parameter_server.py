@@ -646,7 +646,7 @@ class ParameterServerStrategy(Strategy):
         ext = self._extended
         coordinator = self._coordinator
         # Never probe the workers from repr (they may be down): use what is known.
-        known = getattr(coordinator, "_num_replicas", None) or ext._num_replicas
+        known = getattr(coordinator, "known_worker_num_replicas", None) or ext._num_replicas
         return (f"ParameterServerStrategy(task={ext.task_info.name}, "
                 f"ps_tasks={ext.ps_client.num_tasks}, num_replicas_in_sync={known})")
 
