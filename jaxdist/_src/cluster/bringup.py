@@ -120,18 +120,24 @@ class ClusterState:
             self.lost = tuple(tasks)
         return self.lost
 
-    def raise_lost(self, tasks: tuple[str, ...] | None = None,
-                   cause: BaseException | None = None, what: str = "a step") -> None:
-        """Raises the ``PeerLostError`` naming ``tasks`` (default: the recorded lost peers),
-        lost during ``what``."""
+    def peer_lost_error(self, tasks: tuple[str, ...] | None = None,
+                        cause: BaseException | None = None, what: str = "a step"
+                        ) -> PeerLostError:
+        """The ``PeerLostError`` naming ``tasks`` (default: the recorded lost peers), lost
+        during ``what``."""
         tasks = tuple(self.lost or ()) if tasks is None else tuple(tasks)
         me = self.group.name if self.group else "this task"
-        raise PeerLostError(
+        return PeerLostError(
             f"{me}: lost peer task(s) {', '.join(tasks)} during {what}; the training cluster "
             f"is broken. Restart the job (it resumes from the last checkpoint)"
             + (f" (error: {_first_line(cause)})" if cause is not None else ""),
             tasks=tasks,
-        ) from cause
+        )
+
+    def raise_lost(self, tasks: tuple[str, ...] | None = None,
+                   cause: BaseException | None = None, what: str = "a step") -> None:
+        """Raises ``peer_lost_error(tasks, cause, what)`` (from ``cause``)."""
+        raise self.peer_lost_error(tasks, cause, what) from cause
 
     def raise_if_lost(self, cause: BaseException | None = None, what: str = "a step") -> None:
         """Raises ``PeerLostError`` at once if a peer was already found lost."""

@@ -43,7 +43,7 @@ from jaxdist._src.cluster.bringup import (
     initialize_from_resolver,
     raise_if_peer_lost,
 )
-from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
+from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError
 from jaxdist._src.cluster.process_group import ProcessGroup
 from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
 from jaxdist._src.cluster.waiting import Watchdog
@@ -291,11 +291,7 @@ class MultiWorkerExtended(StrategyExtended):
                         group.name, elapsed)
             return False
         if lost:
-            lost = cluster_state.mark_lost(lost)
-            error: Exception = PeerLostError(
-                f"{group.name}: lost peer task(s) {', '.join(lost)} during a step; the "
-                f"training cluster is broken. Restart the job (it resumes from the last "
-                f"checkpoint)", tasks=lost)
+            error: Exception = cluster_state.peer_lost_error(cluster_state.mark_lost(lost))
         else:
             peers = tuple(group.task_name(i) for i in range(group.num_processes)
                           if i != group.process_id)
