@@ -9,8 +9,13 @@ start`` (a head, and a second node with its own loopback address, 127.0.0.2), jo
 * every task gets its own credentials, and no secret shows in what Ray records (its state API:
   actors, tasks, jobs, placement groups, workers; every file of its session directory: logs
   included), in the launcher's output or on any process's command line;
+* a ``--coordinator`` job's chief, workers and ps are actors on both nodes;
 * a failing task's exit code is the launcher's; ``--max-restarts`` restarts a preempted job;
   a task whose actor dies is named (``RayTaskLostError``); Ctrl-C stops every actor (130);
+* an ``--evaluator`` is an actor with the local launcher's exit handling (restarted alone,
+  stopped after ``--evaluator-grace``);
+* a node lost mid-run (every process of it killed) names its task (``RayTaskLostError``, exit
+  1) within ``--lost-timeout``; this test comes last and starts the node again;
 * ``jaxdist.ray.launch`` (the notebook entry point) starts a local Ray without an address.
 
 Needs ``ray[default]`` (``pip install 'jaxdist[ray]'``); skips with the reason where Ray is not
