@@ -9,8 +9,13 @@ start`` (a head, and a second node with its own loopback address, 127.0.0.2), jo
 * every task gets its own credentials, and no secret shows in what Ray records (its state API:
   actors, tasks, jobs, placement groups, workers; every file of its session directory: logs
   included), in the launcher's output or on any process's command line;
+* a ``--coordinator`` job's chief, workers and ps are actors on both nodes;
 * a failing task's exit code is the launcher's; ``--max-restarts`` restarts a preempted job;
   a task whose actor dies is named (``RayTaskLostError``); Ctrl-C stops every actor (130);
+* an ``--evaluator`` is an actor with the local launcher's exit handling (restarted alone,
+  stopped after ``--evaluator-grace``);
+* a node lost mid-run (every process of it killed) names its task (``RayTaskLostError``, exit
+  1) within ``--lost-timeout``; this test comes last and starts the node again;
 * ``jaxdist.ray.launch`` (the notebook entry point) starts a local Ray without an address.
 
 Needs ``ray[default]`` (``pip install 'jaxdist[ray]'``); skips with the reason where Ray is not
@@ -65,10 +70,15 @@ class RayCluster:
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
                     f"--temp-dir={self.temp_dir}", f"--num-cpus={cpus_per_node}")
         self.address = f"127.0.0.1:{self.port}"
-        self._start(f"--address={self.address}", f"--node-ip-address={SECOND_NODE_IP}",
-                    f"--num-cpus={cpus_per_node}")
-        self._wait_nodes(2, timeout=60)
+        self.cpus_per_node = cpus_per_node
+        self.start_second_node()
         self.startup_seconds = time.monotonic() - t0
+
+    def start_second_node(self) -> None:
+        """(Re)starts the second node (a new Ray node id) and waits for two live nodes."""
+        self._start(f"--address={self.address}", f"--node-ip-address={SECOND_NODE_IP}",
+                    f"--num-cpus={self.cpus_per_node}")
+        self._wait_nodes(2, timeout=60)
 
     def _start(self, *args: str) -> None:
         r = subprocess.run([self.ray, "start", "--disable-usage-stats", *args], env=self.env,
@@ -116,6 +126,41 @@ class RayCluster:
             if any(k in environ for k in keys) and int(pid) != os.getpid():
                 out.append(int(pid))
         return out
+
+    def node_pids(self, node_id: str) -> list[int]:
+        """Every process of Ray node ``node_id``: its raylet (``--node_id=`` on its command
+        line), its agents (``RAY_NODE_ID`` in their environment), and their descendants (the
+        node's workers and actors, and the tasks' commands)."""
+        roots, parent = set(), {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read() + b"\0"
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    parent[int(pid)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if f"--node_id={node_id}".encode() in cmdline or \
+                    f"RAY_NODE_ID={node_id}\0".encode() in environ:
+                roots.add(int(pid))
+        found, grew = set(roots), True
+        while grew:
+            more = {p for p, pp in parent.items() if pp in found and p not in found}
+            found |= more
+            grew = bool(more)
+        return sorted(found - {os.getpid()})
+
+    def kill_node(self, node_id: str) -> list[int]:
+        """SIGKILLs every process of node ``node_id`` (a machine lost); returns their pids."""
+        pids = self.node_pids(node_id)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return pids
 
     def session_files(self) -> list[str]:
         """The text of every regular file under the cluster's temp dir (logs included)."""
@@ -465,6 +510,60 @@ def test_a_lost_actor_is_named_or_restarted_and_ctrl_c_stops_every_actor(ray_clu
         assert alive == [], alive
 
 
+EVALUATE = """\
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']}:{task['index']}"
+mark = os.path.join(sys.argv[1], name.replace(":", "-"))
+first = not os.path.exists(mark)
+open(mark, "a").close()
+print(f"{name} run {'1' if first else '2'} on pid {os.getpid()}", flush=True)
+if name == "evaluator:0":
+    if first:
+        sys.exit(int(sys.argv[2]))
+    time.sleep(600)  # evaluates until the launcher stops it (--evaluator-grace)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_evaluator_is_an_actor_restarted_alone_and_stopped_after_training(ray_cluster,
+                                                                            tmp_path):
+    """``--evaluator``: a side-car actor on the other node. As with local processes, its
+    failure is its exit code without restarts; with ``--max-restarts`` it is restarted
+    alone (same address, the training task runs once) and, still running when training has
+    finished, stopped after ``--evaluator-grace``."""
+    prog = tmp_path / "evaluate.py"
+    prog.write_text(EVALUATE)
+    (tmp_path / "a").mkdir()
+    r = _launch(ray_cluster, tmp_path, "--workers", "1", "--evaluator", "--", sys.executable,
+                str(prog), str(tmp_path / "a"), "5", "30")
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert "[launch] evaluator:0 failed with exit code 5; stopping the other tasks" \
+        in r.stdout, r.stdout
+    (tmp_path / "b").mkdir()
+    t0 = time.monotonic()
+    r = _launch(ray_cluster, tmp_path, "--workers", "1", "--evaluator", "--placement",
+                "STRICT_SPREAD", "--max-restarts", "1", "--restart-delay", "0",
+                "--evaluator-grace", "1", "--", sys.executable, str(prog),
+                str(tmp_path / "b"), "1", "4")
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    _assert_on_both_nodes(r.stdout, ["worker:0", "evaluator:0"])
+    addr = _placed(r.stdout)["evaluator:0"][0]
+    assert re.search(rf"^\[launch\] evaluator:0 exited with 1 \(failed\); restart 1 of 1: "
+                     rf"restarting evaluator:0 on {re.escape(addr)}:\d+ in 0s$", r.stdout,
+                     re.M), r.stdout
+    assert "[evaluator:0] evaluator:0 run 2" in r.stdout, r.stdout
+    assert "[worker:0] worker:0 run 1" in r.stdout and "worker:0 run 2" not in r.stdout
+    assert r.stdout.count("[launch] started ") == 1
+    assert r.stdout.rstrip().endswith("[launch] all training tasks finished")
+    alive = [a for a in ray_cluster.state("actors", detail=False)
+             if a.get("state") not in ("DEAD",)]
+    assert alive == [], alive
+    print(f"evaluator restarted alone and stopped after training: {wall:.1f} s")
+
+
 @pytest.mark.timeout(120)
 def test_the_python_entry_point_starts_a_local_ray_without_an_address(tmp_path):
     reason = _unavailable_reason()
@@ -487,3 +586,59 @@ def test_the_python_entry_point_starts_a_local_ray_without_an_address(tmp_path):
                  "{'type': 'ps', 'index': 0}"):
         assert task in r.stdout, r.stdout
     assert "ray still up: False" in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_node_lost_mid_run_is_a_typed_error_naming_its_task(ray_cluster, tmp_path):
+    """The second node goes away (every process of it killed: its raylet, agents, workers,
+    the task's actor and command) while a two-worker job runs: the launcher names the task
+    that ran there (``RayTaskLostError``, exit 1) within ``--lost-timeout`` and a margin, and
+    stops every other actor. Last of the module's cluster tests; the node is started again."""
+    lost_timeout = 10
+    prog = tmp_path / "flaky.py"
+    prog.write_text(FLAKY)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.launch", "--backend", "ray", "--address",
+         ray_cluster.address, "--workers", "2", "--placement", "STRICT_SPREAD", "--grace", "3",
+         "--lost-timeout", str(lost_timeout), "--", sys.executable, str(prog),
+         str(tmp_path), "0", "0", "600"],
+        cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while sum("run 1 on pid" in ln for ln in lines) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        placed = _placed("".join(lines))
+        [(task, (_, node_id))] = [(t, p) for t, p in placed.items() if p[0] == SECOND_NODE_IP]
+        other = next(t for t in placed if t != task)
+        other_pid = int(re.search(rf"{other} run 1 on pid (\d+)", "".join(lines)).group(1))
+        t0 = time.monotonic()
+        killed = ray_cluster.kill_node(node_id)
+        assert len(killed) >= 3, killed  # the raylet, the actor, the task's command at least
+        out = "".join(lines) + proc.communicate(timeout=lost_timeout + 60)[0]
+        ended_after = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        try:
+            ray_cluster.start_second_node()
+        except RuntimeError as e:
+            pytest.fail(f"the second node did not start again: {e}")
+    assert proc.returncode == 1, out[-3000:]
+    assert re.search(rf"^\[launch\] {task} lost: RayTaskLostError: {task} \(Ray actor on node "
+                     rf"{re.escape(SECOND_NODE_IP)}\) was lost: ", out, re.M), out[-3000:]
+    assert f"jaxdist.launch: RayTaskLostError: {task} (Ray actor on node {SECOND_NODE_IP})" \
+        in out, out[-3000:]
+    assert ended_after < lost_timeout + 20, ended_after
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{other_pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{other_pid}"), f"{other}'s command outlived the job"
+    alive = [a for a in ray_cluster.state("actors", detail=False)
+             if a.get("state") not in ("DEAD",)]
+    assert alive == [], alive
+    print(f"{task} named lost {ended_after:.1f} s after its node was killed "
+          f"(--lost-timeout {lost_timeout})")

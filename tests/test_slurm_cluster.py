@@ -293,6 +293,43 @@ def test_sigterm_saves_exits_42_and_the_requeued_job_resumes_twice(slurm, tmp_pa
     assert _val_accuracy(out) >= 0.7
 
 
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_preempted_parameter_server_job_exits_42_is_requeued_and_resumes(slurm, tmp_path):
+    """``sbatch --requeue configs/slurm/parameter_server.sbatch`` preempted as ``--signal=TERM@T``
+    does it (SIGTERM to every task, ps included): the ps keeps serving, the chief saves and
+    the workers exit 42, the ps is stopped, the job is requeued and its run 1 resumes from
+    that checkpoint and finishes. Marked ``timing`` (deselected by default): about 60 s, 10 s
+    of it the requeue hold."""
+    env = _env(slurm, JAXDIST_CONFIG=os.path.join(ROOT, "configs", "parameter_server.yaml"))
+    t0 = time.monotonic()
+    job = _sbatch(slurm, tmp_path, env, "--requeue",
+                  os.path.join(ROOT, "configs/slurm/parameter_server.sbatch"), *SMALL,
+                  "--set", "train.epochs=4", "--set", "logging.every_steps=5",
+                  "--set", "strategy.timeout=30", "--set", f"checkpoint.dir={tmp_path}/ckpt",
+                  "--set", "checkpoint.every_steps=100000")
+    _wait_output(slurm, job, tmp_path, r"^\[train\] step 15 ", timeout=180)
+    slurm.run("scancel", "--signal=TERM", job)
+    _wait_output(slurm, job, tmp_path, r"requeueing job \d+; it resumes", timeout=60)
+    assert slurm.wait_job(job, timeout=200) == "COMPLETED", _output(tmp_path)[-3000:]
+    wall = time.monotonic() - t0
+    out = _output(tmp_path)
+    # the chief saves and exits 42; worker:1 too, or, still starting when the SIGTERM came
+    # (before its preemption handler), it is ended by the signal: the job is requeued either way
+    assert "[jaxdist.slurm] worker:0 (task 1 on n1) exited with code 42" in out, out[-3000:]
+    assert re.search(r"^\[jaxdist.slurm\] worker:1 \(task 2 on n2\) (exited with code 42|was "
+                     r"killed by signal 15)$", out, re.M), out[-3000:]
+    assert "[jaxdist.slurm] ps:0 (task 0 on n1) exited with code 0 (stopped once training was " \
+        "over)" in out, out[-3000:]
+    stopped = re.search(r"stopped before step (\d+): the checkpoint of step \1 is written", out)
+    assert stopped, out[-3000:]
+    assert f"Resumed from checkpoint at step {stopped.group(1)} " in out, out[-3000:]
+    assert re.search(r"^\[end\] step 88 ", out, re.M), out[-2000:]
+    assert f"job {job} (restart 1)" in out and slurm.job_field(job, "Restarts") == "1"
+    assert _val_accuracy(out) >= 0.7, out[-2000:]
+    print(f"parameter-server job preempted, requeued and resumed: {wall:.1f} s")
+
+
 PREEMPT_SCRIPT = """\
 #!/bin/bash
 #SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append --output=slurm-%j.out

@@ -49,5 +49,11 @@ def restartable(code: int | None) -> bool:
     return True
 
 
+#: Set to ``"1"`` in a serving task's environment (a ps; a coordinator's worker) where a
+#: preemption's SIGTERM reaches every process (a Slurm step): ``jaxdist.server`` then ignores
+#: SIGTERM, serves while the training tasks agree where to stop and save, and is stopped with
+#: SIGINT once they have ended.
+SERVER_IGNORES_SIGTERM_ENV = "JAXDIST_SERVER_IGNORE_SIGTERM"
+
 __all__ = ["EXIT_ALREADY_DONE", "EXIT_CONFIG", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK",
-           "EXIT_TERMINATED", "RESTART_EXIT_CODE", "restartable"]
+           "EXIT_TERMINATED", "RESTART_EXIT_CODE", "SERVER_IGNORES_SIGTERM_ENV", "restartable"]

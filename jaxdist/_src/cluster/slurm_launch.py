@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxdist._src.cluster.credentials import new_coordinator_token
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE
+from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE, SERVER_IGNORES_SIGTERM_ENV
 from jaxdist._src.cluster.launcher import command_after_dashes
 from jaxdist._src.cluster.local import new_token, tf_config
 from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, per_task_pki
@@ -279,6 +279,12 @@ def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> in
     training = tuple(plan.get("training_jobs") or training_jobs(False))
     evaluator_grace = float(plan.get("evaluator_grace", 60.0))
     node = os.environ.get("SLURMD_NODENAME", me.node)
+    # A serving task (a ps; a coordinator's worker) keeps serving through a preemption's
+    # SIGTERM, which Slurm sends to every process of the step, while the training tasks agree
+    # where to stop and save; it is stopped with SIGINT once they have ended.
+    serving = me.job not in training and me.job != "evaluator"
+    if serving:
+        env[SERVER_IGNORES_SIGTERM_ENV] = "1"
     # Slurm signals every process of the step (SIGTERM on preemption): COMMAND handles it.
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
@@ -307,7 +313,7 @@ def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> in
             stop_at = time.monotonic() + (evaluator_grace if me.job == "evaluator" else 0.0)
         if stop_at is not None and time.monotonic() >= stop_at:
             stopped = True
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT if serving else signal.SIGTERM)
             try:
                 code = proc.wait(grace)
                 break
@@ -323,6 +329,10 @@ def _run_task(directory: str, command: Sequence[str], grace: float = 10.0) -> in
     except OSError:
         pass
     return status
+
+
+#: The status of a task ended by SIGTERM's default action (128 + 15).
+SIGTERM_STATUS = 128 + int(signal.SIGTERM)
 
 
 def _job_requeueable(job_id: str) -> bool:
@@ -442,7 +452,11 @@ def _run_job(args: argparse.Namespace, command: list[str]) -> int:
         training = [c for n, c in codes.items()
                     if n.split(":")[0] in training_jobs(args.coordinator)]
         _say(f"srun exited with {code}; task exit codes {codes}")
-        if training and all(c == RESTART_EXIT_CODE for c in training):
+        # Preempted: every training task saved and exited 42, or (one that had not yet set
+        # up its preemption handler, e.g. still starting) ended by the SIGTERM itself, with at
+        # least one 42 (the chief's: the agreed checkpoint is written).
+        if (RESTART_EXIT_CODE in training
+                and all(c in (RESTART_EXIT_CODE, SIGTERM_STATUS) for c in training)):
             code = RESTART_EXIT_CODE
             if not args.no_requeue and _job_requeueable(job_id):
                 _say(f"every training task saved and exited with {RESTART_EXIT_CODE} "

@@ -27,6 +27,7 @@ import sys
 import threading
 from typing import Any
 
+from jaxdist._src.cluster.exit_codes import SERVER_IGNORES_SIGTERM_ENV
 from jaxdist._src.cluster.task_info import task_info
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime
 from jaxdist._src.coordinator.worker_service import WorkerServer
@@ -253,7 +254,11 @@ def main(argv: list[str] | None = None, strategy_factory: Any = None) -> int:
         stop.set()
         server.service.stopped.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Under Slurm a preemption's SIGTERM reaches every process of the step: a ps must keep
+    # serving while the workers agree where to stop and save; jaxdist.slurm sets
+    # SERVER_IGNORES_SIGTERM_ENV and stops it with SIGINT once they have ended.
+    ignore_term = os.environ.get(SERVER_IGNORES_SIGTERM_ENV) == "1"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
     print(f"jaxdist.server {server.task} listening on {server.address}", flush=True)
