@@ -323,11 +323,11 @@ class CompiledRunner:
         """How many executables ``run`` holds for ``fn`` (one per argument signature): what
         tests count to check that a call compiled nothing new."""
         fkey = function_key(fn)
-        count = sum(c.jitted._cache_size() for c in self._run_cache.values()
+        count = sum(jax_internals.jit_cache_size(c.jitted) for c in self._run_cache.values()
                     if function_key(c.fn) == fkey)
         calls = {id(call): call for (f, _), call in self._tree_calls.items()
                  if call and function_key(f) == fkey}
-        return count + sum(call._cache_size() for call in calls.values())
+        return count + sum(jax_internals.jit_cache_size(call) for call in calls.values())
 
     def _tree_call(self, fn: Callable, donate: tuple[int, ...]) -> Callable:
         """One ``jax.jit`` over ``run``'s whole argument tuple, for one process's devices.
