@@ -664,7 +664,7 @@ class _GlobalViewContext(ReplicaContext):
     """The replica context of a global-view step (an ``nnx.jit`` step): one replica that sees
     the whole global batch, so reductions across replicas are the identity."""
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: ctx_lib.StrategyLike):
         super().__init__(strategy, None)
 
     @property
