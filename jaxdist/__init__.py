@@ -56,6 +56,7 @@ from jaxdist._src.ps.placement import (
 )
 from jaxdist._src.publish import publish as _publish
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
+from jaxdist._src.strategies.compiled_run import register_run_state_hook as _register_run_state_hook
 from jaxdist._src.strategies.context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -85,7 +86,6 @@ from jaxdist._src.strategies.replica_context import ReplicaContext
 from jaxdist._src.strategies.replica_reduce import DoubleReductionError
 from jaxdist._src.strategies.run_options import RunOptions
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended, ValueContext
-from jaxdist._src.strategies.strategy import register_run_state_hook as _register_run_state_hook
 from jaxdist._src.strategies.tpu import TPUStrategy, experimental_connect_to_cluster
 from jaxdist._src.values.per_replica import PerReplica, PerReplicaSpec
 

@@ -1,7 +1,8 @@
 """The package's import structure: every module imports alone, no circles, arrows point down.
 
 The layers (docs/architecture.md), read from the imports of every file (imports inside functions
-included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out):
+included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out of the
+layers, but not of the circles: with them counted there is no circle either):
 
     job -> train -> coordinator -> strategies -> (input, ps) -> transport -> cluster -> compat
     keras -> strategies (and what strategies may import); input -> values
@@ -85,22 +86,25 @@ def _is_type_checking(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _walk(node: ast.AST) -> Iterable[ast.AST]:
-    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` (they never run)."""
+def _walk(node: ast.AST, type_checking: bool = False) -> Iterable[ast.AST]:
+    """``ast.walk`` without the bodies of ``if TYPE_CHECKING:`` (they never run), unless
+    ``type_checking``."""
     todo = [node]
     while todo:
         node = todo.pop()
         yield node
-        if _is_type_checking(node):
+        if _is_type_checking(node) and not type_checking:
             todo.extend(node.orelse)
             continue
         todo.extend(ast.iter_child_nodes(node))
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterable[tuple[str, list[str]]]:
+def _imports(tree: ast.AST, module: str, is_package: bool,
+             type_checking: bool = False) -> Iterable[tuple[str, list[str]]]:
     """Yields ``(base, names)`` for every import in ``tree`` that can run: function bodies
-    included, ``if TYPE_CHECKING:`` blocks (annotations only) left out."""
-    for node in _walk(tree):
+    included, ``if TYPE_CHECKING:`` blocks (annotations only) left out unless
+    ``type_checking``."""
+    for node in _walk(tree, type_checking):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, []
@@ -115,8 +119,9 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterable[tuple[str
             yield base, [a.name for a in node.names]
 
 
-def module_graph(root: str = ROOT) -> dict[str, set[str]]:
-    """``{module: {jaxdist modules it imports}}`` for every ``.py`` file under ``root``.
+def module_graph(root: str = ROOT, type_checking: bool = False) -> dict[str, set[str]]:
+    """``{module: {jaxdist modules it imports}}`` for every ``.py`` file under ``root``
+    (with the imports of ``if TYPE_CHECKING:`` blocks when ``type_checking``).
 
     ``from a.b import c`` is an arrow to ``a.b.c`` when that is a module, else to ``a.b``.
     """
@@ -133,7 +138,7 @@ def module_graph(root: str = ROOT) -> dict[str, set[str]]:
             tree = ast.parse(f.read(), path)
         out: set[str] = set()
         is_package = path.endswith("__init__.py")
-        for base, names in _imports(tree, module, is_package):
+        for base, names in _imports(tree, module, is_package, type_checking):
             if base != top and not base.startswith(top + "."):
                 continue
             targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in files]
@@ -353,6 +358,8 @@ def test_checker_finds_a_circle_through_an_import_inside_a_function(tmp_path):
     assert find_cycles(graph) == [["jaxdist.a.x", "jaxdist.a.y", "jaxdist.a.z"]]
     graph["jaxdist.a.z"] = set()
     assert find_cycles(graph) == []
+    with_types = module_graph(str(root), type_checking=True)
+    assert ["jaxdist.a.t", "jaxdist.a.u"] in find_cycles(with_types)
 
 
 def test_checker_finds_an_upward_arrow():
@@ -462,6 +469,14 @@ def _jaxdist_graph() -> dict[str, frozenset[str]]:
 def test_no_import_circle_between_files():
     cycles = [c for c in find_cycles(_jaxdist_graph()) if c not in KNOWN_CYCLES]
     assert not cycles, "import circles between files:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_import_circle_even_through_type_checking_imports():
+    """An ``if TYPE_CHECKING:`` import back up is a circle in the design all the same (a
+    shared type belongs in the lower module, e.g. ``context.StrategyLike``)."""
+    cycles = find_cycles(module_graph(type_checking=True))
+    assert not cycles, "import circles through TYPE_CHECKING imports:\n" + "\n".join(
         " <-> ".join(c) for c in cycles)
 
 

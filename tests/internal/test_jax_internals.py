@@ -1,34 +1,59 @@
-"""Every private JAX API jaxdist uses sits in jaxdist/_src/compat/jax_internals.py and still works.
+"""Every private JAX, jaxlib and flax API jaxdist uses sits in jaxdist/_src/compat/ and still works.
 
-A JAX that moves one of them fails here, naming the adapter, instead of somewhere deep in a
-strategy. No other module of jaxdist may import ``jax._src``.
+A JAX (or flax) that moves one of them fails here, naming the adapter, instead of somewhere deep
+in a strategy. No other module of jaxdist may import ``jax._src`` or ``jaxlib._jax``, call a jit's
+``_cache_size`` or name flax's ``JitWrapped``.
 """
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdist._src.compat import jax_internals
+from jaxdist._src.compat import flax_internals, jax_internals, jaxlib_extension
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "jaxdist"
 
 
-def test_no_other_module_imports_jax_private_modules():
+def _private_uses(tree: ast.AST) -> list[str]:
+    """What in ``tree`` reaches a JAX, jaxlib or flax private: ``jax._src``, ``jaxlib._jax``, a
+    jit's ``_cache_size`` or flax's ``JitWrapped``."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        found += [n for n in names if n.startswith(("jax._src", "jaxlib._jax"))
+                  or n.rsplit(".", 1)[-1] in ("_cache_size", "JitWrapped")]
+    return found
+
+
+def test_private_use_checker_finds_each_kind():
+    code = ("from jax._src import core\nfrom jaxlib import _jax\nimport jaxlib._jax\n"
+            "n = f._cache_size()\nfrom flax.nnx.transforms.compilation import JitWrapped\n")
+    found = _private_uses(ast.parse(code))
+    for name in ("jax._src", "jaxlib._jax", "_cache_size", "JitWrapped"):
+        assert any(name in f for f in found), (name, found)
+    assert _private_uses(ast.parse("import jax\njax.jit(f).lower(1)\n")) == []
+
+
+def test_no_other_module_uses_jax_or_flax_privates():
     offenders = []
     for path in ROOT.rglob("*.py"):
         if path.parent.name == "compat":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                          if n.startswith("jax._src")]
+        offenders += [f"{path.relative_to(ROOT)}: {n}"
+                      for n in _private_uses(ast.parse(path.read_text()))]
     assert not offenders, offenders
 
 
@@ -77,6 +102,30 @@ def test_distributed_adapters():
     ext = jax_internals.jax_extension()
     for name in ("get_distributed_runtime_service", "get_distributed_runtime_client"):
         assert hasattr(ext, name), name
+    assert hasattr(jaxlib_extension.jaxlib_extension(), "get_distributed_runtime_service")
+
+
+def test_jaxlib_extension_imports_no_jax():
+    """The service process loads the adapter by its path: it must not import JAX."""
+    code = ("import runpy, sys; f = runpy.run_path(sys.argv[1])['jaxlib_extension']; "
+            "assert f().get_distributed_runtime_service; "
+            "assert 'jax' not in sys.modules, 'imported jax'")
+    subprocess.run([sys.executable, "-c", code, jaxlib_extension.__file__], check=True)
+
+
+def test_jit_cache_size_counts_compiled_signatures():
+    f = jax.jit(lambda x: x + 1)
+    assert jax_internals.jit_cache_size(f) == 0
+    f(1.0)
+    f(jnp.ones(2))
+    assert jax_internals.jit_cache_size(f) == 2
+
+
+def test_flax_adapters():
+    nnx = pytest.importorskip("flax.nnx")
+    assert flax_internals.is_nnx_jit(nnx.jit(lambda x: x))
+    assert not flax_internals.is_nnx_jit(jax.jit(lambda x: x))
+    assert not flax_internals.is_nnx_jit(abs)
 
 
 def test_all_gather_invariant_in_a_replica_step():

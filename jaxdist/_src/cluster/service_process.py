@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -159,16 +160,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _jax_extension():
-    """jaxlib's C++ extension: what ``jaxdist._src.compat.jax_internals.jax_extension`` returns
-    (``jax._src.lib._jax`` is ``jaxlib._jax``), imported without JAX itself (the service needs
+    """jaxlib's C++ extension, from ``compat/jaxlib_extension.py`` loaded by its path: run as
+    ``_BOOT`` runs it, this process imports neither ``jaxdist`` nor JAX (the service needs
     nothing else)."""
-    try:
-        from jaxlib import _jax
-    except ImportError:  # a jaxlib that names it otherwise: through JAX
-        from jaxdist._src.compat import jax_internals
-
-        return jax_internals.jax_extension()
-    return _jax
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat",
+                        "jaxlib_extension.py")
+    return runpy.run_path(path)["jaxlib_extension"]()
 
 
 def open_connections(port: int) -> int | None:

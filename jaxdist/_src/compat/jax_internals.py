@@ -402,6 +402,24 @@ def jax_extension() -> Any:
     return _jax
 
 
+def jit_cache_size(jitted: Any) -> int:
+    """How many executables a ``jax.jit`` function holds (one per argument signature it has
+    compiled): what ``run``'s compile cache reports, and tests count to see nothing recompiled.
+
+    Public replacement: none yet (the count is the jit wrapper's private ``_cache_size()``;
+    ``jax.stages`` exposes one ``lower``/``compile`` at a time, not what a jit has cached).
+
+    Example:
+        >>> import jax
+        >>> from jaxdist._src.compat.jax_internals import jit_cache_size
+        >>> f = jax.jit(lambda x: x + 1)
+        >>> _ = f(1.0)
+        >>> jit_cache_size(f)
+        1
+    """
+    return jitted._cache_size()
+
+
 __all__ = [
     "SUPPORTED",
     "all_gather_invariant",
@@ -411,6 +429,7 @@ __all__ = [
     "current_trace",
     "distributed_module",
     "jax_extension",
+    "jit_cache_size",
     "num_tpu_chips",
     "reduction_primitives",
     "trace_state_clean",

@@ -19,20 +19,41 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from jaxdist._src.strategies.replica_context import ReplicaContext
-    from jaxdist._src.strategies.strategy import Strategy
+
+class StrategyLike(Protocol):
+    """What the context stack and a replica context need of a strategy (``Strategy`` is one).
+
+    Typed by this protocol, the modules below ``strategy.py`` name no strategy class, so no
+    import (not even one for type checkers) points back up at it.
+    """
+
+    _is_default_strategy: bool
+
+    @property
+    def extended(self) -> Any: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def scope(self) -> Any: ...
+
+
+class ReplicaContextLike(Protocol):
+    """What the context stack keeps of a replica context (``ReplicaContext`` is one)."""
+
+    @property
+    def num_replicas_in_sync(self) -> Any: ...
 
 
 class _Frame:
     __slots__ = ("strategy", "replica_context", "merged_from")
 
-    def __init__(self, strategy: Strategy, replica_context: ReplicaContext | None):
+    def __init__(self, strategy: StrategyLike, replica_context: ReplicaContextLike | None):
         self.strategy = strategy
         self.replica_context = replica_context
-        self.merged_from: ReplicaContext | None = None
+        self.merged_from: ReplicaContextLike | None = None
 
 
 class _State(threading.local):
@@ -48,7 +69,7 @@ def top() -> _Frame | None:
     return state.stack[-1] if state.stack else None
 
 
-def current_strategy() -> Strategy | None:
+def current_strategy() -> StrategyLike | None:
     """The strategy of the innermost scope (or replica function), ``None`` outside every scope.
 
     ``get_strategy()`` (``jaxdist._src.strategies.current``) falls back to the default strategy.
@@ -93,7 +114,7 @@ def in_cross_replica_context() -> bool:
     return frame is not None and frame.replica_context is None
 
 
-def get_cross_replica_context() -> Strategy | None:
+def get_cross_replica_context() -> StrategyLike | None:
     """The strategy if in a cross-replica context, else ``None``.
 
     As in TF, this is ``None`` outside every scope (the default replica context) and inside a
@@ -115,14 +136,14 @@ def get_cross_replica_context() -> Strategy | None:
     return frame.strategy if frame.replica_context is None else None
 
 
-def mixing_error(current: Strategy, wanted: Strategy) -> RuntimeError:
+def mixing_error(current: StrategyLike, wanted: StrategyLike) -> RuntimeError:
     return RuntimeError(
         f"Mixing different tf.distribute.Strategy objects: {current!r} is not {wanted!r}. "
         f"Use {wanted!r} outside the scope of {current!r} (or inside its own scope)."
     )
 
 
-def require_cross_replica_or_default_context(strategy: Strategy) -> None:
+def require_cross_replica_or_default_context(strategy: StrategyLike) -> None:
     """Raises unless ``strategy``'s cross-replica methods may be called here (TF's rule).
 
     They may be called in the default replica context (outside every scope) and in
@@ -175,13 +196,13 @@ class StrategyScope:
         ...         pass
     """
 
-    def __init__(self, strategy: Strategy, on_enter: Any = None):
+    def __init__(self, strategy: StrategyLike, on_enter: Any = None):
         self._strategy = strategy
         self._on_enter = on_enter
         self._same_scope_again = 0
         self._pushed: list[tuple[_Frame, Any]] = []
 
-    def __enter__(self) -> Strategy:
+    def __enter__(self) -> StrategyLike:
         if has_strategy():
             require_cross_replica_or_default_context(self._strategy)
             self._same_scope_again += 1
@@ -252,11 +273,11 @@ class DefaultStrategyScope:
         True
     """
 
-    def __init__(self, strategy: Strategy):
+    def __init__(self, strategy: StrategyLike):
         self._strategy = strategy
         self._entered: list[list[Any]] = []
 
-    def __enter__(self) -> Strategy:
+    def __enter__(self) -> StrategyLike:
         if has_strategy():
             raise RuntimeError(
                 f"Must not nest tf.distribute.Strategy scopes: the default strategy's scope was "
@@ -285,7 +306,7 @@ class DefaultStrategyScope:
         return None
 
 
-def experimental_set_strategy(strategy: Strategy | None) -> None:
+def experimental_set_strategy(strategy: StrategyLike | None) -> None:
     """Sets ``strategy`` as the current strategy of this thread, without a ``with`` block.
 
     ``tf.distribute.experimental_set_strategy``: equivalent to entering ``strategy.scope()``
@@ -319,7 +340,7 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
 
 
 @contextlib.contextmanager
-def enter_replica(strategy: Strategy, replica_context: Any) -> Iterator[None]:
+def enter_replica(strategy: StrategyLike, replica_context: Any) -> Iterator[None]:
     """Pushes a replica frame while a replica function is traced."""
     state.stack.append(_Frame(strategy, replica_context))
     try:
@@ -329,7 +350,7 @@ def enter_replica(strategy: Strategy, replica_context: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def enter_merge(strategy: Strategy, replica_context: Any = None) -> Iterator[None]:
+def enter_merge(strategy: StrategyLike, replica_context: Any = None) -> Iterator[None]:
     """Pushes a cross-replica frame for a ``merge_call``'s merge function.
 
     ``replica_context`` is the context ``merge_call`` was called from (inside a compiled replica

@@ -10,14 +10,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from jaxdist._src.strategies.context import top
 from jaxdist._src.strategies.default import get_default_strategy
-
-if TYPE_CHECKING:
-    from jaxdist._src.strategies.replica_context import ReplicaContext
-    from jaxdist._src.strategies.strategy import Strategy
+from jaxdist._src.strategies.replica_context import ReplicaContext
+from jaxdist._src.strategies.strategy import Strategy
 
 
 def get_strategy() -> Strategy:

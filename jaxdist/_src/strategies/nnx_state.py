@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist._src.compat import flax_internals
 from jaxdist._src.strategies.cross_device_ops import varying_axes
 from jaxdist._src.strategies.fn_key import function_key
 
@@ -61,12 +62,7 @@ def nnx_module() -> Any:
 
 def is_global_view(fn: Callable) -> bool:
     """Whether ``fn`` is an ``nnx.jit`` function (run over the global batch)."""
-    nnx = nnx_module()
-    if nnx is None:
-        return False
-    from flax.nnx.transforms.compilation import JitWrapped
-
-    return isinstance(fn, JitWrapped)
+    return flax_internals.is_nnx_jit(fn)
 
 
 class _Slot:

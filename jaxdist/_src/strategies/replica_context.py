@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxdist._src.strategies import replica_reduce, trace_util
+from jaxdist._src.strategies.context import StrategyLike
 from jaxdist._src.strategies.cross_device_ops import all_gather_invariant, varying_axes
 from jaxdist._src.strategies.reduce_util import ReduceOp
-
-if TYPE_CHECKING:
-    from jaxdist._src.strategies.strategy import Strategy
 
 
 class ReplicaContext:
@@ -31,7 +29,7 @@ class ReplicaContext:
         >>> total = strategy.run(step, args=(per_replica_x,))   # the replica count, everywhere
     """
 
-    def __init__(self, strategy: Strategy, axes: tuple[str, ...] | None):
+    def __init__(self, strategy: StrategyLike, axes: tuple[str, ...] | None):
         self._strategy = strategy
         self._axes = axes
         self._partial: tuple[tuple[int, ...], int] | None = None
@@ -106,7 +104,7 @@ class ReplicaContext:
         return self._row_mask(rows)
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> StrategyLike:
         return self._strategy
 
     @property
