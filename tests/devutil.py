@@ -83,3 +83,12 @@ def tf_test_device(spec):
 def tf_test_devices(specs) -> list:
     """:func:`tf_test_device` of each spec."""
     return [tf_test_device(s) for s in specs]
+
+
+class DocstringExamplesSkipped(UserWarning):
+    """Some docstrings' examples did not run here (they need more devices, or libtpu).
+
+    Defined here, not in the test module: pytest-xdist re-creates a worker's warning in the
+    controlling process by importing the module of its class, and test modules are not
+    importable there (``tests/`` is, through the conftest).
+    """

@@ -15,7 +15,8 @@ def main(out: str) -> int:
     import jaxdist
     from jaxdist.train import Trainer
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]  # the test module, and tests/ (devutil)
     from test_train_model_state import GBS, Net, make_data
 
     strategy = jaxdist.MultiWorkerMirroredStrategy()

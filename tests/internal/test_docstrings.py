@@ -45,6 +45,7 @@ import warnings
 
 import jax
 import pytest
+from devutil import DocstringExamplesSkipped
 
 import jaxdist
 import jaxdist._src.coordinator
@@ -142,10 +143,6 @@ def _run_module_examples(module_name: str, workdir) -> tuple[int, list[str], lis
         if result.failed:
             failures.append(f"{_where(test)}:\n{''.join(report)}")
     return ran, skipped, failures
-
-
-class DocstringExamplesSkipped(UserWarning):
-    """Some docstrings' examples did not run here (they need more devices, or libtpu)."""
 
 
 @pytest.mark.parametrize("module_name", _modules())

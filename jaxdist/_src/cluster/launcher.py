@@ -224,7 +224,9 @@ class Launcher:
         self.grace = grace
         self.evaluator_grace = evaluator_grace
         self.out = out or sys.stdout
-        self.lock = threading.Lock()
+        # Reentrant: ``start`` holds it while it starts the tasks and prints the cluster, so
+        # no task's output comes before the "started" line (the tasks' readers wait on it).
+        self.lock = threading.RLock()
         self.tasks: dict[str, TaskProcess] = {}
         self._interrupted: int | None = None
 
@@ -259,9 +261,10 @@ class Launcher:
             self.pki = local_pki([task_name(j, i) for j, i in task_list(self.cluster)])
         if "ps" in self.cluster:
             os.makedirs(self.checkpoint_root, exist_ok=True)
-        for job, i in task_list(self.cluster):
-            self._start_task(job, i)
-        self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
+        with self.lock:
+            for job, i in task_list(self.cluster):
+                self._start_task(job, i)
+            self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
         if "ps" in self.cluster:
             self._say(f"ps tasks checkpoint under {self.checkpoint_root}")
 

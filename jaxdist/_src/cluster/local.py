@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import IO, Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError
@@ -176,7 +177,7 @@ class TaskProcess:
     """
 
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str],
-                 echo: IO[str] | None = None, echo_lock: threading.Lock | None = None,
+                 echo: IO[str] | None = None, echo_lock: AbstractContextManager | None = None,
                  cwd: str | None = None, on_line: Callable[[str, str], None] | None = None,
                  die_with_parent: bool = False):
         self.name = name

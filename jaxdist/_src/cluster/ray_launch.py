@@ -451,16 +451,51 @@ class RayLauncher(Launcher):
                         self._actors.pop(h.name)
                     self._mark_lost(h, RayTaskLostError(h.name, h.node, _first_line(e)))
                     continue
-                if lines:
-                    with self.lock:
-                        for line in lines:
-                            self.out.write(f"[{h.name}] {line}\n")
-                        self.out.flush()
+                self._echo(h.name, lines)
                 if code is not None:
                     h.code = code
             with self._handles_lock:
                 self._handles = [h for h in self._handles if h.code is None]
             self._stop_polling.wait(0.1)
+        # stopped: the lines that the calls still in flight hand over are printed too
+        refs = [ref for _, ref, _ in pending.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=5.0)[0]) if refs else set()
+        for h, ref, _ in pending.values():
+            if ref in ready:
+                try:
+                    self._echo(h.name, ray.get(ref)[1])
+                except ray.exceptions.RayError:
+                    pass
+
+    def _echo(self, name: str, lines: Sequence[str]) -> None:
+        if lines:
+            with self.lock:
+                for line in lines:
+                    self.out.write(f"[{name}] {line}\n")
+                self.out.flush()
+
+    def _drain_output(self, timeout: float = 10.0) -> None:
+        """Prints what every task wrote since its last poll: a task stopped at the end of the
+        run (a ps, an evaluator) may have written its last lines after it."""
+        ray = self._ray
+        deadline = time.monotonic() + timeout
+        actors = dict(self._actors)
+        while actors and time.monotonic() < deadline:
+            refs = {name: actor.poll.remote() for name, actor in actors.items()}
+            ready = set(ray.wait(list(refs.values()), num_returns=len(refs),
+                                 timeout=max(0.1, deadline - time.monotonic()))[0])
+            more = {}
+            for name, ref in refs.items():
+                if ref not in ready:
+                    continue
+                try:
+                    lines = ray.get(ref)[1]
+                except ray.exceptions.RayError:
+                    continue
+                if lines:
+                    self._echo(name, lines)
+                    more[name] = actors[name]
+            actors = more
 
     def _fail(self, name: str, code: int) -> int:
         lost = getattr(self.tasks.get(name), "lost", None)
@@ -496,7 +531,8 @@ class RayLauncher(Launcher):
             ray.wait(refs, num_returns=len(refs), timeout=self.grace + 10.0)
         self._stop_polling.set()
         if self._poller is not None:
-            self._poller.join(5.0)
+            self._poller.join(10.0)
+        self._drain_output()
         for actor in self._actors.values():
             try:
                 ray.kill(actor)
