@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 #: How often a ``termination_watcher_fn`` is called (TF calls it every second).
 WATCHER_POLL_SECONDS = 1.0
+#: Seconds past a timed-out wait for agreement that the training thread still waits for the
+#: listener's verdict (which names the silent peer).
+VERDICT_SECONDS = 1.0
 _PREFIX = "jaxdist/preemption/"
 _NOTICE_KEY = _PREFIX + "notice"
 _SAVED_KEY = _PREFIX + "saved"
@@ -299,7 +302,9 @@ class PreemptionWatcher:
         Raises:
             PreemptionError: no agreement within ``timeout`` seconds, or it failed.
         """
-        if not self._agreed_event.wait(timeout):
+        # The listener waits on the same deadline and knows which peer stayed silent: past the
+        # deadline it gets a moment to say so before the general message is raised.
+        if not (self._agreed_event.wait(timeout) or self._agreed_event.wait(VERDICT_SECONDS)):
             raise PreemptionError(
                 f"the processes did not agree on a step to stop at within {timeout:g} s of "
                 f"the termination notice from {self.notice_from or 'a process'}")
