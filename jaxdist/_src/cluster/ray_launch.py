@@ -259,6 +259,7 @@ class RayLauncher(Launcher):
         self._owns_ray = False
         self._pg: Any = None
         self._actors: dict[str, Any] = {}
+        self._lost_actors: list[Any] = []  # killed at teardown, never waited for
         self._where: dict[str, dict] = {}
         self._ca: TaskCA | None = None
         self._handles: list[RayTask] = []  # the running tasks the poller follows
@@ -327,14 +328,23 @@ class RayLauncher(Launcher):
         # ActorUnavailableError (Ray >= 2.30): the actor's node is unreachable for now
         lost = (ray.exceptions.RayActorError,
                 getattr(ray.exceptions, "ActorUnavailableError", ray.exceptions.RayActorError))
+        actor = self._actors[name]
         try:
             return ray.get(ref, timeout=wait)
         except ray.exceptions.GetTimeoutError:
+            self._forget_actor(name, actor)
             raise RayTaskLostError(name, self._node(name), f"its actor did not answer "
                                    f"{method}() within {wait:g} s") from None
         except lost as e:
-            self._actors.pop(name, None)
+            self._forget_actor(name, actor)
             raise RayTaskLostError(name, self._node(name), _first_line(e)) from None
+
+    def _forget_actor(self, name: str, actor: Any) -> None:
+        """Task ``name``'s ``actor`` is lost: a restart places a new one, and the teardown
+        kills it without waiting for an answer (its node may be gone or unreachable)."""
+        if actor is not None and self._actors.get(name) is actor:
+            self._actors.pop(name, None)
+            self._lost_actors.append(actor)
 
     def _node(self, name: str) -> str:
         return str(self._where.get(name, {}).get("address", "(not placed)"))
@@ -414,6 +424,7 @@ class RayLauncher(Launcher):
                                    f"but a task restarted alone keeps its address")
 
     def _mark_lost(self, handle: RayTask, error: RayTaskLostError) -> None:
+        self._forget_actor(handle.name, handle.actor)
         if handle.code is None:
             handle.lost = error
             self._say(f"{handle.name} lost: {type(error).__name__}: {error}")
@@ -447,8 +458,6 @@ class RayLauncher(Launcher):
                 try:
                     code, lines = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    if self._actors.get(h.name) is h.actor:  # a restart makes a new one
-                        self._actors.pop(h.name)
                     self._mark_lost(h, RayTaskLostError(h.name, h.node, _first_line(e)))
                     continue
                 self._echo(h.name, lines)
@@ -533,12 +542,13 @@ class RayLauncher(Launcher):
         if self._poller is not None:
             self._poller.join(10.0)
         self._drain_output()
-        for actor in self._actors.values():
+        for actor in [*self._actors.values(), *self._lost_actors]:
             try:
-                ray.kill(actor)
+                ray.kill(actor, no_restart=True)
             except Exception:
                 pass
         self._actors.clear()
+        self._lost_actors.clear()
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
