@@ -29,7 +29,9 @@ the source):
   block named NAME (earlier in the same file) runs after it, in one namespace;
 * ``<!-- run under: COMMAND -->``: see above (a block that needs a cluster).
 
-A block that is not marked and does not run fails the test naming its file and line.
+A block that is not marked and does not run fails the test naming its file and line. Every
+relative link of these files names a file of the repository (and, with ``#anchor``, one of its
+headings), and the README links nothing outside the repository.
 
 The commands (shell blocks, blocks under a cluster, config headers) of the selected tests start
 in one background thread, in test order, when the module's first test starts, so they run while
@@ -319,6 +321,55 @@ def test_inventory_is_reported(capsys):
         for b in not_run:
             print(f"  not run  {b.id}: {b.notes['not run']}")
     assert ALL_BLOCKS
+
+
+# ------------------------------------------------------------------ links
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def heading_anchors(path: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings (outside code blocks)."""
+    anchors, seen, fence = set(), {}, None
+    for line in path.read_text().splitlines():
+        m = _FENCE.match(line)
+        if m and (fence is None or line.startswith(fence)):
+            fence = None if fence else m.group(1)
+            continue
+        h = None if fence else re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+        if h:
+            slug = re.sub(r"[^\w\- ]", "", h.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def doc_links(path: pathlib.Path) -> list[str]:
+    """The link targets of a markdown file's text (code blocks and inline code left out)."""
+    text = re.sub(r"^(```+).*?^\1", "", path.read_text(), flags=re.S | re.M)
+    return _LINK.findall(re.sub(r"`[^`\n]*`", "", text))
+
+
+def test_links_resolve():
+    """Every relative link of README.md, docs/*.md and BENCHMARKS.md names a file of the
+    repository and, with `#anchor`, one of its headings; the README links nothing outside the
+    repository."""
+    problems = []
+    for path in DOCS:
+        name = path.relative_to(ROOT)
+        for target in doc_links(path):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                if path.name == "README.md":
+                    problems.append(f"{name}: links outside the repository: {target}")
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                problems.append(f"{name}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
+                problems.append(f"{name}: {target}: no such heading")
+    assert not problems, "\n".join(problems)
 
 
 # ------------------------------------------------------------------ python blocks

@@ -1,8 +1,8 @@
 """Keras's backend as a reader's program gets it, in fresh processes without the suite's
 ``KERAS_BACKEND`` (issue 35, point 6): importing jaxdist before keras selects JAX,
-``jaxdist.keras`` resolves after ``import jaxdist`` (as ``tf.keras`` does), the README's Keras
-sample runs as written, and Keras already loaded on another backend gets an error naming the
-fix. Meaningful where TensorFlow is installed (Keras's default backend)."""
+``jaxdist.keras`` resolves after ``import jaxdist`` (as ``tf.keras`` does), the Keras
+sample of docs/keras.md runs as written, and Keras already loaded on another backend gets an
+error naming the fix. Meaningful where TensorFlow is installed (Keras's default backend)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240, cwd=ROOT)
 
 
-def _readme_block(marker: str) -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def _doc_block(marker: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "keras.md").read_text(), re.S)
     found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"README has {len(found)} python blocks with {marker!r}"
+    assert len(found) == 1, f"docs/keras.md has {len(found)} python blocks with {marker!r}"
     return found[0]
 
 
-def test_importing_jaxdist_first_runs_the_readme_keras_sample_on_jax():
-    sample = _readme_block("jaxdist first: Keras runs on JAX")
+def test_importing_jaxdist_first_runs_the_keras_doc_sample_on_jax():
+    sample = _doc_block("jaxdist first: Keras runs on JAX")
     code = (sample + "\nimport keras\nassert keras.backend.backend() == 'jax'\n"
             "assert jaxdist.keras.scope is not None  # resolves after `import jaxdist`\n"
             "print('OK')\n")

@@ -7,7 +7,8 @@ Fashion-MNIST becomes same-shaped synthetic 28x28 images, fewer rows; the model 
 ``@tf.function`` is dropped (``strategy.run`` compiles). The model, optimizer and metrics are
 closed over by the steps, exactly as in the tutorial. The comparison of 4 replicas with one
 device over the same global batches is tests/programs/tf_custom_training.py (run by
-tests/test_programs.py); here: the objects are carried, BatchNorm, the errors, the README.
+tests/test_programs.py); here: the objects are carried, BatchNorm, the errors, the block of
+docs/keras.md.
 """
 
 import os
@@ -164,14 +165,14 @@ def test_diverging_trainable_variable_is_an_error():
         strategy.run(step, args=(x,))
 
 
-def test_readme_custom_loop_block_runs_as_written(capsys):
+def test_doc_custom_loop_block_runs_as_written(capsys):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### Keras models in custom training loops", 1)[1]
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "keras.md").read_text()
+    section = page.split("## Keras models in custom training loops", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md:keras-custom-loop", "exec"), {"__name__": "readme_keras"})
+    exec(compile(code, "docs/keras.md:keras-custom-loop", "exec"), {"__name__": "doc_keras"})
     steps, accuracy = capsys.readouterr().out.split()
     assert int(steps) == -(-100 // (16 * jax.local_device_count()))
     assert 0.0 <= float(accuracy) <= 1.0

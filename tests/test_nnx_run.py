@@ -356,15 +356,15 @@ def test_donated_nnx_state():
     assert old_bias.is_deleted()
 
 
-def test_readme_nnx_block_runs_as_written(capsys):
-    """The README's flax NNX block, extracted and run verbatim."""
+def test_doc_nnx_block_runs_as_written(capsys):
+    """The flax NNX block of docs/nnx.md, extracted and run verbatim."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## flax NNX steps through `strategy.run`", 1)[1]
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "nnx.md").read_text()
+    section = page.split("# flax NNX steps through `strategy.run`", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md:flax-nnx", "exec"), {"__name__": "readme_nnx"})
+    exec(compile(code, "docs/nnx.md:flax-nnx", "exec"), {"__name__": "doc_nnx"})
     printed = capsys.readouterr().out
     assert printed.startswith("16 ")
     assert "accuracy" in printed

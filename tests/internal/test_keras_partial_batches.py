@@ -303,14 +303,14 @@ def test_input_across_processes_matches_one_device(tmp_path):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=run)
 
 
-def test_readme_dataset_example_runs_as_written(devices):
-    # The README's jaxdist.Dataset example (Keras section), executed as written on 4 devices.
+def test_doc_dataset_example_runs_as_written(devices):
+    # The jaxdist.Dataset example of docs/keras.md, executed as written on 4 devices.
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("**`jaxdist.Dataset` and `tf.data.Dataset` as Keras input.**"):]
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "keras.md").read_text()
+    section = text[text.index("## `jaxdist.Dataset` and `tf.data.Dataset` as Keras input"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     ns: dict = {}
-    exec(compile(code, "README.md", "exec"), ns)
+    exec(compile(code, "docs/keras.md", "exec"), ns)
     assert ns["model"].predict(ns["x"], verbose=0).shape == (70, 2)

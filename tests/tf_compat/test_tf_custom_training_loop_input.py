@@ -6,7 +6,7 @@ dropped (a distributed iterator is Python, read outside ``jax.jit``), TF's strat
 combinations (``all_strategies``) are the default strategy, OneDevice, Mirrored on one CPU
 device, Mirrored on two devices and CentralStorage on two devices; TPU combinations and
 ``tf.Variable`` cases are not ported. TF's ``InvalidArgumentError`` from an empty optional's
-``get_value()`` is ``ValueError`` (the README's table of deliberate differences).
+``get_value()`` is ``ValueError`` (the table of deliberate differences in docs/tf_names.md).
 """
 
 import jax

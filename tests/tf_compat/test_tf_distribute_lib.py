@@ -115,7 +115,7 @@ def test_scope_var_scope_nesting_error():
 
 
 @pytest.mark.skip(reason="VariableSynchronization / VariableAggregation do not exist in jaxdist "
-                  "(no variable objects; see the README's 'Not supported')")
+                  "(no variable objects; see docs/tf_names.md, 'Not supported')")
 def test_setting_synchronization_and_aggregation():
     pass
 

@@ -13,7 +13,7 @@ expected values are kept and only the API spelling changes:
   ``experimental_distribute_values_from_function`` + ``run``; ``strategy.unwrap`` is
   ``experimental_local_results``; ``tf.function`` is ``jax.jit``; a variable is a replicated
   array, and a ``GradientTape`` over it inside a replica function is
-  ``jax.grad(f)(ctx.local(state))`` (per-replica gradients, see the README's custom loop).
+  ``jax.grad(f)(ctx.local(state))`` (per-replica gradients, see docs/custom_loop.md).
 """
 
 import jax
@@ -404,7 +404,7 @@ def test_function_in_call_for_each_replica():
         result = distribution.extended.call_for_each_replica(model_fn)
     assert tuple(_local(distribution, result)) == (0, 1)
     # TF traces the tf.function once per replica (len(traces) == 2); jaxdist traces a replica
-    # function once for all replicas (README: where jaxdist differs from TF).
+    # function once for all replicas (docs/tf_names.md: where jaxdist differs from TF).
     assert len(traces) >= 1
 
 

@@ -7,7 +7,8 @@ array with a leading replica axis), ``_type_spec`` is ``PerReplica.spec`` (a ``P
 of ``jax.ShapeDtypeStruct``), ``tf.function`` is ``jax.jit``, ``nest`` is ``jax.tree``,
 ``ds_test_util.gather`` stacks ``experimental_local_results``. TF's strategies with GPUs run on
 CPU devices. Variable classes (Mirrored/SyncOnRead/Aggregating variables, checkpoints through
-TF's Saver) do not exist in jaxdist: state is explicit pytrees (see the README's "Not supported").
+TF's Saver) do not exist in jaxdist: state is explicit pytrees (see docs/tf_names.md, "Not
+supported").
 """
 
 import jax

@@ -1,5 +1,5 @@
-"""The README's custom training loop (its model and data included), copied from README.md as
-written, on 4 replicas (as many as exist where there are fewer).
+"""The custom training loop of docs/custom_loop.md (its model and data included), copied from
+the page as written, on 4 replicas (as many as exist where there are fewer).
 
 The data ends with a partial batch of 29 rows (64 + 29 rows, GLOBAL_BATCH = 64): TF splits it
 16 / 13 / 0 / 0 over 4 replicas and ``compute_average_loss`` divides by the global batch size;
@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxdist
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "custom_loop.md"
 
 
 class MyModel(nnx.Module):
@@ -29,9 +29,9 @@ class MyModel(nnx.Module):
         return self.l2(jax.nn.relu(self.l1(x)))
 
 
-def _readme_loop() -> str:
-    text = README.read_text()
-    section = text[text.index("## The custom training loop"):]
+def _doc_loop() -> str:
+    text = PAGE.read_text()
+    section = text[text.index("# The custom training loop"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -58,12 +58,12 @@ def _reference(x, y, global_batch):
 
 
 @pytest.mark.devices(4)
-def test_readme_custom_loop_runs_on_4_replicas_with_a_partial_last_batch():
-    code = _readme_loop()
+def test_doc_custom_loop_runs_on_4_replicas_with_a_partial_last_batch():
+    code = _doc_loop()
     assert "jaxdist.MirroredStrategy()" in code
     code = code.replace("jaxdist.MirroredStrategy()", "jaxdist.MirroredStrategy(jax.devices()[:4])")
     ns = {}
-    exec(compile(code, str(README), "exec"), ns)
+    exec(compile(code, str(PAGE), "exec"), ns)
     assert ns["strategy"].num_replicas_in_sync == len(jax.devices()[:4])
     x, y = ns["x_train"], ns["y_train"]
     assert len(x) == 64 + 29
