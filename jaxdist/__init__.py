@@ -28,6 +28,7 @@ if "keras" not in sys.modules:
 from jaxdist._src.job import startup as _startup  # noqa: F401
 # isort: on
 from jaxdist import cluster_resolver, coordinator, data, ps, tpu
+from jaxdist._src.cluster.bringup import initialize_from_resolver as _initialize_from_resolver
 from jaxdist._src.cluster.errors import (
     ClusterConfigError,
     ClusterError,
@@ -39,6 +40,9 @@ from jaxdist._src.cluster.errors import (
 )
 from jaxdist._src.cluster.handshake import ClusterAuthenticationError
 from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
+from jaxdist._src.cluster.tpu_cluster_resolver import (
+    register_slice_connector as _register_slice_connector,
+)
 from jaxdist._src.coordinator.server import Server
 from jaxdist._src.distributed.termination import TerminationConfig
 from jaxdist._src.input.dataset import Dataset
@@ -125,6 +129,10 @@ def _keras_run_state_hook(fn, args, kwargs):
 
 
 _register_run_state_hook(_keras_run_state_hook)
+
+# TPUClusterResolver (in _src/cluster, below the bring-up) joins a pod slice's jax.distributed
+# group through the bring-up, registered here where every import of jaxdist passes first.
+_register_slice_connector(_initialize_from_resolver)
 
 
 _LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, optax and orbax
