@@ -59,6 +59,9 @@ ALLOWED: dict[str, set[str] | str] = {
     "train": {"coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     # The CLI and its job config (python -m jaxdist.train) over the Trainer library.
     "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
+    # The launchers (local processes, Slurm, Ray) and the local test clusters: they start
+    # processes and read the cluster; nothing under _src imports them.
+    "launch": {"distributed", "cluster", "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
     "publish": set(),  # jaxdist/_src/publish.py: the public modules' one helper
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top

@@ -20,8 +20,8 @@ from devutil import PRECISE
 
 from jaxdist._src.cluster import handshake
 from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
-from jaxdist._src.cluster.local import pick_free_ports
 from jaxdist._src.cluster.pki import local_pki
+from jaxdist._src.launch.local import pick_free_ports
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService

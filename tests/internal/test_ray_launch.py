@@ -14,10 +14,10 @@ import time
 import pytest
 
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.launcher import parse_launch_args
 from jaxdist._src.cluster.pki import TaskCA
-from jaxdist._src.cluster.ray_actor import TaskRunner, task_environment
-from jaxdist._src.cluster.ray_launch import (
+from jaxdist._src.launch.launcher import parse_launch_args
+from jaxdist._src.launch.ray_actor import TaskRunner, task_environment
+from jaxdist._src.launch.ray_launch import (
     INSTALL_HINT,
     RayLauncher,
     RayTaskLostError,
