@@ -28,7 +28,6 @@ if "keras" not in sys.modules:
 from jaxdist._src.job import startup as _startup  # noqa: F401
 # isort: on
 from jaxdist import cluster_resolver, coordinator, data, ps, tpu
-from jaxdist._src.cluster.bringup import initialize_from_resolver as _initialize_from_resolver
 from jaxdist._src.cluster.errors import (
     ClusterConfigError,
     ClusterError,
@@ -38,12 +37,13 @@ from jaxdist._src.cluster.errors import (
     ProcessFrozenError,
     TFConfigError,
 )
-from jaxdist._src.cluster.handshake import ClusterAuthenticationError
 from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.cluster.tpu_cluster_resolver import (
     register_slice_connector as _register_slice_connector,
 )
 from jaxdist._src.coordinator.server import Server
+from jaxdist._src.distributed.bringup import initialize_from_resolver as _initialize_from_resolver
+from jaxdist._src.distributed.handshake import ClusterAuthenticationError
 from jaxdist._src.distributed.termination import TerminationConfig
 from jaxdist._src.input.dataset import Dataset
 from jaxdist._src.input.distributed import DistributedDataset, DistributedIterator

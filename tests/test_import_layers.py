@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
-    # A job's life (preemption, the agreed checkpoint step): over the bring-up in cluster.
+    # A job's life: the bring-up of a synchronous cluster, preemption, the agreed checkpoint step.
     "distributed": {"cluster", "compat"},
     "input": {"values", "compat"},
     "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator

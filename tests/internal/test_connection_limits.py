@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from devutil import PRECISE
 
-from jaxdist._src.cluster import handshake
-from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
 from jaxdist._src.cluster.pki import local_pki
+from jaxdist._src.distributed import handshake
+from jaxdist._src.distributed.handshake import join_handshake, serve_handshake
 from jaxdist._src.launch.local import pick_free_ports
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.server import ParameterServer

@@ -9,13 +9,13 @@ import pytest
 from devutil import PRECISE
 
 from jaxdist._src.cluster.errors import ClusterTimeoutError
-from jaxdist._src.cluster.handshake import (
+from jaxdist._src.cluster.pki import local_pki
+from jaxdist._src.distributed.handshake import (
     ClusterAuthenticationError,
     join_handshake,
     serve_handshake,
 )
-from jaxdist._src.cluster.pki import local_pki
-from jaxdist._src.cluster.process_group import ProcessGroup
+from jaxdist._src.distributed.process_group import ProcessGroup
 from jaxdist._src.launch.local import pick_free_ports
 from jaxdist.testing.tls import process_pki
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 
 from jaxdist._src.cluster.credentials import new_coordinator_token
-from jaxdist._src.cluster.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
 from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
 from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.distributed.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
 from jaxdist._src.launch.local import (
     TaskProcess,
     exit_status,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from jaxdist._src.cluster.exit_codes import (
+from jaxdist._src.distributed.exit_codes import (
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_INTERRUPTED,

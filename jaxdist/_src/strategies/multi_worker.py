@@ -36,7 +36,9 @@ import jax
 from jax import lax
 
 from jaxdist._src.cluster.auto_detect import resolver_from_environment
-from jaxdist._src.cluster.bringup import (
+from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError
+from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+from jaxdist._src.distributed.bringup import (
     DEFAULT_TIMEOUT_SECONDS,
     check_healthy,
     cluster_state,
@@ -44,10 +46,8 @@ from jaxdist._src.cluster.bringup import (
     initialize_from_resolver,
     raise_if_peer_lost,
 )
-from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError
-from jaxdist._src.cluster.process_group import ProcessGroup
-from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
-from jaxdist._src.cluster.waiting import Watchdog
+from jaxdist._src.distributed.process_group import ProcessGroup
+from jaxdist._src.distributed.waiting import Watchdog
 from jaxdist._src.strategies.cross_device_ops import NcclAllReduce, pack_by_bytes
 from jaxdist._src.strategies.inflight import StepThrottle
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended

@@ -65,8 +65,8 @@ def group_digest(group: Any) -> bytes:
     """A digest of the group's members and coordinator address (both sides compute it).
 
     Example:
-        >>> from jaxdist._src.cluster.handshake import group_digest
-        >>> from jaxdist._src.cluster.process_group import process_group
+        >>> from jaxdist._src.distributed.handshake import group_digest
+        >>> from jaxdist._src.distributed.process_group import process_group
         >>> from jaxdist.cluster_resolver import SimpleClusterResolver
         >>> group = process_group(SimpleClusterResolver(
         ...     {"worker": ["w:1", "w:2"]}, task_type="worker", task_id=0))
