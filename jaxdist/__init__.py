@@ -37,7 +37,6 @@ from jaxdist._src.cluster.errors import (
     ProcessFrozenError,
     TFConfigError,
 )
-from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
 from jaxdist._src.cluster.tpu_cluster_resolver import (
     register_slice_connector as _register_slice_connector,
 )
@@ -59,6 +58,7 @@ from jaxdist._src.ps.placement import (
     replica_device_setter,
 )
 from jaxdist._src.publish import publish as _publish
+from jaxdist._src.security.tls import TLSConfig, TLSConfigError
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 from jaxdist._src.strategies.compiled_run import register_run_state_hook as _register_run_state_hook
 from jaxdist._src.strategies.context import (

@@ -4,8 +4,10 @@ The layers (docs/architecture.md), read from the imports of every file (imports 
 included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out of the
 layers, but not of the circles: with them counted there is no circle either):
 
-    job -> train -> coordinator -> strategies -> (input, ps) -> transport -> cluster -> compat
-    keras -> strategies (and what strategies may import); input -> values
+    job -> train -> coordinator -> strategies -> (input, ps, distributed) -> transport
+        -> security -> cluster -> compat
+    keras -> strategies (and what strategies may import); input -> values; distributed ->
+    security; launch (the launchers, imported by no private package) -> distributed
 
 The public modules (``jaxdist/*.py``, ``jaxdist/train/``, ``jaxdist/testing/``) may import
 anything; nothing under ``jaxdist/_src`` imports them. Between files there is no circle at all.
@@ -43,16 +45,18 @@ ARCHITECTURE_MD = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
 # "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
 # modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
 # package "" and sit above everything (no private module imports a public one).
-_BELOW_STRATEGIES = {"input", "ps", "transport", "distributed", "cluster", "values"}
+_BELOW_STRATEGIES = {"input", "ps", "transport", "distributed", "security", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
+    # TLS identities, the local PKI, the cluster's credentials (read from TF_CONFIG in cluster).
+    "security": {"cluster", "compat"},
     # A job's life: the bring-up of a synchronous cluster, preemption, the agreed checkpoint step.
-    "distributed": {"cluster", "compat"},
+    "distributed": {"security", "cluster", "compat"},
     "input": {"values", "compat"},
-    "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator
-    "ps": {"transport", "cluster", "values", "compat"},
+    "transport": {"security", "cluster", "compat"},  # the RPC layer under ps and coordinator
+    "ps": {"transport", "security", "cluster", "values", "compat"},
     "strategies": {*_BELOW_STRATEGIES, "compat"},
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
@@ -61,7 +65,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     # The launchers (local processes, Slurm, Ray) and the local test clusters: they start
     # processes and read the cluster; nothing under _src imports them.
-    "launch": {"distributed", "cluster", "compat"},
+    "launch": {"distributed", "security", "cluster", "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
     "publish": set(),  # jaxdist/_src/publish.py: the public modules' one helper
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top

@@ -9,7 +9,6 @@ import pytest
 from devutil import PRECISE
 
 from jaxdist._src.cluster.errors import ClusterTimeoutError
-from jaxdist._src.cluster.pki import local_pki
 from jaxdist._src.distributed.handshake import (
     ClusterAuthenticationError,
     join_handshake,
@@ -17,6 +16,7 @@ from jaxdist._src.distributed.handshake import (
 )
 from jaxdist._src.distributed.process_group import ProcessGroup
 from jaxdist._src.launch.local import pick_free_ports
+from jaxdist._src.security.pki import local_pki
 from jaxdist.testing.tls import process_pki
 
 TASKS = (("worker", 0), ("worker", 1), ("worker", 2))

@@ -18,8 +18,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.credentials import new_coordinator_token
-from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
 from jaxdist._src.cluster.validation import task_name
 from jaxdist._src.distributed.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
 from jaxdist._src.launch.local import (
@@ -38,6 +36,8 @@ from jaxdist._src.launch.restarts import (
     non_negative_seconds,
     restart_scope,
 )
+from jaxdist._src.security.credentials import new_coordinator_token
+from jaxdist._src.security.pki import LocalPKI, apply_task_security, local_pki
 
 #: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
 CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"

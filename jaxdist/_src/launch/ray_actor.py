@@ -27,8 +27,8 @@ import socket
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from jaxdist._src.cluster.pki import write_task_identity
 from jaxdist._src.launch.local import TaskProcess, pick_free_ports
+from jaxdist._src.security.pki import write_task_identity
 
 #: Inherited variables a task never keeps from its node: the launcher sets its own.
 _DROPPED_PREFIXES = ("JAXDIST_TLS_", "JAXDIST_COORDINATOR_")

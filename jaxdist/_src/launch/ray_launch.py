@@ -39,8 +39,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterError, ClusterTimeoutError
-from jaxdist._src.cluster.pki import TaskCA, apply_task_security
-from jaxdist._src.cluster.tls import INSECURE_ENV
 from jaxdist._src.cluster.validation import task_name
 from jaxdist._src.launch.launcher import (
     CHECKPOINT_ROOT_ENV,
@@ -51,6 +49,8 @@ from jaxdist._src.launch.launcher import (
 )
 from jaxdist._src.launch.local import task_env, task_list
 from jaxdist._src.launch.ray_actor import TaskRunner
+from jaxdist._src.security.pki import TaskCA, apply_task_security
+from jaxdist._src.security.tls import INSECURE_ENV
 
 #: What to install for ``--backend ray``.
 INSTALL_HINT = "pip install 'jaxdist[ray]'"

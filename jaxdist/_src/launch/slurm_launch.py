@@ -54,14 +54,14 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from jaxdist._src.cluster.credentials import new_coordinator_token
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, per_task_pki
 from jaxdist._src.cluster.resolver import TOKEN_ENV
 from jaxdist._src.cluster.slurm import expand_hostlist, expand_tasks_per_node
 from jaxdist._src.distributed.exit_codes import RESTART_EXIT_CODE, SERVER_IGNORES_SIGTERM_ENV
 from jaxdist._src.launch.launcher import command_after_dashes
 from jaxdist._src.launch.local import new_token, tf_config
+from jaxdist._src.security.credentials import new_coordinator_token
+from jaxdist._src.security.pki import LocalPKI, apply_task_security, per_task_pki
 
 #: The file of a credentials directory that says how the cluster is laid out (not secret).
 PLAN_FILE = "cluster.json"
