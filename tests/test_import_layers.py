@@ -427,15 +427,15 @@ def test_checker_reads_the_doc_table_and_finds_an_arrow_it_does_not_allow():
     assert doc == {"compat": set(), "cluster": {"compat"}, "input": {"values", "compat"},
                    "": "*"}
     graph = {
-        "jaxdist._src.cluster.tls": {"jaxdist._src.compat.jax_internals"},   # allowed
+        "jaxdist._src.cluster.tf_config": {"jaxdist._src.compat.jax_internals"},   # allowed
         "jaxdist._src.input.dataset": {"jaxdist._src.values.per_replica"},   # allowed
-        "jaxdist._src.compat.jax_internals": {"jaxdist._src.cluster.tls"},   # not in the doc
+        "jaxdist._src.compat.jax_internals": {"jaxdist._src.cluster.tf_config"},   # not in the doc
         "jaxdist._src.values.per_replica": set(),                            # no row: reported
         "jaxdist.launch": {"jaxdist._src.input.dataset"},                    # public: anything
     }
     bad = layer_violations(graph, doc)
     assert len(bad) == 2, bad
-    assert bad[0].startswith("jaxdist._src.compat.jax_internals -> jaxdist._src.cluster.tls")
+    assert bad[0].startswith("jaxdist._src.compat.jax_internals -> jaxdist._src.cluster.tf_config")
     assert bad[1] == ("jaxdist._src.values.per_replica: package 'values' is not in the layer "
                       "table; add it")
 
