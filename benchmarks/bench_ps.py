@@ -85,7 +85,7 @@ def _reference_tls(side: str):
     certificates and settings as the ps direct transport, from ``JAXDIST_TLS_*``."""
     if os.environ.get("JAXDIST_INSECURE"):
         return None
-    from jaxdist._src.cluster.tls import resolve_tls
+    from jaxdist._src.security.tls import resolve_tls
     from jaxdist._src.transport import direct
 
     tls = resolve_tls(None, "the reference socket")

@@ -37,9 +37,12 @@ from jaxdist._src.cluster.errors import (
     ProcessFrozenError,
     TFConfigError,
 )
-from jaxdist._src.cluster.handshake import ClusterAuthenticationError
-from jaxdist._src.cluster.tls import TLSConfig, TLSConfigError
+from jaxdist._src.cluster.tpu_cluster_resolver import (
+    register_slice_connector as _register_slice_connector,
+)
 from jaxdist._src.coordinator.server import Server
+from jaxdist._src.distributed.bringup import initialize_from_resolver as _initialize_from_resolver
+from jaxdist._src.distributed.handshake import ClusterAuthenticationError
 from jaxdist._src.distributed.termination import TerminationConfig
 from jaxdist._src.input.dataset import Dataset
 from jaxdist._src.input.distributed import DistributedDataset, DistributedIterator
@@ -55,6 +58,7 @@ from jaxdist._src.ps.placement import (
     replica_device_setter,
 )
 from jaxdist._src.publish import publish as _publish
+from jaxdist._src.security.tls import TLSConfig, TLSConfigError
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
 from jaxdist._src.strategies.compiled_run import register_run_state_hook as _register_run_state_hook
 from jaxdist._src.strategies.context import (
@@ -125,6 +129,10 @@ def _keras_run_state_hook(fn, args, kwargs):
 
 
 _register_run_state_hook(_keras_run_state_hook)
+
+# TPUClusterResolver (in _src/cluster, below the bring-up) joins a pod slice's jax.distributed
+# group through the bring-up, registered here where every import of jaxdist passes first.
+_register_slice_connector(_initialize_from_resolver)
 
 
 _LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, optax and orbax

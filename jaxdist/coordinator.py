@@ -7,11 +7,6 @@ Example:
     >>> coordinator = jaxdist.coordinator.ClusterCoordinator(strategy)  # doctest: +SKIP
 """
 
-from jaxdist._src.cluster.credentials import (
-    CoordinatorKeys,
-    WorkerCredential,
-    new_coordinator_token,
-)
 from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
 from jaxdist._src.coordinator.cluster_coordinator import (
     ClusterCoordinator,
@@ -32,6 +27,11 @@ from jaxdist._src.coordinator.errors import (
 from jaxdist._src.coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
 from jaxdist._src.ps.errors import PSUnavailableError
 from jaxdist._src.publish import publish as _publish
+from jaxdist._src.security.credentials import (
+    CoordinatorKeys,
+    WorkerCredential,
+    new_coordinator_token,
+)
 
 __all__ = [
     "CancelledError",

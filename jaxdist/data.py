@@ -18,10 +18,10 @@ from jaxdist._src.input.dataset import (
     INFINITE_CARDINALITY,
     UNKNOWN_CARDINALITY,
     Dataset,
-    TensorSpec,
 )
 from jaxdist._src.input.optional import Optional
 from jaxdist._src.input.options import AutoShardPolicy, DistributeOptions, Options
+from jaxdist._src.input.signature import TensorSpec
 
 #: ``tf.data.experimental``'s names used with distribution: ``AUTOTUNE``, ``AutoShardPolicy``,
 #: ``DistributeOptions``, ``INFINITE_CARDINALITY``, ``Optional``, ``UNKNOWN_CARDINALITY``.

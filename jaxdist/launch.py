@@ -68,9 +68,9 @@ port free there; the rest is as above (``jaxdist.ray``; docs/multi_host.md, "Ray
 import sys
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.launcher import Launcher
-from jaxdist._src.cluster.launcher import main as _main_local
-from jaxdist._src.cluster.launcher import parse_launch_args as _parse_launch_args
+from jaxdist._src.launch.launcher import Launcher
+from jaxdist._src.launch.launcher import main as _main_local
+from jaxdist._src.launch.launcher import parse_launch_args as _parse_launch_args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``jaxdist.ray``)."""
     args, command = _parse_launch_args(argv)
     if args.backend == "ray":
-        from jaxdist._src.cluster.ray_launch import main_ray
+        from jaxdist._src.launch.ray_launch import main_ray
 
         return main_ray(args, command)
     return _main_local(argv)

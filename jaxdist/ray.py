@@ -17,6 +17,6 @@ Example:
     0
 """
 
-from jaxdist._src.cluster.ray_launch import RayLauncher, RayTaskLostError, launch
+from jaxdist._src.launch.ray_launch import RayLauncher, RayTaskLostError, launch
 
 __all__ = ["RayLauncher", "RayTaskLostError", "launch"]

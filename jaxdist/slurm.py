@@ -18,7 +18,7 @@ Example:
 
 import sys
 
-from jaxdist._src.cluster.slurm_launch import main
+from jaxdist._src.launch.slurm_launch import main
 
 __all__ = ["main"]
 

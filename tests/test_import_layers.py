@@ -4,8 +4,10 @@ The layers (docs/architecture.md), read from the imports of every file (imports 
 included: they run all the same; ``if TYPE_CHECKING:`` blocks, which never run, left out of the
 layers, but not of the circles: with them counted there is no circle either):
 
-    job -> train -> coordinator -> strategies -> (input, ps) -> transport -> cluster -> compat
-    keras -> strategies (and what strategies may import); input -> values
+    job -> train -> coordinator -> strategies -> (input, ps, distributed) -> transport
+        -> security -> cluster -> compat
+    keras -> strategies (and what strategies may import); input -> values; distributed ->
+    security; launch (the launchers, imported by no private package) -> distributed
 
 The public modules (``jaxdist/*.py``, ``jaxdist/train/``, ``jaxdist/testing/``) may import
 anything; nothing under ``jaxdist/_src`` imports them. Between files there is no circle at all.
@@ -43,22 +45,27 @@ ARCHITECTURE_MD = os.path.join(os.path.dirname(ROOT), "docs", "architecture.md")
 # "*" means anything. The packages are those of the private tree jaxdist/_src/; the public
 # modules (jaxdist/__init__.py, jaxdist/launch.py, jaxdist/train/, jaxdist/testing/ ...) are the
 # package "" and sit above everything (no private module imports a public one).
-_BELOW_STRATEGIES = {"input", "ps", "transport", "distributed", "cluster", "values"}
+_BELOW_STRATEGIES = {"input", "ps", "transport", "distributed", "security", "cluster", "values"}
 ALLOWED: dict[str, set[str] | str] = {
     "compat": set(),  # adapters over third-party internals: the bottom layer
     "values": {"compat"},
     "cluster": {"compat"},
-    # A job's life (preemption, the agreed checkpoint step): over the bring-up in cluster.
-    "distributed": {"cluster", "compat"},
+    # TLS identities, the local PKI, the cluster's credentials (read from TF_CONFIG in cluster).
+    "security": {"cluster", "compat"},
+    # A job's life: the bring-up of a synchronous cluster, preemption, the agreed checkpoint step.
+    "distributed": {"security", "cluster", "compat"},
     "input": {"values", "compat"},
-    "transport": {"cluster", "compat"},  # the RPC layer under ps and coordinator
-    "ps": {"transport", "cluster", "values", "compat"},
+    "transport": {"security", "cluster", "compat"},  # the RPC layer under ps and coordinator
+    "ps": {"transport", "security", "cluster", "values", "compat"},
     "strategies": {*_BELOW_STRATEGIES, "compat"},
     "coordinator": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "keras": {"strategies", *_BELOW_STRATEGIES, "compat"},
     "train": {"coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
     # The CLI and its job config (python -m jaxdist.train) over the Trainer library.
     "job": {"train", "coordinator", "strategies", *_BELOW_STRATEGIES, "compat"},
+    # The launchers (local processes, Slurm, Ray) and the local test clusters: they start
+    # processes and read the cluster; nothing under _src imports them.
+    "launch": {"distributed", "security", "cluster", "compat"},
     "_src": set(),  # the private tree's own __init__: a docstring
     "publish": set(),  # jaxdist/_src/publish.py: the public modules' one helper
     "": "*",  # the public modules (jaxdist/*.py, jaxdist/train/, jaxdist/testing/) sit on top
@@ -420,15 +427,15 @@ def test_checker_reads_the_doc_table_and_finds_an_arrow_it_does_not_allow():
     assert doc == {"compat": set(), "cluster": {"compat"}, "input": {"values", "compat"},
                    "": "*"}
     graph = {
-        "jaxdist._src.cluster.tls": {"jaxdist._src.compat.jax_internals"},   # allowed
+        "jaxdist._src.cluster.tf_config": {"jaxdist._src.compat.jax_internals"},   # allowed
         "jaxdist._src.input.dataset": {"jaxdist._src.values.per_replica"},   # allowed
-        "jaxdist._src.compat.jax_internals": {"jaxdist._src.cluster.tls"},   # not in the doc
+        "jaxdist._src.compat.jax_internals": {"jaxdist._src.cluster.tf_config"},   # not in the doc
         "jaxdist._src.values.per_replica": set(),                            # no row: reported
         "jaxdist.launch": {"jaxdist._src.input.dataset"},                    # public: anything
     }
     bad = layer_violations(graph, doc)
     assert len(bad) == 2, bad
-    assert bad[0].startswith("jaxdist._src.compat.jax_internals -> jaxdist._src.cluster.tls")
+    assert bad[0].startswith("jaxdist._src.compat.jax_internals -> jaxdist._src.cluster.tf_config")
     assert bad[1] == ("jaxdist._src.values.per_replica: package 'values' is not in the layer "
                       "table; add it")
 

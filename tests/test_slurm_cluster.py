@@ -17,7 +17,9 @@ node with a loopback address of its own), jobs submitted with ``sbatch``:
   naming it within the configured timeout; so does a whole node that goes away (its slurmd,
   step daemon and task killed), which the job reports as a task that never reported;
 * a user's own script with ``SlurmClusterResolver()`` runs its all-reduce across the two
-  nodes with no token or TLS setup of its own.
+  nodes with no token or TLS setup of its own;
+* the registry of cluster environments detects an ``srun`` step as Slurm and the batch
+  script's own shell as no environment.
 
 Needs root and ``slurm-wlm`` + ``munge`` (CI installs them where it can); skips with the reason
 elsewhere. CPU only: one CPU device per task.
@@ -453,6 +455,24 @@ def test_a_script_with_slurm_cluster_resolver_runs_its_all_reduce_with_no_setup(
     out, port = _output(tmp_path), env["JAXDIST_SLURM_PORT_BASE"]
     assert f"worker:0 on n1 master grpc://n1:{port} sum 3.0" in out, out[-3000:]
     assert f"worker:1 on n2 master grpc://n2:{port} sum 3.0" in out, out[-3000:]
+
+
+DETECT = ("from jaxdist._src.cluster.auto_detect import detect_environment as d; import os; "
+          "e = d(); print(os.environ.get('SLURMD_NODENAME'), '{where}', e and e.name)")
+
+
+def test_the_environment_registry_detects_a_job_step_and_not_the_batch_shell(slurm, tmp_path):
+    """``auto_detect``'s Slurm environment, as Slurm sets it: an ``srun`` step (both of its
+    tasks) is detected, the batch script's own shell (which has ``SLURM_PROCID`` too) is not."""
+    script = tmp_path / "detect.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --output=slurm-%j.out\n"
+                      f"python -c \"{DETECT.format(where='batch')}\"\n"
+                      f"srun python -c \"{DETECT.format(where='step')}\"\n")
+    job = _sbatch(slurm, tmp_path, _env(slurm), str(script))
+    assert slurm.wait_job(job, timeout=120) == "COMPLETED", _output(tmp_path)[-3000:]
+    out = _output(tmp_path)
+    assert "n1 batch None" in out, out[-3000:]
+    assert "n1 step slurm" in out and "n2 step slurm" in out, out[-3000:]
 
 
 def _ppid(pid: int) -> int:

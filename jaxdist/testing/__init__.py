@@ -12,7 +12,7 @@ Example:
     ...     codes = c.join(timeout=120)              # {"worker:0": 0, "worker:1": 0}
 """
 
-from jaxdist._src.cluster.harness import LocalCluster, python_command
-from jaxdist._src.cluster.local import pick_free_ports
+from jaxdist._src.launch.harness import LocalCluster, python_command
+from jaxdist._src.launch.local import pick_free_ports
 
 __all__ = ["LocalCluster", "pick_free_ports", "python_command"]

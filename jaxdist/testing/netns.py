@@ -11,7 +11,7 @@ Example:
     ...     c.net.set_link(c.host_of["worker:2"], up=False)        # pull worker:2's cable
 """
 
-from jaxdist._src.cluster.netns import (
+from jaxdist._src.launch.netns import (
     NetnsCluster,
     NetnsUnavailable,
     NetworkNamespaces,

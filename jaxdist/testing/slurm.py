@@ -10,6 +10,6 @@ Example:
     'COMPLETED'
 """
 
-from jaxdist._src.cluster.slurm_local import LocalSlurm, SlurmUnavailable, unavailable_reason
+from jaxdist._src.launch.slurm_local import LocalSlurm, SlurmUnavailable, unavailable_reason
 
 __all__ = ["LocalSlurm", "SlurmUnavailable", "unavailable_reason"]

@@ -20,8 +20,8 @@ import atexit
 import os
 import threading
 
-from jaxdist._src.cluster import tls as _tls
-from jaxdist._src.cluster.pki import LocalPKI, local_pki
+from jaxdist._src.security import tls as _tls
+from jaxdist._src.security.pki import LocalPKI, local_pki
 
 _lock = threading.Lock()
 _pki: list[LocalPKI] = []

@@ -5,9 +5,9 @@ peer named, status 1) is in tests/test_multi_worker_failures.py. CPU only."""
 
 import pytest
 
-from jaxdist._src.cluster import bringup
 from jaxdist._src.cluster.errors import PeerLostError
-from jaxdist._src.cluster.process_group import process_group
+from jaxdist._src.distributed import bringup
+from jaxdist._src.distributed.process_group import process_group
 from jaxdist.cluster_resolver import SimpleClusterResolver
 
 

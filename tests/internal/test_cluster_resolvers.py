@@ -7,12 +7,12 @@ import pytest
 
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterMergeError
-from jaxdist._src.cluster.local import local_cluster, task_env, task_list, tf_config
-from jaxdist._src.cluster.process_group import process_group
 from jaxdist._src.cluster.resolver import SimpleClusterResolver, UnionResolver
 from jaxdist._src.cluster.slurm import SlurmClusterResolver, expand_hostlist, expand_tasks_per_node
 from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
 from jaxdist._src.cluster.tpu_cluster_resolver import TPUClusterResolver
+from jaxdist._src.distributed.process_group import process_group
+from jaxdist._src.launch.local import local_cluster, task_env, task_list, tf_config
 
 
 def resolver(config, **kw):

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from devutil import PRECISE
 
-from jaxdist._src.cluster import handshake
-from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
-from jaxdist._src.cluster.local import pick_free_ports
-from jaxdist._src.cluster.pki import local_pki
+from jaxdist._src.distributed import handshake
+from jaxdist._src.distributed.handshake import join_handshake, serve_handshake
+from jaxdist._src.launch.local import pick_free_ports
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.security.pki import local_pki
 from jaxdist._src.transport import direct_server
 from jaxdist._src.transport.connections import (
     ConnectionGate,
@@ -46,7 +46,7 @@ nofile = int(os.environ["TEST_NOFILE"])
 if nofile:
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 import numpy as np
-from jaxdist._src.cluster.tls import TLSConfig
+from jaxdist._src.security.tls import TLSConfig
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
 tls = TLSConfig(**json.loads(os.environ["TEST_TLS"]))

@@ -18,7 +18,6 @@ import time
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist._src.cluster.credentials import CoordinatorKeys
 from jaxdist._src.coordinator import closure_pickle
 from jaxdist._src.coordinator.errors import (
     CoordinatorError,
@@ -33,6 +32,7 @@ from jaxdist._src.coordinator.worker_service import (
     answer_value,
     to_bytes_array,
 )
+from jaxdist._src.security.credentials import CoordinatorKeys
 from jaxdist._src.transport import direct
 from jaxdist.testing.tls import process_pki
 

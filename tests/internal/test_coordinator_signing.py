@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist._src.cluster.credentials import CoordinatorKeys, new_coordinator_token
 from jaxdist._src.coordinator.errors import WorkerAuthenticationError, WorkerUnavailableError
 from jaxdist._src.coordinator.signing import (
     AUTH_METADATA_KEY,
@@ -36,6 +35,7 @@ from jaxdist._src.coordinator.signing import (
 )
 from jaxdist._src.coordinator.worker_client import WorkerClient
 from jaxdist._src.coordinator.worker_service import SERVICE_NAME, answer_value, to_bytes_array
+from jaxdist._src.security.credentials import CoordinatorKeys, new_coordinator_token
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, ChunkStubs, open_channels
 from jaxdist.testing.tls import process_pki

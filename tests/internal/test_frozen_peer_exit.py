@@ -7,7 +7,7 @@ needed."""
 import time
 
 from jaxdist._src.cluster.errors import PeerLostError, ProcessFrozenError
-from jaxdist._src.cluster.runtime import FreezeGuard
+from jaxdist._src.distributed.runtime import FreezeGuard
 
 
 class _Clock:

@@ -9,14 +9,14 @@ import pytest
 from devutil import PRECISE
 
 from jaxdist._src.cluster.errors import ClusterTimeoutError
-from jaxdist._src.cluster.handshake import (
+from jaxdist._src.distributed.handshake import (
     ClusterAuthenticationError,
     join_handshake,
     serve_handshake,
 )
-from jaxdist._src.cluster.local import pick_free_ports
-from jaxdist._src.cluster.pki import local_pki
-from jaxdist._src.cluster.process_group import ProcessGroup
+from jaxdist._src.distributed.process_group import ProcessGroup
+from jaxdist._src.launch.local import pick_free_ports
+from jaxdist._src.security.pki import local_pki
 from jaxdist.testing.tls import process_pki
 
 TASKS = (("worker", 0), ("worker", 1), ("worker", 2))
@@ -108,7 +108,7 @@ def test_the_chief_names_the_processes_that_never_proved_the_token():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_process_with_the_wrong_token_is_refused_by_a_real_cluster():
-    from jaxdist._src.cluster.local import tf_config
+    from jaxdist._src.launch.local import tf_config
     from jaxdist.testing import LocalCluster, python_command
 
     cmd = python_command("jaxdist.testing.workloads", "linreg", "--steps", "2", "--timeout",

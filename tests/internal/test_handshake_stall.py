@@ -11,9 +11,9 @@ import time
 import pytest
 from test_handshake import _group, _run  # the handshake tests' own helpers
 
-from jaxdist._src.cluster import handshake
-from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
-from jaxdist._src.cluster.local import pick_free_ports
+from jaxdist._src.distributed import handshake
+from jaxdist._src.distributed.handshake import join_handshake, serve_handshake
+from jaxdist._src.launch.local import pick_free_ports
 from jaxdist.testing.tls import process_pki
 
 

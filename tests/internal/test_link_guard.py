@@ -5,8 +5,8 @@ runs in tests/test_netns_cluster.py. CPU only; no accelerator needed."""
 
 import threading
 
-from jaxdist._src.cluster.link_guard import LinkGuard
-from jaxdist._src.cluster.runtime import FreezeGuard
+from jaxdist._src.distributed.link_guard import LinkGuard
+from jaxdist._src.distributed.runtime import FreezeGuard
 
 
 class _Clock:

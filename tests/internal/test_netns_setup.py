@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jaxdist._src.cluster import netns
+from jaxdist._src.launch import netns
 
 
 def test_the_address_plan_is_one_private_address_per_host():

@@ -234,7 +234,7 @@ def test_the_direct_transport_can_be_turned_off(monkeypatch):
 
 
 def test_the_direct_port_speaks_mutual_tls_only(monkeypatch):
-    from jaxdist._src.cluster.pki import local_pki
+    from jaxdist._src.security.pki import local_pki
 
     pki = local_pki(["ps", "client"])
     other = local_pki(["intruder"])

@@ -16,12 +16,12 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxdist._src.cluster.pki import local_pki
-from jaxdist._src.cluster.tls import open_channel
 from jaxdist._src.ps import protocol
 from jaxdist._src.ps.client import PSClient
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.security.pki import local_pki
+from jaxdist._src.security.tls import open_channel
 from jaxdist._src.transport import direct, direct_server, wire
 from jaxdist._src.transport.direct_server import DirectServer
 from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY, method_path

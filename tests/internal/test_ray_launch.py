@@ -14,10 +14,9 @@ import time
 import pytest
 
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.launcher import parse_launch_args
-from jaxdist._src.cluster.pki import TaskCA
-from jaxdist._src.cluster.ray_actor import TaskRunner, task_environment
-from jaxdist._src.cluster.ray_launch import (
+from jaxdist._src.launch.launcher import parse_launch_args
+from jaxdist._src.launch.ray_actor import TaskRunner, task_environment
+from jaxdist._src.launch.ray_launch import (
     INSTALL_HINT,
     RayLauncher,
     RayTaskLostError,
@@ -26,6 +25,7 @@ from jaxdist._src.cluster.ray_launch import (
     import_ray,
     placement_bundles,
 )
+from jaxdist._src.security.pki import TaskCA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -177,7 +177,7 @@ def test_import_ray_checks_the_version(monkeypatch):
 
 
 def test_the_files_of_a_task_are_owner_only(tmp_path):
-    from jaxdist._src.cluster.pki import write_task_identity
+    from jaxdist._src.security.pki import write_task_identity
 
     ca = TaskCA()
     tls = write_task_identity(str(tmp_path / "t"), ca.ca_pem, *ca.issue("ps:0", ["n1"]))

@@ -12,17 +12,8 @@ import numpy as np
 import pytest
 from coordinator_util import in_process_worker
 
-from jaxdist._src.cluster.credentials import (
-    CoordinatorKeys,
-    WorkerCredential,
-    new_coordinator_token,
-    token_digest,
-    worker_credential,
-)
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.pki import apply_task_security, local_pki
 from jaxdist._src.cluster.task_info import TaskInfo
-from jaxdist._src.cluster.tls import TLSConfigError, resolve_tls
 from jaxdist._src.coordinator.errors import WorkerAuthenticationError
 from jaxdist._src.coordinator.signing import AUTH_METADATA_KEY
 from jaxdist._src.coordinator.worker_client import WorkerClient
@@ -34,6 +25,15 @@ from jaxdist._src.ps.errors import PSUnavailableError
 from jaxdist._src.ps.protocol import SERVICE_NAME as PS_SERVICE
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.security.credentials import (
+    CoordinatorKeys,
+    WorkerCredential,
+    new_coordinator_token,
+    token_digest,
+    worker_credential,
+)
+from jaxdist._src.security.pki import apply_task_security, local_pki
+from jaxdist._src.security.tls import TLSConfigError, resolve_tls
 from jaxdist._src.transport import wire
 from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY
 from jaxdist.testing.tls import process_pki

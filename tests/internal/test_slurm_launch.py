@@ -14,7 +14,9 @@ import pytest
 from cryptography import x509
 
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.slurm_launch import (
+from jaxdist._src.job.config import ConfigError, load_config
+from jaxdist._src.job.rerun import check_one_copy
+from jaxdist._src.launch.slurm_launch import (
     PLAN_FILE,
     SECRETS_FILE,
     layout,
@@ -23,8 +25,6 @@ from jaxdist._src.cluster.slurm_launch import (
     prepare,
     task_environment,
 )
-from jaxdist._src.job.config import ConfigError, load_config
-from jaxdist._src.job.rerun import check_one_copy
 from jaxdist.cluster_resolver import SlurmClusterResolver
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.errors import ClusterConfigError, TFConfigError
-from jaxdist._src.cluster.process_group import process_group
 from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+from jaxdist._src.distributed.process_group import process_group
 
 TOKEN = "fuzz-token-8c1d0e"
 FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True,

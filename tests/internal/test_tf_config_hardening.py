@@ -6,9 +6,9 @@ import json
 import pytest
 
 from jaxdist._src.cluster.errors import ClusterConfigError, TFConfigError
-from jaxdist._src.cluster.process_group import process_group
 from jaxdist._src.cluster.resolver import SimpleClusterResolver, UnionResolver
 from jaxdist._src.cluster.tf_config import TFConfigClusterResolver, check_address, parse_tf_config
+from jaxdist._src.distributed.process_group import process_group
 
 TOKEN = "tok-5f3c9a1e7d2b"
 

@@ -1,9 +1,10 @@
-"""``jaxdist._src.cluster.waiting.Watchdog``: acts on sections that overrun, and only on those."""
+"""``jaxdist._src.distributed.waiting.Watchdog``: acts on sections that overrun, and only on
+those."""
 
 import threading
 import time
 
-from jaxdist._src.cluster.waiting import Watchdog
+from jaxdist._src.distributed.waiting import Watchdog
 
 
 def test_an_overrunning_section_is_reported_until_handled():

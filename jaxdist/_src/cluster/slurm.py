@@ -6,8 +6,10 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from typing import Any
 
+from jaxdist._src.cluster.cluster_env import ClusterEnvironment
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.errors import ClusterConfigError
 from jaxdist._src.cluster.resolver import ClusterResolver, format_master_url
@@ -236,4 +238,24 @@ class SlurmClusterResolver(ClusterResolver):
         return {"GPU": self._gpus_per_task} if self._gpus_per_task else {}
 
 
-__all__ = ["SlurmClusterResolver", "expand_hostlist", "expand_tasks_per_node", "get_num_gpus"]
+class SlurmEnvironment(ClusterEnvironment):
+    """A Slurm job step started by ``srun``: ``SLURM_PROCID`` and ``SLURM_STEP_NODELIST`` are
+    both set (a batch script's own shell, which has no step node list, is not a cluster of its
+    own); every task is a ``worker`` (``SlurmClusterResolver()``'s defaults)."""
+
+    name = "slurm"
+    priority = 20
+    variables = ("SLURM_PROCID", "SLURM_STEP_NODELIST")
+
+    @classmethod
+    def is_env_present(cls, environ: Mapping[str, str] | None = None) -> bool:
+        env = os.environ if environ is None else environ
+        return all(env.get(v) for v in cls.variables)
+
+    @classmethod
+    def resolver(cls) -> SlurmClusterResolver:
+        return SlurmClusterResolver()
+
+
+__all__ = ["SlurmClusterResolver", "SlurmEnvironment", "expand_hostlist",
+           "expand_tasks_per_node", "get_num_gpus"]

@@ -106,12 +106,11 @@ def task_info(resolver: Any) -> TaskInfo:
 
 
 def _env_resolver() -> Any:
-    """The TF_CONFIG resolver (parsed in ``_src.cluster``), or ``None`` without TF_CONFIG."""
-    if not os.environ.get("TF_CONFIG"):
-        return None
-    from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+    """The TF_CONFIG resolver, or ``None`` without TF_CONFIG: of the registered environments
+    (``auto_detect``) only ``TF_CONFIG`` names a parameter-server cluster's ``ps`` tasks."""
+    from jaxdist._src.cluster.tf_config import TFConfigEnvironment
 
-    return TFConfigClusterResolver()
+    return TFConfigEnvironment.resolver() if TFConfigEnvironment.is_env_present() else None
 
 
 def evaluator_task(environ: Mapping[str, str] | None = None) -> str | None:

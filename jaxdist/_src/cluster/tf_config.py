@@ -31,6 +31,7 @@ import re
 import socket
 from typing import Any
 
+from jaxdist._src.cluster.cluster_env import ClusterEnvironment
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.errors import TFConfigError
 from jaxdist._src.cluster.resolver import TOKEN_ENV, ClusterResolver, format_master_url
@@ -449,9 +450,23 @@ class TFConfigClusterResolver(ClusterResolver):
         return format_master_url(spec.task_address(task_type, task_id), rpc_layer)
 
 
+class TFConfigEnvironment(ClusterEnvironment):
+    """A job described by ``TF_CONFIG`` (tried first: a launcher that sets it, such as
+    ``python -m jaxdist.launch`` or ``python -m jaxdist.slurm``, says exactly who is who)."""
+
+    name = "tf_config"
+    priority = 10
+    variables = (TF_CONFIG_ENV,)
+
+    @classmethod
+    def resolver(cls) -> TFConfigClusterResolver:
+        return TFConfigClusterResolver()
+
+
 __all__ = [
     "MAX_TASK_INDEX",
     "TFConfigClusterResolver",
+    "TFConfigEnvironment",
     "TF_CONFIG_ENV",
     "check_address",
     "parse_tf_config",

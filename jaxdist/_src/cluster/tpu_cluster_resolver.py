@@ -9,10 +9,12 @@ the resolver turns them into a ``worker`` job and ``devices()`` brings up ``jax.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from jaxdist._src.cluster.cluster_env import ClusterEnvironment
 from jaxdist._src.cluster.cluster_spec import ClusterSpec
 from jaxdist._src.cluster.errors import ClusterConfigError
 from jaxdist._src.cluster.resolver import ClusterResolver
@@ -23,6 +25,19 @@ COORDINATOR_PORT = 8476
 
 class TPUNotFoundError(RuntimeError):
     """No TPU device is visible to JAX."""
+
+
+# How a pod slice's host joins the slice's jax.distributed group: the bring-up
+# (jaxdist._src.distributed.bringup.initialize_from_resolver), which sits above this package and
+# is registered by jaxdist/__init__.py (register_slice_connector), as the Keras scope hook is.
+_slice_connector: Callable[..., Any] | None = None
+
+
+def register_slice_connector(connect: Callable[..., Any]) -> None:
+    """Sets what ``TPUClusterResolver.connect`` calls on a pod slice:
+    ``connect(resolver, timeout_seconds=..., cpu_collectives=None)``."""
+    global _slice_connector
+    _slice_connector = connect
 
 
 def _describe(devs) -> str:
@@ -114,9 +129,11 @@ class TPUClusterResolver(ClusterResolver):
     def connect(self, timeout_seconds: float | None = None) -> None:
         """Joins the pod slice's ``jax.distributed`` group (no-op on one host)."""
         if self.is_pod_slice:
-            from jaxdist._src.cluster.bringup import initialize_from_resolver
-
-            initialize_from_resolver(self, timeout_seconds=timeout_seconds, cpu_collectives=None)
+            if _slice_connector is None:
+                raise ClusterConfigError(
+                    "TPUClusterResolver.connect: no bring-up is registered to join the pod "
+                    "slice; import jaxdist (it registers jax.distributed's bring-up)")
+            _slice_connector(self, timeout_seconds=timeout_seconds, cpu_collectives=None)
 
     def devices(self) -> list[Any]:
         """The TPU devices of this host.
@@ -174,3 +191,16 @@ class TPUClusterResolver(ClusterResolver):
                 f"{self.worker_hostnames})"
             )
         return f"TPUClusterResolver(tpu={self.tpu!r})"
+
+
+class TPUEnvironment(ClusterEnvironment):
+    """A Cloud TPU host that knows its slice: ``TPU_PROCESS_ADDRESSES`` or
+    ``TPU_WORKER_HOSTNAMES`` is set (``TPUClusterResolver()`` reads them)."""
+
+    name = "tpu"
+    priority = 30
+    variables = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+
+    @classmethod
+    def resolver(cls) -> TPUClusterResolver:
+        return TPUClusterResolver()

@@ -1,9 +1,10 @@
 """jaxlib's C++ extension, reached without importing JAX (or any of jaxdist).
 
-``cluster/service_process.py`` runs JAX's coordination service in a helper process that starts
-on every multi-process job; importing JAX there would cost about a second that every process
-waits for. That process loads this file by its path (``runpy.run_path``), so it imports nothing
-but jaxlib's extension. ``jax_internals.jax_extension`` is the same module reached through JAX.
+``distributed/service_process.py`` runs JAX's coordination service in a helper process that
+starts on every multi-process job; importing JAX there would cost about a second that every
+process waits for. That process loads this file by its path (``runpy.run_path``), so it imports
+nothing but jaxlib's extension. ``jax_internals.jax_extension`` is the same module reached
+through JAX.
 
 Example:
     >>> from jaxdist._src.compat.jaxlib_extension import jaxlib_extension

@@ -3,7 +3,7 @@
 The coordinator (the chief) holds a ``ParameterServerStrategy``; the variables live on the ps
 tasks. ``schedule(fn, args)`` queues a function and returns a ``RemoteValue`` at once; one
 ``WorkerThread`` per worker (``worker_thread.py``) sends queued functions (cloudpickle, over
-the mutual-TLS channel, with the coordinator token, see ``jaxdist._src.cluster.credentials``)
+the mutual-TLS channel, with the coordinator token, see ``jaxdist._src.security.credentials``)
 to its worker task (``python -m jaxdist.server`` with a ``worker`` TF_CONFIG), which runs them
 against the ps tasks with its own strategy.
 

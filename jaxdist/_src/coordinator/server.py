@@ -27,10 +27,10 @@ import sys
 import threading
 from typing import Any
 
-from jaxdist._src.cluster.exit_codes import SERVER_IGNORES_SIGTERM_ENV
 from jaxdist._src.cluster.task_info import task_info
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime
 from jaxdist._src.coordinator.worker_service import WorkerServer
+from jaxdist._src.distributed.exit_codes import SERVER_IGNORES_SIGTERM_ENV
 from jaxdist._src.ps.server import ParameterServer
 from jaxdist._src.ps.service import ParameterService
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist._src.cluster.credentials import CoordinatorKeys, WorkerCredential
+from jaxdist._src.security.credentials import CoordinatorKeys, WorkerCredential
 
 #: A direct-port request's meta key holding the request's ``auth``.
 AUTH_KEY = "auth"

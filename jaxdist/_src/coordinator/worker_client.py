@@ -32,8 +32,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxdist._src.cluster.credentials import CoordinatorKeys, coordinator_token
-from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.coordinator.errors import (
     CoordinatorError,
     WorkerAuthenticationError,
@@ -57,6 +55,8 @@ from jaxdist._src.coordinator.worker_service import (
     item_nonce,
     split_answers,
 )
+from jaxdist._src.security.credentials import CoordinatorKeys, coordinator_token
+from jaxdist._src.security.tls import TLSConfig, resolve_tls
 from jaxdist._src.transport import wire
 from jaxdist._src.transport.direct import DirectPool
 from jaxdist._src.transport.direct import Unavailable as DirectUnavailable

@@ -28,14 +28,14 @@ Running code is a separate right from pulling/pushing parameters, and it belongs
 alone: every request must carry the chief's Ed25519 signature for this worker, its
 incarnation and a fresh per-worker counter (``jaxdist._src.coordinator.signing``; gRPC metadata
 ``x-jaxdist-coordinator-auth``), checked with the chief's public key before anything is
-unpickled. The worker holds only the public key (``jaxdist._src.cluster.credentials``), so nothing
+unpickled. The worker holds only the public key (``jaxdist._src.security.credentials``), so nothing
 it holds or sees lets it run code on another worker. A request with only the cluster (ps)
 token is refused with ``PERMISSION_DENIED``, an unsigned, wrongly signed (another worker's,
 altered) or replayed one with ``UNAUTHENTICATED``, one signed for the worker's previous
 process with ``ABORTED``. Every answer message carries a MAC keyed with this worker's own
 answer key over its name, the method, the caller's nonce and every field and array of the
 message, so the coordinator accepts only what this worker sent. The transport is mutual TLS
-unless plaintext on loopback was asked for (``jaxdist._src.cluster.tls``).
+unless plaintext on loopback was asked for (``jaxdist._src.security.tls``).
 
 ``RunClosures`` is also served on a second port (``WorkerServer.direct``, named in the ``Ping``
 answer as ``direct_port``): the frames of ``jaxdist._src.transport.direct`` over one
@@ -66,8 +66,6 @@ import cloudpickle
 import grpc
 import numpy as np
 
-from jaxdist._src.cluster.credentials import WorkerCredential, worker_credential
-from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.coordinator import answer_codec, closure_pickle
 from jaxdist._src.coordinator.answer_codec import UntrustedPickleError
 from jaxdist._src.coordinator.errors import MissingResourceError
@@ -82,6 +80,8 @@ from jaxdist._src.coordinator.signing import (
     body_digest,
 )
 from jaxdist._src.coordinator.worker_runtime import WorkerRuntime, lookup_resource, set_current
+from jaxdist._src.security.credentials import WorkerCredential, worker_credential
+from jaxdist._src.security.tls import TLSConfig, resolve_tls
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.direct_server import CallFailed, DirectServer
@@ -605,7 +605,7 @@ class WorkerServer(GrpcTaskServer):
                 f"because a worker task runs the functions the chief signs: set TF_CONFIG "
                 f"'coordinator_public_key' and 'coordinator_answer_key' (or "
                 f"JAXDIST_COORDINATOR_PUBLIC_KEY and JAXDIST_COORDINATOR_ANSWER_KEY; "
-                f"jaxdist._src.cluster.credentials.CoordinatorKeys(token).worker_env"
+                f"jaxdist._src.security.credentials.CoordinatorKeys(token).worker_env"
                 f"({runtime.name!r}) computes them); python -m jaxdist.launch --coordinator "
                 f"sets them")
         self._answer_key = credential.answer_key

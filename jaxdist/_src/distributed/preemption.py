@@ -29,7 +29,7 @@ The watcher never leaves SIGTERM unanswered: while no training loop consumes not
 (``consume``), a SIGTERM ends the process as the default action does; a second SIGTERM, or the
 grace period running out before the exit, ends it at once with the restart code and one line.
 JAX's own preemption service (XLA's notifier, which caught SIGTERM and told nobody) is not
-started (``jaxdist._src.cluster.runtime``).
+started (``jaxdist._src.distributed.runtime``).
 
 Example:
     >>> from jaxdist import TerminationConfig
@@ -56,9 +56,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxdist._src.cluster import bringup
-from jaxdist._src.cluster.runtime import write_line
 from jaxdist._src.compat import jax_internals
+from jaxdist._src.distributed import bringup
+from jaxdist._src.distributed.runtime import write_line
 from jaxdist._src.distributed.termination import TerminationConfig, TerminationConfigError
 
 log = logging.getLogger(__name__)

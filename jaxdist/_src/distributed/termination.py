@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist._src.cluster.exit_codes import (
+from jaxdist._src.distributed.exit_codes import (
     EXIT_ALREADY_DONE,
     EXIT_CONFIG,
     EXIT_OK,

@@ -22,6 +22,10 @@ indices, not elements: a shuffled batch is one gather of its rows (a read-only c
 ``num_parallel_calls`` and ``deterministic`` are accepted and elements are computed in order in
 the caller's thread; ``prefetch`` returns the dataset itself (distributed iterators prefetch to
 the devices).
+
+What a dataset is made of lives beside it: ``elements.py`` (tf.data's view of elements, rows
+and batches), ``shuffling.py`` (the shuffle buffer), ``signature.py`` (``TensorSpec`` and
+``from_generator``'s checks) and ``iterator.py`` (``DatasetIterator``).
 """
 
 from __future__ import annotations
@@ -35,8 +39,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src.input.optional import Optional
+from jaxdist._src.input.elements import (
+    RepeatedRange,
+    as_element,
+    call_on_element,
+    frozen,
+    gather_rows,
+    map_leaves,
+    num_rows,
+    snapshot,
+    stack_elements,
+)
+from jaxdist._src.input.iterator import DatasetIterator
 from jaxdist._src.input.options import Options, as_options
+from jaxdist._src.input.shuffling import FreshSeed, reservoir, reservoir_rows
+from jaxdist._src.input.signature import conform, np_dtype, signature_from_types
 
 #: ``Dataset.cardinality()`` of an endless dataset (-1).
 INFINITE_CARDINALITY = -1
@@ -48,203 +65,12 @@ AUTOTUNE = -1
 _INF, _UNK = INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 
 
-class TensorSpec:
-    """The shape and dtype of one array of an element (``tf.TensorSpec``), for
-    ``Dataset.from_generator(output_signature=...)``.
-
-    Args:
-        shape: the shape; ``None`` for a dimension of any size (or ``None`` for any shape).
-        dtype: a numpy dtype (or anything ``np.dtype`` reads, or a ``tf.DType``).
-        name: accepted for compatibility.
-
-    Example:
-        >>> import jaxdist
-        >>> import numpy as np
-        >>> spec = jaxdist.data.TensorSpec(shape=(None, 3), dtype=np.float32)
-    """
-
-    def __init__(self, shape: Sequence[int | None] | None, dtype: Any = np.float32,
-                 name: str | None = None):
-        self.shape = None if shape is None else tuple(shape)
-        self.dtype = _np_dtype(dtype)
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"TensorSpec(shape={self.shape}, dtype={self.dtype.name})"
-
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, TensorSpec) and self.shape == other.shape
-                and self.dtype == other.dtype)
-
-    def __hash__(self) -> int:
-        return hash((self.shape, self.dtype))
-
-
-def _np_dtype(dtype: Any) -> np.dtype:
-    dtype = getattr(dtype, "as_numpy_dtype", dtype)  # tf.DType
-    return np.dtype(dtype)
-
-
-def _shape_of(shape: Any) -> tuple[int | None, ...] | None:
-    """A shape (tuple, list, ``tf.TensorShape``, ``None``) as a tuple with ``None`` dims."""
-    if shape is None:
-        return None
-    if hasattr(shape, "rank") and hasattr(shape, "as_list"):  # tf.TensorShape
-        if shape.rank is None:
-            return None
-        return tuple(shape.as_list())
-    return tuple(None if d is None else int(d) for d in shape)
-
-
-# ---------------------------------------------------------------------------------- structures
-
-
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
-def _tf_array(x: Any) -> Any:
-    """A Python scalar or list as tf.constant converts it (ints -> int32, floats -> float32);
-    numpy and other arrays unchanged."""
-    kind = type(x)  # Python's own scalars only (np.float64 is a float subclass: kept)
-    if kind is bool:
-        return np.bool_(x)
-    if kind is int:
-        return np.int32(x) if -2**31 <= x < 2**31 else np.int64(x)
-    if kind is float:
-        return np.float32(x)
-    if isinstance(x, list):
-        a = np.asarray(x)
-        if a.dtype == np.int64 and a.size and -2**31 <= a.min() and a.max() < 2**31:
-            a = a.astype(np.int32)
-        elif a.dtype == np.int64 and not a.size:
-            a = a.astype(np.int32)
-        elif a.dtype == np.float64 and not _has_numpy_float64(x):
-            a = a.astype(np.float32)
-        return a
-    return x
-
-
-def _has_numpy_float64(x: Any) -> bool:
-    """Whether a (nested) list holds numpy float64 values (kept float64, as TF keeps them)."""
-    if isinstance(x, list):
-        return any(_has_numpy_float64(v) for v in x)
-    return isinstance(x, (np.ndarray, np.floating)) and np.asarray(x).dtype == np.float64
-
-
-def _convert(struct: Any) -> Any:
-    """An element structure as tf.data sees it: tuples (named too) and dicts are structure,
-    lists and Python scalars are arrays."""
-    if isinstance(struct, dict):
-        return type(struct)((k, _convert(v)) for k, v in struct.items())
-    if _is_namedtuple(struct):
-        return type(struct)(*(_convert(v) for v in struct))
-    if isinstance(struct, tuple):
-        return tuple(_convert(v) for v in struct)
-    return _tf_array(struct)
-
-
-def _map_leaves(fn: Callable[..., Any], *structs: Any) -> Any:
-    """``jax.tree.map`` with ``None`` as a leaf (an element may hold one)."""
-    return jax.tree.map(fn, *structs, is_leaf=lambda x: x is None)
-
-
-def _snapshot(x: Any) -> np.ndarray:
-    """``x`` as a read-only array nobody can write to: the array itself when it and every
-    array under it are read-only already (e.g. ``np.asarray`` of a ``jax.Array``), else a
-    read-only copy."""
-    arr = np.asarray(x)
-    base: Any = arr
-    while isinstance(base, np.ndarray):
-        if base.flags.writeable:
-            arr = np.array(arr, copy=True)
-            arr.flags.writeable = False
-            return arr
-        base = base.base
-    return arr
-
-
-def _frozen(view: Any) -> Any:
-    """A read-only view (a snapshot unpickled on another task is writeable again); a row of
-    a 1-D array is a numpy scalar, immutable already."""
-    if isinstance(view, np.ndarray):
-        view.flags.writeable = False
-    return view
-
-
-def _num_rows(struct: Any, what: str = "from_tensor_slices") -> int:
-    leaves = jax.tree.leaves(struct)
-    if not leaves:
-        raise ValueError(f"{what} needs at least one array")
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
-    if None in sizes:
-        raise ValueError(f"{what} needs arrays of rank >= 1, got a scalar")
-    if len(sizes) != 1:
-        raise ValueError(f"{what} needs arrays with one leading size, got {sorted(sizes)}")
-    return sizes.pop()
-
-
-def _call(fn: Callable[..., Any], element: Any) -> Any:
-    """``fn`` applied to an element as tf.data applies it: a tuple (not a named tuple) is
-    unpacked into positional arguments, anything else is one argument."""
-    return fn(*element) if type(element) is tuple else fn(element)
-
-
-def _stack(elements: list[Any], batch_size: int) -> Any:
-    try:
-        return _map_leaves(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
-    except ValueError as e:
-        shapes = [[np.shape(x) for x in jax.tree.leaves(el)] for el in elements[:4]]
-        raise ValueError(
-            f"batch({batch_size}) cannot stack elements of different shapes or structures "
-            f"(first elements' array shapes: {shapes}): {e}") from None
-
-
 def _card_add(a: int, b: int) -> int:
     if _INF in (a, b):
         return _INF
     if _UNK in (a, b):
         return _UNK
     return a + b
-
-
-class _FreshSeed:
-    """An unseeded shuffle's entropy, drawn anew in every process that unpickles it.
-
-    TF: each worker's copy of an unseeded dataset (``create_per_worker_dataset(dataset)``)
-    shuffles differently; within one process, iterating again is repeatable.
-    """
-
-    def __init__(self):
-        self.value = np.random.SeedSequence().entropy
-
-    def __reduce__(self):
-        return (_FreshSeed, ())
-
-
-def _reservoir(items: Iterable[Any], buffer_size: int, rng: np.random.Generator
-               ) -> Iterator[Any]:
-    """tf.data's shuffle: a buffer of ``buffer_size`` items; each output is a uniformly drawn
-    buffer item, replaced by the next input; at the end the buffer is emptied in random order."""
-    buf: list[Any] = []
-    for item in items:
-        if len(buf) < buffer_size:
-            buf.append(item)
-            continue
-        j = int(rng.integers(len(buf)))
-        yield buf[j]
-        buf[j] = item
-    for j in rng.permutation(len(buf)):
-        yield buf[j]
-
-
-def _shuffled_rows(rows: Any, buffer_size: int, rng: np.random.Generator) -> np.ndarray:
-    """The row order ``_reservoir`` gives for ``rows`` (one permutation when the buffer holds
-    every row)."""
-    rows = np.asarray(rows, np.int64)
-    if buffer_size >= len(rows):
-        return rows[rng.permutation(len(rows))]
-    return np.fromiter(_reservoir(rows.tolist(), buffer_size, rng), np.int64, len(rows))
 
 
 def _check_count(count: Any, what: str) -> int:
@@ -303,7 +129,7 @@ class Dataset:
 
         def it(epoch: int) -> Iterator[Any]:
             for i in rows(epoch):
-                yield jax.tree.map(lambda a, i=i: _frozen(a[i]), tensors)
+                yield jax.tree.map(lambda a, i=i: frozen(a[i]), tensors)
 
         ds = self._derive(it, cardinality)
         ds._tensors, ds._rows = tensors, rows
@@ -328,8 +154,8 @@ class Dataset:
             [1, 2, 3]
         """
         del name
-        tensors = jax.tree.map(_snapshot, _convert(tensors))
-        n = _num_rows(tensors)
+        tensors = jax.tree.map(snapshot, as_element(tensors))
+        n = num_rows(tensors)
         ds = cls(lambda epoch: iter(()), n)
         ds._tensors = tensors
         ds._rows = lambda epoch: range(n)
@@ -345,8 +171,8 @@ class Dataset:
             [[1, 2, 3], [1, 2, 3]]
         """
         del name
-        element = jax.tree.map(_snapshot, _convert(tensors))
-        return cls(lambda epoch: iter([jax.tree.map(_frozen, element)]), 1)
+        element = jax.tree.map(snapshot, as_element(tensors))
+        return cls(lambda epoch: iter([jax.tree.map(frozen, element)]), 1)
 
     @classmethod
     def range(cls, *args: int, output_type: Any = np.int64, name: str | None = None
@@ -364,7 +190,7 @@ class Dataset:
             raise TypeError(f"range takes 1 to 3 arguments (start, stop, step), got {args}")
         if len(args) == 3 and args[2] == 0:
             raise ValueError("range: step must not be 0")
-        return cls.from_tensor_slices(np.arange(*args).astype(_np_dtype(output_type)))
+        return cls.from_tensor_slices(np.arange(*args).astype(np_dtype(output_type)))
 
     @classmethod
     def from_iterable(cls, iterable_fn: Callable[[], Iterable[Any]]) -> Dataset:
@@ -414,7 +240,7 @@ class Dataset:
             raise TypeError("from_generator: pass output_signature, or output_types (and "
                             "output_shapes), not both")
         if output_signature is None and output_types is not None:
-            output_signature = _signature_from_types(output_types, output_shapes)
+            output_signature = signature_from_types(output_types, output_shapes)
         elif output_shapes is not None:
             raise TypeError("from_generator: output_shapes needs output_types")
         call_args = tuple(args or ())
@@ -424,9 +250,9 @@ class Dataset:
         def it(epoch: int) -> Iterator[Any]:
             for element in generator(*call_args):
                 if output_signature is None:
-                    yield _convert(element)
+                    yield as_element(element)
                 else:
-                    yield _conform(element, output_signature, output_signature)
+                    yield conform(element, output_signature, output_signature)
 
         return cls(it)
 
@@ -453,7 +279,7 @@ class Dataset:
             return np.asarray(x)
 
         for element in self:
-            yield _map_leaves(to_numpy, element)
+            yield map_leaves(to_numpy, element)
 
     def cardinality(self) -> int:
         """The number of elements; ``INFINITE_CARDINALITY`` (-1) for an infinite dataset and
@@ -519,8 +345,8 @@ class Dataset:
 
         def it(epoch: int) -> Iterator[Any]:
             for el in parent._make_iter(epoch):
-                out = _call(map_func, el)
-                yield _convert(tuple(out) if isinstance(out, list) else out)
+                out = call_on_element(map_func, el)
+                yield as_element(tuple(out) if isinstance(out, list) else out)
 
         return self._derive(it, self._cardinality)
 
@@ -541,7 +367,7 @@ class Dataset:
 
         def it(epoch: int) -> Iterator[Any]:
             for el in parent._make_iter(epoch):
-                keep = _call(predicate, el)
+                keep = call_on_element(predicate, el)
                 if np.ndim(keep) != 0 or np.asarray(keep).dtype != np.bool_:
                     raise ValueError(
                         f"filter: the predicate must return a scalar boolean, got "
@@ -576,7 +402,7 @@ class Dataset:
         if buffer_size < 1:
             raise ValueError(f"shuffle: buffer_size must be >= 1, got {buffer_size}")
         parent = self
-        fresh = _FreshSeed() if seed is None else None
+        fresh = FreshSeed() if seed is None else None
 
         def rng_for(epoch: int) -> np.random.Generator:
             base = fresh.value if fresh is not None else int(seed)
@@ -586,12 +412,12 @@ class Dataset:
             rows = self._rows
 
             def shuffled_rows(epoch: int) -> np.ndarray:
-                return _shuffled_rows(rows(epoch), buffer_size, rng_for(epoch))
+                return reservoir_rows(rows(epoch), buffer_size, rng_for(epoch))
 
             ds = self._indexed(shuffled_rows, self._cardinality)
         else:
             def it(epoch: int) -> Iterator[Any]:
-                return _reservoir(parent._make_iter(epoch), buffer_size, rng_for(epoch))
+                return reservoir(parent._make_iter(epoch), buffer_size, rng_for(epoch))
 
             ds = self._derive(it, self._cardinality)
         ds._unseeded_shuffle = ds._unseeded_shuffle or seed is None
@@ -623,7 +449,7 @@ class Dataset:
                 parts = [rows(epoch * 1_000_003 + k) for k in range(count)]
                 if all(isinstance(p, range) for p in parts) and len({(p.start, p.stop, p.step)
                                                                       for p in parts}) == 1:
-                    return _RepeatedRange(parts[0], count)
+                    return RepeatedRange(parts[0], count)
                 return np.concatenate([np.asarray(p, np.int64) for p in parts] or
                                       [np.zeros(0, np.int64)])
 
@@ -668,7 +494,7 @@ class Dataset:
                 stop = m - m % batch_size if drop_remainder else m
                 leaves, treedef = jax.tree.flatten(tensors)  # once per epoch, not per batch
                 for s in range(0, stop, batch_size):
-                    yield treedef.unflatten(_gather(leaves, idx[s:s + batch_size]))
+                    yield treedef.unflatten(gather_rows(leaves, idx[s:s + batch_size]))
 
             out = self._derive(sliced, card)
             out._static_batch = batch_size if drop_remainder else None
@@ -679,10 +505,10 @@ class Dataset:
             for el in parent._make_iter(epoch):
                 buf.append(el)
                 if len(buf) == batch_size:
-                    yield _stack(buf, batch_size)
+                    yield stack_elements(buf, batch_size)
                     buf = []
             if buf and not drop_remainder:
-                yield _stack(buf, batch_size)
+                yield stack_elements(buf, batch_size)
 
         out = self._derive(it, card)
         out._static_batch = batch_size if drop_remainder else None
@@ -704,7 +530,7 @@ class Dataset:
 
         def it(epoch: int) -> Iterator[Any]:
             for el in parent._make_iter(epoch):
-                n = _num_rows(el, "unbatch")
+                n = num_rows(el, "unbatch")
                 for i in range(n):
                     yield jax.tree.map(lambda a, i=i: a[i], el)
 
@@ -959,158 +785,9 @@ class Dataset:
         return leaves[0]._derive(it, card, *leaves)
 
 
-class _RepeatedRange:
-    """``range(...)`` ``count`` times, sliceable like the row arrays (keeps batches views)."""
-
-    def __init__(self, rng: range, count: int):
-        self._rng, self._count = rng, count
-        self._len = len(rng) * count
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[int]:
-        for _ in range(self._count):
-            yield from self._rng
-
-    def __getitem__(self, key: slice) -> Any:
-        start, stop, step = key.indices(self._len)
-        n = len(self._rng)
-        if step == 1 and n and start // n == (stop - 1) // n and stop > start:
-            base = (start // n) * n
-            return self._rng[start - base:stop - base]
-        return np.asarray(list(self), np.int64)[key]
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(list(self), dtype or np.int64)
-
-
-def _gather(leaves: list[Any], idx: Any) -> list[Any]:
-    """The rows ``idx`` of every array of ``leaves``: a read-only view when they are
-    consecutive, else a read-only copy."""
-    if isinstance(idx, range) and idx.step == 1:
-        start, stop = idx.start, idx.stop
-        return [_frozen(a[start:stop]) for a in leaves]
-    idx = np.asarray(idx, np.int64)
-    if len(idx) and idx[-1] - idx[0] == len(idx) - 1 and np.all(np.diff(idx) == 1):
-        start, stop = int(idx[0]), int(idx[-1]) + 1
-        return [_frozen(a[start:stop]) for a in leaves]
-    out = []
-    for a in leaves:
-        taken = a[idx]
-        taken.flags.writeable = False
-        out.append(taken)
-    return out
-
-
-# ------------------------------------------------------------------------ from_generator
-
-
-def _is_spec(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.ndarray)
-
-
-def _is_dtype_leaf(x: Any) -> bool:
-    if x is None or isinstance(x, (tuple, list, dict)):
-        return False
-    try:
-        _np_dtype(x)
-        return True
-    except TypeError:
-        return False
-
-
-def _signature_from_types(types: Any, shapes: Any) -> Any:
-    """``output_types`` (+ ``output_shapes``) as a structure of ``TensorSpec``."""
-    if _is_dtype_leaf(types):
-        shape = _shape_of(shapes) if shapes is not None else None
-        return TensorSpec(shape, types)
-    if isinstance(types, dict):
-        return {k: _signature_from_types(v, None if shapes is None else shapes[k])
-                for k, v in types.items()}
-    if isinstance(types, (tuple, list)):
-        if shapes is not None and len(shapes) != len(types):
-            raise ValueError(f"from_generator: output_shapes {shapes} does not match "
-                             f"output_types {types}")
-        return tuple(_signature_from_types(t, None if shapes is None else shapes[i])
-                     for i, t in enumerate(types))
-    raise TypeError(f"from_generator: output_types must be dtypes (or a tuple / dict of "
-                    f"them), got {types!r}")
-
-
-def _conform(element: Any, spec: Any, signature: Any) -> Any:
-    """``element`` converted to ``spec`` (a TensorSpec-like or a structure of them)."""
-    if _is_spec(spec):
-        dtype = _np_dtype(spec.dtype)
-        try:
-            value = np.asarray(element, dtype=dtype)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"`generator` yielded an element that could not be converted to the expected "
-                f"type. The expected type was {dtype.name}, but the yielded element was "
-                f"{element!r}.") from None
-        want = _shape_of(spec.shape)
-        if want is not None and (len(want) != value.ndim or any(
-                w is not None and w != g for w, g in zip(want, value.shape))):
-            raise ValueError(
-                f"`generator` yielded an element of shape {value.shape} where an element of "
-                f"shape {want} was expected.")
-        return value[()] if value.ndim == 0 else value
-    if isinstance(spec, dict):
-        if not isinstance(element, dict) or set(element) != set(spec):
-            raise TypeError(_structure_error(element, signature))
-        return {k: _conform(element[k], s, signature) for k, s in spec.items()}
-    if isinstance(spec, (tuple, list)):
-        if not isinstance(element, (tuple, list)) or len(element) != len(spec):
-            raise TypeError(_structure_error(element, signature))
-        return tuple(_conform(e, s, signature) for e, s in zip(element, spec))
-    raise TypeError(f"from_generator: output_signature must be TensorSpecs (or a tuple / dict "
-                    f"of them), got {spec!r}")
-
-
-def _structure_error(element: Any, signature: Any) -> str:
-    return (f"`generator` yielded an element that did not match the expected structure. The "
-            f"expected structure was {signature}, but the yielded element was {element!r}.")
-
-
-
-class DatasetIterator:
-    """``iter(dataset)``: the elements in order, with ``tf.data.Iterator``'s ``get_next`` and
-    ``get_next_as_optional`` (what the default strategy's "distributed" iterator is in TF).
-
-    Example:
-        >>> import jaxdist
-        >>> it = iter(jaxdist.Dataset.range(2))
-        >>> int(it.get_next()), int(next(it)), it.get_next_as_optional().has_value()
-        (0, 1, False)
-    """
-
-    __slots__ = ("_it",)
-
-    def __init__(self, it: Iterator[Any]):
-        self._it = it
-
-    def __iter__(self) -> DatasetIterator:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._it)
-
-    def get_next(self) -> Any:
-        """The next element (``StopIteration`` at the end; TF: ``OutOfRangeError``)."""
-        return next(self._it)
-
-    def get_next_as_optional(self) -> Optional:
-        """The next element as an ``Optional``: no value at the end of the data."""
-        try:
-            return Optional.from_value(next(self._it))
-        except StopIteration:
-            return Optional.empty(None)
-
 __all__ = [
     "AUTOTUNE",
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
     "Dataset",
-    "TensorSpec",
 ]

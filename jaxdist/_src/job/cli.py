@@ -5,7 +5,7 @@ kind for the loss, a data file that is not .npz, a checkpoint written for anothe
 other settings, a checkpoint directory that cannot be written, a one-process strategy started as
 several tasks), 3 when the checkpoint already completes the configured training (nothing to
 train), 1 when training fails (bad data, NaN loss with ``halt_on_nan``, a device error), 130
-when interrupted (``jaxdist._src.cluster.exit_codes``).
+when interrupted (``jaxdist._src.distributed.exit_codes``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.ps import protocol
 from jaxdist._src.ps.errors import (
     PSAuthenticationError,
@@ -47,6 +46,7 @@ from jaxdist._src.ps.errors import (
     PSUnavailableError,
 )
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.security.tls import TLSConfig, resolve_tls
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.direct import DirectPool
 from jaxdist._src.transport.direct import Unavailable as DirectUnavailable

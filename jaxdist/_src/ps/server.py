@@ -26,7 +26,6 @@ import threading
 
 import grpc
 
-from jaxdist._src.cluster.tls import TLSConfig, resolve_tls
 from jaxdist._src.ps import protocol
 from jaxdist._src.ps.errors import (
     PSCheckpointWriteError,
@@ -34,6 +33,7 @@ from jaxdist._src.ps.errors import (
     PSNotFoundError,
 )
 from jaxdist._src.ps.service import ParameterService
+from jaxdist._src.security.tls import TLSConfig, resolve_tls
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.direct_server import CallFailed, DirectServer

@@ -35,7 +35,10 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxdist._src.cluster.bringup import (
+from jaxdist._src.cluster.auto_detect import resolver_from_environment
+from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError
+from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
+from jaxdist._src.distributed.bringup import (
     DEFAULT_TIMEOUT_SECONDS,
     check_healthy,
     cluster_state,
@@ -43,10 +46,8 @@ from jaxdist._src.cluster.bringup import (
     initialize_from_resolver,
     raise_if_peer_lost,
 )
-from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError
-from jaxdist._src.cluster.process_group import ProcessGroup
-from jaxdist._src.cluster.tf_config import TFConfigClusterResolver
-from jaxdist._src.cluster.waiting import Watchdog
+from jaxdist._src.distributed.process_group import ProcessGroup
+from jaxdist._src.distributed.waiting import Watchdog
 from jaxdist._src.strategies.cross_device_ops import NcclAllReduce, pack_by_bytes
 from jaxdist._src.strategies.inflight import StepThrottle
 from jaxdist._src.strategies.strategy import Strategy, StrategyExtended
@@ -318,8 +319,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     ``jax.distributed.initialize``. Run the same program on every chief and worker task.
 
     Args:
-        cluster_resolver: where the tasks are (default: ``TFConfigClusterResolver()``, i.e.
-            ``TF_CONFIG``). No cluster means a single process on the local devices.
+        cluster_resolver: where the tasks are (default: the resolver of the environment this
+            process runs in: ``TF_CONFIG``, else a Slurm job step, else a TPU slice, see
+            ``jaxdist._src.cluster.auto_detect``; none of them: ``TFConfigClusterResolver()``,
+            as in TF). No cluster means a single process on the local devices.
         communication_options: ``CommunicationOptions`` (packing, timeout, implementation).
 
     Raises:
@@ -346,9 +349,9 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     def __init__(self, cluster_resolver: Any = None,
                  communication_options: CommunicationOptions | None = None):
-        resolver = cluster_resolver if cluster_resolver is not None else (
-            TFConfigClusterResolver()
-        )
+        if cluster_resolver is None:
+            cluster_resolver = resolver_from_environment() or TFConfigClusterResolver()
+        resolver = cluster_resolver
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise TypeError(

@@ -700,6 +700,6 @@ def experimental_connect_to_cluster(cluster_resolver: Any, **kwargs: Any) -> Non
     if isinstance(cluster_resolver, TPUClusterResolver):
         cluster_resolver.devices()
         return
-    from jaxdist._src.cluster.bringup import initialize_from_resolver  # multi-host bring-up
+    from jaxdist._src.distributed.bringup import initialize_from_resolver  # multi-host bring-up
 
     initialize_from_resolver(cluster_resolver)

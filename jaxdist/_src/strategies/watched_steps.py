@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jaxdist._src.cluster.waiting import Watchdog
+from jaxdist._src.distributed.waiting import Watchdog
 from jaxdist._src.strategies.inflight import StepThrottle
 
 
@@ -61,7 +61,8 @@ class WatchedSteps(StepThrottle):
             watchdog period of the background wait.
         on_overrun: called from a watchdog thread as ``on_overrun(elapsed)`` while the
             background thread has waited ``timeout_seconds`` (and again every period) on one
-            step; returns True once it handled it (see ``jaxdist._src.cluster.waiting.Watchdog``).
+            step; returns True once it handled it (see
+            ``jaxdist._src.distributed.waiting.Watchdog``).
 
     Raises (from ``before_dispatch`` / ``wait_all``):
         StepNotFinished: the oldest step did not finish within ``timeout_seconds``.

@@ -78,7 +78,7 @@ class PackedStepStats(LazyStats):
                 host = dict(jax.device_get(dict(self._device)))
             except Exception as e:
                 # the step failed: with several processes, name a lost peer as run() does
-                from jaxdist._src.cluster.bringup import raise_if_peer_lost
+                from jaxdist._src.distributed.bringup import raise_if_peer_lost
 
                 raise_if_peer_lost(e, "a step")
                 raise

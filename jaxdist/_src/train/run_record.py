@@ -42,7 +42,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxdist._src.cluster.exit_codes import EXIT_ALREADY_DONE
+from jaxdist._src.distributed.exit_codes import EXIT_ALREADY_DONE
 from jaxdist._src.train.checkpoint import CheckpointMismatchError
 from jaxdist._src.train.state import TrainState
 

@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src.cluster import bringup
+from jaxdist._src.distributed import bringup
 from jaxdist._src.train.checkpoint import Checkpointer, CheckpointMismatchError
 
 _JSON_SCALARS = (bool, int, float, str)

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist._src.cluster.tls import TLSConfig, check_plaintext_allowed
+from jaxdist._src.security.tls import TLSConfig, check_plaintext_allowed
 from jaxdist._src.transport import wire
 from jaxdist._src.transport.memory import ALIGNMENT, RECEIVE_POOL, BufferPool, aligned_empty
 

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxdist._src.cluster.tls import TLSConfig, check_plaintext_allowed
+from jaxdist._src.security.tls import TLSConfig, check_plaintext_allowed
 from jaxdist._src.transport import direct, wire
 from jaxdist._src.transport.connections import ConnectionLimits
 from jaxdist._src.transport.grpc_util import TOKEN_METADATA_KEY

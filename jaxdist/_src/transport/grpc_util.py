@@ -2,7 +2,7 @@
 
 One implementation of the cluster-token check, so every service refuses the same requests with
 the same ``UNAUTHENTICATED`` messages, and one way to bind a ``host:port`` from a cluster spec
-and to open a channel to one: mutual TLS (``jaxdist._src.cluster.tls``), or plaintext on loopback
+and to open a channel to one: mutual TLS (``jaxdist._src.security.tls``), or plaintext on loopback
 when explicitly asked for.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from jaxdist._src.cluster.tls import TLSConfig, add_port, open_channel
+from jaxdist._src.security.tls import TLSConfig, add_port, open_channel
 from jaxdist._src.transport.connections import (
     ConnectionGate,
     ConnectionLimits,
@@ -97,7 +97,7 @@ def bind_server(
     """A gRPC server with one bidirectional-stream handler per method, bound to ``address``.
 
     ``tls`` is the task's mutual-TLS identity (clients must present a certificate signed by
-    its CA); ``None`` serves plaintext, which ``jaxdist._src.cluster.tls`` allows only on loopback.
+    its CA); ``None`` serves plaintext, which ``jaxdist._src.security.tls`` allows only on loopback.
     ``connections`` bounds the port's connections (handshake deadline, idle timeout, total
     cap; default ``ConnectionLimits.from_env()``, see ``jaxdist._src.transport.connections``);
     ``GrpcTaskServer.start`` adds the per-address cap and the idle-first drop. The soft
@@ -150,7 +150,7 @@ def open_channels(addresses: Sequence[str], tls: TLSConfig | None, job: str,
     Example:
         >>> from jaxdist._src.transport.grpc_util import CHANNEL_OPTIONS, open_channels
         >>> import os
-        >>> from jaxdist._src.cluster.tls import resolve_tls
+        >>> from jaxdist._src.security.tls import resolve_tls
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
         >>> channels = open_channels(["127.0.0.1:2222"], resolve_tls(), "ps", CHANNEL_OPTIONS)
     """

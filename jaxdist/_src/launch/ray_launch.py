@@ -23,7 +23,7 @@ machine's processes:
    restart left the launch raises it (``python -m jaxdist.launch`` prints it and exits 1).
 
 Example:
-    >>> from jaxdist._src.cluster.ray_launch import placement_bundles
+    >>> from jaxdist._src.launch.ray_launch import placement_bundles
     >>> placement_bundles(3, cpus_per_task=2, gpus_per_task=0)
     [{'CPU': 2.0}, {'CPU': 2.0}, {'CPU': 2.0}]
 """
@@ -39,18 +39,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterError, ClusterTimeoutError
-from jaxdist._src.cluster.launcher import (
+from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.launch.launcher import (
     CHECKPOINT_ROOT_ENV,
     PLACEMENT_STRATEGIES,
     Launcher,
     command_not_found,
     launcher_options,
 )
-from jaxdist._src.cluster.local import task_env, task_list
-from jaxdist._src.cluster.pki import TaskCA, apply_task_security
-from jaxdist._src.cluster.ray_actor import TaskRunner
-from jaxdist._src.cluster.tls import INSECURE_ENV
-from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.launch.local import task_env, task_list
+from jaxdist._src.launch.ray_actor import TaskRunner
+from jaxdist._src.security.pki import TaskCA, apply_task_security
+from jaxdist._src.security.tls import INSECURE_ENV
 
 #: What to install for ``--backend ray``.
 INSTALL_HINT = "pip install 'jaxdist[ray]'"
@@ -101,7 +101,7 @@ def forwarded_env(specs: Sequence[str],
         ClusterConfigError: a bad name, or ``NAME`` alone that this process does not have.
 
     Example:
-        >>> from jaxdist._src.cluster.ray_launch import forwarded_env
+        >>> from jaxdist._src.launch.ray_launch import forwarded_env
         >>> forwarded_env(["JAX_PLATFORMS=cpu", "HOME"], {"HOME": "/home/a"})
         {'JAX_PLATFORMS': 'cpu', 'HOME': '/home/a'}
     """
@@ -128,7 +128,7 @@ def placement_bundles(tasks: int, cpus_per_task: float = 1.0,
         ClusterConfigError: a count that is not a number >= 0 (CPUs: > 0).
 
     Example:
-        >>> from jaxdist._src.cluster.ray_launch import placement_bundles
+        >>> from jaxdist._src.launch.ray_launch import placement_bundles
         >>> placement_bundles(2, cpus_per_task=1, gpus_per_task=1)
         [{'CPU': 1.0, 'GPU': 1.0}, {'CPU': 1.0, 'GPU': 1.0}]
     """
@@ -150,7 +150,7 @@ def cluster_from_placement(names: Sequence[str],
         ClusterConfigError: a task has no place, or two tasks share an address.
 
     Example:
-        >>> from jaxdist._src.cluster.ray_launch import cluster_from_placement
+        >>> from jaxdist._src.launch.ray_launch import cluster_from_placement
         >>> cluster_from_placement(["worker:0", "worker:1", "ps:0"],
         ...     {"worker:0": ("10.0.0.1", 9000), "worker:1": ("10.0.0.2", 9000),
         ...      "ps:0": ("10.0.0.1", 9001)})

@@ -72,7 +72,7 @@ def token_digest(token: str) -> str:
     """The hex SHA-256 of a token.
 
     Example:
-        >>> from jaxdist._src.cluster.credentials import token_digest
+        >>> from jaxdist._src.security.credentials import token_digest
         >>> token_digest("a")[:8]
         'ca978112'
     """
@@ -90,7 +90,7 @@ def coordinator_token(token: str | None = None,
     """The coordinator token: ``token``, TF_CONFIG ``"coordinator_token"``, or the environment.
 
     Example:
-        >>> from jaxdist._src.cluster.credentials import coordinator_token
+        >>> from jaxdist._src.security.credentials import coordinator_token
         >>> coordinator_token(environ={"JAXDIST_COORDINATOR_TOKEN": "c0"})
         'c0'
     """
@@ -213,7 +213,7 @@ def worker_credential(task: str, value: WorkerCredential | str | None = None,
             the token's SHA-256 (``coordinator_token_sha256``), which is no longer enough.
 
     Example:
-        >>> from jaxdist._src.cluster.credentials import worker_credential
+        >>> from jaxdist._src.security.credentials import worker_credential
         >>> from jaxdist.coordinator import CoordinatorKeys
         >>> keys = CoordinatorKeys("c0")
         >>> cred = worker_credential("worker:0", environ=keys.worker_env("worker:0"))
@@ -243,7 +243,7 @@ def worker_credential(task: str, value: WorkerCredential | str | None = None,
             f"{task}: the coordinator token's SHA-256 (coordinator_token_sha256 / "
             f"{COORDINATOR_DIGEST_ENV}) is no longer accepted: the chief now signs its "
             f"requests. Give the worker TF_CONFIG 'coordinator_public_key' and "
-            f"'coordinator_answer_key' (jaxdist._src.cluster.credentials.CoordinatorKeys(token)"
+            f"'coordinator_answer_key' (jaxdist._src.security.credentials.CoordinatorKeys(token)"
             f".worker_env({task!r}) computes them)")
     return None
 

@@ -18,9 +18,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.credentials import new_coordinator_token
-from jaxdist._src.cluster.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
-from jaxdist._src.cluster.local import (
+from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.distributed.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
+from jaxdist._src.launch.local import (
     TaskProcess,
     exit_status,
     local_cluster,
@@ -28,8 +28,7 @@ from jaxdist._src.cluster.local import (
     task_env,
     task_list,
 )
-from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, local_pki
-from jaxdist._src.cluster.restarts import (
+from jaxdist._src.launch.restarts import (
     DEFAULT_RESTART_DELAY,
     RestartBudget,
     describe_exit,
@@ -37,7 +36,8 @@ from jaxdist._src.cluster.restarts import (
     non_negative_seconds,
     restart_scope,
 )
-from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.security.credentials import new_coordinator_token
+from jaxdist._src.security.pki import LocalPKI, apply_task_security, local_pki
 
 #: The environment variable a ps server reads its checkpoint root from (``jaxdist.server``).
 CHECKPOINT_ROOT_ENV = "JAXDIST_PS_CHECKPOINT_ROOT"
@@ -48,7 +48,7 @@ def serves_its_own_ps_tasks(command: Sequence[str]) -> bool:
     (they restore the job's checkpoint at start, under its ``checkpoint.dir``).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import serves_its_own_ps_tasks
+        >>> from jaxdist._src.launch.launcher import serves_its_own_ps_tasks
         >>> serves_its_own_ps_tasks(["python", "-m", "jaxdist.train", "--config", "c.yaml"])
         True
         >>> serves_its_own_ps_tasks(["python", "train.py"])
@@ -65,7 +65,7 @@ def server_command(job: str, checkpoint_root: str) -> list[str]:
     """The argv the launcher runs for a ps task (or a coordinator's worker task).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import server_command
+        >>> from jaxdist._src.launch.launcher import server_command
         >>> server_command("ps", "/runs")[1:]
         ['-m', 'jaxdist.server', '--checkpoint_root', '/runs']
     """
@@ -160,7 +160,7 @@ def positive_float(text: str) -> float:
     """An argparse ``type``: a number > 0 (``--cpus-per-task``).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import positive_float
+        >>> from jaxdist._src.launch.launcher import positive_float
         >>> positive_float("0.5")
         0.5
     """
@@ -171,7 +171,7 @@ def non_negative_float(text: str) -> float:
     """An argparse ``type``: a number >= 0 (``--gpus-per-task``).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import non_negative_float
+        >>> from jaxdist._src.launch.launcher import non_negative_float
         >>> non_negative_float("0")
         0.0
     """
@@ -428,7 +428,7 @@ def command_after_dashes(parser: argparse.ArgumentParser, words: Sequence[str],
     when there is none).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import _parser, command_after_dashes
+        >>> from jaxdist._src.launch.launcher import _parser, command_after_dashes
         >>> command_after_dashes(_parser(), ["--", "python", "x.py"], "jaxdist.launch")
         ['python', 'x.py']
     """
@@ -446,7 +446,7 @@ def parse_launch_args(argv: Sequence[str] | None = None
     one).
 
     Example:
-        >>> from jaxdist._src.cluster.launcher import parse_launch_args
+        >>> from jaxdist._src.launch.launcher import parse_launch_args
         >>> args, command = parse_launch_args(["--workers", "2", "--", "python", "x.py"])
         >>> args.workers, args.backend, command
         (2, 'local', ['python', 'x.py'])

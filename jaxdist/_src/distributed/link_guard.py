@@ -6,7 +6,7 @@ RPC with that deadline; when one fails it waits one second and then calls its
 ``missed_heartbeat_callback``, whose default aborts the process (``LOG(FATAL)``: "Terminating
 process because the JAX distributed service detected fatal errors", a C++ stack trace,
 SIGABRT), and jaxlib 0.10 offers no callback that works from Python (see
-``jaxdist._src.cluster.runtime``). So the earliest such abort comes ``heartbeat_timeout / 2 +
+``jaxdist._src.distributed.runtime``). So the earliest such abort comes ``heartbeat_timeout / 2 +
 1`` seconds after the link went down.
 
 ``LinkGuard`` asks the service a cheap question every ``interval`` seconds on a daemon thread,
@@ -59,7 +59,7 @@ class LinkGuard:
 
     Example:
         >>> import time
-        >>> from jaxdist._src.cluster.link_guard import LinkGuard
+        >>> from jaxdist._src.distributed.link_guard import LinkGuard
         >>> class Client:                    # a service that answers
         ...     def key_value_set(self, key, value, allow_overwrite=False): self.value = value
         ...     def key_value_dir_get(self, key): return [(key + "1", self.value)]

@@ -22,7 +22,7 @@ default: a fixed wait, no growing back-off, since ``--max-restarts`` already bou
 loop).
 
 Example:
-    >>> from jaxdist._src.cluster.restarts import describe_exit, restart_scope
+    >>> from jaxdist._src.launch.restarts import describe_exit, restart_scope
     >>> describe_exit(42), describe_exit(-9), describe_exit(1)
     ('preempted', 'killed by SIGKILL', 'failed')
     >>> restart_scope("worker", coordinator=True), restart_scope("worker", coordinator=False)
@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from jaxdist._src.cluster.exit_codes import (
+from jaxdist._src.distributed.exit_codes import (
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -55,7 +55,7 @@ def describe_exit(code: int) -> str:
     it: a negative number for a death by a signal).
 
     Example:
-        >>> from jaxdist._src.cluster.restarts import describe_exit
+        >>> from jaxdist._src.launch.restarts import describe_exit
         >>> describe_exit(137), describe_exit(-15), describe_exit(7)
         ('killed by SIGKILL', 'killed by SIGTERM', 'failed')
     """
@@ -74,7 +74,7 @@ def restart_scope(job: str, coordinator: bool) -> str:
     """``"task"`` when a lost task of ``job`` is restarted alone, ``"job"`` when every task is.
 
     Example:
-        >>> from jaxdist._src.cluster.restarts import restart_scope
+        >>> from jaxdist._src.launch.restarts import restart_scope
         >>> restart_scope("evaluator", coordinator=False), restart_scope("ps", True)
         ('task', 'job')
     """
@@ -90,7 +90,7 @@ class RestartBudget:
         max_restarts: how many restarts are allowed (0: none).
 
     Example:
-        >>> from jaxdist._src.cluster.restarts import RestartBudget
+        >>> from jaxdist._src.launch.restarts import RestartBudget
         >>> budget = RestartBudget(1)
         >>> budget.take(42), budget.used, budget.take(42)
         (True, 1, False)
@@ -117,7 +117,7 @@ def non_negative_int(text: str) -> int:
     """An argparse ``type`` for ``--max-restarts``: a whole number >= 0.
 
     Example:
-        >>> from jaxdist._src.cluster.restarts import non_negative_int
+        >>> from jaxdist._src.launch.restarts import non_negative_int
         >>> non_negative_int("3")
         3
         >>> non_negative_int("-1")
@@ -138,7 +138,7 @@ def non_negative_seconds(text: str) -> float:
     """An argparse ``type`` for ``--restart-delay``: seconds >= 0.
 
     Example:
-        >>> from jaxdist._src.cluster.restarts import non_negative_seconds
+        >>> from jaxdist._src.launch.restarts import non_negative_seconds
         >>> non_negative_seconds("0.5")
         0.5
     """

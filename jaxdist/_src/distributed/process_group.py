@@ -40,7 +40,7 @@ class ProcessGroup:
         is_chief: this task is the chief (TF's rule: chief, or worker 0 without a chief).
 
     Example:
-        >>> from jaxdist._src.cluster.process_group import process_group
+        >>> from jaxdist._src.distributed.process_group import process_group
         >>> from jaxdist.cluster_resolver import SimpleClusterResolver
         >>> resolver = SimpleClusterResolver(
         ...     {"chief": ["c:1"], "worker": ["w:1", "w:2"]}, task_type="worker", task_id=1)

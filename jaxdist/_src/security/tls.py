@@ -16,11 +16,11 @@ Plaintext is used only when asked for explicitly (``tls="insecure"`` or ``JAXDIS
 and only on loopback addresses; without TLS material and without that flag a server refuses to
 start and a client refuses to connect, with a message saying how to fix it.
 ``python -m jaxdist.launch`` and ``jaxdist.testing.LocalCluster`` generate a throwaway CA and
-per-task certificates (``jaxdist._src.cluster.pki``) and set the environment for each task.
+per-task certificates (``jaxdist._src.security.pki``) and set the environment for each task.
 
 Example:
     >>> import os
-    >>> from jaxdist._src.cluster.tls import open_channel, resolve_tls
+    >>> from jaxdist._src.security.tls import open_channel, resolve_tls
     >>> from jaxdist.testing.tls import local_pki
     >>> pki = local_pki(["ps:0", "worker:0"])
     >>> os.environ.update(pki.identities["worker:0"].env())   # as a task's launcher sets it
@@ -150,7 +150,7 @@ def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
     """True when ``JAXDIST_INSECURE`` is set to ``1``/``true``/``yes``.
 
     Example:
-        >>> from jaxdist._src.cluster.tls import insecure_requested
+        >>> from jaxdist._src.security.tls import insecure_requested
         >>> insecure_requested({"JAXDIST_INSECURE": "1"})
         True
     """
@@ -200,7 +200,7 @@ def resolve_tls(tls: TLSConfig | str | bool | None = None, who: str = "this task
             fix it), or half of the environment variables set.
 
     Example:
-        >>> from jaxdist._src.cluster.tls import resolve_tls
+        >>> from jaxdist._src.security.tls import resolve_tls
         >>> resolve_tls(environ={"JAXDIST_INSECURE": "1"}) is None
         True
     """
@@ -223,7 +223,7 @@ def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``).
 
     Example:
-        >>> from jaxdist._src.cluster.tls import is_loopback
+        >>> from jaxdist._src.security.tls import is_loopback
         >>> is_loopback("127.0.0.1"), is_loopback("10.0.0.1")
         (True, False)
     """
@@ -243,7 +243,7 @@ def check_plaintext_allowed(who: str, address: str) -> None:
         TLSConfigError: ``address``'s host is not a loopback address.
 
     Example:
-        >>> from jaxdist._src.cluster.tls import check_plaintext_allowed
+        >>> from jaxdist._src.security.tls import check_plaintext_allowed
         >>> check_plaintext_allowed("ps:0", "127.0.0.1:2222")     # fine
     """
     host = address.rsplit(":", 1)[0] if ":" in address else address
@@ -260,7 +260,7 @@ def add_port(server: Any, address: str, tls: TLSConfig | None, who: str) -> int:
 
     Example:
         >>> import os
-        >>> from jaxdist._src.cluster.tls import add_port, resolve_tls
+        >>> from jaxdist._src.security.tls import add_port, resolve_tls
         >>> import grpc
         >>> from concurrent import futures
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
@@ -279,7 +279,7 @@ def open_channel(address: str, tls: TLSConfig | None, who: str,
 
     Example:
         >>> import os
-        >>> from jaxdist._src.cluster.tls import open_channel, resolve_tls
+        >>> from jaxdist._src.security.tls import open_channel, resolve_tls
         >>> os.environ["JAXDIST_INSECURE"] = "1"   # plaintext on loopback (tests, local runs)
         >>> channel = open_channel("127.0.0.1:2222", resolve_tls(), "ps:0")
         >>> channel.close()

@@ -34,7 +34,7 @@ A SIGTERM to ``python -m jaxdist.slurm`` itself (``#SBATCH --signal=B:TERM@60``:
 shell, which ``exec``s it) is passed on to every task with ``scancel --signal=TERM``.
 
 Example:
-    >>> from jaxdist._src.cluster.slurm_launch import layout
+    >>> from jaxdist._src.launch.slurm_launch import layout
     >>> plan = layout(["n1", "n2"], [2, 1], {"ps": 1, "worker": 2}, 9000)
     >>> [(t.name, t.node, t.address) for t in plan]
     [('ps:0', 'n1', 'n1:9000'), ('worker:0', 'n1', 'n1:9001'), ('worker:1', 'n2', 'n2:9000')]
@@ -54,14 +54,14 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from jaxdist._src.cluster.credentials import new_coordinator_token
 from jaxdist._src.cluster.errors import ClusterConfigError
-from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE, SERVER_IGNORES_SIGTERM_ENV
-from jaxdist._src.cluster.launcher import command_after_dashes
-from jaxdist._src.cluster.local import new_token, tf_config
-from jaxdist._src.cluster.pki import LocalPKI, apply_task_security, per_task_pki
 from jaxdist._src.cluster.resolver import TOKEN_ENV
 from jaxdist._src.cluster.slurm import expand_hostlist, expand_tasks_per_node
+from jaxdist._src.distributed.exit_codes import RESTART_EXIT_CODE, SERVER_IGNORES_SIGTERM_ENV
+from jaxdist._src.launch.launcher import command_after_dashes
+from jaxdist._src.launch.local import new_token, tf_config
+from jaxdist._src.security.credentials import new_coordinator_token
+from jaxdist._src.security.pki import LocalPKI, apply_task_security, per_task_pki
 
 #: The file of a credentials directory that says how the cluster is laid out (not secret).
 PLAN_FILE = "cluster.json"
@@ -93,7 +93,7 @@ def parse_jobs(text: str | None, num_tasks: int) -> dict[str, int]:
     """``"ps=1,worker=2"`` -> ``{"ps": 1, "worker": 2}``; ``None``: every task a worker.
 
     Example:
-        >>> from jaxdist._src.cluster.slurm_launch import parse_jobs
+        >>> from jaxdist._src.launch.slurm_launch import parse_jobs
         >>> parse_jobs("ps=1,worker=2", 3), parse_jobs(None, 2)
         ({'ps': 1, 'worker': 2}, {'worker': 2})
     """
@@ -258,7 +258,7 @@ def training_jobs(coordinator: bool) -> tuple[str, ...]:
     ``ClusterCoordinator`` (its workers serve), else the chief and the workers.
 
     Example:
-        >>> from jaxdist._src.cluster.slurm_launch import training_jobs
+        >>> from jaxdist._src.launch.slurm_launch import training_jobs
         >>> training_jobs(False), training_jobs(True)
         (('chief', 'worker'), ('chief',))
     """

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.local import pick_free_ports
+from jaxdist._src.launch.local import pick_free_ports
 
 _HOSTS_FILE = "/etc/hosts"
 _MARK = "# jaxdist.testing.slurm"

@@ -112,7 +112,7 @@ def local_cluster(workers: int = 1, ps: int = 0, chief: bool = False, evaluator:
     """A cluster dict with free ports on ``host``.
 
     Example:
-        >>> from jaxdist._src.cluster.local import local_cluster
+        >>> from jaxdist._src.launch.local import local_cluster
         >>> local_cluster(workers=2, ps=1)   # free ports of this host
         {'worker': ['127.0.0.1:...', '127.0.0.1:...'], 'ps': ['127.0.0.1:...']}
     """

@@ -1,7 +1,7 @@
 """Bounded waits on calls that may never return (a collective, a registration).
 
 Example:
-    >>> from jaxdist._src.cluster.waiting import call_with_timeout
+    >>> from jaxdist._src.distributed.waiting import call_with_timeout
     >>> finished, error = call_with_timeout(lambda: 42, 30.0, "jaxdist-connect")
     >>> finished, error
     (True, None)
@@ -25,7 +25,7 @@ def call_with_timeout(fn: Callable[[], object], timeout: float,
         alive.
 
     Example:
-        >>> from jaxdist._src.cluster.waiting import call_with_timeout
+        >>> from jaxdist._src.distributed.waiting import call_with_timeout
         >>> call_with_timeout(lambda: None, 1.0, "jaxdist-example")
         (True, None)
     """
@@ -57,7 +57,7 @@ class Watchdog:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from jaxdist._src.cluster.waiting import Watchdog
+        >>> from jaxdist._src.distributed.waiting import Watchdog
         >>> dog = Watchdog("jaxdist-step-watchdog")
         >>> with dog.watch(30.0, lambda elapsed: print(f"step stuck for {elapsed:.0f} s")):
         ...     _ = jnp.ones(3).block_until_ready()     # the step; done well within 30 s

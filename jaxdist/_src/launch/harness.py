@@ -20,18 +20,18 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from jaxdist._src.cluster.credentials import new_coordinator_token
 from jaxdist._src.cluster.errors import ClusterTimeoutError
-from jaxdist._src.cluster.local import (
+from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.launch.local import (
     TaskProcess,
     local_cluster,
     new_token,
     task_env,
     task_list,
 )
-from jaxdist._src.cluster.pki import LOOPBACK_NAMES, LocalPKI, apply_task_security, local_pki
-from jaxdist._src.cluster.tls import TLSConfig
-from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.security.credentials import new_coordinator_token
+from jaxdist._src.security.pki import LOOPBACK_NAMES, LocalPKI, apply_task_security, local_pki
+from jaxdist._src.security.tls import TLSConfig
 
 Command = Sequence[str] | Callable[[str, int], Sequence[str]]
 

@@ -39,9 +39,9 @@ import sys
 import weakref
 from collections.abc import Sequence
 
-from jaxdist._src.cluster.harness import LocalCluster
-from jaxdist._src.cluster.local import task_list
 from jaxdist._src.cluster.validation import task_name
+from jaxdist._src.launch.harness import LocalCluster
+from jaxdist._src.launch.local import task_list
 
 SUBNET = "10.213.0"  # the hosts' private /24 (it exists only inside the namespaces)
 PREFIX = "jaxdist-"

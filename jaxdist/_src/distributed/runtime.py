@@ -1,13 +1,14 @@
 """JAX's distributed runtime (coordination service and client) started the way jaxdist needs.
 
 ``start_runtime`` does what ``jax._src.distributed.State.initialize`` does in JAX 0.10
-(``get_distributed_runtime_client(...).connect()``, everything
-recorded in ``jax._src.distributed.global_state``, where XLA's backends and gloo look for the
-client), with two differences: JAX's preemption sync manager is not started (jaxdist owns
-SIGTERM), and process 0 runs the coordination service in a helper process
-(``jaxdist._src.cluster.service_process``) instead of in itself. JAX terminates every process whose
-client loses the service, so a service inside process 0 would take the survivors down with it
-when process 0 dies; a service that outlives it lets them raise ``PeerLostError`` naming it.
+(``get_distributed_runtime_client(...).connect()``, everything recorded in
+``jax._src.distributed.global_state``, where XLA's backends and gloo look for the client), with
+two differences: JAX's preemption sync manager is not started (jaxdist owns SIGTERM), and
+process 0 runs the coordination service in a helper process
+(``jaxdist._src.distributed.service_process``) instead of in itself. JAX terminates every
+process whose client loses the service, so a service inside process 0 would take the survivors
+down with it when process 0 dies; a service that outlives it lets them raise ``PeerLostError``
+naming it.
 
 Why not a non-fatal error callback instead: ``get_distributed_runtime_client`` accepts a
 ``missed_heartbeat_callback``, but jaxlib 0.10.2 binds it as ``std::function<void(absl::Status)>``
@@ -28,9 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist._src.cluster.link_guard import LinkGuard
-from jaxdist._src.cluster.service_process import start_service_process
-from jaxdist._src.cluster.waiting import call_with_timeout
+from jaxdist._src.distributed.link_guard import LinkGuard
+from jaxdist._src.distributed.service_process import start_service_process
+from jaxdist._src.distributed.waiting import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class FreezeGuard:
     thread would abort it.
 
     Example:
-        >>> from jaxdist._src.cluster.runtime import FreezeGuard
+        >>> from jaxdist._src.distributed.runtime import FreezeGuard
         >>> client = None   # the coordination service's client, in a multi-process job
         >>> guard = FreezeGuard("worker:1", 1, 2, heartbeat_timeout=10, client=client)
         >>> guard = guard.start()
@@ -242,7 +243,7 @@ def write_line(line: str) -> None:
     from any thread, also while the process is about to end).
 
     Example:
-        >>> from jaxdist._src.cluster.runtime import write_line
+        >>> from jaxdist._src.distributed.runtime import write_line
         >>> write_line("jaxdist: worker:1: stopping")
     """
     for stream in (sys.stdout, sys.stderr):

@@ -2,8 +2,8 @@
 
 ``initialize_from_resolver`` starts JAX's coordination service and connects every training
 task to it, with a timeout. The service runs in a helper process started by process 0
-(``jaxdist._src.cluster.runtime``), so it outlives a crash of process 0, and the job runs in JAX's
-*recoverable* mode, so the death of any member does not abort the survivors: their next
+(``jaxdist._src.distributed.runtime``), so it outlives a crash of process 0, and the job runs
+in JAX's *recoverable* mode, so the death of any member does not abort the survivors: their next
 collective fails, the coordination service reports which tasks are gone, and ``wait_for_step``
 raises ``PeerLostError`` naming them (the chief included). At exit the processes meet at a
 barrier, then non-coordinator processes disconnect before process 0 stops the service. Once
@@ -12,7 +12,7 @@ its exit hooks, without interpreter shutdown: threads stuck in a broken collecti
 it ("FATAL: exception not rethrown").
 
 Before JAX starts, every process proves the cluster token to process 0 (and process 0 to it)
-in an HMAC challenge-response on the coordinator's port (``jaxdist._src.cluster.handshake``); a
+in an HMAC challenge-response on the coordinator's port (``jaxdist._src.distributed.handshake``); a
 process with another token gets ``ClusterAuthenticationError`` and the cluster refuses it. The
 coordination service and gloo listen only on the interface the cluster spec names for their
 task. What this does not protect (JAX's service itself authenticates nobody) is in
@@ -22,7 +22,7 @@ A process cut off from the coordination service (its link, or the whole host of 
 gone) would be aborted by XLA's heartbeat thread ("the JAX distributed service detected fatal
 errors", SIGABRT); its ``FreezeGuard`` with a ``LinkGuard`` ends it first with one line,
 ``jaxdist.PeerLostError: <task>: lost the coordination service (<task 0> at <address>) ...``,
-and status 1 (``jaxdist._src.cluster.link_guard``). The tasks that still reach the service
+and status 1 (``jaxdist._src.distributed.link_guard``). The tasks that still reach the service
 name the cut-off task as lost, as for a task that died.
 """
 
@@ -41,12 +41,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
-from jaxdist._src.cluster.handshake import join_handshake, serve_handshake
-from jaxdist._src.cluster.link_guard import LinkGuard
-from jaxdist._src.cluster.process_group import ProcessGroup, process_group
-from jaxdist._src.cluster.runtime import FreezeGuard, join_abandoned, start_runtime
-from jaxdist._src.cluster.waiting import call_with_timeout
 from jaxdist._src.compat import jax_internals
+from jaxdist._src.distributed.handshake import join_handshake, serve_handshake
+from jaxdist._src.distributed.link_guard import LinkGuard
+from jaxdist._src.distributed.process_group import ProcessGroup, process_group
+from jaxdist._src.distributed.runtime import FreezeGuard, join_abandoned, start_runtime
+from jaxdist._src.distributed.waiting import call_with_timeout
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ClusterState:
         broken: a step failed or timed out.
 
     Example:
-        >>> from jaxdist._src.cluster.bringup import cluster_state
+        >>> from jaxdist._src.distributed.bringup import cluster_state
         >>> cluster_state.group is None, cluster_state.is_broken   # a single process
         (True, False)
         >>> cluster_state.heartbeat_seconds(30.0)
@@ -179,7 +179,7 @@ def add_shutdown_hook(hook: Callable[[], None]) -> None:
     goes away (a thread that uses the client stops there).
 
     Example:
-        >>> from jaxdist._src.cluster.bringup import add_shutdown_hook
+        >>> from jaxdist._src.distributed.bringup import add_shutdown_hook
         >>> add_shutdown_hook(lambda: None)
     """
     cluster_state.shutdown_hooks.append(hook)
@@ -504,7 +504,7 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
     Example:
         >>> import jax, jaxdist
         >>> import jax.numpy as jnp
-        >>> from jaxdist._src.cluster.bringup import wait_for_step
+        >>> from jaxdist._src.distributed.bringup import wait_for_step
         >>> strategy = jaxdist.MirroredStrategy(jax.devices()[:2])
         >>> loss = wait_for_step(strategy.run(lambda x: x * 2, args=(jnp.ones(3),)))
     """
@@ -664,7 +664,7 @@ def should_save_checkpoint() -> bool:
     """Whether this task writes checkpoints: the chief of the joined cluster (True alone).
 
     Example:
-        >>> from jaxdist._src.cluster.bringup import should_save_checkpoint
+        >>> from jaxdist._src.distributed.bringup import should_save_checkpoint
         >>> should_save_checkpoint()     # a single process
         True
     """
@@ -679,7 +679,7 @@ def should_load_checkpoint() -> bool:
     task of ``MultiWorkerMirroredStrategy`` (each task restores the same state).
 
     Example:
-        >>> from jaxdist._src.cluster.bringup import should_load_checkpoint
+        >>> from jaxdist._src.distributed.bringup import should_load_checkpoint
         >>> should_load_checkpoint()
         True
     """

@@ -13,7 +13,7 @@ Ray) can tell what happened from the status alone.
 * 130 / 143: interrupted by Ctrl-C (SIGINT) / ended by SIGTERM with nothing to checkpoint.
 
 Example:
-    >>> from jaxdist._src.cluster.exit_codes import RESTART_EXIT_CODE, restartable
+    >>> from jaxdist._src.distributed.exit_codes import RESTART_EXIT_CODE, restartable
     >>> RESTART_EXIT_CODE
     42
     >>> restartable(42), restartable(2)
@@ -40,7 +40,7 @@ def restartable(code: int | None) -> bool:
     (130).
 
     Example:
-        >>> from jaxdist._src.cluster.exit_codes import restartable
+        >>> from jaxdist._src.distributed.exit_codes import restartable
         >>> [restartable(c) for c in (0, 1, 2, 3, 42, 130, -9, 137)]
         [False, True, False, False, True, False, True, True]
     """

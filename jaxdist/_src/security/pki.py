@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from jaxdist._src.cluster.tls import TLSConfig
+from jaxdist._src.security.tls import TLSConfig
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -187,7 +187,7 @@ class TaskCA:
         days: validity of the CA and of every certificate it issues.
 
     Example:
-        >>> from jaxdist._src.cluster.pki import TaskCA
+        >>> from jaxdist._src.security.pki import TaskCA
         >>> ca = TaskCA()
         >>> cert, key = ca.issue("worker:0", ["10.0.0.2"])
         >>> ca.ca_pem.startswith(b"-----BEGIN CERTIFICATE"), key.startswith(b"-----BEGIN")
@@ -219,7 +219,7 @@ def per_task_pki(tasks: Mapping[str, tuple[str, Sequence[str]]], days: int = 7) 
         A ``LocalPKI`` whose ``directory`` is the parent of the first task's directory.
 
     Example:
-        >>> from jaxdist._src.cluster.pki import per_task_pki
+        >>> from jaxdist._src.security.pki import per_task_pki
         >>> import tempfile
         >>> root = tempfile.mkdtemp()
         >>> pki = per_task_pki({"worker:0": (f"{root}/task-0", ["n1", "127.0.0.1"])})
@@ -245,7 +245,7 @@ def write_task_identity(task_dir: str, ca_pem: bytes, cert_pem: bytes,
 
     Example:
         >>> import os
-        >>> from jaxdist._src.cluster.pki import TaskCA, write_task_identity
+        >>> from jaxdist._src.security.pki import TaskCA, write_task_identity
         >>> import tempfile
         >>> ca = TaskCA()
         >>> task_dir = f"{tempfile.mkdtemp()}/t"
@@ -277,7 +277,7 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
     request, not to sign one) and its own answer key; other tasks nothing.
 
     Example:
-        >>> from jaxdist._src.cluster.pki import apply_task_security
+        >>> from jaxdist._src.security.pki import apply_task_security
         >>> from jaxdist.testing.tls import local_pki
         >>> env = {"JAXDIST_INSECURE": "1"}             # inherited: dropped
         >>> pki = local_pki(["worker:0"])
@@ -286,8 +286,8 @@ def apply_task_security(env: dict[str, str], job: str, index: int, pki: LocalPKI
         ['JAXDIST_TLS_CA', 'JAXDIST_TLS_CERT', 'JAXDIST_TLS_KEY']
         >>> pki.cleanup()
     """
-    from jaxdist._src.cluster.credentials import COORDINATOR_TOKEN_ENV, CoordinatorKeys
-    from jaxdist._src.cluster.tls import INSECURE_ENV
+    from jaxdist._src.security.credentials import COORDINATOR_TOKEN_ENV, CoordinatorKeys
+    from jaxdist._src.security.tls import INSECURE_ENV
 
     for key in _SECURITY_ENV:
         env.pop(key, None)

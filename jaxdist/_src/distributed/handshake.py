@@ -6,7 +6,7 @@ can register as a task. So before process 0 starts the service, it listens on th
 own port (on the interface the cluster spec names) and every other process proves it holds
 the cluster token, and process 0 proves it to them, by HMAC-SHA256 challenge-response over a
 short TCP exchange (inside mutual TLS when the task has TLS material, see
-``jaxdist._src.cluster.tls``):
+``jaxdist._src.security.tls``):
 
 1. joiner -> chief: ``MAGIC``, its process id, a fresh 32-byte nonce;
 2. chief -> joiner: its nonce and ``HMAC(token, "chief" | group | pid | n_joiner | n_chief)``;
@@ -65,8 +65,8 @@ def group_digest(group: Any) -> bytes:
     """A digest of the group's members and coordinator address (both sides compute it).
 
     Example:
-        >>> from jaxdist._src.cluster.handshake import group_digest
-        >>> from jaxdist._src.cluster.process_group import process_group
+        >>> from jaxdist._src.distributed.handshake import group_digest
+        >>> from jaxdist._src.distributed.process_group import process_group
         >>> from jaxdist.cluster_resolver import SimpleClusterResolver
         >>> group = process_group(SimpleClusterResolver(
         ...     {"worker": ["w:1", "w:2"]}, task_type="worker", task_id=0))
@@ -100,7 +100,7 @@ def _split(address: str) -> tuple[str, int]:
 
 def _tls_material() -> Any:
     """The task's TLS identity if it has one (the handshake then runs inside mutual TLS)."""
-    from jaxdist._src.cluster import tls
+    from jaxdist._src.security import tls
 
     try:
         return tls.resolve_tls(None, "the handshake", environ=dict(os.environ,

@@ -9,11 +9,12 @@ the service reports process 0 lost, like any other task) and then stops after ``
 seconds at most (it stops as soon as no client is connected any more). In an orderly exit
 process 0 stops it after every client has disconnected.
 
-Run as ``python -m jaxdist._src.cluster.service_process --bind 127.0.0.1:2222 --num-processes 2``;
-it prints ``ready`` once listening and stops on ``stop`` (or ``linger`` s after EOF) on stdin.
-``start_service_process`` runs this file by its path instead (``_BOOT``), so that the service
-imports only jaxlib's C++ extension: not the ``jaxdist`` package, which imports JAX (about 1 s
-of process 0's start-up, on every multi-process job, that every other process waits for).
+Run as ``python -m jaxdist._src.distributed.service_process --bind 127.0.0.1:2222
+--num-processes 2``; it prints ``ready`` once listening and stops on ``stop`` (or ``linger`` s
+after EOF) on stdin. ``start_service_process`` runs this file by its path instead (``_BOOT``),
+so that the service imports only jaxlib's C++ extension: not the ``jaxdist`` package, which
+imports JAX (about 1 s of process 0's start-up, on every multi-process job, that every other
+process waits for).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def start_service_process(bind_address: str, num_processes: int, heartbeat_timeo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxdist._src.cluster.service_process")
+    p = argparse.ArgumentParser(prog="python -m jaxdist._src.distributed.service_process")
     p.add_argument("--bind", required=True)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--heartbeat-timeout", type=int, default=30)

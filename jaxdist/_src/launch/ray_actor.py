@@ -12,7 +12,7 @@ ended.
 Nothing it holds is printed: Ray's worker logs never see a secret.
 
 Example:
-    >>> from jaxdist._src.cluster.ray_actor import TaskRunner
+    >>> from jaxdist._src.launch.ray_actor import TaskRunner
     >>> runner = TaskRunner("worker:0")
     >>> runner.where()["address"] != ""
     True
@@ -27,8 +27,8 @@ import socket
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from jaxdist._src.cluster.local import TaskProcess, pick_free_ports
-from jaxdist._src.cluster.pki import write_task_identity
+from jaxdist._src.launch.local import TaskProcess, pick_free_ports
+from jaxdist._src.security.pki import write_task_identity
 
 #: Inherited variables a task never keeps from its node: the launcher sets its own.
 _DROPPED_PREFIXES = ("JAXDIST_TLS_", "JAXDIST_COORDINATOR_")
@@ -45,7 +45,7 @@ def node_address() -> str:
     address this host reaches others from.
 
     Example:
-        >>> from jaxdist._src.cluster.ray_actor import node_address
+        >>> from jaxdist._src.launch.ray_actor import node_address
         >>> isinstance(node_address(), str)
         True
     """
@@ -65,7 +65,7 @@ def task_environment(base: Mapping[str, str], overlay: Mapping[str, str],
     ``overlay`` (``TF_CONFIG``, tokens, forced devices ...) and the TLS files in ``tls_dir``.
 
     Example:
-        >>> from jaxdist._src.cluster.ray_actor import task_environment
+        >>> from jaxdist._src.launch.ray_actor import task_environment
         >>> env = task_environment({"PATH": "/bin", "JAXDIST_INSECURE": "1"},
         ...                        {"TF_CONFIG": "{}"}, "/run/t")
         >>> sorted(env)

@@ -1,0 +1,2 @@
+"""Launchers: start and supervise a cluster's tasks (local processes, Slurm, Ray), and the
+local test clusters of ``jaxdist.testing``."""
