@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import time
@@ -70,7 +71,7 @@ from jaxdist._src.train.model_state import ModelState, check_batch_norm
 from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
 from jaxdist._src.train.precision import compute_dtype
 from jaxdist._src.train.state import TrainerContext, TrainState
-from jaxdist._src.train.trainer_handle import TrainerHandle
+from jaxdist._src.train.trainer_handle import FitStatus, TrainerHandle
 from jaxdist._src.values.per_replica import PerReplica
 
 # Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
@@ -92,15 +93,39 @@ def _default_strategy() -> Strategy:
 
 
 def _state_property(name: str, doc: str) -> property:
-    """A ``Trainer`` attribute that reads (and replaces) one field of its ``TrainState``."""
+    """A ``Trainer`` attribute that reads one field of its ``TrainState`` (read only: the one
+    setter is ``train_state``)."""
 
     def get(self: Trainer) -> Any:
         return getattr(self._state, name)
 
     def set_(self: Trainer, value: Any) -> None:
-        self._state = self._state.replace(**{name: value})
+        raise AttributeError(
+            f"Trainer.{name} is a field of trainer.train_state and cannot be assigned alone; "
+            f"expected trainer.train_state = trainer.train_state.replace({name}=...)")
 
-    return property(get, set_, doc=doc)
+    return property(get, set_, doc=doc + " (Read only: set ``train_state``.)")
+
+
+def _option(group: str, field: str) -> property:
+    """A ``Trainer`` attribute that reads one field of a config group (read only: the group
+    is replaced as a whole, e.g. by ``replace_checkpoint_config``)."""
+
+    def get(self: Trainer) -> Any:
+        return getattr(getattr(self, group), field)
+
+    def set_(self: Trainer, value: Any) -> None:
+        raise AttributeError(
+            f"Trainer.{name} is read from trainer.{group}.{field} and cannot be assigned "
+            f"({value!r}); expected a new config group, e.g. trainer.replace_checkpoint_config("
+            f"dataclasses.replace(trainer.checkpoint_config, dir=...))")
+
+    name = {"config": field}.get(group, {
+        "checkpoint_config": {"dir": "checkpoint_dir", "every_steps": "checkpoint_every_steps",
+                              "keep": "keep_checkpoints"},
+        "logging_config": {"dir": "log_dir", "every_steps": "log_every_steps"},
+    }.get(group, {}).get(field, field))
+    return property(get, set_, doc=f"``{group}.{field}`` (read only).")
 
 
 def _call_batch_size(batch_size: Any, method: str) -> int | None:
@@ -182,6 +207,21 @@ class Trainer(TrainerHandle):
     step_in_epoch = _state_property("step_in_epoch", "Steps of the current epoch run so far.")
     last_checkpoint = _state_property("last_checkpoint",
                                       "The step of the last checkpoint written or restored.")
+    steps_per_execution = _option("config", "steps_per_execution")
+    seed = _option("config", "seed")
+    shuffle = _option("config", "shuffle")
+    precision = _option("config", "precision")
+    batch_norm = _option("config", "batch_norm")
+    halt_on_nan = _option("config", "halt_on_nan")
+    checkpoint_dir = _option("checkpoint_config", "dir")
+    checkpoint_every_steps = _option("checkpoint_config", "every_steps")
+    keep_checkpoints = _option("checkpoint_config", "keep")
+    resume = _option("checkpoint_config", "resume")
+    log_dir = _option("logging_config", "dir")
+    run_name = _option("logging_config", "run_name")
+    log_every_steps = _option("logging_config", "every_steps")
+    tensorboard = _option("logging_config", "tensorboard")
+    progress_bar = _option("logging_config", "progress_bar")
 
     def __init__(
         self,
@@ -196,11 +236,18 @@ class Trainer(TrainerHandle):
         **options: Any,
     ):
         config, checkpoint, logging = options_lib.resolve(config, checkpoint, logging, options)
-        self.config, self.checkpoint_config, self.logging_config = config, checkpoint, logging
-        self.strategy = strategy or _default_strategy()
         if config.steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be >= 1, got "
                              f"{config.steps_per_execution}")
+        check_batch_norm(config.batch_norm)
+        self._compute_dtype = compute_dtype(config.precision)
+        # The options, as given: read where used, never copied into loose attributes. The
+        # global batch size (set by fit(batch_size=...)) and the checkpointing (replaced by
+        # replace_checkpoint_config) change by replacing the whole group.
+        self.config: TrainConfig = dataclasses.replace(config, global_batch_size=None)
+        self.checkpoint_config: CheckpointConfig = checkpoint
+        self.logging_config: LoggingConfig = logging
+        self.strategy = strategy or _default_strategy()
         if isinstance(loss, str):
             if loss not in LOSSES:
                 raise ValueError(f"loss={loss!r} is not known; expected one of "
@@ -209,36 +256,8 @@ class Trainer(TrainerHandle):
             loss = LOSSES[loss]
         self.loss_fn: LossFn = loss
         self.optimizer = optimizer
-        self.steps_per_execution = int(config.steps_per_execution)
-        self.seed = config.seed
-        self.shuffle = config.shuffle
-        self.checkpoint_dir = checkpoint.dir
-        self.checkpoint_every_steps = checkpoint.every_steps
-        self.keep_checkpoints = checkpoint.keep
-        self.resume = checkpoint.resume
-        self.log_dir = logging.dir
-        self.run_name = logging.run_name
-        metrics, weighted_metrics = config.metrics, config.weighted_metrics
-        specs = (["accuracy"] if config.accuracy else []) if metrics is None else list(metrics)
-        accuracy = any(keras_metrics.is_accuracy(m) for m in specs)
-        self.metrics = [keras_metrics.get(m) for m in specs if not keras_metrics.is_accuracy(m)]
-        self.weighted_metrics = [keras_metrics.get(m) for m in (weighted_metrics or ())]
-        # (logged name, metric, weighted): Keras' names, "weighted_" before a repeated name.
-        taken = {"loss", *(["accuracy"] if accuracy else []), *(m.name for m in self.metrics)}
-        self._metric_specs = [(m.name, m, False) for m in self.metrics]
-        for spec, m in zip(weighted_metrics or (), self.weighted_metrics):
-            name = spec if keras_metrics.is_accuracy(spec) else m.name
-            name = f"weighted_{name}" if name in taken else name
-            taken.add(name)
-            self._metric_specs.append((name, m, True))
-        self.log_every_steps = logging.every_steps
-        self.tensorboard = logging.tensorboard
-        self.progress_bar = logging.progress_bar
-        self.halt_on_nan = config.halt_on_nan
-        self.accuracy = accuracy
-        self.batch_norm = check_batch_norm(config.batch_norm)
-        self.precision = config.precision
-        self._compute_dtype = compute_dtype(config.precision)
+        self._metrics = keras_metrics.MetricSetup.from_config(config)
+        self._status = FitStatus()
 
         ext = self.strategy.extended
         self.should_checkpoint = bool(getattr(ext, "should_checkpoint", True))
@@ -254,7 +273,6 @@ class Trainer(TrainerHandle):
                                           self.strategy.num_replicas_in_sync))
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
-        self._global_batch_size: int | None = None
         self._train_replica: Callable | None = None
         if config.global_batch_size is not None:
             self._set_batch_size(config.global_batch_size)
@@ -268,7 +286,6 @@ class Trainer(TrainerHandle):
         self._resumed = False
         self._preemption: preemption.PreemptionWatcher | None = None
         self._dispatch_timer: preemption.DispatchTimer | None = None
-        self._preempted = False
         self._run_record: run_record.RunRecord | None = None   # the settings of checkpoints
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
@@ -289,23 +306,65 @@ class Trainer(TrainerHandle):
             raise TypeError(f"train_state must be a TrainState, got {type(state).__name__}")
         self._state = state
 
+    # ------------------------------------------------------------------ options
+    @property
+    def metrics(self) -> list[Any]:
+        """The Keras metrics computed besides the loss and the accuracy."""
+        return list(self._metrics.metrics)
+
+    @property
+    def weighted_metrics(self) -> list[Any]:
+        """Keras' ``weighted_metrics``."""
+        return list(self._metrics.weighted_metrics)
+
+    @property
+    def accuracy(self) -> bool:
+        """Whether the accuracy is computed (``metrics`` names it, or ``accuracy=True``)."""
+        return self._metrics.accuracy
+
+    def replace_checkpoint_config(self, checkpoint: CheckpointConfig) -> None:
+        """Makes ``checkpoint`` the trainer's checkpoint options: the one way to change them
+        (``BackupAndRestore`` returns its new ``CheckpointConfig``, built with
+        ``dataclasses.replace``, and ``fit`` passes it here). A new directory gets its own
+        ``Checkpointer`` and settings record.
+
+        Raises:
+            TypeError: ``checkpoint`` is not a ``CheckpointConfig``.
+
+        Example:
+            >>> import dataclasses, jaxdist, optax
+            >>> from flax import nnx
+            >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+            >>> trainer.replace_checkpoint_config(
+            ...     dataclasses.replace(trainer.checkpoint_config, every_steps=50))
+            >>> trainer.checkpoint_every_steps
+            50
+        """
+        if not isinstance(checkpoint, CheckpointConfig):
+            raise TypeError(f"replace_checkpoint_config takes a jaxdist.train.CheckpointConfig, "
+                            f"got {type(checkpoint).__name__}: {checkpoint!r}")
+        if checkpoint.dir != self.checkpoint_config.dir:
+            self.close_checkpointer()
+            self._run_record = None
+        self.checkpoint_config = checkpoint
+
     @property
     def context(self) -> TrainerContext:
         """What the strategy's ``TrainerHook`` reads besides the state (``TrainerContext``)."""
         return TrainerContext(
             strategy=self.strategy, optimizer=self.optimizer, loss_fn=self.loss_fn,
-            global_batch_size=self._global_batch_size, seed=self.seed, shuffle=self.shuffle,
+            global_batch_size=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
             checkpoint_dir=self.checkpoint_dir, keep_checkpoints=self.keep_checkpoints,
             should_checkpoint=self.should_checkpoint, batch_norm=self.batch_norm,
             model_state=self._ms, compute_dtype=self._compute_dtype,
-            metric_specs=tuple(self._metric_specs), rngs=self._rngs,
+            metric_specs=tuple(self._metrics.specs), rngs=self._rngs,
             train_replica=self._train_replica, checkpointer=self._checkpointer_or_none)
 
     @property
     def global_batch_size(self) -> int | None:
-        """Examples per step over all replicas (``None`` until a constructor argument or the
-        first ``fit``/``evaluate``/``predict`` sets it)."""
-        return self._global_batch_size
+        """Examples per step over all replicas (``config.global_batch_size``; ``None`` until a
+        constructor argument or the first ``fit``/``evaluate``/``predict`` sets it)."""
+        return self.config.global_batch_size
 
     @global_batch_size.setter
     def global_batch_size(self, value: int) -> None:
@@ -321,8 +380,8 @@ class Trainer(TrainerHandle):
                 f"global_batch_size={value!r} does not divide across the {n} replicas "
                 f"of {self.strategy!r}; expected a positive multiple of {n}")
         value = int(value)
-        if value != self._global_batch_size:
-            self._global_batch_size = value
+        if value != self.config.global_batch_size:
+            self.config = dataclasses.replace(self.config, global_batch_size=value)
             self._train_replica = self._make_train_replica()
 
     def _batch_size_for(self, data: Any, batch_size: int | None, what: str) -> int:
@@ -331,18 +390,18 @@ class Trainer(TrainerHandle):
         (Keras' default)."""
         if batch_size is not None:
             self._set_batch_size(batch_size)
-        elif self._global_batch_size is None:
+        elif self.config.global_batch_size is None:
             rows = data.rows_per_element() if isinstance(data, inputs_lib.StreamSource) else 1
             if rows <= 1:  # arrays, or a stream of single examples: Keras' default
                 self._set_batch_size(_DEFAULT_BATCH_SIZE)
-                return self._global_batch_size
+                return self.config.global_batch_size
             try:
                 self._set_batch_size(rows)
             except ValueError as e:
                 raise ValueError(f"{what}: its batches of {rows} rows set the global batch "
                                  f"size, but {e}; pass batch_size=... (or re-batch the data)"
                                  ) from None
-        return self._global_batch_size
+        return self.config.global_batch_size
 
     # ------------------------------------------------------------------ replica functions
     def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
@@ -433,7 +492,7 @@ class Trainer(TrainerHandle):
         """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller): the
         ``metrics`` over the real rows (``mask``), the ``weighted_metrics`` with each row
         weighted by its sample weight ``w``."""
-        return keras_metrics.metric_sums(self._metric_specs, logits, y, mask, w)
+        return keras_metrics.metric_sums(self._metrics.specs, logits, y, mask, w)
 
     def _make_predict_replica(self) -> Callable:
         apply = self._apply
@@ -561,12 +620,11 @@ class Trainer(TrainerHandle):
                            f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
         for note in notes or ():
             logger.message(f"Note: {note}")
-        self.stop_training = self.stop_training_by_error = False
+        self._status = FitStatus()   # stop_training is False again
         # With checkpoints, a preemption notice stops every process at one step, the chief
         # saves it and every process exits with the restart code (distributed.preemption).
         self._preemption = (preemption.install(self.checkpoint_config.termination)
                             if self.checkpoint_dir is not None else None)
-        self._preempted = False
         self._dispatch_timer = (preemption.DispatchTimer(self._preemption.config)
                                 if self._preemption is not None else None)
         try:
@@ -575,7 +633,7 @@ class Trainer(TrainerHandle):
                 self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
                                num_epochs)
         except BaseException:
-            self.stop_training_by_error = True
+            self._status.failed = True
             raise
         finally:
             logger.close()
@@ -587,7 +645,7 @@ class Trainer(TrainerHandle):
         callbacks = list(callbacks or ())
         for cb in callbacks:
             if isinstance(cb, callbacks_lib.BackupAndRestore):
-                cb.configure(self)
+                self.replace_checkpoint_config(cb.checkpoint_config(self.checkpoint_config))
         history.params = params
         return callbacks_lib.CallbackList([*callbacks, history], model=self,
                                           is_chief=self.should_save_summary, params=params)
@@ -649,10 +707,10 @@ class Trainer(TrainerHandle):
     def _metric_results(self, sums: Sequence[Any]) -> dict[str, float]:
         """Each metric's value from the summed stats of several dispatches (host arrays)."""
         sums = [s for s in sums if s is not None]
-        if not self._metric_specs or not sums:
+        if not self._metrics.specs or not sums:
             return {}
         total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *sums)
-        return {name: m.result(total[name]) for name, m, _ in self._metric_specs}
+        return {name: m.result(total[name]) for name, m, _ in self._metrics.specs}
 
     @callbacks_lib.with_callbacks("predict")
     def predict(self, x: Any, batch_size: int | None = None,
@@ -864,7 +922,7 @@ class Trainer(TrainerHandle):
         return self._checkpointer
 
     def _current_params(self) -> Any:
-        self._state = self._hook.current_state(self.context, self._state)
+        self.train_state = self._hook.current_state(self.context, self._state)
         return self._state.params
 
     def _epoch_order(self, num_examples: int, epoch: int) -> np.ndarray:
@@ -906,7 +964,7 @@ class Trainer(TrainerHandle):
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
         if self.checkpoint_dir is not None:
-            self._state = self._hook.save(self.context, self._state, self._data_position)
+            self.train_state = self._hook.save(self.context, self._state, self._data_position)
             if self.last_checkpoint == self.step:
                 self._record().saved(self.step, self.epoch, self.step_in_epoch)
 
@@ -1040,7 +1098,7 @@ class Trainer(TrainerHandle):
         try:
             for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
                 if self._preemption is not None and self._preemption.should_stop(self.step, kk):
-                    self._preempted = True
+                    self._status.preempted = True
                     break
                 if positions:
                     self._data_position = positions.pop(0)
@@ -1048,7 +1106,7 @@ class Trainer(TrainerHandle):
                 before = self.step
                 if timer is not None:
                     timer.before()
-                self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
+                self.train_state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
                 if timer is not None and timer.count < 2:
                     timer.after(stats, kk)
                 reporter.record(stats, self._state, self.last_checkpoint)
@@ -1094,7 +1152,7 @@ class Trainer(TrainerHandle):
             epoch_start_time = time.perf_counter()
             ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
                                       cbs, blocks, block_sizes)
-            if self._preempted:
+            if self._status.preempted:
                 reporter.log_train(self._state)
                 saved = self.checkpoint_dir is None or self.last_checkpoint == self.step
                 self._preemption.finish(self.step, (lambda: None) if saved
@@ -1110,7 +1168,7 @@ class Trainer(TrainerHandle):
                 if total != self.step and self.step_in_epoch < spe:
                     total -= spe - self.step_in_epoch   # the epoch was shorter: as many epochs
                     spe = runner.steps_per_epoch = self.step_in_epoch
-                self._state = self._state.replace(epoch=self.epoch + 1, step_in_epoch=0)
+                self.train_state = self._state.replace(epoch=self.epoch + 1, step_in_epoch=0)
             reporter.check_nan(self.last_checkpoint)
             if self.step_in_epoch == 0 or self.stop_training:  # the epoch ended
                 logs = reporter.epoch_logs()
@@ -1120,7 +1178,7 @@ class Trainer(TrainerHandle):
                     ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
                     reporter.end_epoch(ended, num_epochs, logs,
                                        time.perf_counter() - epoch_start_time)
-        self._state = hook.end_training(self.context, self._state)
+        self.train_state = hook.end_training(self.context, self._state)
         reporter.log_train(self._state)
         if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()
