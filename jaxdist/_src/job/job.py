@@ -13,10 +13,7 @@ from typing import Any
 
 from jaxdist._src.job import rerun, strategy_registry
 from jaxdist._src.job.config import ConfigError, check_replicas, fit_kwargs, trainer_options
-from jaxdist._src.job.optimizers import (  # noqa: F401 - also public here
-    learning_rate_from_config,
-    optimizer_from_config,
-)
+from jaxdist._src.job.optimizers import optimizer_from_config  # noqa: F401 - also public here
 
 
 def build_strategy(cfg: Mapping[str, Any]) -> Any:
