@@ -27,37 +27,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import itertools
-import time
 from collections.abc import Callable, Mapping, Sequence  # noqa: F401
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import lax
 
 from jaxdist._src.distributed import preemption
-from jaxdist._src.input.options import InputOptions
 from jaxdist._src.strategies.context import has_strategy
-from jaxdist._src.strategies.cross_device_ops import varying_axes
-from jaxdist._src.strategies.current import get_replica_context, get_strategy
-from jaxdist._src.strategies.losses import compute_average_loss
+from jaxdist._src.strategies.current import get_strategy
 from jaxdist._src.strategies.one_device import OneDeviceStrategy
 from jaxdist._src.strategies.strategy import Strategy
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
 from jaxdist._src.train import keras_metrics, run_record
-from jaxdist._src.train import loop as loop_lib
 from jaxdist._src.train import options as options_lib
 from jaxdist._src.train.callbacks import History
 from jaxdist._src.train.checkpoint import Checkpointer
+from jaxdist._src.train.checkpoint_wiring import CheckpointWiring
+from jaxdist._src.train.fit_inputs import InputFeed
+from jaxdist._src.train.fit_loop import FitLoop
 from jaxdist._src.train.hook_registry import hook_for
-from jaxdist._src.train.hooks import PACKED, PACKED_FIELDS
 from jaxdist._src.train.loop import NaNLossError
 from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: public here too
     LOSSES,
@@ -65,19 +58,14 @@ from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: p
     categorical_crossentropy,
     sparse_categorical_crossentropy,
 )
-from jaxdist._src.train.losses import correct_per_example as _correct_per_example
 from jaxdist._src.train.metrics import MetricsLogger
 from jaxdist._src.train.model_state import ModelState, check_batch_norm
 from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
 from jaxdist._src.train.precision import compute_dtype
+from jaxdist._src.train.replica_fns import ReplicaFunctions
 from jaxdist._src.train.state import TrainerContext, TrainState
 from jaxdist._src.train.trainer_handle import FitStatus, TrainerHandle
 from jaxdist._src.values.per_replica import PerReplica
-
-# Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
-# steps, of at most this many bytes (this process's rows).
-_BLOCK_STEPS = 32
-_BLOCK_BYTES = 16 << 20
 
 # Keras' default batch size (``fit`` on arrays without a batch size anywhere).
 _DEFAULT_BATCH_SIZE = 32
@@ -139,7 +127,7 @@ def _call_batch_size(batch_size: Any, method: str) -> int | None:
     return int(batch_size)
 
 
-class Trainer(TrainerHandle):
+class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFunctions):
     """Trains a flax nnx model with an optax optimizer under a distribution strategy.
 
     Args:
@@ -322,32 +310,6 @@ class Trainer(TrainerHandle):
         """Whether the accuracy is computed (``metrics`` names it, or ``accuracy=True``)."""
         return self._metrics.accuracy
 
-    def replace_checkpoint_config(self, checkpoint: CheckpointConfig) -> None:
-        """Makes ``checkpoint`` the trainer's checkpoint options: the one way to change them
-        (``BackupAndRestore`` returns its new ``CheckpointConfig``, built with
-        ``dataclasses.replace``, and ``fit`` passes it here). A new directory gets its own
-        ``Checkpointer`` and settings record.
-
-        Raises:
-            TypeError: ``checkpoint`` is not a ``CheckpointConfig``.
-
-        Example:
-            >>> import dataclasses, jaxdist, optax
-            >>> from flax import nnx
-            >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
-            >>> trainer.replace_checkpoint_config(
-            ...     dataclasses.replace(trainer.checkpoint_config, every_steps=50))
-            >>> trainer.checkpoint_every_steps
-            50
-        """
-        if not isinstance(checkpoint, CheckpointConfig):
-            raise TypeError(f"replace_checkpoint_config takes a jaxdist.train.CheckpointConfig, "
-                            f"got {type(checkpoint).__name__}: {checkpoint!r}")
-        if checkpoint.dir != self.checkpoint_config.dir:
-            self.close_checkpointer()
-            self._run_record = None
-        self.checkpoint_config = checkpoint
-
     @property
     def context(self) -> TrainerContext:
         """What the strategy's ``TrainerHook`` reads besides the state (``TrainerContext``)."""
@@ -404,103 +366,6 @@ class Trainer(TrainerHandle):
         return self.config.global_batch_size
 
     # ------------------------------------------------------------------ replica functions
-    def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
-        """The model's outputs in inference mode (Dropout off, BatchNorm's running stats)."""
-        return self._ms.apply(params, rest, x, training=False,
-                              compute_dtype=self._compute_dtype, rngs=rngs)[0]
-
-    def _sync_axes(self) -> Any:
-        """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
-        if self.batch_norm != "sync":
-            return None
-        return get_replica_context().axis_name
-
-    def _make_train_replica(self) -> Callable:
-        gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
-        dtype, sync_axes = self._compute_dtype, self._sync_axes
-        metric_stats = self._metric_stats
-
-        per_replica = gbs // self.strategy.num_replicas_in_sync
-
-        def train_replica(params, rest, rngs, opt_state, x, y, w, block_step, chunk):
-            # x, y, w: a block of chunks, one per leading index (``_input_block``), whose
-            # first step is ``block_step``; this dispatch runs chunk ``chunk``, its steps one
-            # after the other.
-            ctx = get_replica_context()
-            num_steps = y.shape[1] // per_replica
-            step = block_step + chunk * num_steps
-            split = lambda a: lax.dynamic_index_in_dim(  # noqa: E731
-                a, chunk, keepdims=False).reshape(num_steps, -1, *a.shape[2:])
-            xs, ys, ws = jax.tree.map(split, x), split(y), split(w)
-            replica, axes = ctx.replica_id_in_sync_group, sync_axes()
-
-            def one_step(carry, batch):
-                params, rest, opt_state, i = carry
-                xb, yb, wb = batch
-
-                def objective(p):
-                    logits, new_rest = ms.apply(p, rest, xb, training=True, step=step + i,
-                                                replica_id=replica, sync_axes=axes,
-                                                compute_dtype=dtype, rngs=rngs)
-                    per_example = loss_fn(logits, yb)
-                    loss = compute_average_loss(per_example, sample_weight=wb,
-                                                        global_batch_size=gbs)
-                    return loss, (logits, new_rest)
-
-                (loss, (logits, new_rest)), grads = jax.value_and_grad(
-                    objective, has_aux=True)(ctx.local(params))
-                grads = ctx.all_reduce("SUM", grads)
-                # Running statistics: the mean over replicas (TF's ON_READ MEAN aggregation);
-                # with sync batch statistics they are already equal everywhere and kept.
-                rest = _mean_where_varying(ctx, new_rest)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-                # accuracy, as Keras' `metrics`, is not weighted (every training row is real)
-                stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
-                         "weight": jnp.float32(yb.shape[0])}
-                if all(v.dtype == jnp.float32 and v.ndim == 0 for v in stats.values()):
-                    # one array per dispatch to fetch, not three (``hooks.PackedStepStats``)
-                    stats = {PACKED: jnp.stack([stats[name] for name in PACKED_FIELDS])}
-                stats.update(metric_stats(logits, yb, None, wb))
-                return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
-
-            (params, rest, opt_state, _), stats = lax.scan(
-                one_step, (params, rest, opt_state, jnp.int32(0)), (xs, ys, ws))
-            return params, rest, opt_state, stats
-
-        return train_replica
-
-    def _make_eval_replica(self) -> Callable:
-        loss_fn, apply, metric_stats = self.loss_fn, self._apply, self._metric_stats
-
-        def eval_replica(params, rest, rngs, x, y, w, mask):
-            logits = apply(params, rest, x, rngs)
-            per_example = loss_fn(logits, y)
-            stats = {
-                "loss": jnp.sum(per_example * w),
-                "correct": jnp.sum(_correct_per_example(logits, y) * mask),  # unweighted
-                "weight": jnp.sum(mask),
-                "count": jnp.sum(mask),
-            }
-            stats.update(metric_stats(logits, y, mask, w))
-            return get_replica_context().all_reduce("SUM", stats)
-
-        return eval_replica
-
-    def _metric_stats(self, logits: jax.Array, y: jax.Array, mask: Any,
-                      w: Any = None) -> dict[str, Any]:
-        """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller): the
-        ``metrics`` over the real rows (``mask``), the ``weighted_metrics`` with each row
-        weighted by its sample weight ``w``."""
-        return keras_metrics.metric_sums(self._metrics.specs, logits, y, mask, w)
-
-    def _make_predict_replica(self) -> Callable:
-        apply = self._apply
-
-        def predict_replica(params, rest, rngs, x):
-            return apply(params, rest, x, rngs)
-
-        return predict_replica
 
     # ------------------------------------------------------------------ public API
     @property
@@ -809,117 +674,6 @@ class Trainer(TrainerHandle):
                            what=f"Trainer step ({k} step(s) of {self.global_batch_size} rows)")
 
     # ------------------------------------------------------------------ internals
-    def _check_shapes(self, d: data_lib.ArrayData, what: str) -> None:
-        b = self.global_batch_size
-        example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), d.x)
-        shapes = jax.tree.map(lambda a: tuple(a.shape[1:]), d.x)
-        try:
-            out = jax.eval_shape(
-                lambda p, r, x: self._apply(p, r, x), self.params, self.rest, example
-            )
-        except Exception as e:  # noqa: BLE001 - any shape error becomes one clear line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise data_lib.DataError(
-                f"{what}: the model cannot take examples of shape {shapes}: {first}"
-            ) from None
-        _check_labels(d.y, out, self.loss_fn, what)
-        if self.accuracy and d.y.ndim == 1 and getattr(out, "ndim", 0) == 2:
-            bad = (d.y < 0) | (d.y >= out.shape[-1])
-            if np.issubdtype(d.y.dtype, np.integer) and bad.any():
-                raise data_lib.DataError(
-                    f"{what}: label {d.y[bad][0]} is out of range for a model with "
-                    f"{out.shape[-1]} outputs; expected labels in [0, {out.shape[-1]})"
-                )
-
-    def _example(self, d: Any) -> data_lib.ArrayData:
-        """Data to check against the model: array data itself, a stream's first element."""
-        if isinstance(d, data_lib.ArrayData):
-            return d
-        x, y, _ = d.peek()
-        if y is None:
-            raise data_lib.DataError(f"{d.what}: the {d.name}'s elements have no labels; "
-                                     f"expected (x, y) batches or dicts with 'x' and 'y'")
-        return data_lib.ArrayData(x, y)
-
-    def _stream_steps_per_epoch(self, train: inputs_lib.StreamSource,
-                                steps_per_epoch: int | None, steps: int | None) -> int:
-        if steps_per_epoch is not None:
-            return int(steps_per_epoch)
-        n = train.num_elements()
-        if n is None:
-            if steps is not None:
-                return int(steps)
-            raise data_lib.DataError(
-                f"train_data is a {train.name} with no known length; pass steps_per_epoch=N "
-                f"(or steps=N), as Keras needs for such data")
-        return n * train.rows_per_element() // self.global_batch_size
-
-    def _eval_chunks(self, d: Any, labels: bool, batch_size: int | None = None):
-        """Global batches of ``d`` (this process's rows), the last padded: ``(x, y, w, mask)``
-        or, without ``labels``, ``(x, mask)``; ``batch_size`` rows each (default
-        ``global_batch_size``)."""
-        b = self.global_batch_size if batch_size is None else batch_size
-        if isinstance(d, data_lib.ArrayData):
-            batches = data_lib.eval_batches(d, b)
-        else:
-            batches = (data_lib.pad_batch(x, y if y is not None else
-                                          np.zeros((inputs_lib.row_count(x),), np.int32), w, b)
-                       for x, y, w in d.batches(b, epoch=0, pad_last=True))
-        n = self._mesh_replicas
-        eb = -(-b // n) * n  # padded (masked) to a multiple of the mesh's replicas
-        for x, y, w, m in batches:
-            if labels and isinstance(d, inputs_lib.StreamSource):
-                _check_batch_labels(y, d.what, self.loss_fn)
-            if eb != b:  # masked zero rows: weight and mask 0, so the sums do not change
-                x, y, w, m = jax.tree.map(lambda a: _pad_rows(a, eb), (x, y, w, m))
-            rows = functools.partial(self._local_rows, num_steps=1, batch_size=eb)
-            if labels:
-                yield rows(x), rows(y), rows(w), rows(m)
-            else:
-                yield rows(x), rows(m)
-
-    def _local_rows(self, x: Any, num_steps: int, batch_size: int | None = None) -> Any:
-        """Orders ``num_steps`` global batches so that each local replica gets its rows.
-
-        ``x`` (an array or a dict of arrays) holds ``num_steps`` consecutive global batches of
-        ``batch_size`` rows (default ``global_batch_size``). Replica ``r`` of the ``N`` of
-        this process's mesh must see rows ``[r*B/N, (r+1)*B/N)`` of every one of them, in step
-        order; the distributed dataset splits its input into equal consecutive parts, one per
-        local replica.
-        """
-        if isinstance(x, Mapping):
-            return {k: self._local_rows(v, num_steps, batch_size) for k, v in x.items()}
-        n = self._mesh_replicas
-        b = self.global_batch_size if batch_size is None else batch_size
-        if b % n:
-            raise ValueError(
-                f"a batch of {b} rows does not split across the {n} replicas of this "
-                f"process's {type(self.strategy).__name__} mesh; expected a multiple of {n}")
-        per = b // n
-        x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
-        x = np.swapaxes(x, 0, 1)
-        return x.reshape(len(self._local_replicas) * num_steps * per, *x.shape[3:])
-
-    def _distribute(self, local_batches: Any, options: Any = None) -> Any:
-        """Distributes batches that already hold only this process's rows (``_local_rows``).
-
-        The rows are chosen here, so the strategy must not shard them again across processes:
-        the dataset is tagged ``AutoShardPolicy.OFF`` (with ``MultiWorkerMirroredStrategy`` the
-        default ``AUTO``/``DATA`` would keep 1/P of rows that are already 1/P of a batch).
-        """
-        from jaxdist._src.input.autoshard import with_auto_shard_policy
-
-        return self.strategy.experimental_distribute_dataset(
-            with_auto_shard_policy(local_batches, "OFF"), options=options)
-
-    def _checkpointer_or_none(self) -> Checkpointer | None:
-        if self.checkpoint_dir is None:
-            return None
-        if self._checkpointer is None:
-            # Only the chief writes; the other workers read it (to resume) and create nothing.
-            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints,
-                                              read_only=not self.should_checkpoint)
-        return self._checkpointer
 
     def _current_params(self) -> Any:
         self.train_state = self._hook.current_state(self.context, self._state)
@@ -929,266 +683,16 @@ class Trainer(TrainerHandle):
         # e.g. this worker's share
         return self._hook.epoch_order(self.context, num_examples, epoch)
 
-    def _record(self) -> run_record.RunRecord:
-        """The record of the settings written with this trainer's checkpoints (its settings
-        as they are now: a later ``fit`` may take another batch size)."""
-        ck = self.checkpoint_config
-        settings = {**run_record.trainer_settings(
-            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
-            self.batch_norm), **(ck.settings or {})}
-        if self._run_record is None:
-            self._run_record = run_record.RunRecord(
-                self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
-        self._run_record.settings = run_record.plain(settings)
-        return self._run_record
 
-    def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
-        """Restores the latest checkpoint (the first ``fit`` only) once its recorded settings
-        match (``run_record``); returns note lines, or ``None`` when nothing was restored."""
-        if self.checkpoint_dir is None or not self.resume or self._resumed:
-            return None
-        self._resumed = True  # only the first fit resumes; later calls continue in memory
-        record = self._record()
-        notes = record.check()   # raises SettingsChangedError before anything is restored
-        fresh = self._state.opt_state
-        self._state, self._restored_position = self._hook.resume(
-            self.context, self._state, steps_per_epoch)
-        if self.last_checkpoint is None:
-            return None
-        if not self._hook.local_state:   # the ps hooks derive the position from the step
-            return notes + record.notes_after_restore(self.last_checkpoint)
-        self._state, more = record.converted(self._state, self.global_batch_size,
-                                             steps_per_epoch, fresh)
-        return notes + more + record.notes_after_restore(self.last_checkpoint)
 
-    def save_checkpoint(self) -> None:
-        """Writes a checkpoint of the current state and data position (chief only)."""
-        if self.checkpoint_dir is not None:
-            self.train_state = self._hook.save(self.context, self._state, self._data_position)
-            if self.last_checkpoint == self.step:
-                self._record().saved(self.step, self.epoch, self.step_in_epoch)
 
-    def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
-                     chunks: Sequence[tuple[int, int]]):
-        b = self.global_batch_size
-        for start, k in chunks:
-            part = train.take(order[start * b:(start + k) * b])
-            w = np.ones((k * b,), np.float32) if part.w is None else part.w
-            yield (self._local_rows(part.x, k), self._local_rows(part.y, k),
-                   self._local_rows(w, k))
 
-    def _host_blocks(self, train: data_lib.ArrayData, order: np.ndarray,
-                     groups: Sequence[Sequence[tuple[int, int]]], sizes: Mapping[int, int]):
-        """Like ``_host_chunks`` for groups of consecutive chunks of ``kk`` steps each: one
-        input block per group (``_input_block``), padded to ``sizes[kk]`` chunks so that
-        its shape, hence the compiled step, is the same for every group."""
-        b = self.global_batch_size
-        for group in groups:
-            start, kk = group[0]
-            part = train.take(order[start * b:(start + len(group) * kk) * b])
-            w = np.ones((len(part),), np.float32) if part.w is None else part.w
-            yield self._input_block(part.x, part.y, w, kk, sizes[kk])
 
-    def _input_block(self, x: Any, y: Any, w: Any, kk: int, count: int) -> tuple[Any, Any, Any]:
-        """``count`` chunks of ``kk`` global batches as one input block ``(x, y, w)``.
 
-        ``x``, ``y``, ``w`` hold the rows of up to ``count`` chunks, in step order (missing
-        chunks at the end are zero rows, never run). Each array becomes ``(local replicas x
-        count, kk x rows per replica, ...)``: the distributed dataset gives every replica its
-        ``(count, kk x rows per replica, ...)`` share, and a dispatch of ``train_replica``
-        takes one chunk of it on the device. One transfer then feeds ``count`` dispatches.
-        """
-        rows = count * kk * self.global_batch_size
-        per = self.global_batch_size // self._mesh_replicas
-        local = len(self._local_replicas)
 
-        def block(a: Any) -> np.ndarray:
-            a = np.asarray(a)
-            if a.shape[0] != rows:
-                a = _pad_rows(a, rows)
-            a = self._local_rows(a, count * kk)
-            return a.reshape(local * count, kk * per, *a.shape[1:])
 
-        return jax.tree.map(block, x), block(y), block(w)
 
-    def _block_sizes(self, train: Any, spe: int) -> dict[int, int]:
-        """Chunks per input block for chunks of ``k`` and of 1 steps: up to ``_BLOCK_STEPS``
-        steps and ``_BLOCK_BYTES`` bytes per block, a power of two no larger than needed for
-        an epoch (so one fit compiles at most two programs, as without blocks)."""
-        k = self.steps_per_execution
-        if not isinstance(train, data_lib.ArrayData):
-            return {k: 1, 1: 1}   # a stream: one chunk per block (no reading further ahead)
-        row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
-                  for a in jax.tree.leaves((train.x, train.y))) + 4  # + the weight
-        chunk_bytes = max(1, row * self.global_batch_size)
 
-        def size(kk: int, chunks_needed: int) -> int:
-            cap = max(1, min(_BLOCK_STEPS // kk, _BLOCK_BYTES // (kk * chunk_bytes)))
-            need = 1 << max(0, int(chunks_needed) - 1).bit_length()  # next power of two
-            return max(1, min(cap, need))
-
-        return {k: size(k, spe // k), 1: size(1, spe if k == 1 else k - 1)}
-
-    def _stream_chunks(self, train: inputs_lib.StreamSource, chunks: Sequence[tuple[int, int]],
-                       positions: list[Any], ran_out: list[bool], blocks: bool = False):
-        """Like ``_host_chunks`` for a stream: ``k`` global batches per chunk; the stream's
-        position after each chunk goes to ``positions`` (the distributed dataset reads ahead,
-        so the loop takes a position only when it runs the chunk). With ``blocks`` each chunk
-        is an input block of one chunk (``_input_block``)."""
-        b = self.global_batch_size
-        restored = self._restored_position
-        self._restored_position = None
-        state = None
-        if restored and restored.get("epoch") == self.epoch:
-            state = restored.get("grain_state")
-        it = train.batches(b, self.epoch, skip=chunks[0][0] if chunks else 0, state=state)
-        for _, k in chunks:
-            got = list(itertools.islice(it, k))
-            if len(got) < k:
-                ran_out[0] = True
-                return
-            for _, yb, _ in got:
-                _check_batch_labels(yb, train.what, self.loss_fn)
-            x = jax.tree.map(lambda *a: np.concatenate(a), *[g[0] for g in got])
-            y = np.concatenate([g[1] for g in got])
-            w = np.concatenate([np.ones((b,), np.float32) if g[2] is None else g[2]
-                                for g in got])
-            positions.append(train.position())
-            if blocks:
-                yield self._input_block(x, y, w, k, 1)
-            else:
-                yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
-
-    def _epoch_inputs(self, train: Any, order: Any, chunks: Sequence[tuple[int, int]],
-                      groups: Sequence[Sequence[tuple[int, int]]], block_sizes: Mapping[int, int],
-                      blocks: bool, positions: list[Any], ran_out: list[bool]) -> Any:
-        """An epoch's distributed inputs: one ``(x, y, w)`` per group of chunks (``None``s
-        when the hook feeds its steps itself). Blocks of up to 32 steps: a thread prepares
-        them (a gather of the epoch's rows) while this one dispatches and waits; its hand-off
-        costs once per block, not per step."""
-        opts = InputOptions(experimental_per_replica_buffer_size=2, prefetch_thread=True)
-        if self._hook.owns_input:  # e.g. per-worker datasets
-            return ((None, None, None) for _ in groups)
-        if isinstance(train, inputs_lib.StreamSource):
-            return iter(self._distribute(
-                self._stream_chunks(train, chunks, positions, ran_out, blocks), options=opts))
-        if blocks:
-            return iter(self._distribute(
-                self._host_blocks(train, order, groups, block_sizes), options=opts))
-        return iter(self._distribute(self._host_chunks(train, order, chunks), options=opts))
-
-    def _run_epoch(self, train: Any, total: int, spe: int, num_epochs: int,
-                   runner: loop_lib.StepRunner, reporter: loop_lib.FitReporter, logger: Any,
-                   cbs: Any, blocks: bool, block_sizes: Mapping[int, int]) -> bool:
-        """Runs the steps of the current epoch up to its end, ``total`` steps or a stop;
-        returns whether a stream ran out before the epoch's end."""
-        order = (None if isinstance(train, inputs_lib.StreamSource)
-                 else self._epoch_order(len(train), self.epoch))
-        start = self.step_in_epoch
-        cbs.on_epoch_begin(self.epoch)
-        logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
-        chunks, groups = loop_lib.plan_epoch(
-            start, min(spe, start + (total - self.step)), self.steps_per_execution,
-            blocks=blocks, block_sizes=block_sizes)
-        positions: list[Any] = []
-        ran_out = [False]
-        timer = self._dispatch_timer
-        inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
-                                    positions, ran_out)
-        try:
-            for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
-                if self._preemption is not None and self._preemption.should_stop(self.step, kk):
-                    self._status.preempted = True
-                    break
-                if positions:
-                    self._data_position = positions.pop(0)
-                reporter.batch_begin(s + kk - 1)
-                before = self.step
-                if timer is not None:
-                    timer.before()
-                self.train_state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
-                if timer is not None and timer.count < 2:
-                    timer.after(stats, kk)
-                reporter.record(stats, self._state, self.last_checkpoint)
-                logger.advance(kk)
-                crossed = lambda every: self.step // every > before // every  # noqa: B023
-                if crossed(self.log_every_steps) or self.step >= total:
-                    reporter.check_nan(self.last_checkpoint)
-                    reporter.log_train(self._state)
-                if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
-                    reporter.check_nan(self.last_checkpoint)
-                    self.save_checkpoint()
-                reporter.batch_end(s + kk - 1)
-                if self.stop_training:
-                    break
-        finally:
-            inputs.close()
-        return ran_out[0]
-
-    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
-                  num_epochs) -> None:
-        """The epochs of ``fit``: the epoch plan and inputs, the step runner, the reporter
-        (``jaxdist._src.train.loop``). The state lives in ``self._state`` between steps, so
-        callbacks that change it (the learning rate, ``set_weights``) take effect."""
-        hook, ctx = self._hook, self.context
-        reporter = loop_lib.FitReporter(
-            logger, history, cbs, batch_size=ctx.global_batch_size, accuracy=self.accuracy,
-            metric_results=self._metric_results, learning_rate=self.current_learning_rate,
-            halt_on_nan=self.halt_on_nan, checkpoint_dir=self.checkpoint_dir,
-            initial_step=self.step)
-        cbs.on_train_begin()
-        # With a hook that takes input blocks, consecutive chunks of the same length share
-        # one block (one host-to-device transfer for several dispatches).
-        blocks = hook.input_blocks and not hook.owns_input
-        block_sizes = self._block_sizes(train, spe)
-        runner = loop_lib.StepRunner(hook, ctx, spe, blocks)
-
-        def validate() -> dict[str, float]:
-            return reporter.validate(
-                self._state, lambda callbacks: self.evaluate(val, callback_list=callbacks),
-                lambda: hook.state_version(self.context, self._state))
-
-        while self.step < total and not self.stop_training:
-            epoch_start_time = time.perf_counter()
-            ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
-                                      cbs, blocks, block_sizes)
-            if self._status.preempted:
-                reporter.log_train(self._state)
-                saved = self.checkpoint_dir is None or self.last_checkpoint == self.step
-                self._preemption.finish(self.step, (lambda: None) if saved
-                                        else self.save_checkpoint,
-                                        is_chief=self.should_checkpoint)
-                self.stop_training = True  # a custom exit_fn returned: fit stops here
-                return
-            if ran_out:  # a stream ended before the epoch length it announced
-                if self.step_in_epoch == 0 and not reporter.epoch_stats:
-                    raise data_lib.DataError(
-                        f"train_data ran out of data at step {self.step} (epoch "
-                        f"{self.epoch}); pass a repeating dataset or fewer steps/epochs")
-                if total != self.step and self.step_in_epoch < spe:
-                    total -= spe - self.step_in_epoch   # the epoch was shorter: as many epochs
-                    spe = runner.steps_per_epoch = self.step_in_epoch
-                self.train_state = self._state.replace(epoch=self.epoch + 1, step_in_epoch=0)
-            reporter.check_nan(self.last_checkpoint)
-            if self.step_in_epoch == 0 or self.stop_training:  # the epoch ended
-                logs = reporter.epoch_logs()
-                if logs is not None:
-                    if val is not None and validation_freq and self.epoch % validation_freq == 0:
-                        logs.update({f"val_{k}": v for k, v in validate().items()})
-                    ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
-                    reporter.end_epoch(ended, num_epochs, logs,
-                                       time.perf_counter() - epoch_start_time)
-        self.train_state = hook.end_training(self.context, self._state)
-        reporter.log_train(self._state)
-        if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
-            self.save_checkpoint()
-        # With parameter servers, other workers may push after this task's last validation.
-        changed = hook.state_version(self.context, self._state) != reporter.last_val_version
-        if val is not None and (reporter.last_val_step != self.step or changed):
-            history.add("val_", validate())
-        end = reporter.end(self._state, val is not None)
-        hook.end_fit(self.context, self._state)
-        cbs.on_train_end(end)
 
 def _verbose(verbose: int | str) -> int:
     if verbose == "auto":
@@ -1199,55 +703,12 @@ def _verbose(verbose: int | str) -> int:
     return int(verbose)
 
 
-def _mean_where_varying(ctx: Any, tree: Any) -> Any:
-    """The mean over the replicas of the leaves that vary over them; the others (already reduced,
-    e.g. synchronized batch statistics) are returned unchanged, never reduced twice."""
-    axes = ctx.axis_name if isinstance(ctx.axis_name, tuple) else (ctx.axis_name,)
-
-    def mean(a: Any) -> Any:
-        varying = tuple(x for x in axes if x in varying_axes(a))
-        return lax.pmean(a, varying) if varying else a
-
-    return jax.tree.map(mean, tree)
 
 
-def _check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:
-    """Labels of the wrong kind for the named losses: one clear error (exit status 2)."""
-    out_ndim = getattr(out, "ndim", None)
-    if loss_fn is sparse_categorical_crossentropy and out_ndim is not None:
-        if y.ndim == out_ndim and y.ndim >= 2 and y.shape[-1] == out.shape[-1]:
-            raise data_lib.DataError(
-                f"{what}: labels of shape {y.shape} look one-hot; loss "
-                f"'sparse_categorical_crossentropy' expects integer class ids of shape "
-                f"{y.shape[:-1]}: pass y.argmax(-1), or use loss='categorical_crossentropy'",
-                exit_code=2)
-        _check_batch_labels(y, what, loss_fn)
-    if loss_fn is categorical_crossentropy and out_ndim is not None and y.ndim == out_ndim - 1:
-        raise data_lib.DataError(
-            f"{what}: labels of shape {y.shape} are class ids; loss 'categorical_crossentropy' "
-            f"expects one-hot labels of shape {(*y.shape, out.shape[-1])}: use loss="
-            f"'sparse_categorical_crossentropy'", exit_code=2)
 
 
-def _pad_rows(a: Any, rows: int) -> np.ndarray:
-    """``a`` with zero rows appended up to ``rows`` rows."""
-    a = np.asarray(a)
-    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
-    """Float labels that are not whole numbers cannot be class ids (sparse cross-entropy)."""
-    if y is None or loss_fn is not sparse_categorical_crossentropy:
-        return
-    y = np.asarray(y)
-    if np.issubdtype(y.dtype, np.floating):
-        frac = np.mod(y, 1) != 0
-        if frac.any():
-            raise data_lib.DataError(
-                f"{what}: labels are floats such as {y[frac].flat[0]:g}; loss "
-                f"'sparse_categorical_crossentropy' expects integer class ids: pass integer "
-                f"labels (y.astype(int) if they are ids), or a loss for real-valued targets",
-                exit_code=2)
 
 
 def _inline_on_coordinator(strategy: Any) -> contextlib.AbstractContextManager:

@@ -1,0 +1,103 @@
+"""The Trainer's checkpoints: its ``CheckpointConfig`` (replaced whole, never field by field),
+the ``Checkpointer`` of its directory, the record of the settings written with each checkpoint
+(``run_record``), the resume at the start of the first ``fit`` and the saves.
+
+``CheckpointWiring`` is a mixin of ``Trainer``; the strategy's ``TrainerHook`` does the
+restoring and the writing (``resume``, ``save``) and returns the new ``TrainState``.
+
+Example:
+    >>> from jaxdist._src.train.checkpoint_wiring import CheckpointWiring
+    >>> class Trainer(CheckpointWiring): ...
+"""
+
+from __future__ import annotations
+
+from jaxdist._src.train import run_record
+from jaxdist._src.train.checkpoint import Checkpointer
+from jaxdist._src.train.options import CheckpointConfig
+
+
+class CheckpointWiring:
+    """Mixin of ``Trainer``: its checkpoint options, directory handle, settings record,
+    resume and saves.
+
+    Example:
+        >>> trainer.save_checkpoint()   # the current state and data position  # doctest: +SKIP
+    """
+
+    def replace_checkpoint_config(self, checkpoint: CheckpointConfig) -> None:
+        """Makes ``checkpoint`` the trainer's checkpoint options: the one way to change them
+        (``BackupAndRestore`` returns its new ``CheckpointConfig``, built with
+        ``dataclasses.replace``, and ``fit`` passes it here). A new directory gets its own
+        ``Checkpointer`` and settings record.
+
+        Raises:
+            TypeError: ``checkpoint`` is not a ``CheckpointConfig``.
+
+        Example:
+            >>> import dataclasses, jaxdist, optax
+            >>> from flax import nnx
+            >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+            >>> trainer.replace_checkpoint_config(
+            ...     dataclasses.replace(trainer.checkpoint_config, every_steps=50))
+            >>> trainer.checkpoint_every_steps
+            50
+        """
+        if not isinstance(checkpoint, CheckpointConfig):
+            raise TypeError(f"replace_checkpoint_config takes a jaxdist.train.CheckpointConfig, "
+                            f"got {type(checkpoint).__name__}: {checkpoint!r}")
+        if checkpoint.dir != self.checkpoint_config.dir:
+            self.close_checkpointer()
+            self._run_record = None
+        self.checkpoint_config = checkpoint
+
+    def _checkpointer_or_none(self) -> Checkpointer | None:
+        if self.checkpoint_dir is None:
+            return None
+        if self._checkpointer is None:
+            # Only the chief writes; the other workers read it (to resume) and create nothing.
+            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints,
+                                              read_only=not self.should_checkpoint)
+        return self._checkpointer
+
+    def _record(self) -> run_record.RunRecord:
+        """The record of the settings written with this trainer's checkpoints (its settings
+        as they are now: a later ``fit`` may take another batch size)."""
+        ck = self.checkpoint_config
+        settings = {**run_record.trainer_settings(
+            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
+            self.batch_norm), **(ck.settings or {})}
+        if self._run_record is None:
+            self._run_record = run_record.RunRecord(
+                self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
+        self._run_record.settings = run_record.plain(settings)
+        return self._run_record
+
+    def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
+        """Restores the latest checkpoint (the first ``fit`` only) once its recorded settings
+        match (``run_record``); returns note lines, or ``None`` when nothing was restored."""
+        if self.checkpoint_dir is None or not self.resume or self._resumed:
+            return None
+        self._resumed = True  # only the first fit resumes; later calls continue in memory
+        record = self._record()
+        notes = record.check()   # raises SettingsChangedError before anything is restored
+        fresh = self._state.opt_state
+        self._state, self._restored_position = self._hook.resume(
+            self.context, self._state, steps_per_epoch)
+        if self.last_checkpoint is None:
+            return None
+        if not self._hook.local_state:   # the ps hooks derive the position from the step
+            return notes + record.notes_after_restore(self.last_checkpoint)
+        self._state, more = record.converted(self._state, self.global_batch_size,
+                                             steps_per_epoch, fresh)
+        return notes + more + record.notes_after_restore(self.last_checkpoint)
+
+    def save_checkpoint(self) -> None:
+        """Writes a checkpoint of the current state and data position (chief only)."""
+        if self.checkpoint_dir is not None:
+            self.train_state = self._hook.save(self.context, self._state, self._data_position)
+            if self.last_checkpoint == self.step:
+                self._record().saved(self.step, self.epoch, self.step_in_epoch)
+
+
+__all__ = ["CheckpointWiring"]
