@@ -52,50 +52,60 @@ class CheckpointWiring:
         self.checkpoint_config = checkpoint
 
     def _checkpointer_or_none(self) -> Checkpointer | None:
-        if self.checkpoint_dir is None:
-            return None
         if self._checkpointer is None:
+            ck = self.checkpoint_config
+            if ck.dir is None:
+                return None
             # Only the chief writes; the other workers read it (to resume) and create nothing.
-            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints,
+            self._checkpointer = Checkpointer(ck.dir, keep=ck.keep,
                                               read_only=not self.should_checkpoint)
         return self._checkpointer
 
-    def _record(self) -> run_record.RunRecord:
-        """The record of the settings written with this trainer's checkpoints (its settings
-        as they are now: a later ``fit`` may take another batch size)."""
-        ck = self.checkpoint_config
+    def _record(self, refresh: bool = False) -> run_record.RunRecord:
+        """The record of the settings written with this trainer's checkpoints; ``refresh``
+        (at the start of each ``fit``, which may take another batch size): with the settings
+        as they are now."""
+        if self._run_record is not None and not refresh:
+            return self._run_record
+        ck, config = self.checkpoint_config, self.config
         settings = {**run_record.trainer_settings(
-            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
-            self.batch_norm), **(ck.settings or {})}
+            self.strategy, config.global_batch_size, config.seed, config.shuffle,
+            config.precision, config.batch_norm), **(ck.settings or {})}
         if self._run_record is None:
             self._run_record = run_record.RunRecord(
-                self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
+                ck.dir, settings, ck.allow_changes, writer=self.should_checkpoint)
         self._run_record.settings = run_record.plain(settings)
         return self._run_record
 
     def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
-        """Restores the latest checkpoint (the first ``fit`` only) once its recorded settings
-        match (``run_record``); returns note lines, or ``None`` when nothing was restored."""
-        if self.checkpoint_dir is None or not self.resume or self._resumed:
+        """Refreshes the settings record; restores the latest checkpoint (the first ``fit``
+        only) once its recorded settings match (``run_record``); returns note lines, or
+        ``None`` when nothing was restored."""
+        ctx = self.context
+        ck = self.checkpoint_config
+        if ck.dir is None:
+            return None
+        record = self._record(refresh=True)
+        if not ck.resume or self._resumed:
             return None
         self._resumed = True  # only the first fit resumes; later calls continue in memory
-        record = self._record()
         notes = record.check()   # raises SettingsChangedError before anything is restored
         fresh = self._state.opt_state
-        self._state, self._restored_position = self._hook.resume(
-            self.context, self._state, steps_per_epoch)
+        self.train_state, self._restored_position = self._hook.resume(
+            ctx, self._state, steps_per_epoch)
         if self.last_checkpoint is None:
             return None
         if not self._hook.local_state:   # the ps hooks derive the position from the step
             return notes + record.notes_after_restore(self.last_checkpoint)
-        self._state, more = record.converted(self._state, self.global_batch_size,
-                                             steps_per_epoch, fresh)
+        self.train_state, more = record.converted(self._state, ctx.global_batch_size,
+                                                  steps_per_epoch, fresh)
         return notes + more + record.notes_after_restore(self.last_checkpoint)
 
     def save_checkpoint(self) -> None:
         """Writes a checkpoint of the current state and data position (chief only)."""
-        if self.checkpoint_dir is not None:
-            self.train_state = self._hook.save(self.context, self._state, self._data_position)
+        ctx = self.context
+        if ctx.checkpoint_dir is not None:
+            self.train_state = self._hook.save(ctx, self._state, self._data_position)
             if self.last_checkpoint == self.step:
                 self._record().saved(self.step, self.epoch, self.step_in_epoch)
 

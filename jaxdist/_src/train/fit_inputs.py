@@ -185,11 +185,13 @@ class InputFeed:
 
         return jax.tree.map(block, x), block(y), block(w)
 
-    def _block_sizes(self, train: Any, spe: int) -> dict[int, int]:
-        """Chunks per input block for chunks of ``k`` and of 1 steps: up to ``BLOCK_STEPS``
-        steps and ``BLOCK_BYTES`` bytes per block, a power of two no larger than needed for
-        an epoch (so one fit compiles at most two programs, as without blocks)."""
-        k = self.steps_per_execution
+    def _block_sizes(self, train: Any, spe: int, k: int | None = None) -> dict[int, int]:
+        """Chunks per input block for chunks of ``k`` (default: ``steps_per_execution``) and
+        of 1 steps: up to ``BLOCK_STEPS`` steps and ``BLOCK_BYTES`` bytes per block, a power of
+        two no larger than needed for an epoch (so one fit compiles at most two programs, as
+        without blocks)."""
+        if k is None:
+            k = self.config.steps_per_execution
         if not isinstance(train, data_lib.ArrayData):
             return {k: 1, 1: 1}   # a stream: one chunk per block (no reading further ahead)
         row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))

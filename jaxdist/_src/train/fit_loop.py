@@ -30,7 +30,8 @@ class FitLoop:
         >>> trainer._fit_loop(train, val, total, spe, 1, logger, history, cbs, 1)  # doctest: +SKIP
     """
 
-    def _run_epoch(self, train: Any, total: int, spe: int, num_epochs: int,
+    def _run_epoch(self, settings: loop_lib.FitSettings, train: Any, total: int, spe: int,
+                   num_epochs: int,
                    runner: loop_lib.StepRunner, reporter: loop_lib.FitReporter, logger: Any,
                    cbs: Any, blocks: bool, block_sizes: Mapping[int, int]) -> bool:
         """Runs the steps of the current epoch up to its end, ``total`` steps or a stop;
@@ -41,7 +42,7 @@ class FitLoop:
         cbs.on_epoch_begin(self.epoch)
         logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
         chunks, groups = loop_lib.plan_epoch(
-            start, min(spe, start + (total - self.step)), self.steps_per_execution,
+            start, min(spe, start + (total - self.step)), settings.steps_per_execution,
             blocks=blocks, block_sizes=block_sizes)
         positions: list[Any] = []
         ran_out = [False]
@@ -65,10 +66,11 @@ class FitLoop:
                 reporter.record(stats, self._state, self.last_checkpoint)
                 logger.advance(kk)
                 crossed = lambda every: self.step // every > before // every  # noqa: B023
-                if crossed(self.log_every_steps) or self.step >= total:
+                if crossed(settings.log_every_steps) or self.step >= total:
                     reporter.check_nan(self.last_checkpoint)
                     reporter.log_train(self._state)
-                if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
+                if settings.checkpoint_dir is not None and crossed(
+                        settings.checkpoint_every_steps):
                     reporter.check_nan(self.last_checkpoint)
                     self.save_checkpoint()
                 reporter.batch_end(s + kk - 1)
@@ -78,8 +80,8 @@ class FitLoop:
             inputs.close()
         return ran_out[0]
 
-    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
-                  num_epochs) -> None:
+    def _fit_loop(self, settings: loop_lib.FitSettings, train, val, total, spe, validation_freq,
+                  logger, history, cbs, num_epochs) -> None:
         """The epochs of ``fit``: the epoch plan and inputs, the step runner, the reporter
         (``jaxdist._src.train.loop``). The state lives in ``self._state`` between steps, so
         callbacks that change it (the learning rate, ``set_weights``) take effect."""
@@ -87,13 +89,13 @@ class FitLoop:
         reporter = loop_lib.FitReporter(
             logger, history, cbs, batch_size=ctx.global_batch_size, accuracy=self.accuracy,
             metric_results=self._metric_results, learning_rate=self.current_learning_rate,
-            halt_on_nan=self.halt_on_nan, checkpoint_dir=self.checkpoint_dir,
+            halt_on_nan=settings.halt_on_nan, checkpoint_dir=settings.checkpoint_dir,
             initial_step=self.step)
         cbs.on_train_begin()
         # With a hook that takes input blocks, consecutive chunks of the same length share
         # one block (one host-to-device transfer for several dispatches).
         blocks = hook.input_blocks and not hook.owns_input
-        block_sizes = self._block_sizes(train, spe)
+        block_sizes = self._block_sizes(train, spe, settings.steps_per_execution)
         runner = loop_lib.StepRunner(hook, ctx, spe, blocks)
 
         def validate() -> dict[str, float]:
@@ -103,11 +105,11 @@ class FitLoop:
 
         while self.step < total and not self.stop_training:
             epoch_start_time = time.perf_counter()
-            ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
-                                      cbs, blocks, block_sizes)
+            ran_out = self._run_epoch(settings, train, total, spe, num_epochs, runner, reporter,
+                                      logger, cbs, blocks, block_sizes)
             if self._status.preempted:
                 reporter.log_train(self._state)
-                saved = self.checkpoint_dir is None or self.last_checkpoint == self.step
+                saved = settings.checkpoint_dir is None or self.last_checkpoint == self.step
                 self._preemption.finish(self.step, (lambda: None) if saved
                                         else self.save_checkpoint,
                                         is_chief=self.should_checkpoint)
@@ -133,7 +135,7 @@ class FitLoop:
                                        time.perf_counter() - epoch_start_time)
         self.train_state = hook.end_training(self.context, self._state)
         reporter.log_train(self._state)
-        if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
+        if settings.checkpoint_dir is not None and self.last_checkpoint != self.step:
             self.save_checkpoint()
         # With parameter servers, other workers may push after this task's last validation.
         changed = hook.state_version(self.context, self._state) != reporter.last_val_version

@@ -44,6 +44,32 @@ class NaNLossError(RuntimeError):
         self.last_checkpoint = last_checkpoint
 
 
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """What ``fit``'s loop reads of the Trainer's options, read from its config groups once,
+    when ``fit`` starts (the loop itself reads no config).
+
+    Attributes:
+        steps_per_execution: steps per compiled dispatch (``TrainConfig``).
+        halt_on_nan: raise ``NaNLossError`` on a NaN or inf loss (``TrainConfig``).
+        log_every_steps: the logging interval (``LoggingConfig.every_steps``).
+        checkpoint_dir: where checkpoints go, ``None``: none (``CheckpointConfig.dir``).
+        checkpoint_every_steps: the checkpoint interval (``CheckpointConfig.every_steps``).
+
+    Example:
+        >>> from jaxdist._src.train.loop import FitSettings
+        >>> FitSettings(steps_per_execution=4, halt_on_nan=True, log_every_steps=10,
+        ...             checkpoint_dir=None, checkpoint_every_steps=100).log_every_steps
+        10
+    """
+
+    steps_per_execution: int
+    halt_on_nan: bool
+    log_every_steps: int
+    checkpoint_dir: str | None
+    checkpoint_every_steps: int
+
+
 # ---------------------------------------------------------------------- the epoch plan
 def plan_epoch(start: int, stop: int, steps_per_execution: int, *, blocks: bool,
                block_sizes: Mapping[int, int]
@@ -317,5 +343,5 @@ class FitReporter:
         return end
 
 
-__all__ = ["FitReporter", "NaNLossError", "StepRunner", "epoch_steps", "plan_epoch",
-           "summarize"]
+__all__ = ["FitReporter", "FitSettings", "NaNLossError", "StepRunner", "epoch_steps",
+           "plan_epoch", "summarize"]

@@ -43,8 +43,9 @@ from jaxdist._src.strategies.strategy import Strategy
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
-from jaxdist._src.train import keras_metrics, run_record
+from jaxdist._src.train import loop as loop_lib
 from jaxdist._src.train import options as options_lib
+from jaxdist._src.train import run_record
 from jaxdist._src.train.callbacks import History
 from jaxdist._src.train.checkpoint import Checkpointer
 from jaxdist._src.train.checkpoint_wiring import CheckpointWiring
@@ -59,9 +60,8 @@ from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: p
     sparse_categorical_crossentropy,
 )
 from jaxdist._src.train.metrics import MetricsLogger
-from jaxdist._src.train.model_state import ModelState, check_batch_norm
+from jaxdist._src.train.model_state import ModelState
 from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
-from jaxdist._src.train.precision import compute_dtype
 from jaxdist._src.train.replica_fns import ReplicaFunctions
 from jaxdist._src.train.state import TrainerContext, TrainState
 from jaxdist._src.train.trainer_handle import FitStatus, TrainerHandle
@@ -223,18 +223,15 @@ class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFuncti
         logging: LoggingConfig | None = None,
         **options: Any,
     ):
-        config, checkpoint, logging = options_lib.resolve(config, checkpoint, logging, options)
-        if config.steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be >= 1, got "
-                             f"{config.steps_per_execution}")
-        check_batch_norm(config.batch_norm)
-        self._compute_dtype = compute_dtype(config.precision)
+        resolved = options_lib.resolve_checked(config, checkpoint, logging, options)
         # The options, as given: read where used, never copied into loose attributes. The
         # global batch size (set by fit(batch_size=...)) and the checkpointing (replaced by
         # replace_checkpoint_config) change by replacing the whole group.
-        self.config: TrainConfig = dataclasses.replace(config, global_batch_size=None)
-        self.checkpoint_config: CheckpointConfig = checkpoint
-        self.logging_config: LoggingConfig = logging
+        self.config: TrainConfig = dataclasses.replace(resolved.config, global_batch_size=None)
+        self.checkpoint_config: CheckpointConfig = resolved.checkpoint
+        self.logging_config: LoggingConfig = resolved.logging
+        self._metrics = resolved.metrics
+        self._compute_dtype = resolved.compute_dtype
         self.strategy = strategy or _default_strategy()
         if isinstance(loss, str):
             if loss not in LOSSES:
@@ -244,7 +241,6 @@ class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFuncti
             loss = LOSSES[loss]
         self.loss_fn: LossFn = loss
         self.optimizer = optimizer
-        self._metrics = keras_metrics.MetricSetup.from_config(config)
         self._status = FitStatus()
 
         ext = self.strategy.extended
@@ -262,8 +258,8 @@ class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFuncti
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
         self._train_replica: Callable | None = None
-        if config.global_batch_size is not None:
-            self._set_batch_size(config.global_batch_size)
+        if resolved.config.global_batch_size is not None:
+            self._set_batch_size(resolved.config.global_batch_size)
         with self.strategy.scope():
             self._rngs = self.strategy.place(self._ms.rngs)
         self._checkpointer: Checkpointer | None = None
@@ -486,17 +482,22 @@ class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFuncti
         for note in notes or ():
             logger.message(f"Note: {note}")
         self._status = FitStatus()   # stop_training is False again
+        config, ck = self.config, self.checkpoint_config
+        settings = loop_lib.FitSettings(
+            steps_per_execution=config.steps_per_execution, halt_on_nan=config.halt_on_nan,
+            log_every_steps=self.logging_config.every_steps, checkpoint_dir=ck.dir,
+            checkpoint_every_steps=ck.every_steps)
         # With checkpoints, a preemption notice stops every process at one step, the chief
         # saves it and every process exits with the restart code (distributed.preemption).
-        self._preemption = (preemption.install(self.checkpoint_config.termination)
-                            if self.checkpoint_dir is not None else None)
+        self._preemption = (preemption.install(ck.termination)
+                            if ck.dir is not None else None)
         self._dispatch_timer = (preemption.DispatchTimer(self._preemption.config)
                                 if self._preemption is not None else None)
         try:
             with (self._preemption.consume() if self._preemption is not None
                   else contextlib.nullcontext()):
-                self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
-                               num_epochs)
+                self._fit_loop(settings, train, val, total, spe, validation_freq, logger,
+                               history, cbs, num_epochs)
         except BaseException:
             self._status.failed = True
             raise

@@ -201,9 +201,10 @@ class TrainerHandle:
     def run_dir(self) -> str | None:
         """This run's own directory (created on first use; ``None`` without ``log_dir`` or on
         a process that does not write summaries)."""
-        logging = self.logging_config
-        if self._run_dir is None and logging.dir is not None and self.should_save_summary:
-            self._run_dir = runs.new_run_dir(logging.dir, logging.run_name)
+        if self._run_dir is None and self.should_save_summary:
+            logging = self.logging_config
+            if logging.dir is not None:
+                self._run_dir = runs.new_run_dir(logging.dir, logging.run_name)
         return self._run_dir
 
     def describe_run(self) -> str:
