@@ -8,7 +8,8 @@
 * ``FitReporter``: what happens around the steps: the logging intervals, the NaN checks, the
   epoch summaries, validation, and the callbacks' batch and epoch hooks.
 
-``Trainer._fit_loop`` composes them; each is usable (and tested) alone.
+``FitLoop._fit_loop`` (``jaxdist._src.train.fit_loop``, a mixin of ``Trainer``) composes them;
+each is usable (and tested) alone.
 
 Example:
     >>> from jaxdist._src.train.loop import plan_epoch

@@ -95,25 +95,27 @@ def _state_property(name: str, doc: str) -> property:
     return property(get, set_, doc=doc + " (Read only: set ``train_state``.)")
 
 
-def _option(group: str, field: str) -> property:
-    """A ``Trainer`` attribute that reads one field of a config group (read only: the group
-    is replaced as a whole, e.g. by ``replace_checkpoint_config``)."""
+_GROUP_ATTRIBUTES = {"config": "config", "checkpoint": "checkpoint_config",
+                     "logging": "logging_config"}
+
+
+def _option(name: str) -> property:
+    """The ``Trainer`` attribute ``name`` (a flat option name, ``options.FLAT_NAMES``): reads
+    its field of a config group; read only (the group is replaced as a whole, e.g. by
+    ``replace_checkpoint_config``)."""
+    group, field = options_lib.FLAT_NAMES[name]
+    attribute = _GROUP_ATTRIBUTES[group]
 
     def get(self: Trainer) -> Any:
-        return getattr(getattr(self, group), field)
+        return getattr(getattr(self, attribute), field)
 
     def set_(self: Trainer, value: Any) -> None:
         raise AttributeError(
-            f"Trainer.{name} is read from trainer.{group}.{field} and cannot be assigned "
+            f"Trainer.{name} is read from trainer.{attribute}.{field} and cannot be assigned "
             f"({value!r}); expected a new config group, e.g. trainer.replace_checkpoint_config("
             f"dataclasses.replace(trainer.checkpoint_config, dir=...))")
 
-    name = {"config": field}.get(group, {
-        "checkpoint_config": {"dir": "checkpoint_dir", "every_steps": "checkpoint_every_steps",
-                              "keep": "keep_checkpoints"},
-        "logging_config": {"dir": "log_dir", "every_steps": "log_every_steps"},
-    }.get(group, {}).get(field, field))
-    return property(get, set_, doc=f"``{group}.{field}`` (read only).")
+    return property(get, set_, doc=f"``{attribute}.{field}`` (read only).")
 
 
 def _call_batch_size(batch_size: Any, method: str) -> int | None:
@@ -195,21 +197,21 @@ class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFuncti
     step_in_epoch = _state_property("step_in_epoch", "Steps of the current epoch run so far.")
     last_checkpoint = _state_property("last_checkpoint",
                                       "The step of the last checkpoint written or restored.")
-    steps_per_execution = _option("config", "steps_per_execution")
-    seed = _option("config", "seed")
-    shuffle = _option("config", "shuffle")
-    precision = _option("config", "precision")
-    batch_norm = _option("config", "batch_norm")
-    halt_on_nan = _option("config", "halt_on_nan")
-    checkpoint_dir = _option("checkpoint_config", "dir")
-    checkpoint_every_steps = _option("checkpoint_config", "every_steps")
-    keep_checkpoints = _option("checkpoint_config", "keep")
-    resume = _option("checkpoint_config", "resume")
-    log_dir = _option("logging_config", "dir")
-    run_name = _option("logging_config", "run_name")
-    log_every_steps = _option("logging_config", "every_steps")
-    tensorboard = _option("logging_config", "tensorboard")
-    progress_bar = _option("logging_config", "progress_bar")
+    steps_per_execution = _option("steps_per_execution")
+    seed = _option("seed")
+    shuffle = _option("shuffle")
+    precision = _option("precision")
+    batch_norm = _option("batch_norm")
+    halt_on_nan = _option("halt_on_nan")
+    checkpoint_dir = _option("checkpoint_dir")
+    checkpoint_every_steps = _option("checkpoint_every_steps")
+    keep_checkpoints = _option("keep_checkpoints")
+    resume = _option("resume")
+    log_dir = _option("log_dir")
+    run_name = _option("run_name")
+    log_every_steps = _option("log_every_steps")
+    tensorboard = _option("tensorboard")
+    progress_bar = _option("progress_bar")
 
     def __init__(
         self,
