@@ -144,7 +144,6 @@ def _traced_cli(tmp_path, *overrides: str) -> dict:
     return result
 
 
-@pytest.mark.platform("cpu")
 def test_the_cli_config_path_returns_at_most_4_times_and_never_calls_ps(tmp_path):
     result = _traced_cli(tmp_path, "optimizer.schedule=cosine", "optimizer.decay_steps=40")
     rooms = [room for room, _ in result["path"]]
