@@ -42,6 +42,7 @@ from jaxdist._src.job.schema import (
     type_name,
     unknown_key,
 )
+from jaxdist._src.job.strategy_registry import check_replicas  # noqa: F401 - also here
 
 
 def validate(raw: Any) -> dict[str, Any]:
@@ -120,19 +121,6 @@ def _check_keras_lists(cfg: Mapping[str, Any]) -> None:
                 keras_metrics.get(spec)
             except ValueError as e:
                 raise ConfigError(f"train.{key}[{i}]: {e}") from None
-
-
-def check_replicas(cfg: Mapping[str, Any], num_replicas: int) -> None:
-    """Raises ``ConfigError`` when the global batch does not divide across the replicas."""
-    b = cfg["train"]["global_batch_size"]
-    if b % num_replicas:
-        lo = b - b % num_replicas
-        hint = f"e.g. {lo or num_replicas} or {lo + num_replicas}"
-        raise ConfigError(
-            f"train.global_batch_size: {b} does not divide across the {num_replicas} replicas "
-            f"of strategy '{cfg['strategy']['name']}'; expected a multiple of {num_replicas} "
-            f"({hint})"
-        )
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

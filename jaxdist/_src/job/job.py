@@ -12,32 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist._src.job import rerun, strategy_registry
-from jaxdist._src.job.config import ConfigError, check_replicas, fit_kwargs, trainer_options
-from jaxdist._src.job.optimizers import (  # noqa: F401 - also public here
-    learning_rate_from_config,
-    optimizer_from_config,
-)
-
-
-def build_strategy(cfg: Mapping[str, Any]) -> Any:
-    """Builds the configured strategy and checks the config against it (the batch divides
-    across its replicas, its own checks).
-
-    Raises:
-        ConfigError: an unknown device, a batch size that does not divide, or a setting the
-            strategy cannot run.
-    """
-    spec = strategy_registry.config_for(cfg["strategy"]["name"])
-    try:
-        strategy = spec.build(cfg["strategy"])
-    except (ValueError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
-                          f"{dict(cfg['strategy'])!r}: {first}") from None
-    check_replicas(cfg, strategy.num_replicas_in_sync)
-    if spec.check is not None:
-        spec.check(cfg)
-    return strategy
+from jaxdist._src.job.config import fit_kwargs, trainer_options
+from jaxdist._src.job.optimizers import optimizer_from_config  # noqa: F401 - also public here
+from jaxdist._src.job.strategy_registry import build_strategy  # noqa: F401 - also here
 
 
 def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
@@ -60,15 +37,11 @@ def compile_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
     from jaxdist._src.job import models
     from jaxdist._src.train.trainer import Trainer
 
-    if strategy is None:
-        strategy = build_strategy(cfg)
-    else:
-        check_replicas(cfg, strategy.num_replicas_in_sync)
+    strategy, optimizer = strategy_registry.strategy_and_optimizer(cfg, strategy)
     train, val = data_lib.from_config(cfg["data"])
     num_classes = cfg["model"]["num_classes"]
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
-    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
     import dataclasses
 
     options = trainer_options(cfg)  # nothing written: no checkpoint, no run directory
@@ -103,22 +76,20 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
             else None
         if task is not None:  # TF_CONFIG's evaluator: evaluate the chief's checkpoints instead
             return run_sidecar(cfg, task)
-        rerun.check_resume(cfg)  # before the strategy starts: every process stops together
-        strategy = build_strategy(cfg)
-    else:
-        check_replicas(cfg, strategy.num_replicas_in_sync)
-        rerun.check_resume(cfg)
+    # Before the strategy starts (every process stops together); the checkpoints record the
+    # settings that shape training.
+    rerun.check_resume(cfg)
+    settings = rerun.shaping_settings(cfg)
+    strategy, optimizer = strategy_registry.strategy_and_optimizer(cfg, strategy)
     train, val = data_lib.from_config(cfg["data"])
     num_classes = cfg["model"]["num_classes"]
     if num_classes is None:
         num_classes = max(train.num_classes, val.num_classes if val is not None else 0, 2)
-    # e.g. parameter servers run their own optimizer spec
-    optimizer = strategy_registry.strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
     import dataclasses
 
-    options = trainer_options(cfg)  # the checkpoints record the settings that shape training
-    options["checkpoint"] = dataclasses.replace(options["checkpoint"],
-                                                settings=rerun.shaping_settings(cfg))
+    # The config's options for the Trainer and fit, read in one place (job/schema.py).
+    options, fit = trainer_options(cfg), fit_kwargs(cfg)
+    options["checkpoint"] = dataclasses.replace(options["checkpoint"], settings=settings)
     with strategy.scope():
         model = models.from_config(cfg["model"], train.x.shape[1:], num_classes, cfg["seed"])
         trainer = Trainer(model, optimizer, strategy=strategy, **options)
@@ -135,5 +106,6 @@ def run_job(cfg: Mapping[str, Any], strategy: Any = None) -> Any:
         (train.x, train.y),
         validation_data=None if val is None else (val.x, val.y),
         callbacks=callbacks,
-        **fit_kwargs(cfg),
+        **fit,
     )
+

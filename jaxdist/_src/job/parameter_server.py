@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist._src.cluster.task_info import task_info
-from jaxdist._src.job.optimizers import learning_rate_from_config
 from jaxdist._src.job.schema import ConfigError, Field
 from jaxdist._src.ps.partitioners import (
     FixedShardsPartitioner,
@@ -41,6 +40,7 @@ from jaxdist._src.ps.partitioners import (
 )
 from jaxdist._src.ps.placement import GreedyLoadBalancingStrategy, byte_size_load_fn
 from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
+from jaxdist._src.train.learning_rate import schedule_args
 
 NAME = "parameter_server"
 COORDINATOR_NAME = "parameter_server_coordinator"
@@ -101,6 +101,31 @@ def _partitioner(section: Mapping[str, Any]) -> Any:
     return MaxSizePartitioner(nbytes, n)
 
 
+def ps_learning_rate_from_config(section: Mapping[str, Any]) -> Any:
+    """The learning rate of a validated ``optimizer`` section as the ps tasks take it: a
+    float, or a ``jaxdist.ps.optimizers`` schedule spec (the schedule
+    ``jaxdist._src.train.learning_rate.schedule_args`` names, which the ps rebuilds and
+    evaluates on the global step).
+
+    Example:
+        >>> from jaxdist._src.job.parameter_server import ps_learning_rate_from_config
+        >>> lr = ps_learning_rate_from_config({"learning_rate": 0.1, "schedule": "cosine",
+        ...                                    "decay_steps": 100, "end_learning_rate": 0.0})
+        >>> lr.name, round(float(lr(50)), 6)
+        ('cosine_decay_schedule', 0.05)
+    """
+    from jaxdist._src.ps import optimizers as O
+
+    try:
+        args = schedule_args(section)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args is None:
+        return section["learning_rate"]
+    name, kwargs = args
+    return getattr(O, name)(**kwargs)
+
+
 def ps_optimizer_from_config(section: Mapping[str, Any]) -> Any:
     """The ``jaxdist.ps.optimizers`` spec for a validated ``optimizer`` section.
 
@@ -112,7 +137,7 @@ def ps_optimizer_from_config(section: Mapping[str, Any]) -> Any:
     """
     from jaxdist._src.ps import optimizers as O
 
-    name, lr = section["name"], learning_rate_from_config(section)
+    name, lr = section["name"], ps_learning_rate_from_config(section)
     makers = {
         "sgd": lambda: O.sgd(lr, momentum=section.get("momentum") or None),
         "adam": lambda: O.adam(lr),
@@ -249,5 +274,6 @@ def _shutdown(coordinator: Any) -> None:
 
 
 __all__ = ["COORDINATOR_FIELDS", "COORDINATOR_NAME", "FIELDS", "NAME", "check_config",
-           "coordinator_strategy_from_config", "is_ps_task", "ps_optimizer_from_config", "serve",
+           "coordinator_strategy_from_config", "is_ps_task", "ps_learning_rate_from_config",
+           "ps_optimizer_from_config", "serve",
            "strategy_from_config"]

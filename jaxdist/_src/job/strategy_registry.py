@@ -235,6 +235,60 @@ def _cross_device_ops(section: Mapping[str, Any]) -> Any:
     return ReductionToOneDevice()
 
 
+def check_replicas(cfg: Mapping[str, Any], num_replicas: int) -> None:
+    """Raises ``ConfigError`` when the global batch does not divide across the replicas.
+
+    Example:
+        >>> from jaxdist._src.job.strategy_registry import check_replicas
+        >>> check_replicas({"train": {"global_batch_size": 64}, "strategy": {"name": "x"}}, 4)
+    """
+    b = cfg["train"]["global_batch_size"]
+    if b % num_replicas:
+        lo = b - b % num_replicas
+        hint = f"e.g. {lo or num_replicas} or {lo + num_replicas}"
+        raise ConfigError(
+            f"train.global_batch_size: {b} does not divide across the {num_replicas} replicas "
+            f"of strategy '{cfg['strategy']['name']}'; expected a multiple of {num_replicas} "
+            f"({hint})"
+        )
+
+
+def build_strategy(cfg: Mapping[str, Any]) -> Any:
+    """Builds the configured strategy and checks the config against it (the batch divides
+    across its replicas, its own checks).
+
+    Raises:
+        ConfigError: an unknown device, a batch size that does not divide, or a setting the
+            strategy cannot run.
+    """
+    spec = config_for(cfg["strategy"]["name"])
+    try:
+        strategy = spec.build(cfg["strategy"])
+    except (ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"strategy: {cfg['strategy']['name']!r} cannot be built from "
+                          f"{dict(cfg['strategy'])!r}: {first}") from None
+    check_replicas(cfg, strategy.num_replicas_in_sync)
+    if spec.check is not None:
+        spec.check(cfg)
+    return strategy
+
+
+def strategy_and_optimizer(cfg: Mapping[str, Any], strategy: Any = None) -> tuple[Any, Any]:
+    """The job's strategy (the configured one, built by ``build_strategy``, or ``strategy``
+    checked against the config) and the optimizer it runs (e.g. parameter servers run their
+    own optimizer spec).
+
+    Raises:
+        ConfigError: as ``build_strategy``, or an optimizer the strategy cannot run.
+    """
+    if strategy is None:
+        strategy = build_strategy(cfg)
+    else:
+        check_replicas(cfg, strategy.num_replicas_in_sync)
+    return strategy, strategy_config(cfg, strategy).optimizer(cfg["optimizer"])
+
+
 def _devices(section: Mapping[str, Any]) -> Any:
     devs = section.get("devices")
     return list(devs) if devs else None
@@ -316,6 +370,8 @@ register_strategy(ParameterServerStrategy, ps_config.COORDINATOR_NAME,
                   ps_config.coordinator_strategy_from_config, ps_config.COORDINATOR_FIELDS,
                   help=ps_config.COORDINATOR_HELP, **_PS_OPTIONS)
 
-__all__ = ["StrategyConfig", "config_for", "drop_foreign_keys",
-           "register_strategy", "registered_strategies", "strategy_config",
+__all__ = ["StrategyConfig", "build_strategy", "check_replicas", "config_for",
+           "drop_foreign_keys",
+           "register_strategy", "registered_strategies", "strategy_and_optimizer",
+           "strategy_config",
            "unregister_strategy", "uses_tf_config", "validate_section"]

@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._src.compat.filesystem import MARGIN_BYTES, free_bytes
 from jaxdist._src.ps.errors import (
     PSCheckpointWriteError,
     PSError,
@@ -366,21 +367,6 @@ def _task_lock(task_dir: str) -> threading.Lock:
         return _TASK_LOCKS.setdefault(key, threading.Lock())
 
 
-def free_bytes(path: str) -> int | None:
-    """Bytes an unprivileged user may still write on the filesystem of ``path`` (the
-    nearest existing parent's), or ``None`` when it cannot be asked."""
-    while path and not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    try:
-        st = os.statvfs(path)
-    except (OSError, AttributeError):
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def _write_error(task: str, task_dir: str, step: int, needed: int,
                  e: OSError) -> PSCheckpointWriteError:
     free = free_bytes(task_dir)
@@ -419,9 +405,6 @@ def _protected_step(directory: str) -> int | None:
             return int(json.load(f)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-MARGIN_BYTES = 64 << 10  # room kept beyond a checkpoint's own bytes (directories, ``latest``)
 
 
 def make_room(directory: str, task: str, keep: int | None, step: int, needed: int
@@ -578,7 +561,6 @@ __all__ = [
     "PSCheckpointReader",
     "check_keep",
     "checkpoint_directory",
-    "free_bytes",
     "latest_step",
     "make_room",
     "prune_checkpoints",

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import inspect
 import math
 import os
@@ -648,18 +649,29 @@ class BackupAndRestore(Callback):
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq, self.delete_checkpoint = save_freq, delete_checkpoint
 
-    def configure(self, trainer: Any) -> None:
-        """Points the trainer's checkpointing at ``backup_dir`` (before it resumes)."""
-        if trainer.checkpoint_dir is not None and os.path.abspath(trainer.checkpoint_dir) != \
+    def checkpoint_config(self, config: Any) -> Any:
+        """The trainer's ``CheckpointConfig`` pointed at ``backup_dir``: a new one
+        (``dataclasses.replace``), which ``fit`` hands to ``Trainer.replace_checkpoint_config``
+        before it resumes; the callback assigns nothing of the trainer.
+
+        Raises:
+            ValueError: ``config`` already names another checkpoint directory.
+
+        Example:
+            >>> from jaxdist.train import CheckpointConfig
+            >>> from jaxdist.train.callbacks import BackupAndRestore
+            >>> new = BackupAndRestore("backup", save_freq=10).checkpoint_config(
+            ...     CheckpointConfig())
+            >>> new.dir, new.every_steps, new.resume
+            ('backup', 10, True)
+        """
+        if config.dir is not None and os.path.abspath(config.dir) != \
                 os.path.abspath(self.backup_dir):
             raise ValueError(f"BackupAndRestore({self.backup_dir!r}) and the trainer's "
-                             f"checkpoint_dir={trainer.checkpoint_dir!r} disagree; use one of "
-                             f"them")
-        trainer.checkpoint_dir = self.backup_dir
-        trainer.resume = True
+                             f"checkpoint_dir={config.dir!r} disagree; use one of them")
         # Steps: the trainer saves every save_freq steps; "epoch": at each epoch end (below).
-        trainer.checkpoint_every_steps = self.save_freq if self.save_freq != "epoch" \
-            else 2 ** 62
+        every = self.save_freq if self.save_freq != "epoch" else 2 ** 62
+        return dataclasses.replace(config, dir=self.backup_dir, resume=True, every_steps=every)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch" and self.model.last_checkpoint != self.model.step:

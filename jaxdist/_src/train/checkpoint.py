@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist._src.ps.checkpoints import MARGIN_BYTES, free_bytes
+from jaxdist._src.compat.filesystem import MARGIN_BYTES, free_bytes
 
 #: How orbax names the temporary directory of a checkpoint it is writing (``<step>`` + this).
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"

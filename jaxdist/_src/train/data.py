@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist._src.train.losses import categorical_crossentropy, sparse_categorical_crossentropy
+
 
 class DataError(ValueError):
     """Arrays that cannot be used for training (mismatched rows, wrong dtype or rank).
@@ -155,3 +157,42 @@ def pad_batch(x: Any, y: np.ndarray, w: np.ndarray | None, size: int
         weight[:real] = w
     x = {k: pad(v) for k, v in x.items()} if isinstance(x, dict) else pad(x)
     return x, pad(y), weight, mask
+
+
+def check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:
+    """Labels of the wrong kind for the named losses: one clear error (exit status 2)."""
+    out_ndim = getattr(out, "ndim", None)
+    if loss_fn is sparse_categorical_crossentropy and out_ndim is not None:
+        if y.ndim == out_ndim and y.ndim >= 2 and y.shape[-1] == out.shape[-1]:
+            raise DataError(
+                f"{what}: labels of shape {y.shape} look one-hot; loss "
+                f"'sparse_categorical_crossentropy' expects integer class ids of shape "
+                f"{y.shape[:-1]}: pass y.argmax(-1), or use loss='categorical_crossentropy'",
+                exit_code=2)
+        check_batch_labels(y, what, loss_fn)
+    if loss_fn is categorical_crossentropy and out_ndim is not None and y.ndim == out_ndim - 1:
+        raise DataError(
+            f"{what}: labels of shape {y.shape} are class ids; loss 'categorical_crossentropy' "
+            f"expects one-hot labels of shape {(*y.shape, out.shape[-1])}: use loss="
+            f"'sparse_categorical_crossentropy'", exit_code=2)
+
+
+def pad_rows(a: Any, rows: int) -> np.ndarray:
+    """``a`` with zero rows appended up to ``rows`` rows."""
+    a = np.asarray(a)
+    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
+
+
+def check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
+    """Float labels that are not whole numbers cannot be class ids (sparse cross-entropy)."""
+    if y is None or loss_fn is not sparse_categorical_crossentropy:
+        return
+    y = np.asarray(y)
+    if np.issubdtype(y.dtype, np.floating):
+        frac = np.mod(y, 1) != 0
+        if frac.any():
+            raise DataError(
+                f"{what}: labels are floats such as {y[frac].flat[0]:g}; loss "
+                f"'sparse_categorical_crossentropy' expects integer class ids: pass integer "
+                f"labels (y.astype(int) if they are ids), or a loss for real-valued targets",
+                exit_code=2)

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -295,6 +296,50 @@ def get(spec: Any) -> Metric:
                      f"(logits, labels) -> per-example values")
 
 
+@dataclasses.dataclass(frozen=True)
+class MetricSetup:
+    """The metrics a ``TrainConfig`` names, resolved once: the ``Metric`` objects and the
+    names they are logged under (Keras' names, ``weighted_`` before a repeated name).
+
+    Attributes:
+        metrics: the unweighted metrics (accuracy aside).
+        weighted_metrics: the ``weighted_metrics``.
+        specs: ``(logged name, metric, weighted)`` of each.
+        accuracy: whether the accuracy is computed (by the step itself).
+
+    Example:
+        >>> from jaxdist._src.train.keras_metrics import MetricSetup
+        >>> from jaxdist.train import TrainConfig
+        >>> setup = MetricSetup.from_config(TrainConfig(metrics=["accuracy", "auc"]))
+        >>> setup.accuracy, [name for name, _, _ in setup.specs]
+        (True, ['auc'])
+    """
+
+    metrics: tuple[Metric, ...]
+    weighted_metrics: tuple[Metric, ...]
+    specs: tuple[tuple[str, Metric, bool], ...]
+    accuracy: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> MetricSetup:
+        """The metrics of a ``TrainConfig`` (``metrics``, ``weighted_metrics``,
+        ``accuracy``)."""
+        metrics, weighted = config.metrics, config.weighted_metrics
+        names = (["accuracy"] if config.accuracy else []) if metrics is None else list(metrics)
+        accuracy = any(is_accuracy(m) for m in names)
+        plain = tuple(get(m) for m in names if not is_accuracy(m))
+        weighted_objs = tuple(get(m) for m in (weighted or ()))
+        taken = {"loss", *(["accuracy"] if accuracy else []), *(m.name for m in plain)}
+        specs = [(m.name, m, False) for m in plain]
+        for spec, m in zip(weighted or (), weighted_objs):
+            name = spec if is_accuracy(spec) else m.name
+            name = f"weighted_{name}" if name in taken else name
+            taken.add(name)
+            specs.append((name, m, True))
+        return cls(plain, weighted_objs, tuple(specs), accuracy)
+
+
 __all__ = ["AUC", "BinaryAccuracy", "CategoricalAccuracy", "METRICS", "MeanMetricWrapper",
+           "MetricSetup",
            "Metric", "SparseCategoricalAccuracy", "SparseTopKCategoricalAccuracy", "get",
            "is_accuracy", "metric_sums"]

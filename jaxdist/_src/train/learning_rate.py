@@ -1,4 +1,9 @@
-"""The learning rate inside an optax state: read it for the logs, change it between steps.
+"""The learning rate: the schedule a job config names, and the rate inside an optax state (read
+it for the logs, change it between steps).
+
+``schedule_from_config`` builds the optax schedule of a config's ``optimizer`` section for the
+synchronous strategies (``schedule_args`` names the optax constructor and its arguments; the
+parameter-server job turns the same pair into a spec its ps tasks rebuild).
 
 An optimizer built with ``optax.inject_hyperparams`` keeps its hyperparameters in its state
 (``InjectStatefulHyperparamsState.hyperparams``), as arrays. Changing the array's value changes
@@ -20,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -149,5 +155,63 @@ def with_hyperparams_of(opt_state: Any, fresh: Any) -> Any:
     return jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_injected)
 
 
-__all__ = ["HOW_TO_INJECT", "get_learning_rate", "has_learning_rate", "is_scheduled",
-           "set_learning_rate", "with_hyperparams_of"]
+#: The job config's ``optimizer.schedule`` values.
+SCHEDULE_KINDS = ("constant", "cosine", "warmup_cosine", "exponential", "linear")
+
+
+def schedule_args(section: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The schedule a validated ``optimizer`` section names: ``(optax constructor name,
+    keyword arguments)``, or ``None`` for a constant rate.
+
+    Raises:
+        ValueError: an unknown ``schedule`` (naming the valid ones).
+
+    Example:
+        >>> from jaxdist._src.train.learning_rate import schedule_args
+        >>> schedule_args({"learning_rate": 0.1, "schedule": "linear", "decay_steps": 10,
+        ...                "end_learning_rate": 0.0})
+        ('linear_schedule', {'init_value': 0.1, 'end_value': 0.0, 'transition_steps': 10})
+    """
+    lr, kind = section["learning_rate"], section.get("schedule", "constant")
+    end, steps = section.get("end_learning_rate", 0.0), section.get("decay_steps")
+    if kind == "constant":
+        return None
+    if kind == "cosine":
+        return "cosine_decay_schedule", dict(init_value=lr, decay_steps=steps,
+                                             alpha=end / lr if lr else 0.0)
+    if kind == "warmup_cosine":
+        return "warmup_cosine_decay_schedule", dict(
+            init_value=0.0, peak_value=lr, warmup_steps=section.get("warmup_steps", 0),
+            decay_steps=steps, end_value=end)
+    if kind == "exponential":
+        return "exponential_decay", dict(init_value=lr, transition_steps=steps,
+                                         decay_rate=section.get("decay_rate", 0.5))
+    if kind == "linear":
+        return "linear_schedule", dict(init_value=lr, end_value=end, transition_steps=steps)
+    raise ValueError(f"optimizer.schedule: {kind!r} is not valid; expected one of "
+                     f"{', '.join(SCHEDULE_KINDS)}")
+
+
+def schedule_from_config(section: Mapping[str, Any]) -> float | Any:
+    """The learning rate of a validated ``optimizer`` section: the constant rate, or the optax
+    schedule over the update count.
+
+    Example:
+        >>> from jaxdist._src.train.learning_rate import schedule_from_config
+        >>> lr = schedule_from_config({"learning_rate": 0.1, "schedule": "cosine",
+        ...                            "decay_steps": 100, "end_learning_rate": 0.0})
+        >>> round(float(lr(50)), 6)
+        0.05
+    """
+    import optax
+
+    args = schedule_args(section)
+    if args is None:
+        return section["learning_rate"]
+    name, kwargs = args
+    return getattr(optax, name)(**kwargs)
+
+
+__all__ = ["HOW_TO_INJECT", "SCHEDULE_KINDS", "get_learning_rate", "has_learning_rate",
+           "is_scheduled", "schedule_args", "schedule_from_config", "set_learning_rate",
+           "with_hyperparams_of"]

@@ -8,7 +8,8 @@
 * ``FitReporter``: what happens around the steps: the logging intervals, the NaN checks, the
   epoch summaries, validation, and the callbacks' batch and epoch hooks.
 
-``Trainer._fit_loop`` composes them; each is usable (and tested) alone.
+``FitLoop._fit_loop`` (``jaxdist._src.train.fit_loop``, a mixin of ``Trainer``) composes them;
+each is usable (and tested) alone.
 
 Example:
     >>> from jaxdist._src.train.loop import plan_epoch
@@ -42,6 +43,32 @@ class NaNLossError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.last_checkpoint = last_checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """What ``fit``'s loop reads of the Trainer's options, read from its config groups once,
+    when ``fit`` starts (the loop itself reads no config).
+
+    Attributes:
+        steps_per_execution: steps per compiled dispatch (``TrainConfig``).
+        halt_on_nan: raise ``NaNLossError`` on a NaN or inf loss (``TrainConfig``).
+        log_every_steps: the logging interval (``LoggingConfig.every_steps``).
+        checkpoint_dir: where checkpoints go, ``None``: none (``CheckpointConfig.dir``).
+        checkpoint_every_steps: the checkpoint interval (``CheckpointConfig.every_steps``).
+
+    Example:
+        >>> from jaxdist._src.train.loop import FitSettings
+        >>> FitSettings(steps_per_execution=4, halt_on_nan=True, log_every_steps=10,
+        ...             checkpoint_dir=None, checkpoint_every_steps=100).log_every_steps
+        10
+    """
+
+    steps_per_execution: int
+    halt_on_nan: bool
+    log_every_steps: int
+    checkpoint_dir: str | None
+    checkpoint_every_steps: int
 
 
 # ---------------------------------------------------------------------- the epoch plan
@@ -317,5 +344,5 @@ class FitReporter:
         return end
 
 
-__all__ = ["FitReporter", "NaNLossError", "StepRunner", "epoch_steps", "plan_epoch",
-           "summarize"]
+__all__ = ["FitReporter", "FitSettings", "NaNLossError", "StepRunner", "epoch_steps",
+           "plan_epoch", "summarize"]

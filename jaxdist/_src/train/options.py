@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -185,6 +186,54 @@ def resolve(config: TrainConfig | None, checkpoint: CheckpointConfig | None,
     return out[0], out[1], out[2]
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """A ``Trainer``'s options, resolved and checked once, at construction: the three groups
+    and what they determine (the metrics, the compute dtype).
+
+    Attributes:
+        config: the ``TrainConfig``.
+        checkpoint: the ``CheckpointConfig``.
+        logging: the ``LoggingConfig``.
+        metrics: the ``MetricSetup`` of ``config`` (``jaxdist._src.train.keras_metrics``).
+        compute_dtype: mixed precision's compute dtype (``None``: float32).
+    """
+
+    config: TrainConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    metrics: Any
+    compute_dtype: Any
+
+
+def resolve_checked(config: TrainConfig | None, checkpoint: CheckpointConfig | None,
+                    logging: LoggingConfig | None, flat: Mapping[str, Any]) -> TrainerOptions:
+    """``resolve``, then the checks of the values (``steps_per_execution``, ``batch_norm``,
+    ``precision``, the metrics), all before the ``Trainer`` builds anything.
+
+    Raises:
+        TypeError: as ``resolve``.
+        ValueError: a value out of range, naming it and what is expected.
+
+    Example:
+        >>> from jaxdist._src.train.options import resolve_checked
+        >>> resolve_checked(None, None, None, {"precision": "bfloat16"}).compute_dtype
+        dtype(bfloat16)
+    """
+    from jaxdist._src.train.keras_metrics import MetricSetup
+    from jaxdist._src.train.model_state import check_batch_norm
+    from jaxdist._src.train.precision import compute_dtype
+
+    config, checkpoint, logging = resolve(config, checkpoint, logging, flat)
+    if isinstance(config.steps_per_execution, bool) or not isinstance(
+            config.steps_per_execution, numbers.Integral) or config.steps_per_execution < 1:
+        raise ValueError(f"steps_per_execution must be an int >= 1, got "
+                         f"{config.steps_per_execution!r}")
+    check_batch_norm(config.batch_norm)
+    dtype = compute_dtype(config.precision)
+    return TrainerOptions(config, checkpoint, logging, MetricSetup.from_config(config), dtype)
+
+
 def _unknown_message(name: str) -> str:
     known = {**FLAT_NAMES, **{f"{g}.{f.name}": (g, f.name) for g, cls in _CLASSES.items()
                               for f in dataclasses.fields(cls)}}
@@ -200,4 +249,5 @@ def _unknown_message(name: str) -> str:
             f"(jaxdist.train), or their fields by name: {', '.join(sorted(FLAT_NAMES))}")
 
 
-__all__ = ["FLAT_NAMES", "CheckpointConfig", "LoggingConfig", "TrainConfig", "resolve"]
+__all__ = ["FLAT_NAMES", "CheckpointConfig", "LoggingConfig", "TrainConfig", "TrainerOptions",
+           "resolve", "resolve_checked"]

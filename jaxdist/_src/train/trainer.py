@@ -26,37 +26,32 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
-import time
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence  # noqa: F401
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import lax
 
 from jaxdist._src.distributed import preemption
-from jaxdist._src.input.options import InputOptions
 from jaxdist._src.strategies.context import has_strategy
-from jaxdist._src.strategies.cross_device_ops import varying_axes
-from jaxdist._src.strategies.current import get_replica_context, get_strategy
-from jaxdist._src.strategies.losses import compute_average_loss
+from jaxdist._src.strategies.current import get_strategy
 from jaxdist._src.strategies.one_device import OneDeviceStrategy
 from jaxdist._src.strategies.strategy import Strategy
 from jaxdist._src.train import callbacks as callbacks_lib
 from jaxdist._src.train import data as data_lib
 from jaxdist._src.train import inputs as inputs_lib
-from jaxdist._src.train import keras_metrics, run_record
 from jaxdist._src.train import loop as loop_lib
 from jaxdist._src.train import options as options_lib
+from jaxdist._src.train import run_record
 from jaxdist._src.train.callbacks import History
 from jaxdist._src.train.checkpoint import Checkpointer
+from jaxdist._src.train.checkpoint_wiring import CheckpointWiring
+from jaxdist._src.train.fit_inputs import InputFeed
+from jaxdist._src.train.fit_loop import FitLoop
 from jaxdist._src.train.hook_registry import hook_for
-from jaxdist._src.train.hooks import PACKED, PACKED_FIELDS
 from jaxdist._src.train.loop import NaNLossError
 from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: public here too
     LOSSES,
@@ -64,19 +59,13 @@ from jaxdist._src.train.losses import (  # noqa: F401 - LOSSES and the losses: p
     categorical_crossentropy,
     sparse_categorical_crossentropy,
 )
-from jaxdist._src.train.losses import correct_per_example as _correct_per_example
 from jaxdist._src.train.metrics import MetricsLogger
-from jaxdist._src.train.model_state import ModelState, check_batch_norm
+from jaxdist._src.train.model_state import ModelState
 from jaxdist._src.train.options import CheckpointConfig, LoggingConfig, TrainConfig
-from jaxdist._src.train.precision import compute_dtype
+from jaxdist._src.train.replica_fns import ReplicaFunctions
 from jaxdist._src.train.state import TrainerContext, TrainState
-from jaxdist._src.train.trainer_handle import TrainerHandle
+from jaxdist._src.train.trainer_handle import FitStatus, TrainerHandle
 from jaxdist._src.values.per_replica import PerReplica
-
-# Input blocks (``Trainer._input_block``): one host-to-device transfer feeds up to this many
-# steps, of at most this many bytes (this process's rows).
-_BLOCK_STEPS = 32
-_BLOCK_BYTES = 16 << 20
 
 # Keras' default batch size (``fit`` on arrays without a batch size anywhere).
 _DEFAULT_BATCH_SIZE = 32
@@ -92,15 +81,41 @@ def _default_strategy() -> Strategy:
 
 
 def _state_property(name: str, doc: str) -> property:
-    """A ``Trainer`` attribute that reads (and replaces) one field of its ``TrainState``."""
+    """A ``Trainer`` attribute that reads one field of its ``TrainState`` (read only: the one
+    setter is ``train_state``)."""
 
     def get(self: Trainer) -> Any:
         return getattr(self._state, name)
 
     def set_(self: Trainer, value: Any) -> None:
-        self._state = self._state.replace(**{name: value})
+        raise AttributeError(
+            f"Trainer.{name} is a field of trainer.train_state and cannot be assigned alone; "
+            f"expected trainer.train_state = trainer.train_state.replace({name}=...)")
 
-    return property(get, set_, doc=doc)
+    return property(get, set_, doc=doc + " (Read only: set ``train_state``.)")
+
+
+_GROUP_ATTRIBUTES = {"config": "config", "checkpoint": "checkpoint_config",
+                     "logging": "logging_config"}
+
+
+def _option(name: str) -> property:
+    """The ``Trainer`` attribute ``name`` (a flat option name, ``options.FLAT_NAMES``): reads
+    its field of a config group; read only (the group is replaced as a whole, e.g. by
+    ``replace_checkpoint_config``)."""
+    group, field = options_lib.FLAT_NAMES[name]
+    attribute = _GROUP_ATTRIBUTES[group]
+
+    def get(self: Trainer) -> Any:
+        return getattr(getattr(self, attribute), field)
+
+    def set_(self: Trainer, value: Any) -> None:
+        raise AttributeError(
+            f"Trainer.{name} is read from trainer.{attribute}.{field} and cannot be assigned "
+            f"({value!r}); expected a new config group, e.g. trainer.replace_checkpoint_config("
+            f"dataclasses.replace(trainer.checkpoint_config, dir=...))")
+
+    return property(get, set_, doc=f"``{attribute}.{field}`` (read only).")
 
 
 def _call_batch_size(batch_size: Any, method: str) -> int | None:
@@ -114,7 +129,7 @@ def _call_batch_size(batch_size: Any, method: str) -> int | None:
     return int(batch_size)
 
 
-class Trainer(TrainerHandle):
+class Trainer(TrainerHandle, CheckpointWiring, FitLoop, InputFeed, ReplicaFunctions):
     """Trains a flax nnx model with an optax optimizer under a distribution strategy.
 
     Args:
@@ -182,6 +197,21 @@ class Trainer(TrainerHandle):
     step_in_epoch = _state_property("step_in_epoch", "Steps of the current epoch run so far.")
     last_checkpoint = _state_property("last_checkpoint",
                                       "The step of the last checkpoint written or restored.")
+    steps_per_execution = _option("steps_per_execution")
+    seed = _option("seed")
+    shuffle = _option("shuffle")
+    precision = _option("precision")
+    batch_norm = _option("batch_norm")
+    halt_on_nan = _option("halt_on_nan")
+    checkpoint_dir = _option("checkpoint_dir")
+    checkpoint_every_steps = _option("checkpoint_every_steps")
+    keep_checkpoints = _option("keep_checkpoints")
+    resume = _option("resume")
+    log_dir = _option("log_dir")
+    run_name = _option("run_name")
+    log_every_steps = _option("log_every_steps")
+    tensorboard = _option("tensorboard")
+    progress_bar = _option("progress_bar")
 
     def __init__(
         self,
@@ -195,12 +225,16 @@ class Trainer(TrainerHandle):
         logging: LoggingConfig | None = None,
         **options: Any,
     ):
-        config, checkpoint, logging = options_lib.resolve(config, checkpoint, logging, options)
-        self.config, self.checkpoint_config, self.logging_config = config, checkpoint, logging
+        resolved = options_lib.resolve_checked(config, checkpoint, logging, options)
+        # The options, as given: read where used, never copied into loose attributes. The
+        # global batch size (set by fit(batch_size=...)) and the checkpointing (replaced by
+        # replace_checkpoint_config) change by replacing the whole group.
+        self.config: TrainConfig = dataclasses.replace(resolved.config, global_batch_size=None)
+        self.checkpoint_config: CheckpointConfig = resolved.checkpoint
+        self.logging_config: LoggingConfig = resolved.logging
+        self._metrics = resolved.metrics
+        self._compute_dtype = resolved.compute_dtype
         self.strategy = strategy or _default_strategy()
-        if config.steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be >= 1, got "
-                             f"{config.steps_per_execution}")
         if isinstance(loss, str):
             if loss not in LOSSES:
                 raise ValueError(f"loss={loss!r} is not known; expected one of "
@@ -209,36 +243,7 @@ class Trainer(TrainerHandle):
             loss = LOSSES[loss]
         self.loss_fn: LossFn = loss
         self.optimizer = optimizer
-        self.steps_per_execution = int(config.steps_per_execution)
-        self.seed = config.seed
-        self.shuffle = config.shuffle
-        self.checkpoint_dir = checkpoint.dir
-        self.checkpoint_every_steps = checkpoint.every_steps
-        self.keep_checkpoints = checkpoint.keep
-        self.resume = checkpoint.resume
-        self.log_dir = logging.dir
-        self.run_name = logging.run_name
-        metrics, weighted_metrics = config.metrics, config.weighted_metrics
-        specs = (["accuracy"] if config.accuracy else []) if metrics is None else list(metrics)
-        accuracy = any(keras_metrics.is_accuracy(m) for m in specs)
-        self.metrics = [keras_metrics.get(m) for m in specs if not keras_metrics.is_accuracy(m)]
-        self.weighted_metrics = [keras_metrics.get(m) for m in (weighted_metrics or ())]
-        # (logged name, metric, weighted): Keras' names, "weighted_" before a repeated name.
-        taken = {"loss", *(["accuracy"] if accuracy else []), *(m.name for m in self.metrics)}
-        self._metric_specs = [(m.name, m, False) for m in self.metrics]
-        for spec, m in zip(weighted_metrics or (), self.weighted_metrics):
-            name = spec if keras_metrics.is_accuracy(spec) else m.name
-            name = f"weighted_{name}" if name in taken else name
-            taken.add(name)
-            self._metric_specs.append((name, m, True))
-        self.log_every_steps = logging.every_steps
-        self.tensorboard = logging.tensorboard
-        self.progress_bar = logging.progress_bar
-        self.halt_on_nan = config.halt_on_nan
-        self.accuracy = accuracy
-        self.batch_norm = check_batch_norm(config.batch_norm)
-        self.precision = config.precision
-        self._compute_dtype = compute_dtype(config.precision)
+        self._status = FitStatus()
 
         ext = self.strategy.extended
         self.should_checkpoint = bool(getattr(ext, "should_checkpoint", True))
@@ -254,10 +259,9 @@ class Trainer(TrainerHandle):
                                           self.strategy.num_replicas_in_sync))
         self._ms = ModelState.split(model)
         self._graphdef = self._ms.graphdef
-        self._global_batch_size: int | None = None
         self._train_replica: Callable | None = None
-        if config.global_batch_size is not None:
-            self._set_batch_size(config.global_batch_size)
+        if resolved.config.global_batch_size is not None:
+            self._set_batch_size(resolved.config.global_batch_size)
         with self.strategy.scope():
             self._rngs = self.strategy.place(self._ms.rngs)
         self._checkpointer: Checkpointer | None = None
@@ -268,7 +272,6 @@ class Trainer(TrainerHandle):
         self._resumed = False
         self._preemption: preemption.PreemptionWatcher | None = None
         self._dispatch_timer: preemption.DispatchTimer | None = None
-        self._preempted = False
         self._run_record: run_record.RunRecord | None = None   # the settings of checkpoints
         self._data_position: dict[str, Any] | None = None   # a stream's, for checkpoints
         self._restored_position: dict[str, Any] | None = None
@@ -289,23 +292,39 @@ class Trainer(TrainerHandle):
             raise TypeError(f"train_state must be a TrainState, got {type(state).__name__}")
         self._state = state
 
+    # ------------------------------------------------------------------ options
+    @property
+    def metrics(self) -> list[Any]:
+        """The Keras metrics computed besides the loss and the accuracy."""
+        return list(self._metrics.metrics)
+
+    @property
+    def weighted_metrics(self) -> list[Any]:
+        """Keras' ``weighted_metrics``."""
+        return list(self._metrics.weighted_metrics)
+
+    @property
+    def accuracy(self) -> bool:
+        """Whether the accuracy is computed (``metrics`` names it, or ``accuracy=True``)."""
+        return self._metrics.accuracy
+
     @property
     def context(self) -> TrainerContext:
         """What the strategy's ``TrainerHook`` reads besides the state (``TrainerContext``)."""
         return TrainerContext(
             strategy=self.strategy, optimizer=self.optimizer, loss_fn=self.loss_fn,
-            global_batch_size=self._global_batch_size, seed=self.seed, shuffle=self.shuffle,
+            global_batch_size=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
             checkpoint_dir=self.checkpoint_dir, keep_checkpoints=self.keep_checkpoints,
             should_checkpoint=self.should_checkpoint, batch_norm=self.batch_norm,
             model_state=self._ms, compute_dtype=self._compute_dtype,
-            metric_specs=tuple(self._metric_specs), rngs=self._rngs,
+            metric_specs=tuple(self._metrics.specs), rngs=self._rngs,
             train_replica=self._train_replica, checkpointer=self._checkpointer_or_none)
 
     @property
     def global_batch_size(self) -> int | None:
-        """Examples per step over all replicas (``None`` until a constructor argument or the
-        first ``fit``/``evaluate``/``predict`` sets it)."""
-        return self._global_batch_size
+        """Examples per step over all replicas (``config.global_batch_size``; ``None`` until a
+        constructor argument or the first ``fit``/``evaluate``/``predict`` sets it)."""
+        return self.config.global_batch_size
 
     @global_batch_size.setter
     def global_batch_size(self, value: int) -> None:
@@ -321,8 +340,8 @@ class Trainer(TrainerHandle):
                 f"global_batch_size={value!r} does not divide across the {n} replicas "
                 f"of {self.strategy!r}; expected a positive multiple of {n}")
         value = int(value)
-        if value != self._global_batch_size:
-            self._global_batch_size = value
+        if value != self.config.global_batch_size:
+            self.config = dataclasses.replace(self.config, global_batch_size=value)
             self._train_replica = self._make_train_replica()
 
     def _batch_size_for(self, data: Any, batch_size: int | None, what: str) -> int:
@@ -331,117 +350,20 @@ class Trainer(TrainerHandle):
         (Keras' default)."""
         if batch_size is not None:
             self._set_batch_size(batch_size)
-        elif self._global_batch_size is None:
+        elif self.config.global_batch_size is None:
             rows = data.rows_per_element() if isinstance(data, inputs_lib.StreamSource) else 1
             if rows <= 1:  # arrays, or a stream of single examples: Keras' default
                 self._set_batch_size(_DEFAULT_BATCH_SIZE)
-                return self._global_batch_size
+                return self.config.global_batch_size
             try:
                 self._set_batch_size(rows)
             except ValueError as e:
                 raise ValueError(f"{what}: its batches of {rows} rows set the global batch "
                                  f"size, but {e}; pass batch_size=... (or re-batch the data)"
                                  ) from None
-        return self._global_batch_size
+        return self.config.global_batch_size
 
     # ------------------------------------------------------------------ replica functions
-    def _apply(self, params: Any, rest: Any, x: jax.Array, rngs: Any = None) -> jax.Array:
-        """The model's outputs in inference mode (Dropout off, BatchNorm's running stats)."""
-        return self._ms.apply(params, rest, x, training=False,
-                              compute_dtype=self._compute_dtype, rngs=rngs)[0]
-
-    def _sync_axes(self) -> Any:
-        """The mesh axes BatchNorm averages its batch statistics over (``batch_norm``)."""
-        if self.batch_norm != "sync":
-            return None
-        return get_replica_context().axis_name
-
-    def _make_train_replica(self) -> Callable:
-        gbs, tx, loss_fn, ms = self.global_batch_size, self.optimizer, self.loss_fn, self._ms
-        dtype, sync_axes = self._compute_dtype, self._sync_axes
-        metric_stats = self._metric_stats
-
-        per_replica = gbs // self.strategy.num_replicas_in_sync
-
-        def train_replica(params, rest, rngs, opt_state, x, y, w, block_step, chunk):
-            # x, y, w: a block of chunks, one per leading index (``_input_block``), whose
-            # first step is ``block_step``; this dispatch runs chunk ``chunk``, its steps one
-            # after the other.
-            ctx = get_replica_context()
-            num_steps = y.shape[1] // per_replica
-            step = block_step + chunk * num_steps
-            split = lambda a: lax.dynamic_index_in_dim(  # noqa: E731
-                a, chunk, keepdims=False).reshape(num_steps, -1, *a.shape[2:])
-            xs, ys, ws = jax.tree.map(split, x), split(y), split(w)
-            replica, axes = ctx.replica_id_in_sync_group, sync_axes()
-
-            def one_step(carry, batch):
-                params, rest, opt_state, i = carry
-                xb, yb, wb = batch
-
-                def objective(p):
-                    logits, new_rest = ms.apply(p, rest, xb, training=True, step=step + i,
-                                                replica_id=replica, sync_axes=axes,
-                                                compute_dtype=dtype, rngs=rngs)
-                    per_example = loss_fn(logits, yb)
-                    loss = compute_average_loss(per_example, sample_weight=wb,
-                                                        global_batch_size=gbs)
-                    return loss, (logits, new_rest)
-
-                (loss, (logits, new_rest)), grads = jax.value_and_grad(
-                    objective, has_aux=True)(ctx.local(params))
-                grads = ctx.all_reduce("SUM", grads)
-                # Running statistics: the mean over replicas (TF's ON_READ MEAN aggregation);
-                # with sync batch statistics they are already equal everywhere and kept.
-                rest = _mean_where_varying(ctx, new_rest)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-                # accuracy, as Keras' `metrics`, is not weighted (every training row is real)
-                stats = {"loss": loss, "correct": jnp.sum(_correct_per_example(logits, yb)),
-                         "weight": jnp.float32(yb.shape[0])}
-                if all(v.dtype == jnp.float32 and v.ndim == 0 for v in stats.values()):
-                    # one array per dispatch to fetch, not three (``hooks.PackedStepStats``)
-                    stats = {PACKED: jnp.stack([stats[name] for name in PACKED_FIELDS])}
-                stats.update(metric_stats(logits, yb, None, wb))
-                return (params, rest, opt_state, i + 1), ctx.all_reduce("SUM", stats)
-
-            (params, rest, opt_state, _), stats = lax.scan(
-                one_step, (params, rest, opt_state, jnp.int32(0)), (xs, ys, ws))
-            return params, rest, opt_state, stats
-
-        return train_replica
-
-    def _make_eval_replica(self) -> Callable:
-        loss_fn, apply, metric_stats = self.loss_fn, self._apply, self._metric_stats
-
-        def eval_replica(params, rest, rngs, x, y, w, mask):
-            logits = apply(params, rest, x, rngs)
-            per_example = loss_fn(logits, y)
-            stats = {
-                "loss": jnp.sum(per_example * w),
-                "correct": jnp.sum(_correct_per_example(logits, y) * mask),  # unweighted
-                "weight": jnp.sum(mask),
-                "count": jnp.sum(mask),
-            }
-            stats.update(metric_stats(logits, y, mask, w))
-            return get_replica_context().all_reduce("SUM", stats)
-
-        return eval_replica
-
-    def _metric_stats(self, logits: jax.Array, y: jax.Array, mask: Any,
-                      w: Any = None) -> dict[str, Any]:
-        """``{"metrics": {name: sums}}`` of this replica's rows (summed by the caller): the
-        ``metrics`` over the real rows (``mask``), the ``weighted_metrics`` with each row
-        weighted by its sample weight ``w``."""
-        return keras_metrics.metric_sums(self._metric_specs, logits, y, mask, w)
-
-    def _make_predict_replica(self) -> Callable:
-        apply = self._apply
-
-        def predict_replica(params, rest, rngs, x):
-            return apply(params, rest, x, rngs)
-
-        return predict_replica
 
     # ------------------------------------------------------------------ public API
     @property
@@ -561,21 +483,25 @@ class Trainer(TrainerHandle):
                            f"step {self.step_in_epoch} of {spe}) in {self.checkpoint_dir}")
         for note in notes or ():
             logger.message(f"Note: {note}")
-        self.stop_training = self.stop_training_by_error = False
+        self._status = FitStatus()   # stop_training is False again
+        config, ck = self.config, self.checkpoint_config
+        settings = loop_lib.FitSettings(
+            steps_per_execution=config.steps_per_execution, halt_on_nan=config.halt_on_nan,
+            log_every_steps=self.logging_config.every_steps, checkpoint_dir=ck.dir,
+            checkpoint_every_steps=ck.every_steps)
         # With checkpoints, a preemption notice stops every process at one step, the chief
         # saves it and every process exits with the restart code (distributed.preemption).
-        self._preemption = (preemption.install(self.checkpoint_config.termination)
-                            if self.checkpoint_dir is not None else None)
-        self._preempted = False
+        self._preemption = (preemption.install(ck.termination)
+                            if ck.dir is not None else None)
         self._dispatch_timer = (preemption.DispatchTimer(self._preemption.config)
                                 if self._preemption is not None else None)
         try:
             with (self._preemption.consume() if self._preemption is not None
                   else contextlib.nullcontext()):
-                self._fit_loop(train, val, total, spe, validation_freq, logger, history, cbs,
-                               num_epochs)
+                self._fit_loop(settings, train, val, total, spe, validation_freq, logger,
+                               history, cbs, num_epochs)
         except BaseException:
-            self.stop_training_by_error = True
+            self._status.failed = True
             raise
         finally:
             logger.close()
@@ -587,7 +513,7 @@ class Trainer(TrainerHandle):
         callbacks = list(callbacks or ())
         for cb in callbacks:
             if isinstance(cb, callbacks_lib.BackupAndRestore):
-                cb.configure(self)
+                self.replace_checkpoint_config(cb.checkpoint_config(self.checkpoint_config))
         history.params = params
         return callbacks_lib.CallbackList([*callbacks, history], model=self,
                                           is_chief=self.should_save_summary, params=params)
@@ -649,10 +575,10 @@ class Trainer(TrainerHandle):
     def _metric_results(self, sums: Sequence[Any]) -> dict[str, float]:
         """Each metric's value from the summed stats of several dispatches (host arrays)."""
         sums = [s for s in sums if s is not None]
-        if not self._metric_specs or not sums:
+        if not self._metrics.specs or not sums:
             return {}
         total = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *sums)
-        return {name: m.result(total[name]) for name, m, _ in self._metric_specs}
+        return {name: m.result(total[name]) for name, m, _ in self._metrics.specs}
 
     @callbacks_lib.with_callbacks("predict")
     def predict(self, x: Any, batch_size: int | None = None,
@@ -751,386 +677,25 @@ class Trainer(TrainerHandle):
                            what=f"Trainer step ({k} step(s) of {self.global_batch_size} rows)")
 
     # ------------------------------------------------------------------ internals
-    def _check_shapes(self, d: data_lib.ArrayData, what: str) -> None:
-        b = self.global_batch_size
-        example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), d.x)
-        shapes = jax.tree.map(lambda a: tuple(a.shape[1:]), d.x)
-        try:
-            out = jax.eval_shape(
-                lambda p, r, x: self._apply(p, r, x), self.params, self.rest, example
-            )
-        except Exception as e:  # noqa: BLE001 - any shape error becomes one clear line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise data_lib.DataError(
-                f"{what}: the model cannot take examples of shape {shapes}: {first}"
-            ) from None
-        _check_labels(d.y, out, self.loss_fn, what)
-        if self.accuracy and d.y.ndim == 1 and getattr(out, "ndim", 0) == 2:
-            bad = (d.y < 0) | (d.y >= out.shape[-1])
-            if np.issubdtype(d.y.dtype, np.integer) and bad.any():
-                raise data_lib.DataError(
-                    f"{what}: label {d.y[bad][0]} is out of range for a model with "
-                    f"{out.shape[-1]} outputs; expected labels in [0, {out.shape[-1]})"
-                )
-
-    def _example(self, d: Any) -> data_lib.ArrayData:
-        """Data to check against the model: array data itself, a stream's first element."""
-        if isinstance(d, data_lib.ArrayData):
-            return d
-        x, y, _ = d.peek()
-        if y is None:
-            raise data_lib.DataError(f"{d.what}: the {d.name}'s elements have no labels; "
-                                     f"expected (x, y) batches or dicts with 'x' and 'y'")
-        return data_lib.ArrayData(x, y)
-
-    def _stream_steps_per_epoch(self, train: inputs_lib.StreamSource,
-                                steps_per_epoch: int | None, steps: int | None) -> int:
-        if steps_per_epoch is not None:
-            return int(steps_per_epoch)
-        n = train.num_elements()
-        if n is None:
-            if steps is not None:
-                return int(steps)
-            raise data_lib.DataError(
-                f"train_data is a {train.name} with no known length; pass steps_per_epoch=N "
-                f"(or steps=N), as Keras needs for such data")
-        return n * train.rows_per_element() // self.global_batch_size
-
-    def _eval_chunks(self, d: Any, labels: bool, batch_size: int | None = None):
-        """Global batches of ``d`` (this process's rows), the last padded: ``(x, y, w, mask)``
-        or, without ``labels``, ``(x, mask)``; ``batch_size`` rows each (default
-        ``global_batch_size``)."""
-        b = self.global_batch_size if batch_size is None else batch_size
-        if isinstance(d, data_lib.ArrayData):
-            batches = data_lib.eval_batches(d, b)
-        else:
-            batches = (data_lib.pad_batch(x, y if y is not None else
-                                          np.zeros((inputs_lib.row_count(x),), np.int32), w, b)
-                       for x, y, w in d.batches(b, epoch=0, pad_last=True))
-        n = self._mesh_replicas
-        eb = -(-b // n) * n  # padded (masked) to a multiple of the mesh's replicas
-        for x, y, w, m in batches:
-            if labels and isinstance(d, inputs_lib.StreamSource):
-                _check_batch_labels(y, d.what, self.loss_fn)
-            if eb != b:  # masked zero rows: weight and mask 0, so the sums do not change
-                x, y, w, m = jax.tree.map(lambda a: _pad_rows(a, eb), (x, y, w, m))
-            rows = functools.partial(self._local_rows, num_steps=1, batch_size=eb)
-            if labels:
-                yield rows(x), rows(y), rows(w), rows(m)
-            else:
-                yield rows(x), rows(m)
-
-    def _local_rows(self, x: Any, num_steps: int, batch_size: int | None = None) -> Any:
-        """Orders ``num_steps`` global batches so that each local replica gets its rows.
-
-        ``x`` (an array or a dict of arrays) holds ``num_steps`` consecutive global batches of
-        ``batch_size`` rows (default ``global_batch_size``). Replica ``r`` of the ``N`` of
-        this process's mesh must see rows ``[r*B/N, (r+1)*B/N)`` of every one of them, in step
-        order; the distributed dataset splits its input into equal consecutive parts, one per
-        local replica.
-        """
-        if isinstance(x, Mapping):
-            return {k: self._local_rows(v, num_steps, batch_size) for k, v in x.items()}
-        n = self._mesh_replicas
-        b = self.global_batch_size if batch_size is None else batch_size
-        if b % n:
-            raise ValueError(
-                f"a batch of {b} rows does not split across the {n} replicas of this "
-                f"process's {type(self.strategy).__name__} mesh; expected a multiple of {n}")
-        per = b // n
-        x = x.reshape(num_steps, n, per, *x.shape[1:])[:, self._local_replicas]
-        x = np.swapaxes(x, 0, 1)
-        return x.reshape(len(self._local_replicas) * num_steps * per, *x.shape[3:])
-
-    def _distribute(self, local_batches: Any, options: Any = None) -> Any:
-        """Distributes batches that already hold only this process's rows (``_local_rows``).
-
-        The rows are chosen here, so the strategy must not shard them again across processes:
-        the dataset is tagged ``AutoShardPolicy.OFF`` (with ``MultiWorkerMirroredStrategy`` the
-        default ``AUTO``/``DATA`` would keep 1/P of rows that are already 1/P of a batch).
-        """
-        from jaxdist._src.input.autoshard import with_auto_shard_policy
-
-        return self.strategy.experimental_distribute_dataset(
-            with_auto_shard_policy(local_batches, "OFF"), options=options)
-
-    def _checkpointer_or_none(self) -> Checkpointer | None:
-        if self.checkpoint_dir is None:
-            return None
-        if self._checkpointer is None:
-            # Only the chief writes; the other workers read it (to resume) and create nothing.
-            self._checkpointer = Checkpointer(self.checkpoint_dir, keep=self.keep_checkpoints,
-                                              read_only=not self.should_checkpoint)
-        return self._checkpointer
 
     def _current_params(self) -> Any:
-        self._state = self._hook.current_state(self.context, self._state)
+        self.train_state = self._hook.current_state(self.context, self._state)
         return self._state.params
 
     def _epoch_order(self, num_examples: int, epoch: int) -> np.ndarray:
         # e.g. this worker's share
         return self._hook.epoch_order(self.context, num_examples, epoch)
 
-    def _record(self) -> run_record.RunRecord:
-        """The record of the settings written with this trainer's checkpoints (its settings
-        as they are now: a later ``fit`` may take another batch size)."""
-        ck = self.checkpoint_config
-        settings = {**run_record.trainer_settings(
-            self.strategy, self.global_batch_size, self.seed, self.shuffle, self.precision,
-            self.batch_norm), **(ck.settings or {})}
-        if self._run_record is None:
-            self._run_record = run_record.RunRecord(
-                self.checkpoint_dir, settings, ck.allow_changes, writer=self.should_checkpoint)
-        self._run_record.settings = run_record.plain(settings)
-        return self._run_record
 
-    def _maybe_resume(self, steps_per_epoch: int) -> list[str] | None:
-        """Restores the latest checkpoint (the first ``fit`` only) once its recorded settings
-        match (``run_record``); returns note lines, or ``None`` when nothing was restored."""
-        if self.checkpoint_dir is None or not self.resume or self._resumed:
-            return None
-        self._resumed = True  # only the first fit resumes; later calls continue in memory
-        record = self._record()
-        notes = record.check()   # raises SettingsChangedError before anything is restored
-        fresh = self._state.opt_state
-        self._state, self._restored_position = self._hook.resume(
-            self.context, self._state, steps_per_epoch)
-        if self.last_checkpoint is None:
-            return None
-        if not self._hook.local_state:   # the ps hooks derive the position from the step
-            return notes + record.notes_after_restore(self.last_checkpoint)
-        self._state, more = record.converted(self._state, self.global_batch_size,
-                                             steps_per_epoch, fresh)
-        return notes + more + record.notes_after_restore(self.last_checkpoint)
 
-    def save_checkpoint(self) -> None:
-        """Writes a checkpoint of the current state and data position (chief only)."""
-        if self.checkpoint_dir is not None:
-            self._state = self._hook.save(self.context, self._state, self._data_position)
-            if self.last_checkpoint == self.step:
-                self._record().saved(self.step, self.epoch, self.step_in_epoch)
 
-    def _host_chunks(self, train: data_lib.ArrayData, order: np.ndarray,
-                     chunks: Sequence[tuple[int, int]]):
-        b = self.global_batch_size
-        for start, k in chunks:
-            part = train.take(order[start * b:(start + k) * b])
-            w = np.ones((k * b,), np.float32) if part.w is None else part.w
-            yield (self._local_rows(part.x, k), self._local_rows(part.y, k),
-                   self._local_rows(w, k))
 
-    def _host_blocks(self, train: data_lib.ArrayData, order: np.ndarray,
-                     groups: Sequence[Sequence[tuple[int, int]]], sizes: Mapping[int, int]):
-        """Like ``_host_chunks`` for groups of consecutive chunks of ``kk`` steps each: one
-        input block per group (``_input_block``), padded to ``sizes[kk]`` chunks so that
-        its shape, hence the compiled step, is the same for every group."""
-        b = self.global_batch_size
-        for group in groups:
-            start, kk = group[0]
-            part = train.take(order[start * b:(start + len(group) * kk) * b])
-            w = np.ones((len(part),), np.float32) if part.w is None else part.w
-            yield self._input_block(part.x, part.y, w, kk, sizes[kk])
 
-    def _input_block(self, x: Any, y: Any, w: Any, kk: int, count: int) -> tuple[Any, Any, Any]:
-        """``count`` chunks of ``kk`` global batches as one input block ``(x, y, w)``.
 
-        ``x``, ``y``, ``w`` hold the rows of up to ``count`` chunks, in step order (missing
-        chunks at the end are zero rows, never run). Each array becomes ``(local replicas x
-        count, kk x rows per replica, ...)``: the distributed dataset gives every replica its
-        ``(count, kk x rows per replica, ...)`` share, and a dispatch of ``train_replica``
-        takes one chunk of it on the device. One transfer then feeds ``count`` dispatches.
-        """
-        rows = count * kk * self.global_batch_size
-        per = self.global_batch_size // self._mesh_replicas
-        local = len(self._local_replicas)
 
-        def block(a: Any) -> np.ndarray:
-            a = np.asarray(a)
-            if a.shape[0] != rows:
-                a = _pad_rows(a, rows)
-            a = self._local_rows(a, count * kk)
-            return a.reshape(local * count, kk * per, *a.shape[1:])
 
-        return jax.tree.map(block, x), block(y), block(w)
 
-    def _block_sizes(self, train: Any, spe: int) -> dict[int, int]:
-        """Chunks per input block for chunks of ``k`` and of 1 steps: up to ``_BLOCK_STEPS``
-        steps and ``_BLOCK_BYTES`` bytes per block, a power of two no larger than needed for
-        an epoch (so one fit compiles at most two programs, as without blocks)."""
-        k = self.steps_per_execution
-        if not isinstance(train, data_lib.ArrayData):
-            return {k: 1, 1: 1}   # a stream: one chunk per block (no reading further ahead)
-        row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:]))
-                  for a in jax.tree.leaves((train.x, train.y))) + 4  # + the weight
-        chunk_bytes = max(1, row * self.global_batch_size)
 
-        def size(kk: int, chunks_needed: int) -> int:
-            cap = max(1, min(_BLOCK_STEPS // kk, _BLOCK_BYTES // (kk * chunk_bytes)))
-            need = 1 << max(0, int(chunks_needed) - 1).bit_length()  # next power of two
-            return max(1, min(cap, need))
-
-        return {k: size(k, spe // k), 1: size(1, spe if k == 1 else k - 1)}
-
-    def _stream_chunks(self, train: inputs_lib.StreamSource, chunks: Sequence[tuple[int, int]],
-                       positions: list[Any], ran_out: list[bool], blocks: bool = False):
-        """Like ``_host_chunks`` for a stream: ``k`` global batches per chunk; the stream's
-        position after each chunk goes to ``positions`` (the distributed dataset reads ahead,
-        so the loop takes a position only when it runs the chunk). With ``blocks`` each chunk
-        is an input block of one chunk (``_input_block``)."""
-        b = self.global_batch_size
-        restored = self._restored_position
-        self._restored_position = None
-        state = None
-        if restored and restored.get("epoch") == self.epoch:
-            state = restored.get("grain_state")
-        it = train.batches(b, self.epoch, skip=chunks[0][0] if chunks else 0, state=state)
-        for _, k in chunks:
-            got = list(itertools.islice(it, k))
-            if len(got) < k:
-                ran_out[0] = True
-                return
-            for _, yb, _ in got:
-                _check_batch_labels(yb, train.what, self.loss_fn)
-            x = jax.tree.map(lambda *a: np.concatenate(a), *[g[0] for g in got])
-            y = np.concatenate([g[1] for g in got])
-            w = np.concatenate([np.ones((b,), np.float32) if g[2] is None else g[2]
-                                for g in got])
-            positions.append(train.position())
-            if blocks:
-                yield self._input_block(x, y, w, k, 1)
-            else:
-                yield self._local_rows(x, k), self._local_rows(y, k), self._local_rows(w, k)
-
-    def _epoch_inputs(self, train: Any, order: Any, chunks: Sequence[tuple[int, int]],
-                      groups: Sequence[Sequence[tuple[int, int]]], block_sizes: Mapping[int, int],
-                      blocks: bool, positions: list[Any], ran_out: list[bool]) -> Any:
-        """An epoch's distributed inputs: one ``(x, y, w)`` per group of chunks (``None``s
-        when the hook feeds its steps itself). Blocks of up to 32 steps: a thread prepares
-        them (a gather of the epoch's rows) while this one dispatches and waits; its hand-off
-        costs once per block, not per step."""
-        opts = InputOptions(experimental_per_replica_buffer_size=2, prefetch_thread=True)
-        if self._hook.owns_input:  # e.g. per-worker datasets
-            return ((None, None, None) for _ in groups)
-        if isinstance(train, inputs_lib.StreamSource):
-            return iter(self._distribute(
-                self._stream_chunks(train, chunks, positions, ran_out, blocks), options=opts))
-        if blocks:
-            return iter(self._distribute(
-                self._host_blocks(train, order, groups, block_sizes), options=opts))
-        return iter(self._distribute(self._host_chunks(train, order, chunks), options=opts))
-
-    def _run_epoch(self, train: Any, total: int, spe: int, num_epochs: int,
-                   runner: loop_lib.StepRunner, reporter: loop_lib.FitReporter, logger: Any,
-                   cbs: Any, blocks: bool, block_sizes: Mapping[int, int]) -> bool:
-        """Runs the steps of the current epoch up to its end, ``total`` steps or a stop;
-        returns whether a stream ran out before the epoch's end."""
-        order = (None if isinstance(train, inputs_lib.StreamSource)
-                 else self._epoch_order(len(train), self.epoch))
-        start = self.step_in_epoch
-        cbs.on_epoch_begin(self.epoch)
-        logger.begin_epoch(self.epoch, num_epochs, min(spe, start + total - self.step), start)
-        chunks, groups = loop_lib.plan_epoch(
-            start, min(spe, start + (total - self.step)), self.steps_per_execution,
-            blocks=blocks, block_sizes=block_sizes)
-        positions: list[Any] = []
-        ran_out = [False]
-        timer = self._dispatch_timer
-        inputs = self._epoch_inputs(train, order, chunks, groups, block_sizes, blocks,
-                                    positions, ran_out)
-        try:
-            for j, (s, kk), (xb, yb, wb) in loop_lib.epoch_steps(groups, inputs):
-                if self._preemption is not None and self._preemption.should_stop(self.step, kk):
-                    self._preempted = True
-                    break
-                if positions:
-                    self._data_position = positions.pop(0)
-                reporter.batch_begin(s + kk - 1)
-                before = self.step
-                if timer is not None:
-                    timer.before()
-                self._state, stats = runner.run(self._state, xb, yb, wb, s, kk, chunk=j)
-                if timer is not None and timer.count < 2:
-                    timer.after(stats, kk)
-                reporter.record(stats, self._state, self.last_checkpoint)
-                logger.advance(kk)
-                crossed = lambda every: self.step // every > before // every  # noqa: B023
-                if crossed(self.log_every_steps) or self.step >= total:
-                    reporter.check_nan(self.last_checkpoint)
-                    reporter.log_train(self._state)
-                if self.checkpoint_dir is not None and crossed(self.checkpoint_every_steps):
-                    reporter.check_nan(self.last_checkpoint)
-                    self.save_checkpoint()
-                reporter.batch_end(s + kk - 1)
-                if self.stop_training:
-                    break
-        finally:
-            inputs.close()
-        return ran_out[0]
-
-    def _fit_loop(self, train, val, total, spe, validation_freq, logger, history, cbs,
-                  num_epochs) -> None:
-        """The epochs of ``fit``: the epoch plan and inputs, the step runner, the reporter
-        (``jaxdist._src.train.loop``). The state lives in ``self._state`` between steps, so
-        callbacks that change it (the learning rate, ``set_weights``) take effect."""
-        hook, ctx = self._hook, self.context
-        reporter = loop_lib.FitReporter(
-            logger, history, cbs, batch_size=ctx.global_batch_size, accuracy=self.accuracy,
-            metric_results=self._metric_results, learning_rate=self.current_learning_rate,
-            halt_on_nan=self.halt_on_nan, checkpoint_dir=self.checkpoint_dir,
-            initial_step=self.step)
-        cbs.on_train_begin()
-        # With a hook that takes input blocks, consecutive chunks of the same length share
-        # one block (one host-to-device transfer for several dispatches).
-        blocks = hook.input_blocks and not hook.owns_input
-        block_sizes = self._block_sizes(train, spe)
-        runner = loop_lib.StepRunner(hook, ctx, spe, blocks)
-
-        def validate() -> dict[str, float]:
-            return reporter.validate(
-                self._state, lambda callbacks: self.evaluate(val, callback_list=callbacks),
-                lambda: hook.state_version(self.context, self._state))
-
-        while self.step < total and not self.stop_training:
-            epoch_start_time = time.perf_counter()
-            ran_out = self._run_epoch(train, total, spe, num_epochs, runner, reporter, logger,
-                                      cbs, blocks, block_sizes)
-            if self._preempted:
-                reporter.log_train(self._state)
-                saved = self.checkpoint_dir is None or self.last_checkpoint == self.step
-                self._preemption.finish(self.step, (lambda: None) if saved
-                                        else self.save_checkpoint,
-                                        is_chief=self.should_checkpoint)
-                self.stop_training = True  # a custom exit_fn returned: fit stops here
-                return
-            if ran_out:  # a stream ended before the epoch length it announced
-                if self.step_in_epoch == 0 and not reporter.epoch_stats:
-                    raise data_lib.DataError(
-                        f"train_data ran out of data at step {self.step} (epoch "
-                        f"{self.epoch}); pass a repeating dataset or fewer steps/epochs")
-                if total != self.step and self.step_in_epoch < spe:
-                    total -= spe - self.step_in_epoch   # the epoch was shorter: as many epochs
-                    spe = runner.steps_per_epoch = self.step_in_epoch
-                self._state = self._state.replace(epoch=self.epoch + 1, step_in_epoch=0)
-            reporter.check_nan(self.last_checkpoint)
-            if self.step_in_epoch == 0 or self.stop_training:  # the epoch ended
-                logs = reporter.epoch_logs()
-                if logs is not None:
-                    if val is not None and validation_freq and self.epoch % validation_freq == 0:
-                        logs.update({f"val_{k}": v for k, v in validate().items()})
-                    ended = self.epoch - 1 if self.step_in_epoch == 0 else self.epoch
-                    reporter.end_epoch(ended, num_epochs, logs,
-                                       time.perf_counter() - epoch_start_time)
-        self._state = hook.end_training(self.context, self._state)
-        reporter.log_train(self._state)
-        if self.checkpoint_dir is not None and self.last_checkpoint != self.step:
-            self.save_checkpoint()
-        # With parameter servers, other workers may push after this task's last validation.
-        changed = hook.state_version(self.context, self._state) != reporter.last_val_version
-        if val is not None and (reporter.last_val_step != self.step or changed):
-            history.add("val_", validate())
-        end = reporter.end(self._state, val is not None)
-        hook.end_fit(self.context, self._state)
-        cbs.on_train_end(end)
 
 def _verbose(verbose: int | str) -> int:
     if verbose == "auto":
@@ -1141,55 +706,12 @@ def _verbose(verbose: int | str) -> int:
     return int(verbose)
 
 
-def _mean_where_varying(ctx: Any, tree: Any) -> Any:
-    """The mean over the replicas of the leaves that vary over them; the others (already reduced,
-    e.g. synchronized batch statistics) are returned unchanged, never reduced twice."""
-    axes = ctx.axis_name if isinstance(ctx.axis_name, tuple) else (ctx.axis_name,)
-
-    def mean(a: Any) -> Any:
-        varying = tuple(x for x in axes if x in varying_axes(a))
-        return lax.pmean(a, varying) if varying else a
-
-    return jax.tree.map(mean, tree)
 
 
-def _check_labels(y: np.ndarray, out: Any, loss_fn: Any, what: str) -> None:
-    """Labels of the wrong kind for the named losses: one clear error (exit status 2)."""
-    out_ndim = getattr(out, "ndim", None)
-    if loss_fn is sparse_categorical_crossentropy and out_ndim is not None:
-        if y.ndim == out_ndim and y.ndim >= 2 and y.shape[-1] == out.shape[-1]:
-            raise data_lib.DataError(
-                f"{what}: labels of shape {y.shape} look one-hot; loss "
-                f"'sparse_categorical_crossentropy' expects integer class ids of shape "
-                f"{y.shape[:-1]}: pass y.argmax(-1), or use loss='categorical_crossentropy'",
-                exit_code=2)
-        _check_batch_labels(y, what, loss_fn)
-    if loss_fn is categorical_crossentropy and out_ndim is not None and y.ndim == out_ndim - 1:
-        raise data_lib.DataError(
-            f"{what}: labels of shape {y.shape} are class ids; loss 'categorical_crossentropy' "
-            f"expects one-hot labels of shape {(*y.shape, out.shape[-1])}: use loss="
-            f"'sparse_categorical_crossentropy'", exit_code=2)
 
 
-def _pad_rows(a: Any, rows: int) -> np.ndarray:
-    """``a`` with zero rows appended up to ``rows`` rows."""
-    a = np.asarray(a)
-    return np.concatenate([a, np.zeros((rows - a.shape[0], *a.shape[1:]), a.dtype)])
 
 
-def _check_batch_labels(y: Any, what: str, loss_fn: Any) -> None:
-    """Float labels that are not whole numbers cannot be class ids (sparse cross-entropy)."""
-    if y is None or loss_fn is not sparse_categorical_crossentropy:
-        return
-    y = np.asarray(y)
-    if np.issubdtype(y.dtype, np.floating):
-        frac = np.mod(y, 1) != 0
-        if frac.any():
-            raise data_lib.DataError(
-                f"{what}: labels are floats such as {y[frac].flat[0]:g}; loss "
-                f"'sparse_categorical_crossentropy' expects integer class ids: pass integer "
-                f"labels (y.astype(int) if they are ids), or a loss for real-valued targets",
-                exit_code=2)
 
 
 def _inline_on_coordinator(strategy: Any) -> contextlib.AbstractContextManager:

@@ -1,5 +1,6 @@
 """What callbacks reach through ``self.model``: the ``Trainer`` parts Keras' ``Model`` offers.
 
+``stop_training`` (Keras' flag: set it to end ``fit`` after the current batch),
 ``learning_rate`` (read and set at run time), ``get_weights``/``set_weights``,
 ``save_checkpoint_to``/``load_weights`` (orbax directories), ``run_dir`` (this run's own
 directory) and ``describe_run`` (the start-up line). ``Trainer`` inherits them.
@@ -18,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -27,21 +29,72 @@ from jaxdist._src.train import learning_rate as lr_lib
 from jaxdist._src.train import runs
 
 
+@dataclasses.dataclass
+class FitStatus:
+    """How the current (or last) ``fit`` stands: the one record behind ``stop_training``.
+
+    Attributes:
+        stop_requested: a callback (or a preemption) asked ``fit`` to stop after the current
+            batch (Keras' ``model.stop_training = True``).
+        failed: ``fit`` ended with an exception (``stop_training_by_error``).
+        preempted: a preemption notice stopped ``fit`` at the agreed step.
+
+    Example:
+        >>> from jaxdist._src.train.trainer_handle import FitStatus
+        >>> FitStatus().stop_requested
+        False
+    """
+
+    stop_requested: bool = False
+    failed: bool = False
+    preempted: bool = False
+
+
 class TrainerHandle:
     """Mixin of ``Trainer``: the handle callbacks get as ``self.model``.
 
-    Expects ``params``, ``rest``, ``opt_state`` (views of ``_state``, a ``TrainState``),
-    ``context`` (a ``TrainerContext``), ``strategy``, ``log_dir``, ``run_name``,
-    ``should_save_summary`` and ``_hook`` on the instance.
+    Expects ``train_state`` (a ``TrainState``, with its one setter), ``context`` (a
+    ``TrainerContext``), ``strategy``, ``logging_config``, ``should_save_summary``, ``_hook``
+    and ``_status`` (a ``FitStatus``, a new one for every ``fit``) on the instance.
 
     Example:
         >>> from jaxdist._src.train.trainer_handle import TrainerHandle
         >>> class Trainer(TrainerHandle): ...
     """
 
-    stop_training: bool = False
-    stop_training_by_error: bool = False
     _run_dir: str | None = None
+
+    # ------------------------------------------------------------------ stopping
+    @property
+    def stop_training(self) -> bool:
+        """Keras' ``model.stop_training``: set it to ``True`` (e.g. in a callback) to end
+        ``fit`` after the current batch; every ``fit`` starts with it ``False``.
+
+        Example:
+            >>> import jaxdist, optax
+            >>> import numpy as np
+            >>> from flax import nnx
+            >>> from jaxdist.train.callbacks import LambdaCallback
+            >>> trainer = jaxdist.Trainer(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+            ...                           global_batch_size=8)
+            >>> def stop(batch, logs):
+            ...     trainer.stop_training = True
+            >>> x, y = np.ones((64, 4), np.float32), np.zeros((64,), np.int32)
+            >>> history = trainer.fit((x, y), epochs=3, verbose=0,
+            ...                       callbacks=[LambdaCallback(on_train_batch_end=stop)])
+            >>> int(trainer.step)
+            1
+        """
+        return self._status.stop_requested
+
+    @stop_training.setter
+    def stop_training(self, value: bool) -> None:
+        self._status.stop_requested = bool(value)
+
+    @property
+    def stop_training_by_error(self) -> bool:
+        """Whether the last ``fit`` ended with an exception (read only)."""
+        return self._status.failed
 
     # ------------------------------------------------------------------ learning rate
     @property
@@ -56,7 +109,7 @@ class TrainerHandle:
                 rate follows a schedule.
         """
         if not self._hook.local_state:
-            return self._hook.get_learning_rate(self.context, self._state)
+            return self._hook.get_learning_rate(self.context, self.train_state)
         value = lr_lib.get_learning_rate(self.opt_state)
         if value is None:
             raise ValueError(f"the learning rate is not readable from this optimizer; "
@@ -68,15 +121,17 @@ class TrainerHandle:
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
+        state = self.train_state
         if not self._hook.local_state:
-            self._state = self._hook.set_learning_rate(self.context, self._state, float(value))
+            self.train_state = self._hook.set_learning_rate(self.context, state, float(value))
             return
-        self.opt_state = lr_lib.set_learning_rate(self.opt_state, float(value))
+        self.train_state = state.replace(
+            opt_state=lr_lib.set_learning_rate(state.opt_state, float(value)))
 
     def current_learning_rate(self) -> float | None:
         """The rate of the last update, for the logs (``None`` when it cannot be read)."""
         if not self._hook.local_state:
-            return self._hook.current_learning_rate(self.context, self._state)
+            return self._hook.current_learning_rate(self.context, self.train_state)
         return lr_lib.get_learning_rate(self.opt_state)
 
     # ------------------------------------------------------------------ weights
@@ -87,11 +142,12 @@ class TrainerHandle:
     def set_weights(self, weights: Any) -> None:
         """Puts back variables from ``get_weights`` (the optimizer state is kept). Under the
         parameter-server strategies the ps tasks' variables are assigned."""
+        state = self.train_state
         if not self._hook.local_state:
-            self._state = self._hook.set_weights(self.context, self._state, weights["params"])
-            self.rest = weights["rest"]
+            state = self._hook.set_weights(self.context, state, weights["params"])
+            self.train_state = state.replace(rest=weights["rest"])
             return
-        self.params, self.rest = weights["params"], weights["rest"]
+        self.train_state = state.replace(params=weights["params"], rest=weights["rest"])
 
     def save_checkpoint_to(self, path: str | os.PathLike, weights_only: bool = False) -> None:
         """Writes an orbax checkpoint into ``path`` (replacing what is there).
@@ -131,7 +187,7 @@ class TrainerHandle:
             ckpt.close()
         self.set_weights(state)
         if "opt_state" in state:
-            self.opt_state = state["opt_state"]
+            self.train_state = self.train_state.replace(opt_state=state["opt_state"])
 
     def close_checkpointer(self) -> None:
         """Releases the checkpoint directory (before ``BackupAndRestore`` deletes it)."""
@@ -145,8 +201,10 @@ class TrainerHandle:
     def run_dir(self) -> str | None:
         """This run's own directory (created on first use; ``None`` without ``log_dir`` or on
         a process that does not write summaries)."""
-        if self._run_dir is None and self.log_dir is not None and self.should_save_summary:
-            self._run_dir = runs.new_run_dir(self.log_dir, getattr(self, "run_name", None))
+        if self._run_dir is None and self.should_save_summary:
+            logging = self.logging_config
+            if logging.dir is not None:
+                self._run_dir = runs.new_run_dir(logging.dir, logging.run_name)
         return self._run_dir
 
     def describe_run(self) -> str:
@@ -161,4 +219,4 @@ class TrainerHandle:
                 f"process(es); writing to {out}")
 
 
-__all__ = ["TrainerHandle"]
+__all__ = ["FitStatus", "TrainerHandle"]
