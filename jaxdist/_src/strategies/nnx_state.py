@@ -272,6 +272,7 @@ __all__ = [
     "NnxStateError",
     "globalize",
     "is_global_view",
+    "is_global_view_step",
     "split_args",
     "update",
 ]
