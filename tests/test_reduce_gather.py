@@ -171,7 +171,7 @@ def test_reduce_to_a_cpu_device_outside_the_mesh_in_the_cross_replica_context(cd
         out = s.extended.reduce_to("SUM", v, destinations=None)  # replicated on the replicas
         assert out.devices() == set(devs) and out.sharding.is_fully_replicated
         # TF's CrossDeviceOps API in the cross-replica context
-        cross = s.extended._cross_device_ops.reduce("SUM", v, destinations=dest)
+        cross = s.extended.cross_device_ops.reduce("SUM", v, destinations=dest)
         np.testing.assert_allclose(cross, [1.0, 3.0, 5.0])
         assert cross.devices() == {dest}
 

@@ -170,7 +170,7 @@ def test_carries_vary_over_types_a_constant_carry_varying_only_inside_it():
                               out_specs=P("r")))(jnp.arange(4.0))
     # the hooks stay in place for good and are JAX's functions outside the context
     for fn in (jax.lax.scan, jax.lax.while_loop, jax.lax.cond, jax.lax.switch):
-        assert getattr(fn, "_jaxdist_carry_promotion", False), fn
+        assert fn in jax_internals._CARRY_WRAPPERS, fn
 
 
 @pytest.mark.devices(2)

@@ -261,7 +261,9 @@ def test_central_storage_step_runs_on_the_compute_devices(devices):
     # A model outside any central-storage scope keeps Keras's own step.
     plain = _model()
     plain.make_train_function()
-    assert not hasattr(plain.train_function, "_jaxdist_central_storage")
+    from jaxdist._src.keras import central_storage
+
+    assert central_storage._central_step_strategy(plain.train_function) is None
 
 
 
@@ -315,6 +317,8 @@ def test_keras_steps_in_flight_are_bounded(devices):
         model = _model()
     x = np.random.default_rng(0).normal(size=(8 * 120, 5)).astype("float32")
     model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert model.train_function._jaxdist_bounded
+    from jaxdist._src.keras import model_strategy
+
+    assert model_strategy._is_bounded(model.train_function)
     model.evaluate(x[:64], x[:64, :1], batch_size=8, verbose=0)
-    assert model.test_function._jaxdist_bounded
+    assert model_strategy._is_bounded(model.test_function)

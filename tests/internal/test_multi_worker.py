@@ -69,11 +69,11 @@ def test_bytes_per_pack_packs_into_buckets(monkeypatch):
     assert [y.shape for y in unpack(packs)] == [x.shape for x in xs]
     opts = jaxdist.CommunicationOptions(bytes_per_pack=16)
     s = jaxdist.MultiWorkerMirroredStrategy(communication_options=opts)
-    assert isinstance(s.extended._cross_device_ops, PackedAllReduce)
+    assert isinstance(s.extended.cross_device_ops, PackedAllReduce)
     ref = _train(jaxdist.MirroredStrategy())
     got = _train(s)
     # grads: w (16 B) fills a 16-byte bucket, b gets another
-    assert 2 in s.extended._cross_device_ops.pack_counts
+    assert 2 in s.extended.cross_device_ops.pack_counts
     np.testing.assert_allclose(got["w"], ref["w"], rtol=1e-6)
 
 

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -172,6 +173,10 @@ class _LoopFrame:
             self.cursor += 1
 
 
+#: jaxdist's wrappers put in place of JAX's control-flow functions (``_install_carry_promotion``
+#: installs them once: finding one there means they are in place).
+_CARRY_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
 def _promotion_hook(original: Callable) -> Callable:
     def promote(in_val, in_aval, out_aval):
         val, changed = original(in_val, in_aval, out_aval)
@@ -187,7 +192,7 @@ def _promotion_hook(original: Callable) -> Callable:
                 changed = True
         return val, changed
 
-    promote._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    _CARRY_WRAPPERS.add(promote)
     promote.__wrapped__ = original  # type: ignore[attr-defined]
     return promote
 
@@ -231,7 +236,7 @@ def _retrying_loop(original: Callable, init_name: str, init_pos: int) -> Callabl
                 frames.pop()
         return original(*args, **kwargs)
 
-    loop._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    _CARRY_WRAPPERS.add(loop)
     return loop
 
 
@@ -287,7 +292,7 @@ def _joining_branches(original: Callable, kind: str) -> Callable:
         def switch(index, branches, *operands, **kwargs):
             return call(list(branches), lambda fs: (index, fs), *operands, **kwargs)
         wrapper = switch
-    wrapper._jaxdist_carry_promotion = True  # type: ignore[attr-defined]
+    _CARRY_WRAPPERS.add(wrapper)
     return wrapper
 
 
@@ -319,7 +324,7 @@ def _install_carry_promotion() -> bool:
             (loops, "scan"), (loops, "while_loop"), (conditionals, "cond"),
             (conditionals, "switch"))):  # pragma: no cover
         return False
-    if getattr(original, "_jaxdist_carry_promotion", False):
+    if original in _CARRY_WRAPPERS:
         return True
     wrapped = {
         "scan": _retrying_loop(loops.scan, "init", 1),

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -498,7 +499,9 @@ def skip_batches(model: Any, count: int) -> None:
 
 
 # ---------------------------------------------------------------------- per-model hooks
-_MODEL_HOOK = "_jaxdist_model_hook"
+#: The functions ``set_instance_method`` bound as jaxdist hooks (``clear_instance_hooks``
+#: removes the model attributes bound to them).
+_MODEL_HOOKS: weakref.WeakSet = weakref.WeakSet()
 
 
 def set_instance_method(model: Any, name: str, fn: Callable, hook: bool = True) -> None:
@@ -520,7 +523,7 @@ def _marked(fn: Callable) -> Callable:
     def bound(self: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(self, *args, **kwargs)
 
-    setattr(bound, _MODEL_HOOK, True)
+    _MODEL_HOOKS.add(bound)
     bound.__name__ = getattr(fn, "__name__", "hook")
     bound.__doc__ = getattr(fn, "__doc__", None)
     return bound
@@ -528,8 +531,14 @@ def _marked(fn: Callable) -> Callable:
 
 def instance_hooks(model: Any) -> list[str]:
     """Names of the jaxdist hooks ``set_instance_method`` set on ``model``."""
-    return sorted(name for name, v in vars(model).items()
-                  if getattr(getattr(v, "__func__", None), _MODEL_HOOK, False))
+    return sorted(name for name, v in vars(model).items() if _is_hook(v))
+
+
+def _is_hook(value: Any) -> bool:
+    try:
+        return getattr(value, "__func__", None) in _MODEL_HOOKS
+    except TypeError:  # a bound method of something unhashable
+        return False
 
 
 def clear_instance_hooks(model: Any) -> None:

@@ -82,7 +82,7 @@ class _Pickler(cloudpickle.Pickler):
         if isinstance(obj, WorkerResource):
             return wr.lookup_resource, (obj.resource_id,)
         if isinstance(obj, RemoteValue):
-            if not self.wait and obj._status is RemoteValueStatus.NOT_READY:
+            if not self.wait and obj.status is RemoteValueStatus.NOT_READY:
                 raise NotReadyError(repr(obj))
             try:
                 value = obj.fetch(self.input_timeout)
@@ -90,7 +90,7 @@ class _Pickler(cloudpickle.Pickler):
                 raise ClosureInputError(f"an argument {obj!r} failed: {e}") from e
             return _identity, (value,)
         if isinstance(obj, PSVariables):
-            return wr.resolve_variables, (obj.layout, obj._worker_spec, self.timeout)
+            return wr.resolve_variables, (obj.layout, obj.worker_transform, self.timeout)
         if isinstance(obj, EmbeddingTable):
             return wr.resolve_embedding, (obj.name, obj.vocab_size, obj.dim, obj.dtype,
                                           list(obj.shards), self.timeout)

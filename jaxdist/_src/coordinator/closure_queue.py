@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jaxdist._src.coordinator import remote_value as remote_value_lib
 from jaxdist._src.coordinator.errors import CancelledError, CoordinatorShutdownError
 from jaxdist._src.coordinator.remote_value import RemoteValue
 
@@ -58,15 +59,15 @@ class Closure:
 
     def set_value(self, value: Any, worker: str | None = None) -> None:
         """Its ``fetch()`` returns ``value`` (computed on ``worker``)."""
-        self.remote_value._set_value(value, worker)
+        remote_value_lib.set_value(self.remote_value, value, worker)
 
     def set_error(self, error: BaseException, worker: str | None = None) -> None:
         """Its ``fetch()`` raises ``error`` (raised on ``worker``, or on the coordinator)."""
-        self.remote_value._set_error(error, worker)
+        remote_value_lib.set_error(self.remote_value, error, worker)
 
     def mark_cancelled(self) -> None:
         """Its ``fetch()`` raises ``CancelledError`` (TF's message, then which function)."""
-        self.remote_value._set_error(CancelledError(
+        remote_value_lib.set_error(self.remote_value, CancelledError(
             f"The corresponding function is cancelled. Please reschedule the function. "
             f"(function #{self.closure_id}, {_fn_name(self.fn)}, was cancelled because an "
             f"earlier function failed)"
@@ -353,7 +354,7 @@ class ClosureQueue:
             self._queue.clear()
             self._tagged.clear()
             for c in pending:
-                c.remote_value._set_error(CoordinatorShutdownError(
+                remote_value_lib.set_error(c.remote_value, CoordinatorShutdownError(
                     f"the coordinator was shut down before function #{c.closure_id} ran"))
             self._cond.notify_all()
 

@@ -86,13 +86,18 @@ def _as_dataset_fn(dataset_or_fn: Any) -> Callable[..., Any]:
     Raises:
         TypeError: neither a callable nor an iterable dataset.
     """
-    from jaxdist._src.input.distributed import DistributedDataset, DistributedDatasetsFromFunction
+    from jaxdist._src.input.distributed import (
+        DistributedDataset,
+        DistributedDatasetsFromFunction,
+        source_dataset,
+    )
 
     if isinstance(dataset_or_fn, DistributedDataset):
-        return functools.partial(_redistribute, dataset_or_fn._dataset, dataset_or_fn.options)
+        return functools.partial(_redistribute, source_dataset(dataset_or_fn),
+                                 dataset_or_fn.options)
     if isinstance(dataset_or_fn, DistributedDatasetsFromFunction):
-        return functools.partial(_redistribute_from_function, dataset_or_fn._dataset,
-                                 dataset_or_fn._options)
+        return functools.partial(_redistribute_from_function, source_dataset(dataset_or_fn),
+                                 dataset_or_fn.options)
     if hasattr(dataset_or_fn, "__iter__") and not isinstance(dataset_or_fn, (str, bytes, dict)):
         return functools.partial(_identity_dataset, dataset_or_fn)
     if callable(dataset_or_fn):

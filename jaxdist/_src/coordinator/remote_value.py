@@ -114,6 +114,19 @@ class RemoteValue:
         return f"RemoteValue({self._name}, {self._status.value})"
 
 
+def set_value(remote_value: RemoteValue, value: Any, worker: str | None = None) -> None:
+    """Makes ``remote_value`` ready with ``value`` (computed on ``worker``); the coordinator's
+    side of the future (a no-op once it is ready). TF keeps the method private
+    (``RemoteValue._set_value``), so the closure queue sets it through this function."""
+    remote_value._set_value(value, worker)
+
+
+def set_error(remote_value: RemoteValue, error: BaseException, worker: str | None = None) -> None:
+    """Makes ``remote_value`` ready with ``error`` (``fetch()`` raises it); a no-op once it is
+    ready (TF's private ``RemoteValue._set_error``)."""
+    remote_value._set_error(error, worker)
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic))
 
@@ -143,4 +156,4 @@ class PerWorkerValues:
         return f"PerWorkerValues({list(self._values)!r})"
 
 
-__all__ = ["PerWorkerValues", "RemoteValue", "RemoteValueStatus"]
+__all__ = ["PerWorkerValues", "RemoteValue", "RemoteValueStatus", "set_error", "set_value"]

@@ -155,7 +155,7 @@ def resolve_variables(layout: Any, worker_spec: Any, timeout: float) -> Any:
             strategy = rt.strategy(timeout)
             ext = strategy.extended
             got = PSVariables(ext.ps_client, layout, worker_spec, ext.worker_index,
-                              getattr(ext, "_sum_replicas", None))
+                              getattr(ext, "sum_replicas", None))
             rt._variables[key] = got
         return got
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxdist._src.input import transfer
-from jaxdist._src.input.optional import Optional
+from jaxdist._src.input.optional import Optional, empty_with_lazy_spec
 from jaxdist._src.input.options import InputContext, InputOptions
 from jaxdist._src.values.per_replica import PerReplica, PerReplicaSpec
 
@@ -451,7 +451,7 @@ class DistributedIterator:
         try:
             return Optional.from_value(next(self))
         except StopIteration:
-            return Optional._empty_with_spec(self._spec)
+            return empty_with_lazy_spec(self._spec)
 
     def close(self) -> None:
         if self._prefetcher is not None:
@@ -597,3 +597,14 @@ class DistributedDatasetsFromFunction:
             first = _first_element(self._dataset)
             self._element_spec = _spec_tree(first, [None] * self._sharder.num_local)
         return self._element_spec
+
+    @property
+    def options(self) -> InputOptions:
+        return self._options
+
+
+def source_dataset(dist: DistributedDataset | DistributedDatasetsFromFunction) -> Any:
+    """The dataset ``dist`` splits over the replicas: the one given to
+    ``experimental_distribute_dataset``, or the one ``dataset_fn`` returned on this process
+    (``ClusterCoordinator.create_per_worker_dataset`` distributes it again on each worker)."""
+    return dist._dataset

@@ -61,11 +61,6 @@ class Optional:
         """An optional with no value, of elements typed ``element_spec``."""
         return Optional(_NO_VALUE, element_spec)
 
-    @classmethod
-    def _empty_with_spec(cls, spec: Callable[[], Any] | None) -> Optional:
-        """An empty optional whose ``element_spec`` is computed when asked (an iterator's)."""
-        return cls(_NO_VALUE, spec if spec is not None else _NO_VALUE)
-
     def has_value(self) -> bool:
         """Whether this optional holds a value."""
         return self._value is not _NO_VALUE
@@ -91,4 +86,10 @@ class Optional:
         return f"Optional(has_value=True, value={self._value!r})"
 
 
-__all__ = ["Optional"]
+def empty_with_lazy_spec(spec: Callable[[], Any] | None) -> Optional:
+    """An empty optional whose ``element_spec`` is computed when asked (a distributed
+    iterator's, at the end of its data)."""
+    return Optional(_NO_VALUE, spec if spec is not None else _NO_VALUE)
+
+
+__all__ = ["Optional", "empty_with_lazy_spec"]

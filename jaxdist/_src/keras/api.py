@@ -158,14 +158,14 @@ def strategy_scope_hook(strategy: Any) -> Any:
 
     if _is_default(strategy):
         return model_strategy.hooks()  # the default strategy distributes nothing
-    dist = getattr(strategy, "_jaxdist_keras_distribution", None)
+    dist = strategy.keras_distribution
     if dist is None:
         from jaxdist._src.keras import distribution as dist_lib
 
         if dist_lib.unsupported_reason(strategy) is not None:
             return model_strategy.hooks()  # models remember the strategy (ps: attach check)
         dist = dist_lib.StrategyDistribution(strategy)
-        strategy._jaxdist_keras_distribution = dist
+        strategy.keras_distribution = dist
     return dist.scope()
 
 

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -80,6 +81,18 @@ def central_strategy_of(model: Any) -> Any:
     return None
 
 
+#: The central-storage steps made here, each with the strategy it was made for.
+_CENTRAL_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _central_step_strategy(fn: Any) -> Any:
+    """The strategy ``fn`` was made for, if it is a central-storage step (else ``None``)."""
+    try:
+        return _CENTRAL_STEPS.get(fn)
+    except TypeError:  # unhashable, or no weak reference to it
+        return None
+
+
 def _central_step(fn: Any, strategy: Any) -> Any:
     ext = strategy.extended
     compute = NamedSharding(ext.mesh, P())
@@ -91,7 +104,7 @@ def _central_step(fn: Any, strategy: Any) -> Any:
         outputs, state = fn(state, iterator)
         return outputs, jax.device_put(state, param)  # one copy again, on the parameter device
 
-    step._jaxdist_central_storage = strategy
+    _CENTRAL_STEPS[step] = strategy
     return step
 
 
@@ -110,7 +123,7 @@ def wrap_maker(name: str, original: Any) -> Any:
             return original(self, force)
         fn = getattr(self, attr, None)
         if fn is not None and not force:
-            if getattr(fn, "_jaxdist_central_storage", None) is strategy:
+            if _central_step_strategy(fn) is strategy:
                 return None
             force = True  # made for another placement: make it again
         # Keras jits with its distribution's state shardings as out_shardings; those name
@@ -124,6 +137,5 @@ def wrap_maker(name: str, original: Any) -> Any:
         setattr(self, attr, _central_step(getattr(self, attr), strategy))
         return None
 
-    make._jaxdist_original = original
     return make
 

@@ -238,16 +238,17 @@ def _padding_masked(metrics: list[Any]) -> Iterator[None]:
     count, so totals and counts are over the real rows, as TF's are.
     """
     from jaxdist._src.strategies import context as ctx_lib
+    from jaxdist._src.strategies.replica_context import padded_rows_of, row_mask_of
 
     frame = ctx_lib.top()
     rctx = None if frame is None else frame.replica_context
     # jaxdist's own reads of the row mask (the step's code did not ask: an unmasked loss in
     # it is still warned about, see ReplicaContext.valid_rows).
-    rows = None if rctx is None else rctx._padded_rows()
+    rows = None if rctx is None else padded_rows_of(rctx)
     if rows is None or not metrics:
         yield
         return
-    mask = rctx._row_mask(rows)
+    mask = row_mask_of(rctx, rows)
 
     def masked(update):
         def update_state(*args, sample_weight=None, **kwargs):

@@ -76,8 +76,9 @@ class StrategyDistribution(keras.distribution.DataParallel):
         ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     """
 
-    #: Marks the distributions whose models pad and mask partial batches (partial_batches).
-    _jaxdist_strategy_distribution = True
+    #: Marks the distributions whose models pad and mask partial batches (``partial_batches``
+    #: reads it from Keras's current distribution; other distributions lack it).
+    masks_partial_batches = True
 
     def __init__(self, strategy: Strategy):
         _check_supported(strategy)
@@ -105,7 +106,7 @@ class StrategyDistribution(keras.distribution.DataParallel):
         self._central = isinstance(strategy, CentralStorageStrategy)
         if self._central:
             # Keras wants a mesh-backed layout: the parameter device's own one-device mesh.
-            self._state_sharding = NamedSharding(ext._placement_mesh(), P())
+            self._state_sharding = NamedSharding(ext.placement_mesh(), P())
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -124,6 +125,11 @@ class StrategyDistribution(keras.distribution.DataParallel):
     def strategy(self) -> Strategy:
         """The jaxdist strategy this distribution follows."""
         return self._strategy
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """The sharding of a global batch: its rows split over the strategy's replicas."""
+        return self._data_sharding
 
     @property
     def num_model_replicas(self) -> int:

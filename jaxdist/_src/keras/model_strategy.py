@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 from jaxdist._src.compat import keras_internals as ki
@@ -143,6 +144,17 @@ _STEP_ATTRS = {"make_train_function": "train_function", "make_test_function": "t
                "make_predict_function": "predict_function"}
 
 
+#: The step functions made with a bound on the steps in flight (made once per function).
+_BOUNDED_STEPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _is_bounded(fn: Any) -> bool:
+    try:
+        return fn in _BOUNDED_STEPS
+    except TypeError:  # unhashable, or no weak reference to it
+        return False
+
+
 def _bounded(fn: Any) -> Any:
     """``fn`` (a Keras step function) with at most 2 of its calls dispatched and unfinished.
 
@@ -152,7 +164,7 @@ def _bounded(fn: Any) -> Any:
     step k-2 before dispatching step k avoids it (``_src.strategies.inflight``) and keeps two
     steps in flight.
     """
-    if fn is None or getattr(fn, "_jaxdist_bounded", False):
+    if fn is None or _is_bounded(fn):
         return fn
     from jaxdist._src.strategies.inflight import StepThrottle
 
@@ -165,7 +177,7 @@ def _bounded(fn: Any) -> Any:
         throttle.after_dispatch(out)  # donated (deleted) outputs are skipped when waiting
         return out
 
-    step._jaxdist_bounded = True
+    _BOUNDED_STEPS.add(step)
     return step
 
 

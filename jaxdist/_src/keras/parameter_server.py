@@ -439,9 +439,7 @@ class KerasPSTraining:
                 if i == 0:
                     raise
                 break
-            if ext._max_staleness is not None and not ext._local:
-                ext._wait_turn()
-            ext._step += 1
+            ext.begin_step()
             data, params, looks = self._ps.pull_batch(data)
             logs, grads, non_trainable, metrics_vars = self._compute(
                 params, non_trainable, metrics_vars, opt_vars, data)

@@ -64,6 +64,7 @@ import functools
 import inspect
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -224,7 +225,7 @@ class PaddedAdapter(WrappingAdapter):
         padded = jax.tree.map(lambda x: _pad_rows(x, rows), batch) if rows != real else batch
         mask = None
         if self._kind != "predict" or self._uniform:
-            sharding = self._distribution._data_sharding
+            sharding = self._distribution.batch_sharding
             mask = jax.make_array_from_process_local_data(sharding, np.arange(rows) < real)
         _publish(Rows(mask, real, rows))
         return padded
@@ -458,7 +459,7 @@ def _under_strategy(model: Any) -> bool:
     from jaxdist._src.keras.central_storage import central_strategy_of
 
     dist = keras.distribution.distribution()
-    if getattr(dist, "_jaxdist_strategy_distribution", False):
+    if getattr(dist, "masks_partial_batches", False):
         return True
     return central_strategy_of(model) is not None
 
@@ -491,6 +492,17 @@ def _every_process_rows(outputs: Any, rows: Rows | None) -> Any:
         return outputs
     real = np.asarray(multihost_utils.process_allgather(rows.mask, tiled=True))
     return tree.map_structure(lambda o: np.asarray(o)[real], outputs)
+
+
+#: The step loops made here (row-aware: masked steps on padded batches).
+_ROW_AWARE_STEPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _is_row_aware(fn: Any) -> bool:
+    try:
+        return fn in _ROW_AWARE_STEPS
+    except TypeError:  # unhashable, or no weak reference to it
+        return False
 
 
 def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
@@ -536,7 +548,7 @@ def _rows_loop(self: Any, step_function: Any, concatenate_outputs: bool) -> Any:
             outputs = tree.map_structure(lambda *o: jnp.concatenate(o), *collected)
         return outputs, state
 
-    iterator_step._jaxdist_rows = True
+    _ROW_AWARE_STEPS.add(iterator_step)
     return iterator_step
 
 
@@ -557,7 +569,7 @@ def _ensure_rows_aware(model: Any, attrs: tuple[str, ...]) -> None:
     """Step functions made before (outside any strategy) are made again with the row loop."""
     for attr in attrs:
         fn = getattr(model, attr, None)
-        if fn is not None and not getattr(fn, "_jaxdist_rows", False):
+        if fn is not None and not _is_row_aware(fn):
             setattr(model, attr, None)
 
 
@@ -575,7 +587,7 @@ def adapt_call(name: str, original: Any, model: Any, args: tuple, kwargs: dict
     dist = keras.distribution.distribution()
     if name not in ("fit", "evaluate", "predict"):
         return args, kwargs
-    if not getattr(dist, "_jaxdist_strategy_distribution", False):
+    if not getattr(dist, "masks_partial_batches", False):
         return _plain_dataset_call(name, original, model, args, kwargs)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()

@@ -172,6 +172,13 @@ class PSVariables:
         return self.layout.collection
 
     @property
+    def worker_transform(self) -> OptimizerSpec | None:
+        """The optimizer a worker applies to its gradients before pushing them (``None``: the
+        gradients are pushed as they are). A closure that captures this handle rebuilds it on
+        the worker with it."""
+        return self._worker_spec
+
+    @property
     def versions(self) -> dict[str, int]:
         """Versions of the shards as of the last ``pull``."""
         return dict(self._versions)

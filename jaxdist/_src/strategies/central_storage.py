@@ -43,7 +43,7 @@ class CentralStorageExtended(StrategyExtended):
     def state_sharding(self):
         return self._param_sharding
 
-    def _placement_mesh(self):
+    def placement_mesh(self):
         return self._param_mesh
 
     def _scope_context(self):
@@ -61,21 +61,21 @@ class CentralStorageExtended(StrategyExtended):
 
         return jax.tree.map(to_param, out, is_leaf=lambda x: isinstance(x, PerReplica))
 
-    def _reduce_leaf(self, op, v, axis):
+    def reduce_leaf(self, op, v, axis):
         # Outputs of ``run`` that are the same on every replica are kept once, on the parameter
         # device (``_post_run``): they still stand for one value per replica, as TF's outputs
         # of a central-storage step do (SUM of them is num_replicas x the value).
         if (
             isinstance(v, jax.Array)
             and not isinstance(v, jax.core.Tracer)
-            and not self._is_mirrored(v)
+            and not self.is_mirrored(v)
             and v.sharding.device_set == self._param_sharding.device_set
         ):
             x = v
             if axis is not None:
                 x = jnp.mean(x, axis=axis) if op is ReduceOp.MEAN else jnp.sum(x, axis=axis)
             return x * self._num_replicas if op is ReduceOp.SUM else x
-        return super()._reduce_leaf(op, v, axis)
+        return super().reduce_leaf(op, v, axis)
 
     def reduce_to(self, reduce_op, value, destinations=None, options=None):
         if destinations is None:

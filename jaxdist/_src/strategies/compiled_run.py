@@ -11,7 +11,9 @@ a reduced output is warned about once per function.
 
 ``CompiledRunner`` is the part of ``StrategyExtended`` that does this; it uses the strategy's
 mesh and placement attributes (``_devices``, ``_axes``, ``_mesh``, ``_mesh_devices``,
-``_replicated``, ``_data_sharding``, ``_throttle``, ``_container_strategy``).
+``_replicated``, ``_data_sharding``, ``_throttle``, ``_container_strategy``, set by
+``StrategyExtended.__init__``); a ``CompiledRun`` reads the extended's public ones
+(``container_strategy``, ``mesh``, ...).
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ from jaxdist._src.strategies.partial_rows import (
     per_row_lengths,
     wrap_outputs,
 )
-from jaxdist._src.strategies.replica_context import ReplicaContext
+from jaxdist._src.strategies.replica_context import (
+    ReplicaContext,
+    row_mask_was_read,
+    set_partial_batch,
+)
 from jaxdist._src.values.per_replica import PerReplica, is_per_replica
 
 SCALAR_TYPES = (int, float, bool, complex)
@@ -121,16 +127,16 @@ def register_run_state_hook(hook: Callable[[Callable, tuple, dict], Any]) -> Non
 class CompiledRunner:
     """``run``'s compile cache and dispatch, a base of ``StrategyExtended``."""
 
-    #: Whether ``_run`` is this class's (``Strategy.run`` may then call a function's
-    #: steady-state jit itself); a subclass whose ``_run`` adds work per call sets it False.
-    _plain_run = True
+    #: Whether ``run_compiled`` is this class's (``Strategy.run`` may then call a function's
+    #: steady-state jit itself); a subclass whose ``run_compiled`` adds work per call sets it False.
+    plain_run = True
     #: Whether this class overrides ``_post_run`` (set for subclasses by ``__init_subclass__``).
     _posts = False
 
     def _init_run_caches(self) -> None:
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_lock = threading.Lock()
-        self._call_options = threading.local()  # RunOptions.donate_argnums of the current run
+        self.call_options = threading.local()  # RunOptions.donate_argnums of the current run
         self._donate_masks: dict[Any, tuple[int, ...]] = {}
         self._new_fn_counts: dict[Any, int] = {}
         self._fast: dict[Any, FastEntry] = {}  # (fn, args treedef, donation) -> checked call
@@ -142,7 +148,7 @@ class CompiledRunner:
         self._shared_calls: dict[Any, Any] = {}
         self._padding_warned: set = set()  # functions warned about reducing padding rows
 
-    def _prepare_leaf(self, leaf: Any, kind: str) -> Any:
+    def prepare_leaf(self, leaf: Any, kind: str) -> Any:
         if kind == "pr":
             x = leaf.stacked
             if isinstance(x, jax.core.Tracer):
@@ -170,10 +176,10 @@ class CompiledRunner:
         """Whether this strategy's devices all belong to this process."""
         return bool(self._replicated.is_fully_addressable)
 
-    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+    def run_compiled(self, fn: Callable, args=(), kwargs=None) -> Any:
         if not kwargs and type(args) is tuple:
-            donate = getattr(self._call_options, "donate", ())
-            out = self._run_steady(fn, donate, args)
+            donate = getattr(self.call_options, "donate", ())
+            out = self.run_steady(fn, donate, args)
             if out is not MISS:
                 return out
             # Otherwise one flatten, a check per leaf and the compiled call (``FastEntry``).
@@ -206,7 +212,7 @@ class CompiledRunner:
 
     def _run_nnx(self, step: Callable, step_args: tuple, nodes: tuple) -> Any:
         """``run`` of a step whose arguments hold flax NNX objects (``nnx_state``)."""
-        options = self._call_options
+        options = self.call_options
         donate = getattr(options, "donate", ())
         # Donation names the user's positions; the NNX objects' state is what such a step
         # replaces, so a donating call donates that state (argument 0 of the split step).
@@ -221,18 +227,18 @@ class CompiledRunner:
     def _run_flat(self, fn: Callable, args, kwargs, remember: bool = False) -> Any:
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_per_replica)
         kinds, statics, dyn, partial, tracing = self._classify(leaves)
-        donate = getattr(self._call_options, "donate", ())
+        donate = getattr(self.call_options, "donate", ())
         if donate:
             donate = self._donated_dyn_indices(treedef, tuple(kinds), donate, len(args))
         key = (function_key(fn), treedef, tuple(kinds), tuple(statics), partial, donate)
         compiled = self._lookup(key, fn, treedef, kinds, statics, partial, donate)
-        dyn = [self._prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
+        dyn = [self.prepare_leaf(x, "pr" if isinstance(x, PerReplica) else "arr") for x in dyn]
         if tracing:
             return compiled.raw(*dyn)
         if remember and not kwargs and "empty" not in kinds and type(args) is tuple:
             call = self._remember(fn, args, compiled, kinds, statics, dyn)
             if call:
-                out = self._dispatch_tree(fn, getattr(self._call_options, "donate", ()), call,
+                out = self._dispatch_tree(fn, getattr(self.call_options, "donate", ()), call,
                                           args)
                 if out is not MISS:
                     return out
@@ -288,14 +294,14 @@ class CompiledRunner:
         return kinds, statics, dyn, partial, tracing
 
     def _remember(self, fn, args: tuple, compiled, kinds, statics, dyn) -> None:
-        """Records a checked call's signature for ``_run``'s fast path (``FastEntry``)."""
+        """Records a checked call's signature for ``run_compiled``'s fast path (``FastEntry``)."""
         leaves, treedef = jax.tree.flatten(args)
         if len(leaves) != len(kinds):  # e.g. a PerReplica holding no array
             return
         entry = FastEntry.build(compiled, kinds, statics, leaves, dyn, self._num_replicas)
         if entry is None:
             return None
-        donate = getattr(self._call_options, "donate", ())
+        donate = getattr(self.call_options, "donate", ())
         try:
             self._fast[(fn, treedef, donate)] = entry
         except TypeError:
@@ -355,7 +361,7 @@ class CompiledRunner:
 
         return jax.jit(tree_body, donate_argnums=donate)
 
-    def _run_steady(self, fn: Callable, donate: tuple[int, ...], args: tuple) -> Any:
+    def run_steady(self, fn: Callable, donate: tuple[int, ...], args: tuple) -> Any:
         """The steady state in one process: ``fn``'s jit over the whole argument tuple, whose
         C++ dispatch checks structure, shapes and placement (``_tree_call``); ``MISS`` when
         there is none or it cannot serve ``args``."""
@@ -475,7 +481,7 @@ class CompiledRunner:
             if key is not None and key in self._run_cache:
                 self._run_cache.move_to_end(key)
                 return self._run_cache[key]
-        cls = GlobalRun if getattr(fn, "_jaxdist_global_view", False) else CompiledRun
+        cls = GlobalRun if nnx_state.is_global_view_step(fn) else CompiledRun
         compiled = cls(self, fn, treedef, kinds, statics, partial, donate)
         self._note_new_function(fn)
         if key is not None:
@@ -584,17 +590,18 @@ class CompiledRun:
     def _call_fn(self, dyn, axes=None):
         ext = self.extended
         args, kwargs = self._args(dyn)
-        rctx = ReplicaContext(ext._container_strategy, axes)
+        strategy = ext.container_strategy
+        rctx = ReplicaContext(strategy, axes)
         if self.partial is not None:
-            rctx._set_partial_batch(*self.partial)
+            set_partial_batch(rctx, *self.partial)
         # A loop carry started from a constant and made per-replica by the body starts
         # per-replica (as under pmap): JAX's carry type check would refuse it otherwise.
         carries = (jax_internals.carries_vary_over(axes) if axes is not None
                    else contextlib.nullcontext())
-        with ctx_lib.enter_replica(ext._container_strategy, rctx), carries:
+        with ctx_lib.enter_replica(strategy, rctx), carries:
             self.traces += 1
             out = self.fn(*args, **kwargs)
-        self.row_mask_read = rctx._row_mask_read
+        self.row_mask_read = row_mask_was_read(rctx)
         return out
 
     def _check_padding(self, jaxpr: Any, dyn_kinds: Sequence[str], rows: Sequence[Any]) -> None:
@@ -617,10 +624,10 @@ class CompiledRun:
 
     def raw(self, *dyn):
         ext = self.extended
-        axes, mesh = ext._axes, ext._mesh
+        axes, mesh = ext.replica_axis_names, ext.mesh
         dyn_kinds = [k for k in self.kinds if k not in ("static", "empty")]
         dyn = [x.stacked if isinstance(x, PerReplica) else x for x in dyn]
-        if ext._num_replicas == 1:
+        if ext.num_replicas_in_mesh == 1:
             # One replica: no mesh program needed. Every output is trivially the same on all
             # replicas, so it comes back as a plain array (TF's regroup of one value).
             return self._call_fn(dyn)
@@ -692,12 +699,13 @@ class GlobalRun(CompiledRun):
             for x, k in zip(dyn, [k for k in self.kinds if k not in ("static", "empty")])
         ]
         args, kwargs = self._args(dyn)
-        rctx = _GlobalViewContext(ext._container_strategy)
-        with ctx_lib.enter_replica(ext._container_strategy, rctx):
+        strategy = ext.container_strategy
+        rctx = _GlobalViewContext(strategy)
+        with ctx_lib.enter_replica(strategy, rctx):
             self.traces += 1
             out, new_state = self.fn(*args, **kwargs)
-        if ext._num_replicas > 1:
-            replicated = ext._replicated
+        if ext.num_replicas_in_mesh > 1:
+            replicated = ext.replicated_sharding
             new_state = jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, replicated), new_state
             )

@@ -573,3 +573,16 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __repr__(self) -> str:
         return f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device!r})"
+
+
+def outside_device(ops: CrossDeviceOps) -> Any:
+    """The device outside the replica mesh a ``ReductionToOneDevice`` reduces on, else ``None``
+    (it is known once the ops are bound to a strategy's devices)."""
+    return getattr(ops, "_outside_device", None)
+
+
+def reduce_on_device(ops: ReductionToOneDevice, op: ReduceOp, stacked: Any, axis: int | None,
+                     device: Any) -> Any:
+    """``ops`` reducing a stacked per-replica array on ``device`` outside the mesh (copies every
+    replica's value there; ``ReductionToOneDevice``'s gather, for real)."""
+    return ops._reduce_on_device(op, stacked, axis, device)

@@ -27,6 +27,8 @@ from jaxdist._src.strategies.cross_device_ops import (
     all_gather_invariant,
     destination_sharding,
     outside_context_mesh,
+    outside_device,
+    reduce_on_device,
 )
 from jaxdist._src.strategies.partial_rows import reduce_rows
 from jaxdist._src.strategies.reduce_util import ReduceOp
@@ -36,7 +38,7 @@ from jaxdist._src.values.per_replica import PerReplica, is_per_replica
 class CrossReplicaReducer:
     """Reductions across replicas outside ``run``, a base of ``StrategyExtended``."""
 
-    def _is_mirrored(self, x: Any) -> bool:
+    def is_mirrored(self, x: Any) -> bool:
         return (
             isinstance(x, jax.Array)
             and not isinstance(x, jax.core.Tracer)
@@ -67,7 +69,7 @@ class CrossReplicaReducer:
         self._reduce_cache[key] = f
         return f
 
-    def _gather_fn(self, axis: int):
+    def gather_fn(self, axis: int):
         key = ("gather", axis)
         if key not in self._reduce_cache:
             axes = self._axes
@@ -110,9 +112,9 @@ class CrossReplicaReducer:
         ctx_lib.require_cross_replica_or_default_context(self._container_strategy)
         op = ReduceOp.from_value(reduce_op)
         target = destination_sharding(destinations)
-        if target is None and getattr(self._cross_device_ops, "_outside_device", None):
+        if target is None and outside_device(self._cross_device_ops):
             target = self._replicated  # ReductionToOneDevice accumulated outside the replicas
-        out = jax.tree.map(lambda v: self._reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
+        out = jax.tree.map(lambda v: self.reduce_leaf(op, v, None), value, is_leaf=is_per_replica)
         return self._place_result(out, target)
 
     def batch_reduce_to(
@@ -176,7 +178,7 @@ class CrossReplicaReducer:
 
         return jax.tree.map(put, tree, is_leaf=is_per_replica)
 
-    def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
+    def reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> Any:
         # Eagerly, outside scope()'s mesh: the value or the reduction may be on devices that are
         # not the strategy's (a host value, ReductionToOneDevice's device); inside a trace
         # nothing changes.
@@ -188,16 +190,16 @@ class CrossReplicaReducer:
         if isinstance(v, PerReplica) and v.lengths is not None:
             return reduce_rows(op, v, axis)
         if isinstance(v, PerReplica):
-            stacked = self._prepare_leaf(v, "pr")
+            stacked = self.prepare_leaf(v, "pr")
             if axis is not None and not -v.stacked.ndim + 1 <= axis < v.stacked.ndim - 1:
                 raise ValueError(
                     f"axis {axis} is out of range for per-replica values of shape {v.shape}"
                 )
             ax = None if axis is None else axis % (v.stacked.ndim - 1)
-            outside = getattr(self._cross_device_ops, "_outside_device", None)
+            outside = outside_device(self._cross_device_ops)
             if outside is not None and not isinstance(stacked, jax.core.Tracer):
                 # ReductionToOneDevice naming a device outside the mesh: gather there, really.
-                return self._cross_device_ops._reduce_on_device(op, stacked, ax, outside)
+                return reduce_on_device(self._cross_device_ops, op, stacked, ax, outside)
             return self._reduce_fn(op, ax, stacked.ndim)(stacked)
         merged = ctx_lib.merged_from()
         if merged is not None and merged.axis_name is not None and isinstance(
@@ -213,7 +215,7 @@ class CrossReplicaReducer:
                 x = jnp.sum(x, axis=axis)
             total = self._cross_device_ops.all_reduce(ReduceOp.SUM, x, axes, n)
             return total / (count * n) if op is ReduceOp.MEAN else total
-        if self._is_mirrored(v):
+        if self.is_mirrored(v):
             x = v
             if axis is not None:
                 x = jnp.mean(x, axis=axis) if op is ReduceOp.MEAN else jnp.sum(x, axis=axis)

@@ -15,21 +15,21 @@ from jaxdist._src.strategies.strategy import Strategy, StrategyExtended
 
 
 class _DefaultExtended(StrategyExtended):
-    _plain_run = False  # its _run calls fn as it is
+    plain_run = False  # its run_compiled calls fn as it is
 
     def __init__(self, strategy):
         super().__init__(strategy, (jax.local_devices()[0],))
 
-    def _placement_mesh(self):
+    def placement_mesh(self):
         return None
 
     def place(self, tree):
         return tree
 
-    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+    def run_compiled(self, fn: Callable, args=(), kwargs=None) -> Any:
         return fn(*args, **(kwargs or {}))
 
-    def _reduce_leaf(self, op, v, axis):
+    def reduce_leaf(self, op, v, axis):
         if axis is None:
             return v
         return jnp.mean(v, axis=axis) if op is ReduceOp.MEAN else jnp.sum(v, axis=axis)
@@ -63,7 +63,7 @@ class DefaultStrategy(Strategy):
 
     #: TF's replica context of this strategy runs a merge function in place: a merge_call
     #: inside control flow is allowed (only TF's mirrored replica threads refuse it).
-    _merge_call_checks_control_flow = False
+    merge_call_checks_control_flow = False
 
     _is_default_strategy = True
 

@@ -152,7 +152,7 @@ def _global_devices(group: ProcessGroup) -> list[Any]:
 class MultiWorkerExtended(StrategyExtended):
     """``StrategyExtended`` of ``MultiWorkerMirroredStrategy`` (adds the task's role)."""
 
-    _plain_run = False  # its _run does more per call
+    plain_run = False  # its run_compiled does more per call
 
     def __init__(self, strategy: Strategy, resolver: Any, options: CommunicationOptions):
         self._resolver = resolver
@@ -237,13 +237,13 @@ class MultiWorkerExtended(StrategyExtended):
             return StepThrottle(max_in_flight)
         return WatchedSteps(max_in_flight, self._timeout, self._on_slow_step)
 
-    def _run(self, fn, args=(), kwargs=None):
+    def run_compiled(self, fn, args=(), kwargs=None):
         check_healthy()
         if not self._group.multi_process:
-            return super()._run(fn, args, kwargs)
+            return super().run_compiled(fn, args, kwargs)
         with self._watchdog.watch(self._watch_seconds(), self._on_stuck_step):
             try:
-                return super()._run(fn, args, kwargs)
+                return super().run_compiled(fn, args, kwargs)
             except StepNotFinished:
                 self._raise_step_timeout()
             except Exception as e:

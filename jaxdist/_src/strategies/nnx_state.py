@@ -30,6 +30,7 @@ Two views, chosen by the step function:
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -153,6 +154,19 @@ def _variable_kinds(state: Any) -> list[tuple[str, str]]:
     return out
 
 
+#: The steps made for a global-view (``nnx.jit``) function: ``strategy.run`` compiles them over
+#: the global batch (``compiled_run.GlobalRun``).
+_GLOBAL_VIEW_STEPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_global_view_step(fn: Callable) -> bool:
+    """Whether ``fn`` is a step this module made for a global-view function."""
+    try:
+        return fn in _GLOBAL_VIEW_STEPS
+    except TypeError:  # an unhashable callable
+        return False
+
+
 def _make_step(fn: Callable, graphdef: Any, global_view: bool) -> Callable:
     nnx = nnx_module()
 
@@ -178,7 +192,8 @@ def _make_step(fn: Callable, graphdef: Any, global_view: bool) -> Callable:
         return out, new_state
 
     step.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
-    step._jaxdist_global_view = global_view
+    if global_view:
+        _GLOBAL_VIEW_STEPS.add(step)
     step.__wrapped__ = fn
     return step
 
@@ -186,11 +201,12 @@ def _make_step(fn: Callable, graphdef: Any, global_view: bool) -> Callable:
 def _sync_on_read(old_leaves: list[Any], new_state: Any) -> Any:
     """Replica view: reduces NNX state that differs across replicas by ``VARIABLE_RULES``."""
     from jaxdist._src.strategies import context as ctx_lib
+    from jaxdist._src.strategies.replica_context import padded_rows_of
 
     frame = ctx_lib.top()
     rctx = None if frame is None else frame.replica_context
     axes = None if rctx is None else rctx.axis_name
-    partial = rctx is not None and rctx._padded_rows() is not None  # not a user read
+    partial = rctx is not None and padded_rows_of(rctx) is not None  # not a user read
     kinds = _variable_kinds(new_state)
     new_leaves, treedef = jax.tree.flatten(new_state)
     out = []
@@ -256,6 +272,7 @@ __all__ = [
     "NnxStateError",
     "globalize",
     "is_global_view",
+    "is_global_view_step",
     "split_args",
     "update",
 ]

@@ -23,7 +23,7 @@ class OneDeviceStrategy(Strategy):
 
     #: TF's replica context of this strategy runs a merge function in place: a merge_call
     #: inside control flow is allowed (only TF's mirrored replica threads refuse it).
-    _merge_call_checks_control_flow = False
+    merge_call_checks_control_flow = False
 
     def __init__(self, device: Any):
         dev = resolve_device(device)

@@ -59,7 +59,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
         timeout: seconds any RPC or wait may take before a typed error.
     """
 
-    _plain_run = False  # its _run does more per call
+    plain_run = False  # its run_compiled does more per call
 
     def __init__(self, strategy: Strategy, info: TaskInfo, compute_devices: Sequence[Any],
                  variable_partitioner: Any, ps_strategy: Any, max_staleness: int | None,
@@ -195,7 +195,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
         else:
             wait_for_marker(self._client, marker, self._timeout, "the chief")
             self._verify(layout)
-        reduce_fn = self._sum_replicas
+        reduce_fn = self.sum_replicas
         return PSVariables(self._client, layout, worker_part, self.worker_index, reduce_fn)
 
     def _verify(self, layout: Layout) -> None:
@@ -284,11 +284,21 @@ class ParameterServerStrategyExtended(StrategyExtended):
                               self.worker_index)
 
     # ------------------------------------------------------------------ steps
-    def _sum_replicas(self, grads: Any) -> Any:
+    def sum_replicas(self, grads: Any) -> Any:
         leaves = jax.tree.leaves(grads, is_leaf=is_per_replica)
         if not any(isinstance(x, PerReplica) for x in leaves):
             return grads
         return self._container_strategy.reduce(ReduceOp.SUM, grads, axis=None)
+
+    def begin_step(self) -> None:
+        """Counts a step of this worker; first, under SSP (``max_staleness`` set, on a cluster),
+        waits until it is at most ``max_staleness`` steps ahead of the slowest worker.
+
+        ``run`` calls it for a step whose arguments hold ``PSVariables``; the Keras
+        parameter-server fit calls it for each of its steps."""
+        if self._max_staleness is not None and not self._local:
+            self._wait_turn()
+        self._step += 1
 
     def _wait_turn(self) -> None:
         """SSP: blocks until this worker is at most ``max_staleness`` steps ahead."""
@@ -314,7 +324,7 @@ class ParameterServerStrategyExtended(StrategyExtended):
                     task=f"worker:{who}",
                 )
 
-    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+    def run_compiled(self, fn: Callable, args=(), kwargs=None) -> Any:
         container = self._container_strategy
         if getattr(container, "_coordinator", None) is not None and not getattr(
                 container, "_allow_run_without_coordinator", False):
@@ -326,16 +336,14 @@ class ParameterServerStrategyExtended(StrategyExtended):
                 "like `run` or `reduce` should be used within a function passed to "
                 "`jaxdist.coordinator.ClusterCoordinator.schedule`.")
         if not isinstance(args, (list, tuple)):
-            return super()._run(fn, args, kwargs)  # raises the usual error
+            return super().run_compiled(fn, args, kwargs)  # raises the usual error
         tree = (tuple(args), dict(kwargs or {}))
         leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_ps_leaf)
         if any(isinstance(x, PSVariables) for x in leaves):
-            if self._max_staleness is not None and not self._local:
-                self._wait_turn()
-            self._step += 1
+            self.begin_step()
             leaves = [x.pull() if isinstance(x, PSVariables) else x for x in leaves]
             args, kwargs = treedef.unflatten(leaves)
-        return super()._run(fn, args, kwargs)
+        return super().run_compiled(fn, args, kwargs)
 
     def worker_done(self) -> None:
         """Tells the cluster this worker has finished (SSP stops waiting for it)."""
@@ -646,7 +654,7 @@ class ParameterServerStrategy(Strategy):
         ext = self._extended
         coordinator = self._coordinator
         # Never probe the workers from repr (they may be down): use what is known.
-        known = getattr(coordinator, "known_worker_num_replicas", None) or ext._num_replicas
+        known = getattr(coordinator, "known_worker_num_replicas", None) or ext.num_replicas_in_mesh
         return (f"ParameterServerStrategy(task={ext.task_info.name}, "
                 f"ps_tasks={ext.ps_client.num_tasks}, num_replicas_in_sync={known})")
 

@@ -185,7 +185,7 @@ class ReplicaContext:
             return value
         ext = self._strategy.extended
         return replica_reduce.all_reduce(
-            ext._cross_device_ops, op, value, self._axes, self.num_replicas_in_sync
+            ext.cross_device_ops, op, value, self._axes, self.num_replicas_in_sync
         )
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
@@ -228,7 +228,7 @@ class ReplicaContext:
         """
         from jaxdist._src.strategies import context as ctx_lib
 
-        if getattr(self._strategy, "_merge_call_checks_control_flow", True):
+        if getattr(self._strategy, "merge_call_checks_control_flow", True):
             inside = trace_util.control_flow_between(self._home_trace)
             if inside is not None:
                 raise RuntimeError(
@@ -246,3 +246,29 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={self._strategy!r})"
+
+
+# jaxdist's own reads of a replica context's partial batch (``compiled_run``, ``nnx_state``,
+# the Keras custom loop): not reads by the replica function, so they do not count as the
+# function asking for the row mask (``valid_rows``).
+
+
+def set_partial_batch(rctx: ReplicaContext, lengths: tuple[int, ...], padded_rows: int) -> None:
+    """Makes ``rctx`` a partial-batch step's: ``lengths`` real rows per replica, each replica's
+    rows zero-padded to ``padded_rows``."""
+    rctx._set_partial_batch(lengths, padded_rows)
+
+
+def row_mask_was_read(rctx: ReplicaContext) -> bool:
+    """Whether the replica function read ``valid_rows``, ``padded_rows`` or ``row_mask``."""
+    return rctx._row_mask_read
+
+
+def padded_rows_of(rctx: ReplicaContext) -> int | None:
+    """``rctx.padded_rows`` without counting as the replica function's read."""
+    return rctx._padded_rows()
+
+
+def row_mask_of(rctx: ReplicaContext, rows: int) -> Any:
+    """``rctx.row_mask(rows)`` without counting as the replica function's read."""
+    return rctx._row_mask(rows)

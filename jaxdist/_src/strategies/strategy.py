@@ -95,7 +95,30 @@ class StrategyExtended(CrossReplicaReducer, CompiledRunner):
         cross_device_ops: how replicas reduce (default ``NcclAllReduce(num_packs=0)``).
         max_steps_in_flight: bound on dispatched-but-unfinished ``run`` calls (see
             ``StepThrottle``).
+
+    Besides TF's names, jaxdist's own modules (``Strategy``, the strategies' subclasses, the
+    Keras integration, the coordinator) use this extension surface; a subclass overrides the
+    methods marked so:
+
+    * ``container_strategy``: the owning ``Strategy``; ``cross_device_ops``: its
+      ``CrossDeviceOps``; ``mesh``, ``replica_axis_names``, ``num_replicas_in_mesh``,
+      ``replicated_sharding``, ``per_replica_sharding``: the replica mesh and its shardings.
+    * ``placement_mesh()`` (overridable): the mesh ``scope()`` places new arrays on (``None``:
+      none).
+    * ``run_compiled(fn, args, kwargs)`` (overridable): ``Strategy.run``'s work after its
+      context checks (compile, place, dispatch; ``CompiledRunner``); ``plain_run``: whether it
+      is ``CompiledRunner``'s own (``Strategy.run`` may then call ``run_steady(fn, donate,
+      args)``, a function's steady-state jit, itself); ``call_options``: the thread's options
+      of the current ``run`` (``.donate``).
+    * ``prepare_leaf(leaf, kind)``: an argument placed as the compiled step takes it
+      (``kind``: ``"pr"`` for a ``PerReplica``, else ``"arr"``).
+    * ``reduce_leaf(op, value, axis)`` (overridable): ``Strategy.reduce`` of one leaf;
+      ``gather_fn(axis)``: the compiled concatenation of a stacked per-replica array;
+      ``is_mirrored(x)``: whether ``x`` is state placed on every replica (``CrossReplicaReducer``).
     """
+
+    #: TF's name: the cluster resolver of a strategy with a cluster (``Strategy.cluster_resolver``).
+    _cluster_resolver: Any = None
 
     def __init__(
         self,
@@ -132,6 +155,16 @@ class StrategyExtended(CrossReplicaReducer, CompiledRunner):
         self._init_run_caches()
 
     # ------------------------------------------------------------------ placement
+    @property
+    def container_strategy(self) -> Strategy:
+        """The ``Strategy`` this belongs to (TF's private ``_container_strategy()``)."""
+        return self._container_strategy
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        """How the replicas reduce (the ``cross_device_ops`` the strategy was made with)."""
+        return self._cross_device_ops
+
     @property
     def worker_devices(self) -> tuple[Any, ...]:
         """The compute devices, in replica order."""
@@ -189,12 +222,13 @@ class StrategyExtended(CrossReplicaReducer, CompiledRunner):
         """The bound on steps in flight (multi-process strategies also watch their peers)."""
         return StepThrottle(max_in_flight)
 
-    def _placement_mesh(self) -> jax.sharding.Mesh:
+    def placement_mesh(self) -> jax.sharding.Mesh:
+        """The mesh ``scope()`` places new arrays on (``None``: it places none)."""
         return self._mesh
 
     def _scope_context(self) -> Any:
         """The JAX context ``scope()`` enters so new arrays are placed as state (or ``None``)."""
-        mesh = self._placement_mesh()
+        mesh = self.placement_mesh()
         return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
     def _state_needs_move(self, x: Any) -> bool:
@@ -360,6 +394,14 @@ class Strategy:
 
     #: True only for the default strategy (in effect outside every scope).
     _is_default_strategy: bool = False
+    #: Whether ``ReplicaContext.merge_call`` refuses to run inside ``jax.lax`` control flow
+    #: (TF's mirrored replica threads refuse it; strategies whose replica context runs a merge
+    #: function in place set it False).
+    merge_call_checks_control_flow: bool = True
+    #: The Keras distribution made for this strategy (``jaxdist._src.keras.api`` sets it on the
+    #: first ``scope()`` once Keras is imported). An attribute rather than a registry keyed by
+    #: the strategy: the distribution refers to its strategy, and would keep it alive there.
+    keras_distribution: Any = None
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
@@ -379,7 +421,7 @@ class Strategy:
 
         As in TF, it is ``extended._cluster_resolver`` when a strategy sets one.
         """
-        return getattr(self._extended, "_cluster_resolver", None)
+        return self._extended._cluster_resolver
 
     def scope(self) -> ctx_lib.StrategyScope:
         """Makes this the current strategy; arrays created inside are placed as it keeps state.
@@ -451,13 +493,13 @@ class Strategy:
                 raise TypeError(f"options must be jaxdist.RunOptions, got {options!r}")
             donate = options.donate_argnums
         ext = self._extended
-        steady = ext._plain_run and not kwargs and type(args) is tuple
+        steady = ext.plain_run and not kwargs and type(args) is tuple
         if steady:
             # Outside every scope, or in this strategy's scope and not in a merge_call, the
             # checks below have nothing to say: the steady-state jit first.
             stack = ctx_lib.state.stack
             if not stack or (stack[-1].strategy is self and stack[-1].merged_from is None):
-                out = ext._run_steady(fn, donate, args)
+                out = ext.run_steady(fn, donate, args)
                 if out is not MISS:
                     return out
                 steady = False  # tried: the per-leaf path below
@@ -470,14 +512,14 @@ class Strategy:
                 return fn(*args, **(kwargs or {}))
         try:
             if steady:
-                out = ext._run_steady(fn, donate, args)
+                out = ext.run_steady(fn, donate, args)
                 if out is not MISS:
                     return out
-            call_options = ext._call_options
+            call_options = ext.call_options
             previous = getattr(call_options, "donate", ())
             call_options.donate = donate
             try:
-                return ext._run(fn, args, kwargs)
+                return ext.run_compiled(fn, args, kwargs)
             finally:
                 call_options.donate = previous
         except NotImplementedError as e:
@@ -505,7 +547,7 @@ class Strategy:
         op = ReduceOp.from_value(reduce_op)
         ctx_lib.require_cross_replica_or_default_context(self)
         return jax.tree.map(
-            lambda v: self._extended._reduce_leaf(op, v, axis), value, is_leaf=is_per_replica
+            lambda v: self._extended.reduce_leaf(op, v, axis), value, is_leaf=is_per_replica
         )
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -517,8 +559,8 @@ class Strategy:
             if isinstance(v, PerReplica) and v.lengths is not None:
                 return gather_rows(v, axis, ext._replicated)  # the real rows, in order
             if isinstance(v, PerReplica):
-                stacked = ext._prepare_leaf(v, "pr")
-            elif ext._is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):
+                stacked = ext.prepare_leaf(v, "pr")
+            elif ext.is_mirrored(v) or isinstance(v, (jax.Array, np.ndarray)):
                 host = np.asarray(jax.device_get(v))
                 stacked = jax.device_put(
                     np.broadcast_to(host, (ext._num_replicas, *host.shape)), ext._data_sharding
@@ -534,7 +576,7 @@ class Strategy:
                 raise ValueError(
                     f"axis {axis} is out of range for per-replica shape {tuple(stacked.shape[1:])}"
                 )
-            return ext._gather_fn(axis % (stacked.ndim - 1))(stacked)
+            return ext.gather_fn(axis % (stacked.ndim - 1))(stacked)
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
 
@@ -545,7 +587,7 @@ class Strategy:
         for leaf in leaves:
             if isinstance(leaf, PerReplica):
                 per_leaf.append(leaf.values)
-            elif self._extended._is_mirrored(leaf):
+            elif self._extended.is_mirrored(leaf):
                 by_dev = {s.device: s.data for s in leaf.addressable_shards}
                 per_leaf.append(tuple(by_dev[d] for d in self._extended._devices if d in by_dev))
             else:

@@ -417,7 +417,7 @@ class _CompileOnlyExtended(StrategyExtended):
     ``experimental_compile`` does) works as on a TPU.
     """
 
-    _plain_run = False  # its _run does more per call
+    plain_run = False  # its run_compiled does more per call
 
     def __init__(self, strategy: Strategy, devices: Sequence[Any], topology: Topology):
         super().__init__(strategy, devices)
@@ -432,22 +432,22 @@ class _CompileOnlyExtended(StrategyExtended):
             f"per-chip memory and FLOPs; to train, use TPUStrategy() on a TPU VM or Colab "
             f"TPU runtime, or TPUStrategy(devices=...) on other devices")
 
-    def _placement_mesh(self) -> Any:
+    def placement_mesh(self) -> Any:
         return None  # nothing is placed on compile-only devices
 
     def place(self, tree: Any) -> Any:
         return tree
 
-    def _run(self, fn: Callable, args=(), kwargs=None) -> Any:
+    def run_compiled(self, fn: Callable, args=(), kwargs=None) -> Any:
         if trace_state_clean():
             raise self.compile_only_error(
                 f"strategy.run({getattr(fn, '__qualname__', fn)})")
-        return super()._run(fn, args, kwargs)
+        return super().run_compiled(fn, args, kwargs)
 
-    def _reduce_leaf(self, op: Any, v: Any, axis: int | None) -> Any:
+    def reduce_leaf(self, op: Any, v: Any, axis: int | None) -> Any:
         if trace_state_clean():
             raise self.compile_only_error("strategy.reduce")
-        return super()._reduce_leaf(op, v, axis)
+        return super().reduce_leaf(op, v, axis)
 
     def reduce_to(self, reduce_op: Any, value: Any, destinations: Any = None,
                   options: Any = None) -> Any:
@@ -513,7 +513,7 @@ class TPUStrategy(Strategy):
 
     #: TF's replica context of this strategy runs a merge function in place: a merge_call
     #: inside control flow is allowed (only TF's mirrored replica threads refuse it).
-    _merge_call_checks_control_flow = False
+    merge_call_checks_control_flow = False
 
     def __init__(
         self,
