@@ -18,10 +18,7 @@ those are read). Not foreign: a subclass calling its base's hook through ``super
 reading its own attributes through ``self`` / ``cls`` (a mixin of ``StrategyExtended`` reads
 what ``StrategyExtended.__init__`` sets: one object); ``other._x`` of the same class in the
 same file. ``ALLOWED_ANYWHERE`` (the standard library's names) and ``ALLOWED`` list the foreign
-reads left, each with its reason; entries whose reason is ``_PENDING`` are in, or need a change
-in, files another branch is refactoring (``jaxdist/_src/train/``, ``jaxdist/_src/cluster/``,
-``jaxdist/_src/input/dataset.py``): the session merging it clears them (they are not failed
-when they go stale).
+reads left, each with its reason.
 
 ``_jaxdist_*`` attributes: none is set or read on an object (``obj._jaxdist_x``, ``getattr``
 / ``setattr`` with such a name, or such a name held in a string) outside ``TAGS_ALLOWED``: a
@@ -42,8 +39,6 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxdist"
 
-_PENDING = "pending: being refactored in another branch"
-
 #: Reads allowed in every file: the standard library's private names.
 ALLOWED_ANYWHERE: dict[str, str] = {
     "os._exit": "the standard library's exit without cleanup (cluster/runtime.py happens to "
@@ -59,9 +54,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("jaxdist/_src/compat/keras_internals.py", "variable._layout"): _KERAS,
     ("jaxdist/_src/compat/keras_internals.py", "variable._value"): _KERAS,
     # Defined in jaxdist/_src/input/dataset.py (Dataset._make_iter, _unseeded_shuffle).
-    ("jaxdist/_src/input/autoshard.py", "data._unseeded_shuffle"): _PENDING,
-    ("jaxdist/_src/input/autoshard.py", "source._make_iter"): _PENDING,
-    ("jaxdist/_src/input/distributed.py", "dataset._make_iter"): _PENDING,
 }
 
 #: (file, the tagged expression as ast.unparse writes it, the attribute): why it stays.
@@ -257,8 +249,7 @@ def test_no_module_reads_another_modules_private_names():
 
 def test_allowlist_is_current():
     found = {(f, expr) for f, _, expr, _ in foreign_reads(_package_sources())}
-    # Entries pending another branch's refactoring may go stale when it merges: not failed.
-    stale = sorted(k for k, why in ALLOWED.items() if k not in found and why != _PENDING)
+    stale = sorted(k for k in ALLOWED if k not in found)
     assert not stale, f"ALLOWED entries that no longer match a read: {stale}"
 
 

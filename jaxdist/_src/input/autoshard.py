@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxdist._src.input.dataset import has_unseeded_shuffle, is_foreign_dataset
 from jaxdist._src.input.options import AutoShardPolicy, as_policy
 
 
@@ -143,7 +144,7 @@ class _RowShard:
 
     def __iter__(self) -> Iterator[Any]:
         source = self.dataset
-        if hasattr(source, "as_numpy_iterator") and not hasattr(source, "_make_iter"):
+        if is_foreign_dataset(source):
             source = source.as_numpy_iterator()
         for element in source:
             yield _rows(element, self.index, self.count, self.uneven)
@@ -197,7 +198,7 @@ def auto_shard(dataset: Any, num_workers: int, worker_index: int,
             )
         return data.shard(num_workers, worker_index)
     if policy is AutoShardPolicy.DATA:
-        if getattr(data, "_unseeded_shuffle", False):
+        if has_unseeded_shuffle(data):
             raise ValueError(
                 f"AutoShardPolicy.DATA across {num_workers} processes: the dataset has a "
                 f"shuffle without a seed, which shuffles differently in every process, so the "

@@ -791,3 +791,29 @@ __all__ = [
     "UNKNOWN_CARDINALITY",
     "Dataset",
 ]
+
+
+def is_foreign_dataset(obj: Any) -> bool:
+    """Whether ``obj`` is a tf.data-like dataset (it has ``as_numpy_iterator``) rather than a
+    jaxdist ``Dataset``: its elements are read through ``as_numpy_iterator()``.
+
+    Example:
+        >>> from jaxdist._src.input.dataset import Dataset, is_foreign_dataset
+        >>> is_foreign_dataset(Dataset.range(3)), is_foreign_dataset([1, 2])
+        (False, False)
+    """
+    return hasattr(obj, "as_numpy_iterator") and not isinstance(obj, Dataset)
+
+
+def has_unseeded_shuffle(obj: Any) -> bool:
+    """Whether ``obj`` is a jaxdist ``Dataset`` with a shuffle without a seed anywhere in its
+    pipeline (such a shuffle differs between processes).
+
+    Example:
+        >>> from jaxdist._src.input.dataset import Dataset, has_unseeded_shuffle
+        >>> has_unseeded_shuffle(Dataset.range(4).shuffle(4).batch(2))
+        True
+        >>> has_unseeded_shuffle(Dataset.range(4).shuffle(4, seed=0))
+        False
+    """
+    return isinstance(obj, Dataset) and bool(obj._unseeded_shuffle)

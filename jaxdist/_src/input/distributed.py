@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxdist._src.input import transfer
+from jaxdist._src.input.dataset import is_foreign_dataset
 from jaxdist._src.input.optional import Optional, empty_with_lazy_spec
 from jaxdist._src.input.options import InputContext, InputOptions
 from jaxdist._src.values.per_replica import PerReplica, PerReplicaSpec
@@ -64,7 +65,7 @@ def _as_numpy_tree(element: Any) -> Any:
 
 
 def _iterate(dataset: Any) -> Iterator[Any]:
-    if hasattr(dataset, "as_numpy_iterator") and not hasattr(dataset, "_make_iter"):
+    if is_foreign_dataset(dataset):
         return iter(dataset.as_numpy_iterator())  # tf.data.Dataset
     try:
         return iter(dataset)
