@@ -14,9 +14,17 @@ PROBE = textwrap.dedent("""
     c = json.loads(os.environ["TF_CONFIG"])
     t = c["task"]
     print("hello", t["type"], t["index"], len(c["cluster"]["worker"]),
-          c["token"] == os.environ["JAXDIST_CLUSTER_TOKEN"], os.environ["JAX_NUM_CPU_DEVICES"])
+          c["token"] == os.environ["JAXDIST_CLUSTER_TOKEN"], os.environ["JAX_NUM_CPU_DEVICES"],
+          flush=True)
+    import time
+    ready = os.environ.get("PS_READY")        # a file the ps creates once it has printed
     if t["type"] == "ps":
-        import time; time.sleep(600)          # with --ps-runs-command: serve until stopped
+        if ready:
+            open(ready, "w").close()
+        time.sleep(600)                       # with --ps-runs-command: serve until stopped
+    deadline = time.monotonic() + 60          # the job ends (and stops the ps) only after the
+    while ready and not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)                      # ps printed, however slowly it started
     sys.exit(int(os.environ.get("FAIL_CODE", "0")) if t == {"type": "worker", "index": 1}
              else 0)
 """)
@@ -28,9 +36,10 @@ def _launch(*args, env=None, timeout=60):
 
 
 @pytest.mark.timeout(90)
-def test_launch_runs_every_task_with_prefixed_output():
+def test_launch_runs_every_task_with_prefixed_output(tmp_path):
     r = _launch("--workers", "2", "--chief", "--ps", "1", "--devices-per-process", "2",
-                "--grace", "2", "--ps-runs-command", "--", sys.executable, "-c", PROBE)
+                "--grace", "2", "--ps-runs-command", "--", sys.executable, "-c", PROBE,
+                env={"PS_READY": str(tmp_path / "ps-ready")})
     assert r.returncode == 0, r.stdout + r.stderr
     for line in ("[chief:0] hello chief 0 2 True 2", "[worker:0] hello worker 0 2 True 2",
                  "[worker:1] hello worker 1 2 True 2", "[ps:0] hello ps 0 2 True 2"):
