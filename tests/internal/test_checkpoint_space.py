@@ -325,6 +325,38 @@ def test_a_failed_trainer_save_removes_orbax_temp_dir_on_any_error(tmp_path, mon
     assert ckpt.all_steps() == [1, 2]
 
 
+def test_a_failed_save_waits_for_orbax_writers_still_running_before_removing(tmp_path,
+                                                                           monkeypatch):
+    """One orbax writer fails while another is still writing: the partial checkpoint is
+    removed only after that one ends, so nothing of it comes back after the removal."""
+    import threading
+    import time
+
+    import tensorstore
+
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    ckpt.save(1, _random(1000), {})
+    real = tensorstore.open
+    late = []
+
+    def one_fails_one_is_slow(*args, **kwargs):
+        if threading.current_thread().name == "array_type_handler":
+            time.sleep(0.5)  # still writing when the other writer's error reaches save()
+            late.append(time.monotonic())
+            return real(*args, **kwargs)
+        raise ValueError("DATA_LOSS: Error writing local file: Input/output error "
+                         "[os_error_code='5']")
+
+    monkeypatch.setattr(tensorstore, "open", one_fails_one_is_slow)
+    with pytest.raises(CheckpointWriteError, match="Input/output error"):
+        ckpt.save(2, _random(1000), {})
+    raised = time.monotonic()
+    monkeypatch.setattr(tensorstore, "open", real)
+    assert late and late[0] < raised  # the slow writer did run, and before save() returned
+    time.sleep(0.5)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+
+
 # ---------------------------------------------------------------------- small files
 def test_the_run_record_leaves_no_temp_file_and_keeps_the_old_record(tmp_path, monkeypatch):
     record = RunRecord(tmp_path, {"seed": 0})

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +34,7 @@ from jaxdist._src.compat.filesystem import MARGIN_BYTES, free_bytes
 
 #: How orbax names the temporary directory of a checkpoint it is writing (``<step>`` + this).
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+ORBAX_THREAD_WAIT_S = 60.0  # how long a failed save waits for orbax's other writer threads
 
 
 class CheckpointMismatchError(ValueError):
@@ -109,6 +112,24 @@ expected a directory, or a path where one can be created
             raise CheckpointDirError(f"{shown} cannot be created: {e.strerror or e}; "
                                      f"{expected}") from None
     return path
+
+
+def _join_new_orbax_threads(before: set[threading.Thread], timeout: float) -> None:
+    """Waits (at most ``timeout`` seconds in all) for the threads orbax started since
+    ``before`` was taken: after one writer fails, the others still run for a while."""
+    deadline = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t in before or t is threading.current_thread():
+            continue
+        if not type(t).__module__.startswith("orbax"):
+            continue
+        # threading's own join: orbax's thread class re-raises its writer's error from join().
+        threading.Thread.join(t, max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            logging.getLogger(__name__).warning(
+                "orbax thread %r still runs %.0f s after a failed save; removing the partial "
+                "checkpoint anyway", t.name, timeout)
+            return
 
 
 def _writable(directory: str) -> bool:
@@ -200,6 +221,7 @@ class Checkpointer:
             state = jax.device_get(state)
         needed = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
         self._make_room(int(step), needed)
+        before = set(threading.enumerate())
         try:
             self._manager.save(
                 int(step),
@@ -210,6 +232,9 @@ class Checkpointer:
             )
             self._manager.wait_until_finished()
         except Exception as e:
+            # One of orbax's writer threads failed; the others may still be writing into the
+            # temporary directory: wait for them, or the removal races their writes.
+            _join_new_orbax_threads(before, timeout=ORBAX_THREAD_WAIT_S)
             self._remove_partial()
             free = free_bytes(self.directory)
             kept = self.all_steps()
