@@ -20,6 +20,12 @@ from collections.abc import Sequence
 
 from jaxdist._src.cluster.validation import task_name
 from jaxdist._src.distributed.exit_codes import EXIT_ALREADY_DONE, RESTART_EXIT_CODE
+from jaxdist._src.launch.arg_types import (
+    non_negative_float,
+    non_negative_int,
+    non_negative_seconds,
+    positive_float,
+)
 from jaxdist._src.launch.local import (
     TaskProcess,
     exit_status,
@@ -32,8 +38,6 @@ from jaxdist._src.launch.restarts import (
     DEFAULT_RESTART_DELAY,
     RestartBudget,
     describe_exit,
-    non_negative_int,
-    non_negative_seconds,
     restart_scope,
 )
 from jaxdist._src.security.credentials import new_coordinator_token
@@ -143,39 +147,6 @@ def _parser() -> argparse.ArgumentParser:
 
 #: The placement-group strategies ``--placement`` accepts (Ray's names).
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
-
-
-def _finite_number(text: str, zero_allowed: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (0.0 <= value if zero_allowed else 0.0 < value) or value == float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected a number {'>=' if zero_allowed else '>'} 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type``: a number > 0 (``--cpus-per-task``).
-
-    Example:
-        >>> from jaxdist._src.launch.launcher import positive_float
-        >>> positive_float("0.5")
-        0.5
-    """
-    return _finite_number(text, zero_allowed=False)
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse ``type``: a number >= 0 (``--gpus-per-task``).
-
-    Example:
-        >>> from jaxdist._src.launch.launcher import non_negative_float
-        >>> non_negative_float("0")
-        0.0
-    """
-    return _finite_number(text, zero_allowed=True)
 
 
 class Launcher:

@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import signal
 
 from jaxdist._src.distributed.exit_codes import (
@@ -113,43 +112,4 @@ class RestartBudget:
         return True
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse ``type`` for ``--max-restarts``: a whole number >= 0.
-
-    Example:
-        >>> from jaxdist._src.launch.restarts import non_negative_int
-        >>> non_negative_int("3")
-        3
-        >>> non_negative_int("-1")
-        Traceback (most recent call last):
-        ...
-        argparse.ArgumentTypeError: expected a whole number >= 0, got '-1'
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def non_negative_seconds(text: str) -> float:
-    """An argparse ``type`` for ``--restart-delay``: seconds >= 0.
-
-    Example:
-        >>> from jaxdist._src.launch.restarts import non_negative_seconds
-        >>> non_negative_seconds("0.5")
-        0.5
-    """
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
-
-
-__all__ = ["DEFAULT_RESTART_DELAY", "RestartBudget", "describe_exit", "non_negative_int",
-           "non_negative_seconds", "restart_scope"]
+__all__ = ["DEFAULT_RESTART_DELAY", "RestartBudget", "describe_exit", "restart_scope"]
