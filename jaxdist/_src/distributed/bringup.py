@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxdist._src.cluster.errors import ClusterConfigError, ClusterTimeoutError, PeerLostError
 from jaxdist._src.compat import jax_internals
@@ -486,6 +486,30 @@ def find_lost_tasks(wait_seconds: float, until_lost: bool = False) -> tuple[str,
     return None
 
 
+def raise_wait_timeout(group: ProcessGroup, what: str, timeout: float,
+                       until_lost: bool = False) -> NoReturn:
+    """``what`` did not finish within ``timeout`` s: marks the cluster broken and raises the
+    typed error, ``PeerLostError`` naming the lost tasks when the coordination service reports
+    any (``until_lost``: keep asking it for the whole heartbeat window), else
+    ``ClusterTimeoutError`` naming the peers waited on.
+
+    Raises:
+        PeerLostError: the coordination service reports lost tasks.
+        ClusterTimeoutError: it reports none, or does not answer.
+    """
+    cluster_state.mark_broken()
+    lost = find_lost_tasks(cluster_state.heartbeat_seconds(timeout) + 2.0, until_lost=until_lost)
+    if lost:
+        cluster_state.raise_lost(cluster_state.mark_lost(lost), None, what)
+    peers = tuple(group.task_name(i) for i in range(group.num_processes)
+                  if i != group.process_id)
+    status = "no task lost" if lost == () else "nothing (it did not answer)"
+    raise ClusterTimeoutError(
+        f"{group.name}: {what} did not finish within {timeout:g} s; the coordination "
+        f"service reports {status}. Waiting on peers {list(peers)}",
+        tasks=peers, timeout_seconds=timeout)
+
+
 def _block(leaves: list[Any]) -> None:
     for x in leaves:
         if hasattr(x, "block_until_ready"):
@@ -521,19 +545,7 @@ def wait_for_step(outputs: Any, timeout_seconds: float | None = None, what: str 
     # On a daemon thread, so a collective that never returns cannot keep the process alive.
     finished, error = call_with_timeout(lambda: _block(leaves), timeout, "jaxdist-wait")
     if not finished:
-        cluster_state.mark_broken()
-        lost = find_lost_tasks(cluster_state.heartbeat_seconds(timeout) + 2.0)
-        if lost:
-            cluster_state.raise_lost(cluster_state.mark_lost(lost), None, what)
-        peers = tuple(group.task_name(i) for i in range(group.num_processes)
-                      if i != group.process_id)
-        status = "no task lost" if lost == () else "nothing (it did not answer)"
-        raise ClusterTimeoutError(
-            f"{group.name}: {what} did not finish within {timeout:g} s; the coordination "
-            f"service reports {status}. Waiting on peers {list(peers)}",
-            tasks=peers,
-            timeout_seconds=timeout,
-        )
+        raise_wait_timeout(group, what, timeout)
     if error is not None:
         raise_if_peer_lost(error, what, max(2.0, timeout - (time.monotonic() - start)))
         raise error
@@ -700,6 +712,7 @@ __all__ = [
     "initialize_from_resolver",
     "lost_tasks",
     "raise_if_peer_lost",
+    "raise_wait_timeout",
     "shutdown",
     "wait_for_step",
 ]

@@ -45,6 +45,7 @@ from jaxdist._src.distributed.bringup import (
     find_lost_tasks,
     initialize_from_resolver,
     raise_if_peer_lost,
+    raise_wait_timeout,
 )
 from jaxdist._src.distributed.process_group import ProcessGroup
 from jaxdist._src.distributed.waiting import Watchdog
@@ -254,19 +255,7 @@ class MultiWorkerExtended(StrategyExtended):
 
     def _raise_step_timeout(self) -> None:
         """The oldest step in flight did not finish in ``timeout_seconds``: a typed error."""
-        group = self._group
-        cluster_state.mark_broken()
-        lost = find_lost_tasks(cluster_state.heartbeat_seconds(self._timeout) + 2.0,
-                               until_lost=True)
-        if lost:
-            cluster_state.raise_lost(cluster_state.mark_lost(lost), None, "a step")
-        peers = tuple(group.task_name(i) for i in range(group.num_processes)
-                      if i != group.process_id)
-        status = "no task lost" if lost == () else "nothing (it did not answer)"
-        raise ClusterTimeoutError(
-            f"{group.name}: a step did not finish within {self._timeout:g} s; the coordination "
-            f"service reports {status}. Waiting on peers {list(peers)}",
-            tasks=peers, timeout_seconds=self._timeout)
+        raise_wait_timeout(self._group, "a step", self._timeout, until_lost=True)
 
     def _on_slow_step(self, elapsed: float) -> bool:
         """The background wait on a step has run ``elapsed`` s. If the training thread is in its
