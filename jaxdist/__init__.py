@@ -27,7 +27,7 @@ if "keras" not in sys.modules:
 # First: `python -m jaxdist.train` answers Ctrl-C (one line, exit 130) from its first import on.
 from jaxdist._src.job import startup as _startup  # noqa: F401
 # isort: on
-from jaxdist import cluster_resolver, coordinator, data, ps, tpu
+from jaxdist import cluster_resolver, data, tpu
 from jaxdist._src.cluster.errors import (
     ClusterConfigError,
     ClusterError,
@@ -40,23 +40,12 @@ from jaxdist._src.cluster.errors import (
 from jaxdist._src.cluster.tpu_cluster_resolver import (
     register_slice_connector as _register_slice_connector,
 )
-from jaxdist._src.coordinator.server import Server
 from jaxdist._src.distributed.bringup import initialize_from_resolver as _initialize_from_resolver
 from jaxdist._src.distributed.handshake import ClusterAuthenticationError
 from jaxdist._src.distributed.termination import TerminationConfig
 from jaxdist._src.input.dataset import Dataset
 from jaxdist._src.input.distributed import DistributedDataset, DistributedIterator
 from jaxdist._src.input.options import AutoShardPolicy, InputContext, InputOptions
-from jaxdist._src.ps.partitioners import (
-    FixedShardsPartitioner,
-    MaxSizePartitioner,
-    MinSizePartitioner,
-)
-from jaxdist._src.ps.placement import (
-    GreedyLoadBalancingStrategy,
-    byte_size_load_fn,
-    replica_device_setter,
-)
 from jaxdist._src.publish import publish as _publish
 from jaxdist._src.security.tls import TLSConfig, TLSConfigError
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
@@ -84,7 +73,6 @@ from jaxdist._src.strategies.multi_worker import (
 )
 from jaxdist._src.strategies.nnx_state import NnxStateError
 from jaxdist._src.strategies.one_device import OneDeviceStrategy
-from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 from jaxdist._src.strategies.reduce_util import ReduceOp
 from jaxdist._src.strategies.replica_context import ReplicaContext
 from jaxdist._src.strategies.replica_reduce import DoubleReductionError
@@ -135,17 +123,26 @@ _register_run_state_hook(_keras_run_state_hook)
 _register_slice_connector(_initialize_from_resolver)
 
 
-_LAZY = {  # imported on first use, so `import jaxdist` stays free of flax, optax and orbax
+_LAZY = {  # imported on first use: `import jaxdist` stays free of flax, optax and orbax, and a
+    # synchronous job never imports the parameter-server modules (ps/, coordinator/)
     "Checkpoint": "jaxdist._src.train.tracked_checkpoint",
     "CheckpointManager": "jaxdist._src.train.tracked_checkpoint",
+    "FixedShardsPartitioner": "jaxdist._src.ps.partitioners",
+    "GreedyLoadBalancingStrategy": "jaxdist._src.ps.placement",
+    "MaxSizePartitioner": "jaxdist._src.ps.partitioners",
+    "MinSizePartitioner": "jaxdist._src.ps.partitioners",
+    "ParameterServerStrategy": "jaxdist._src.strategies.parameter_server",
     "PreemptionCheckpointHandler": "jaxdist._src.train.preemption_handler",
+    "Server": "jaxdist._src.coordinator.server",
     "Trainer": "jaxdist._src.train.trainer",
+    "byte_size_load_fn": "jaxdist._src.ps.placement",
+    "replica_device_setter": "jaxdist._src.ps.placement",
 }
 
 
 #: Public submodules imported on first attribute access (``jaxdist.keras.scope`` after
 #: ``import jaxdist``), as ``tf.keras`` resolves after ``import tensorflow``.
-_LAZY_MODULES = ("keras", "launch", "ray", "server", "testing", "train")
+_LAZY_MODULES = ("coordinator", "keras", "launch", "ps", "ray", "server", "testing", "train")
 
 
 def __getattr__(name: str):

@@ -770,6 +770,31 @@ def test_every_module_imports_alone():
     assert len(modules) > 50  # the walk found the package
 
 
+
+_IMPORTED_BY_IMPORT_JAXDIST = """
+import json, sys
+import jaxdist
+heavy = ("flax", "optax", "orbax", "grpc", "jaxdist._src.ps", "jaxdist._src.coordinator",
+         "jaxdist.ps", "jaxdist.coordinator")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy[:4]
+                        or any(m == h or m.startswith(h + ".") for h in heavy[4:]))))
+jaxdist.ParameterServerStrategy, jaxdist.ps.PSClient, jaxdist.coordinator.ClusterCoordinator
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("jaxdist._src.ps."))))
+"""
+
+
+def test_import_jaxdist_leaves_the_trainer_and_parameter_server_modules_for_first_use():
+    """``import jaxdist`` (a synchronous program) imports neither flax/optax/orbax nor the
+    parameter-server packages; their names still resolve, on first use."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(ROOT) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _IMPORTED_BY_IMPORT_JAXDIST],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert before == [], f"import jaxdist imported {before}"
+    assert "jaxdist._src.ps.client" in after
+
 if __name__ == "__main__":
     # The arrows between packages in the code (docs/architecture.md shows them).
     for package, targets in sorted(package_graph(module_graph()).items(),
