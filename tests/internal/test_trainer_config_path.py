@@ -99,7 +99,10 @@ try:
     rc = main(json.loads(sys.argv[1]))
 finally:
     sys.setprofile(None)
-print("RESULT " + json.dumps({"rc": rc, "path": path, "ps_calls": sorted(ps_calls)}))
+ps_modules = sorted(m for m in sys.modules if m.startswith(
+    ("jaxdist._src.ps", "jaxdist._src.coordinator", "jaxdist._src.job.parameter_server")))
+print("RESULT " + json.dumps({"rc": rc, "path": path, "ps_calls": sorted(ps_calls),
+                              "ps_modules": ps_modules}))
 '''
 
 
@@ -156,6 +159,7 @@ def test_the_cli_config_path_returns_at_most_4_times_and_never_calls_ps(tmp_path
     for room in ("trainer.py", "options.py", "learning_rate.py", "checkpoint_wiring.py"):
         assert os.path.join("_src", "train", room) in rooms, shown
     assert result["ps_calls"] == [], f"the synchronous job called ps/: {result['ps_calls']}"
+    assert result["ps_modules"] == [], f"the synchronous job imported {result['ps_modules']}"
 
 
 # ---------------------------------------------------------------------- who changes the config

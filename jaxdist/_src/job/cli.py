@@ -18,17 +18,26 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 _PROG = "python -m jaxdist.train"
 
 
-def _parser() -> argparse.ArgumentParser:
-    from jaxdist._src.job.config import schema_help
+class _Parser(argparse.ArgumentParser):
+    """Writes its epilog, the table of every config key, only when ``--help`` prints it (the
+    table names every registered strategy's keys, which imports their modules)."""
 
-    p = argparse.ArgumentParser(
+    def format_help(self) -> str:
+        from jaxdist._src.job.config import schema_help
+
+        self.epilog = (
+            "config keys (section.key, type, default):\n" + schema_help() + "\n\n"
+            "exit status: 0 done, 1 training failed, 2 bad config, 3 nothing to train "
+            "(the checkpoint completes the config), 130 interrupted.\n"
+            "docs: docs/trainer.md")
+        return super().format_help()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
         prog=_PROG,
         description="Train a model with a jaxdist strategy, as a YAML config describes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config keys (section.key, type, default):\n" + schema_help() + "\n\n"
-               "exit status: 0 done, 1 training failed, 2 bad config, 3 nothing to train "
-               "(the checkpoint completes the config), 130 interrupted.\n"
-               "docs: docs/trainer.md",
     )
     p.add_argument("--config", "-c", required=True, metavar="FILE",
                    help="YAML config, e.g. configs/default.yaml")

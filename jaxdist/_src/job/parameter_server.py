@@ -33,6 +33,7 @@ from typing import Any
 
 from jaxdist._src.cluster.task_info import task_info
 from jaxdist._src.job.schema import ConfigError, Field
+from jaxdist._src.job.strategy_registry import register_strategy
 from jaxdist._src.ps.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
@@ -272,6 +273,15 @@ def _shutdown(coordinator: Any) -> None:
     except Exception as e:  # noqa: BLE001 - at exit: report, do not raise
         print(f"[coordinator] shutdown: {e}", flush=True)
 
+
+# The two config names, registered when the registry first needs them (see
+# strategy_registry._DEFERRED).
+_PS_OPTIONS = dict(uses_tf_config=True, optimizer=ps_optimizer_from_config, check=check_config,
+                   serves=is_ps_task, serve=serve)
+register_strategy(ParameterServerStrategy, NAME, strategy_from_config, FIELDS, help=HELP,
+                  **_PS_OPTIONS)
+register_strategy(ParameterServerStrategy, COORDINATOR_NAME, coordinator_strategy_from_config,
+                  COORDINATOR_FIELDS, help=COORDINATOR_HELP, **_PS_OPTIONS)
 
 __all__ = ["COORDINATOR_FIELDS", "COORDINATOR_NAME", "FIELDS", "NAME", "check_config",
            "coordinator_strategy_from_config", "is_ps_task", "ps_learning_rate_from_config",

@@ -7,7 +7,9 @@ serves instead of training. (The ``TrainerHook`` the ``Trainer`` delegates to is
 library's: ``jaxdist.train.register_trainer_hook``.)
 
 Config names are looked up here (``config_for``), so a job goes config -> ``StrategyConfig``
--> strategy -> ``Trainer`` without any other table.
+-> strategy -> ``Trainer`` without any other table. The parameter-server names are registered
+by ``job/parameter_server.py``, imported when first looked up (a synchronous job never imports
+the parameter-server packages).
 
 Example:
     >>> import jax, jaxdist
@@ -28,13 +30,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 
 from jaxdist._src.cluster.tpu_cluster_resolver import TPUClusterResolver
-from jaxdist._src.job import parameter_server as ps_config
 from jaxdist._src.job.optimizers import optimizer_from_config
 from jaxdist._src.job.schema import ConfigError, Field
 from jaxdist._src.strategies.central_storage import CentralStorageStrategy
@@ -49,7 +52,6 @@ from jaxdist._src.strategies.multi_worker import (
     MultiWorkerMirroredStrategy,
 )
 from jaxdist._src.strategies.one_device import OneDeviceStrategy
-from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 from jaxdist._src.strategies.tpu import TPUStrategy
 
 Builder = Callable[[Mapping[str, Any]], Any]
@@ -92,6 +94,20 @@ class _Entry:
 
 _REGISTRY: dict[type, _Entry] = {}
 
+# Config names registered by a module of their own, imported when a config, a strategy or
+# `--help` first needs them: a synchronous job never imports the parameter-server packages.
+_DEFERRED = {
+    "parameter_server": "jaxdist._src.job.parameter_server",
+    "parameter_server_coordinator": "jaxdist._src.job.parameter_server",
+}
+
+
+def _load_deferred(name: Any = None) -> None:
+    """Imports the module that registers config name ``name`` (``None``: every such module)."""
+    for deferred, module in _DEFERRED.items():
+        if name is None or name == deferred:
+            importlib.import_module(module)
+
 
 def register_strategy(strategy_class: type, name: str, build: Builder,
                       fields: Mapping[str, Field] | None = None, *, help: str = "",
@@ -102,6 +118,8 @@ def register_strategy(strategy_class: type, name: str, build: Builder,
     Raises:
         ValueError: ``name`` is taken by another class, or ``fields`` has ``name``.
     """
+    if name in _DEFERRED and _DEFERRED[name] not in sys.modules:
+        _load_deferred(name)  # the built-in registration first: a clash is named below
     fields = dict(fields or {})
     if "name" in fields:
         raise ValueError("a strategy's fields must not include 'name'")
@@ -126,6 +144,7 @@ def _by_name() -> dict[str, StrategyConfig]:
 
 def registered_strategies() -> tuple[str, ...]:
     """The strategy names a config may use."""
+    _load_deferred()
     return tuple(sorted(_by_name()))
 
 
@@ -135,6 +154,8 @@ def config_for(name: str) -> StrategyConfig:
     Raises:
         ConfigError: no strategy has that name.
     """
+    if isinstance(name, str):
+        _load_deferred(name)
     spec = _by_name().get(name) if isinstance(name, str) else None
     if spec is None:
         raise ConfigError(f"strategy.name: {name!r} is not a known strategy; expected one of: "
@@ -155,6 +176,7 @@ def strategy_config(cfg: Mapping[str, Any], strategy: Any = None) -> StrategyCon
     spec = config_for(cfg["strategy"]["name"])
     if strategy is None or isinstance(strategy, spec.strategy_class):
         return spec
+    _load_deferred()
     for cls in type(strategy).__mro__:
         entry = _REGISTRY.get(cls)
         if entry is not None and entry.configs:
@@ -193,6 +215,8 @@ def drop_foreign_keys(section: Mapping[str, Any], name: Any,
         >>> drop_foreign_keys({"name": "mirrored", "devices": None}, "one_device")
         ({'name': 'mirrored'}, ['devices'])
     """
+    if isinstance(name, str):
+        _load_deferred(name)
     spec = _by_name().get(name) if isinstance(name, str) else None
     if spec is None:
         return dict(section), []
@@ -208,11 +232,13 @@ def uses_tf_config(name: str) -> bool:
         >>> uses_tf_config("one_device"), uses_tf_config("multi_worker")
         (False, True)
     """
+    _load_deferred(name)
     spec = _by_name().get(name)
     return bool(spec is not None and spec.uses_tf_config)
 
 
 def help_text() -> str:
+    _load_deferred()
     lines = [f"  strategy:  name: one of {', '.join(registered_strategies())} "
              f"(default 'mirrored')"]
     for spec in _by_name().values():
@@ -361,15 +387,6 @@ register_strategy(MultiWorkerMirroredStrategy, "multi_worker", _multi_worker, {
                             "(0: one bucket per dtype)", minimum=0),
 }, help="MultiWorkerMirroredStrategy over the chief/worker tasks of TF_CONFIG",
     uses_tf_config=True)
-_PS_OPTIONS = dict(uses_tf_config=True, optimizer=ps_config.ps_optimizer_from_config,
-                   check=ps_config.check_config, serves=ps_config.is_ps_task,
-                   serve=ps_config.serve)
-register_strategy(ParameterServerStrategy, ps_config.NAME, ps_config.strategy_from_config,
-                  ps_config.FIELDS, help=ps_config.HELP, **_PS_OPTIONS)
-register_strategy(ParameterServerStrategy, ps_config.COORDINATOR_NAME,
-                  ps_config.coordinator_strategy_from_config, ps_config.COORDINATOR_FIELDS,
-                  help=ps_config.COORDINATOR_HELP, **_PS_OPTIONS)
-
 __all__ = ["StrategyConfig", "build_strategy", "check_replicas", "config_for",
            "drop_foreign_keys",
            "register_strategy", "registered_strategies", "strategy_and_optimizer",

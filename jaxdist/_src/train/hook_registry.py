@@ -13,14 +13,29 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxdist._src.strategies.parameter_server import ParameterServerStrategy
 from jaxdist._src.train import hooks
-from jaxdist._src.train.parameter_server.coordinated import parameter_server_hook
 
 _HOOKS: dict[type, Callable[[Any], hooks.TrainerHook]] = {}
+_PS_STRATEGY_MODULE = "jaxdist._src.strategies.parameter_server"
+_ps_hook_registered = False
+
+
+def _register_ps_hook() -> None:
+    """Registers the parameter-server hooks once ``ParameterServerStrategy`` exists (its module
+    is imported): a synchronous job never imports the parameter-server packages."""
+    global _ps_hook_registered
+    module = sys.modules.get(_PS_STRATEGY_MODULE)
+    if _ps_hook_registered or module is None:
+        return
+    # Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
+    from jaxdist._src.train.parameter_server.coordinated import parameter_server_hook
+
+    _HOOKS.setdefault(module.ParameterServerStrategy, parameter_server_hook)
+    _ps_hook_registered = True
 
 
 def register_trainer_hook(strategy_class: type,
@@ -38,6 +53,7 @@ def register_trainer_hook(strategy_class: type,
         ...         self.strategy = strategy
         >>> register_trainer_hook(MyStrategy, MyHook)  # a Trainer on MyStrategy uses MyHook
     """
+    _register_ps_hook()
     _HOOKS[strategy_class] = hook
 
 
@@ -50,14 +66,12 @@ def hook_for(strategy: Any) -> hooks.TrainerHook:
         >>> hook_for(jaxdist.MirroredStrategy())
         SyncHook()
     """
+    _register_ps_hook()
     for cls in type(strategy).__mro__:
         hook = _HOOKS.get(cls)
         if hook is not None:
             return hook(strategy)
     return hooks.SyncHook(strategy)
 
-
-# Between-graph training, or the ClusterCoordinator's hook when the strategy has one.
-register_trainer_hook(ParameterServerStrategy, parameter_server_hook)
 
 __all__ = ["hook_for", "register_trainer_hook"]
