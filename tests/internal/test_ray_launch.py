@@ -125,10 +125,13 @@ def test_the_actor_writes_private_files_runs_the_command_and_deletes_them(tmp_pa
     """``TaskRunner`` without Ray: what the actor does on its node."""
     ca = TaskCA()
     cert, key = ca.issue("worker:0", ["127.0.0.1"])
-    probe = ("import json, os, stat; d = os.path.dirname(os.environ['JAXDIST_TLS_KEY']); "
+    # The command runs until the test creates `go` (after checking a second start is refused
+    # while it runs: on a loaded machine a command that ends at once may already be gone).
+    probe = ("import json, os, stat, time; d = os.path.dirname(os.environ['JAXDIST_TLS_KEY']); "
              "print(json.dumps({'mode': oct(stat.S_IMODE(os.stat(d).st_mode)), "
              "'files': sorted(os.listdir(d)), 'token': os.environ['JAXDIST_CLUSTER_TOKEN'], "
-             "'dir': d}))")
+             "'dir': d}), flush=True); end = time.monotonic() + 30\n"
+             "while not os.path.exists('go') and time.monotonic() < end: time.sleep(0.02)")
     runner = TaskRunner("worker:0")
     port = runner.free_port()
     assert 0 < port < 65536
@@ -136,6 +139,7 @@ def test_the_actor_writes_private_files_runs_the_command_and_deletes_them(tmp_pa
                  (ca.ca_pem, cert, key), cwd=str(tmp_path))
     with pytest.raises(RuntimeError, match="worker:0: its command .* still runs"):
         runner.start([sys.executable, "-c", "pass"], {}, None)   # while it runs
+    (tmp_path / "go").touch()
     lines, code, deadline = [], None, time.monotonic() + 30
     while code is None and time.monotonic() < deadline:
         code, more = runner.poll()
