@@ -109,6 +109,14 @@ def _load_deferred(name: Any = None) -> None:
             importlib.import_module(module)
 
 
+def _spec(name: Any) -> StrategyConfig | None:
+    """The registered config name ``name`` (its module imported first), or ``None``."""
+    if not isinstance(name, str):
+        return None
+    _load_deferred(name)
+    return _by_name().get(name)
+
+
 def register_strategy(strategy_class: type, name: str, build: Builder,
                       fields: Mapping[str, Field] | None = None, *, help: str = "",
                       **options: Any) -> StrategyConfig:
@@ -154,9 +162,7 @@ def config_for(name: str) -> StrategyConfig:
     Raises:
         ConfigError: no strategy has that name.
     """
-    if isinstance(name, str):
-        _load_deferred(name)
-    spec = _by_name().get(name) if isinstance(name, str) else None
+    spec = _spec(name)
     if spec is None:
         raise ConfigError(f"strategy.name: {name!r} is not a known strategy; expected one of: "
                           f"{', '.join(registered_strategies())}")
@@ -215,9 +221,7 @@ def drop_foreign_keys(section: Mapping[str, Any], name: Any,
         >>> drop_foreign_keys({"name": "mirrored", "devices": None}, "one_device")
         ({'name': 'mirrored'}, ['devices'])
     """
-    if isinstance(name, str):
-        _load_deferred(name)
-    spec = _by_name().get(name) if isinstance(name, str) else None
+    spec = _spec(name)
     if spec is None:
         return dict(section), []
     dropped = [k for k in section if k != "name" and k not in spec.fields and k not in keep]
@@ -232,13 +236,11 @@ def uses_tf_config(name: str) -> bool:
         >>> uses_tf_config("one_device"), uses_tf_config("multi_worker")
         (False, True)
     """
-    _load_deferred(name)
-    spec = _by_name().get(name)
+    spec = _spec(name)
     return bool(spec is not None and spec.uses_tf_config)
 
 
 def help_text() -> str:
-    _load_deferred()
     lines = [f"  strategy:  name: one of {', '.join(registered_strategies())} "
              f"(default 'mirrored')"]
     for spec in _by_name().values():
