@@ -311,9 +311,9 @@ def write_task_checkpoint(directory: str | None, task: str, step: int,
     Example:
         >>> import numpy as np
         >>> from jaxdist._src.ps.checkpoints import write_task_checkpoint
-        >>> write_task_checkpoint("/ckpt", "ps:0", 100, {"w": {"kind": "dense",
+        >>> write_task_checkpoint("ckpt", "ps:0", 100, {"w": {"kind": "dense",
         ...     "optimizer": None, "version": 3, "num_state": 0}}, {"v/w": np.zeros(4)})
-        '/ckpt/ps-0/ckpt-100'
+        'ckpt/ps-0/ckpt-100'
     """
     check_keep(task, keep)
     if not directory:
@@ -452,10 +452,13 @@ def read_task_checkpoint(directory: str | None, task: str, step: int | None = No
         PSNotFoundError: no checkpoint under ``directory``, or that step's file is missing.
 
     Example:
-        >>> from jaxdist._src.ps.checkpoints import read_task_checkpoint
-        >>> step, meta, arrays = read_task_checkpoint("/ckpt", "ps:0")
-        >>> meta["variables"]["w"]["version"], arrays["v/w"].shape
-        (3, (4,))
+        >>> import numpy as np
+        >>> from jaxdist._src.ps.checkpoints import read_task_checkpoint, write_task_checkpoint
+        >>> _ = write_task_checkpoint("ckpt", "ps:0", 100, {"w": {"kind": "dense",
+        ...     "optimizer": None, "version": 3, "num_state": 0}}, {"v/w": np.zeros(4)})
+        >>> step, meta, arrays = read_task_checkpoint("ckpt", "ps:0")
+        >>> step, meta["variables"]["w"]["version"], arrays["v/w"].shape
+        (100, 3, (4,))
     """
     if step is None:
         step = latest_step(directory, task) if directory else None
