@@ -33,8 +33,8 @@ if "xla_force_host_platform_device_count" not in _flags:
 # On CPU, LLVM's optimisation passes are most of the suite's run time (it compiles many small
 # programs and runs each a few steps): level 0 takes about a third less CPU time. XLA's own
 # passes are the same; LLVM forms no fused multiply-adds at level 0, so results can differ in
-# the last bits (a program that amplifies rounding reruns itself at the default level, see
-# tests/test_programs.py). LocalCluster's tasks inherit the flag. To choose: name a level in
+# the last bits (tests/test_programs.py's tolerances hold at both levels). LocalCluster's tasks
+# inherit the flag. To choose: name a level in
 # XLA_FLAGS, or set JAXDIST_TEST_XLA_DEFAULT_OPT=1 for XLA's default.
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if (os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _flags
