@@ -13,6 +13,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import keras  # noqa: E402
+import keras_seed  # noqa: E402  (tests/: the script's directory)
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
@@ -27,7 +28,7 @@ def data():
 
 
 def model():
-    keras.utils.set_random_seed(0)
+    keras_seed.set_random_seed(0)
     m = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
     )

@@ -16,6 +16,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import keras  # noqa: E402
+import keras_seed  # noqa: E402  (tests/: the script's directory)
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
@@ -52,7 +53,7 @@ def main(out, workdir, epochs, sleep_ms):
     callbacks = [jk.BackupAndRestore(os.path.join(workdir, "backup"), delete_checkpoint=False),
                  _Progress(sleep_ms)]
     with strategy.scope():
-        keras.utils.set_random_seed(0)
+        keras_seed.set_random_seed(0)
         m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1)])
         m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")

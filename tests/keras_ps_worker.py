@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import keras  # noqa: E402
+import keras_seed  # noqa: E402  (tests/: the script's directory)
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
@@ -21,7 +22,7 @@ Y = (X @ np.arange(1, 6, dtype="float32")[:, None] / 5).astype("float32")
 
 
 def model(optimizer: str) -> keras.Model:
-    keras.utils.set_random_seed(0)
+    keras_seed.set_random_seed(0)
     m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
                           keras.layers.Dense(1)])
     opt = keras.optimizers.SGD(0.05) if optimizer == "sgd" else keras.optimizers.Adam(0.01)
