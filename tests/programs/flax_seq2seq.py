@@ -201,6 +201,7 @@ def compute_metrics(logits, labels, eos_id: int) -> dict[str, Any]:
     return {"loss": loss, "accuracy": jnp.mean(sequence_accuracy)}
 
 
+@jax.jit
 def train_step(state, batch, lstm_rng, eos_id: int):
     labels = batch["answer"][:, 1:]
     lstm_key = jax.random.fold_in(lstm_rng, state.step)
