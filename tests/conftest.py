@@ -21,7 +21,9 @@ else runs on whatever devices exist:
   do the same inside a test body or a parametrised case.
 """
 
+import json
 import os
+import pathlib
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -54,12 +56,41 @@ import jaxdist  # noqa: E402, F401
 
 
 def pytest_configure(config):
+    # pytest-xdist hands loadfile's files out by their number of tests unless told not to
+    # (--no-loadscope-reorder, from 3.8, the version pyproject.toml asks for); the suite
+    # orders them by their length (pytest_collection_modifyitems)
+    config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "devices(n): the test needs at least n devices on the default backend "
         "(skipped with the reason otherwise)")
     config.addinivalue_line(
         "markers", "platform(name): the test needs the default backend to be `name` "
         "('cpu', 'gpu', 'tpu'; skipped with the reason otherwise)")
+
+
+# Longest files first: pytest-xdist's `--dist loadfile` hands files out in collection order as
+# its processes free up (its own reordering, by number of tests, is turned off in
+# pytest_configure), so the few long multi-process files start early and the many short ones
+# fill in at the end, and the processes end together. The seconds come from a full run
+# (tools/file_durations.py); a file not listed counts 0.2 s a test. They only order the files.
+_DURATIONS = pathlib.Path(__file__).with_name("file_durations.json")
+
+
+def _file_seconds() -> dict[str, float]:
+    try:
+        return json.loads(_DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    root = pathlib.Path(str(config.rootpath))
+    seconds = _file_seconds()
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(pathlib.Path(os.path.relpath(item.path, root)).as_posix(), []).append(item)
+    order = sorted(files, key=lambda f: -seconds.get(f, 0.2 * len(files[f])))
+    items[:] = [item for f in order for item in files[f]]
 
 
 def pytest_runtest_setup(item):
