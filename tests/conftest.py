@@ -83,6 +83,7 @@ def _file_seconds() -> dict[str, float]:
         return {}
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselect: a file counts its selected tests
 def pytest_collection_modifyitems(session, config, items):
     root = pathlib.Path(str(config.rootpath))
     seconds = _file_seconds()

@@ -8,8 +8,6 @@ import json
 import os
 import pathlib
 
-import conftest
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -42,10 +40,10 @@ def test_the_table_names_files_that_exist():
 
 
 def test_this_run_orders_its_files_longest_first(request):
-    seconds = conftest._file_seconds()
+    seconds = json.loads((ROOT / "tests" / "file_durations.json").read_text())
     files: dict[str, int] = {}
     for item in request.session.items:
-        files[pathlib.Path(os.path.relpath(item.path, ROOT)).as_posix()] = (
-            files.get(pathlib.Path(os.path.relpath(item.path, ROOT)).as_posix(), 0) + 1)
+        name = pathlib.Path(os.path.relpath(item.path, ROOT)).as_posix()
+        files[name] = files.get(name, 0) + 1
     weights = [seconds.get(f, 0.2 * n) for f, n in files.items()]
     assert weights == sorted(weights, reverse=True), list(zip(files, weights))[:10]
