@@ -240,6 +240,28 @@ def test_a_silent_peer_is_a_typed_error_within_the_grace_period(precise):
         a.close()
 
 
+def test_close_ends_a_listener_that_waits_on_a_silent_peer():
+    # A process whose training ends while its listener waits for a peer's promise: the
+    # listener must not be left inside the coordination service's client (a thread blocked in
+    # there when the interpreter exits aborts the process with "FATAL: exception not
+    # rethrown"): close() ends the wait, the thread is gone and no error is recorded.
+    store = FakeStore()
+    a, b = _watchers(2, store, grace=60.0)
+    b.close()                       # worker:1 never promises
+    try:
+        a.notice()
+        deadline = time.monotonic() + 10
+        while store.values.get("jaxdist/preemption/promise/0") is None:
+            assert time.monotonic() < deadline, "worker:0's listener never promised"
+            time.sleep(preemption.POLL_SECONDS)
+        time.sleep(2 * preemption.WAIT_PIECE_SECONDS)   # now waiting for worker:1's promise
+        assert a._thread.is_alive()
+    finally:
+        a.close()
+    assert not a._thread.is_alive()
+    assert a._error is None
+
+
 def test_the_chief_saves_and_the_others_wait_for_it():
     store = FakeStore()
     chief, other = _watchers(2, store)

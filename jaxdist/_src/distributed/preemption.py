@@ -67,6 +67,11 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 #: How often a ``termination_watcher_fn`` is called (TF calls it every second).
 WATCHER_POLL_SECONDS = 1.0
+#: The longest one wait inside the coordination service's client lasts on the listener thread:
+#: a thread blocked in there cannot be joined, and one still in there when the interpreter exits
+#: aborts the process ("terminate called ... FATAL: exception not rethrown", exit -6), so the
+#: listener waits for its peers in pieces and ``close()`` stops it between two.
+WAIT_PIECE_SECONDS = 0.5
 #: Seconds past a timed-out wait for agreement that the training thread still waits for the
 #: listener's verdict (which names the silent peer).
 VERDICT_SECONDS = 1.0
@@ -104,13 +109,21 @@ class _Peers:
                 return None
             raise
 
-    def wait(self, key: str, timeout: float) -> str | None:
-        """``key``'s value once set, or ``None`` after ``timeout`` seconds."""
-        try:
-            return self.client.blocking_key_value_get(key, max(1, int(timeout * 1000)))
-        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the service is gone
-            log.info("waiting for %s: %s", key, str(e).splitlines()[0] if str(e) else e)
-            return None
+    def wait(self, key: str, timeout: float, stop: threading.Event | None = None) -> str | None:
+        """``key``'s value once set, or ``None`` after ``timeout`` seconds; with ``stop``, also
+        ``None`` soon after ``stop`` is set (the wait is made of ``WAIT_PIECE_SECONDS`` pieces)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            piece = timeout if stop is None else min(deadline - time.monotonic(),
+                                                     WAIT_PIECE_SECONDS)
+            try:
+                return self.client.blocking_key_value_get(key, max(1, int(piece * 1000)))
+            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the service is gone
+                message = str(e).splitlines()[0] if str(e) else repr(e)
+                if ("DEADLINE_EXCEEDED" not in message or stop is None or stop.is_set()
+                        or time.monotonic() >= deadline):
+                    log.info("waiting for %s: %s", key, message)
+                    return None
 
 
 def _peers() -> _Peers | None:
@@ -257,7 +270,9 @@ class PreemptionWatcher:
             peers.publish(f"{_PREFIX}promise/{peers.process_id}", str(promise))
             promises = []
             for q in range(peers.num_processes):
-                value = peers.wait(f"{_PREFIX}promise/{q}", self.remaining())
+                value = peers.wait(f"{_PREFIX}promise/{q}", self.remaining(), self._closed)
+                if value is None and self._closed.is_set():
+                    return  # the process is leaving: nothing waits for the verdict
                 if value is None:
                     raise PreemptionError(
                         f"{peers.names[q]} did not say where it stops within the "
@@ -414,7 +429,7 @@ class PreemptionWatcher:
         self._closed.set()
         self._cancel_grace_timer()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2 * POLL_SECONDS + 1.0)
+            self._thread.join(timeout=2 * POLL_SECONDS + WAIT_PIECE_SECONDS + 1.0)
 
 
 class DispatchTimer:
