@@ -1,6 +1,7 @@
 """How a test states the devices it needs (see tests/conftest.py): skip, with the reason,
 when they are absent; never assume CPU or a device count silently."""
 
+import os
 import re
 
 import jax
@@ -16,6 +17,17 @@ _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 #     @pytest.mark.parametrize("precise", PRECISE)
 #     def test_x(precise): ... ; if precise: assert took < 1.0
 PRECISE = [False, pytest.param(True, marks=pytest.mark.timing, id="precise")]
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """``XLA_FLAGS`` for a process a test starts: the suite's optimisation level (level 0 on
+    CPU, see tests/conftest.py), so the process compiles as the suite does, and with
+    ``devices``, that many forced host CPU devices (without it, the process's own count)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if f.startswith("--xla_backend_optimization_level")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
 
 
 def require_devices(n: int) -> None:

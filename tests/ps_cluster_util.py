@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from devutil import xla_flags
+
 from jaxdist.testing import pick_free_ports
 from jaxdist.testing.tls import install_process_tls, task_tls
 
@@ -42,7 +44,7 @@ def task_env(cluster: dict, task_type: str, index: int, token: str | None = TOKE
     env.update(task_tls().env())
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -55,6 +55,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from devutil import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "BENCHMARKS.md"]
@@ -149,13 +150,14 @@ def split_command(cmd: str) -> tuple[dict[str, str], list[str]]:
 
 def command_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a reader's shell has: this repository importable, `python` on PATH,
-    JAX on the CPU (as the suite), no forced device count (the command sets its own)."""
+    JAX on the CPU (as the suite), no forced device count (the command sets its own); of the
+    suite's XLA flags only its optimisation level (tests/conftest.py) goes along."""
     env = dict(_READER_ENV or os.environ)
     # No KERAS_BACKEND either: a documented program chooses its backend itself (importing
     # jaxdist before keras selects JAX), as it must in a reader's shell.
-    for key in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "TF_CONFIG", "JAXDIST_CLUSTER_TOKEN",
-                "KERAS_BACKEND"):
+    for key in ("JAX_NUM_CPU_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER_TOKEN", "KERAS_BACKEND"):
         env.pop(key, None)
+    env["XLA_FLAGS"] = xla_flags()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

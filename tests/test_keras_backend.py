@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from devutil import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,8 +26,8 @@ if __import__("importlib.util").util.find_spec("tensorflow") is None:
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    full.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", PYTHONPATH=str(ROOT), **env)
-    full.pop("XLA_FLAGS", None)
+    full.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", PYTHONPATH=str(ROOT),
+                XLA_FLAGS=xla_flags(), **env)
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
                           text=True, timeout=240, cwd=ROOT)
 

@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+from devutil import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -32,9 +33,7 @@ def _launch_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     for key in ("TF_CONFIG", "JAX_NUM_CPU_DEVICES"):
         env.pop(key, None)  # the launcher gives each task its own
-    level = [f for f in env.pop("XLA_FLAGS", "").split() if "xla_backend_optimization_level" in f]
-    if level:
-        env["XLA_FLAGS"] = " ".join(level)
+    env["XLA_FLAGS"] = xla_flags()
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.dirname(HERE), HERE, env.get("PYTHONPATH")) if p)
     return env

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from devutil import PRECISE
+from devutil import PRECISE, xla_flags
 
 from jaxdist.testing import LocalCluster, python_command
 
@@ -26,7 +26,7 @@ def _linreg(*extra):
 def test_two_processes_match_one_process_with_all_devices(tmp_path):
     ref_out, mw_out = tmp_path / "ref.json", tmp_path / "mw.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=xla_flags(4))
     env.pop("TF_CONFIG", None)
     # The one-process reference runs while the cluster runs (they are independent).
     ref = subprocess.Popen(_linreg("--strategy", "mirrored", "--out", str(ref_out)), env=env,

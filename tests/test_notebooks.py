@@ -7,11 +7,11 @@ environment): the notebooks' checks compare strategies against each other within
 against stored numbers. The notebooks in ``DEFAULT_LEVEL`` run at XLA's default level.
 """
 
-import os
 import pathlib
 
 import nbformat
 import pytest
+from devutil import xla_flags
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -60,12 +60,7 @@ def test_runs_top_to_bottom(path, monkeypatch):
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "4")
     # Of the suite's XLA flags only the optimisation level goes along (the device count is the
     # kernel's own).
-    level = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if "xla_backend_optimization_level" in f and path.name not in DEFAULT_LEVEL]
-    if level:
-        monkeypatch.setenv("XLA_FLAGS", " ".join(level))
-    else:
-        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "" if path.name in DEFAULT_LEVEL else xla_flags())
     nb = nbformat.read(path, as_version=4)
     # "immediate": once the last cell has run, the kernel is killed rather than asked to exit
     # and waited for; every notebook stops what it started in its own cells.

@@ -16,6 +16,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from devutil import xla_flags
 
 from jaxdist.testing import LocalCluster, python_command
 
@@ -58,9 +59,7 @@ def _steps(ckpt) -> list[int]:
 
 def _env(devices: int) -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                              env.get("XLA_FLAGS", "")) + \
-        f" --xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env.pop("TF_CONFIG", None)
     return env
 

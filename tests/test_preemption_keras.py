@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from devutil import xla_flags
 
 from jaxdist.testing import LocalCluster
 
@@ -26,8 +27,7 @@ EPOCHS = "3"   # 3 x 32 batches
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", JAX_NUM_CPU_DEVICES="2")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = xla_flags(2)
     env.pop("TF_CONFIG", None)
     return env
 

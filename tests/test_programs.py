@@ -36,6 +36,8 @@ import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+from devutil import xla_flags
+
 import jaxdist  # noqa: E402
 
 DEVICES = 4
@@ -166,9 +168,7 @@ def _launch_env() -> dict[str, str]:
         env.pop(key, None)  # the launcher gives each task its own
     # Of the suite's XLA flags the tasks keep the optimisation level (they compile as this
     # process does); the launcher gives each its device count.
-    level = [f for f in env.pop("XLA_FLAGS", "").split() if "xla_backend_optimization_level" in f]
-    if level:
-        env["XLA_FLAGS"] = " ".join(level)
+    env["XLA_FLAGS"] = xla_flags()
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.dirname(HERE), HERE, env.get("PYTHONPATH")) if p)
     return env

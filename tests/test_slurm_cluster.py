@@ -36,6 +36,7 @@ import sys
 import time
 
 import pytest
+from devutil import xla_flags
 from process_records import process_records
 
 from jaxdist.testing import pick_free_ports
@@ -87,7 +88,7 @@ def _env(slurm, **extra: str) -> dict[str, str]:
             del env[key]
     env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
                PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
-               JAXDIST_SLURM_PORT_BASE=str(_port_base()))
+               JAXDIST_SLURM_PORT_BASE=str(_port_base()), XLA_FLAGS=xla_flags())
     env.update(extra)
     return env
 

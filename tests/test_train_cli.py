@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from devutil import xla_flags
 
 from jaxdist.train import read_metrics
 
@@ -19,7 +20,7 @@ def _env(devices: int = 2) -> dict:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     return env
 
 

@@ -11,13 +11,15 @@ import threading
 import time
 
 import pytest
+from devutil import xla_flags
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _start(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "XLA_FLAGS")}
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONUNBUFFERED="1")
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=xla_flags())
     argv = [sys.executable, "-m", "jaxdist.train", "--config",
             str(ROOT / "configs" / "default.yaml"), "--set", f"logging.dir={tmp_path}",
             "--set", "train.epochs=1000", "--set", "logging.every_steps=1",

@@ -18,6 +18,8 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
+from devutil import xla_flags  # noqa: E402
+
 import jaxdist  # noqa: E402
 from jaxdist._src.keras import partial_batches  # noqa: E402
 
@@ -258,8 +260,9 @@ def test_input_across_processes_matches_one_device(tmp_path):
 
     runs = [r for r in w.RUNS if r != "tfdata" or importlib.util.find_spec("tensorflow")]
     env = dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
-    for k in ("TF_CONFIG", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+    for k in ("TF_CONFIG", "JAX_NUM_CPU_DEVICES"):
         env.pop(k, None)
+    env["XLA_FLAGS"] = xla_flags()
     # The job starts first; the one-device references are computed while it runs.
     job = subprocess.Popen(
         [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--devices-per-process", "2",

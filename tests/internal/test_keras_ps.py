@@ -17,6 +17,8 @@ keras = pytest.importorskip("keras")
 if keras.backend.backend() != "jax":  # pragma: no cover
     pytest.skip("keras runs on another backend", allow_module_level=True)
 
+from devutil import xla_flags  # noqa: E402
+
 import jaxdist  # noqa: E402
 import jaxdist.keras as jk  # noqa: E402
 from jaxdist._src.keras.ps_optimizers import keras_optimizer_spec  # noqa: E402
@@ -322,7 +324,7 @@ def _worker_results(num_workers, epochs, optimizer, devices=1):
     cluster = make_cluster(1, num_workers)
     ps = start_ps(cluster, 0)
     env = {"KERAS_BACKEND": "jax", "JAX_NUM_CPU_DEVICES": str(devices),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": xla_flags(devices)}
     try:
         return run_workers(cluster, "keras_ps_worker.py", [str(epochs), optimizer],
                            timeout=240.0, extra_env=env)

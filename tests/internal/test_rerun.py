@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import optax
 import pytest
+from devutil import xla_flags
 from flax import nnx
 
 import jaxdist
@@ -188,7 +189,7 @@ def test_one_process_strategy_in_a_cluster_is_refused(tmp_path, capsys, monkeypa
 @pytest.mark.slow
 def test_launch_of_a_one_process_config_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "XLA_FLAGS")}
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", XLA_FLAGS=xla_flags())
     out = subprocess.run(
         [sys.executable, "-m", "jaxdist.launch", "--workers", "2", "--", sys.executable, "-m",
          "jaxdist.train", "--config", str(ROOT / "configs" / "default.yaml"), "--set",

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from devutil import xla_flags
 
 from jaxdist._src.input.options import InputContext
 from jaxdist._src.job.cli import main as train_main
@@ -102,7 +103,7 @@ def _env():
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     return env
 
 

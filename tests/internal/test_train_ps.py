@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from devutil import first_devices
+from devutil import first_devices, xla_flags
 
 import jaxdist
 from jaxdist._src.cluster.task_info import TaskInfo
@@ -174,7 +174,7 @@ def _env():
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     return env
 
 
