@@ -65,10 +65,13 @@ class FakeStore:
             return self.values[key]
 
 
-def _watchers(n: int, store: FakeStore, grace: float = 10.0, exits=None):
+def _watchers(n: int, store: FakeStore, grace: float = 10.0, exits=None,
+              running: int | None = None):
+    """The watchers of ``n`` processes; with ``running``, only the first ``running`` exist (the
+    others are silent: killed or frozen processes say nothing)."""
     names = [f"worker:{i}" for i in range(n)]
     out = []
-    for i in range(n):
+    for i in range(n if running is None else running):
         out.append(PreemptionWatcher(
             TerminationConfig(grace_period=grace, exit_fn=lambda: None),
             peers=lambda i=i: _Peers(store, i, n, names),
@@ -226,8 +229,7 @@ def test_every_process_stops_at_the_same_step_none_has_started(seed):
 @pytest.mark.parametrize("precise", PRECISE)
 def test_a_silent_peer_is_a_typed_error_within_the_grace_period(precise):
     store = FakeStore()
-    a, b = _watchers(2, store, grace=1.0)
-    b.close()                       # worker:1 never promises
+    a, = _watchers(2, store, grace=1.0, running=1)   # worker:1 never promises
     try:
         a.should_stop(0)
         a.notice()
@@ -246,8 +248,7 @@ def test_close_ends_a_listener_that_waits_on_a_silent_peer():
     # there when the interpreter exits aborts the process with "FATAL: exception not
     # rethrown"): close() ends the wait, the thread is gone and no error is recorded.
     store = FakeStore()
-    a, b = _watchers(2, store, grace=60.0)
-    b.close()                       # worker:1 never promises
+    a, = _watchers(2, store, grace=60.0, running=1)  # worker:1 never promises
     try:
         a.notice()
         deadline = time.monotonic() + 10
@@ -260,6 +261,26 @@ def test_close_ends_a_listener_that_waits_on_a_silent_peer():
         a.close()
     assert not a._thread.is_alive()
     assert a._error is None
+
+
+def test_a_notice_after_a_peer_finished_agrees_on_the_end_of_its_training():
+    # TF's corner case: the notice reaches worker:0 at step 28 after worker:1 ran its last
+    # step (29) and left. Leaving, worker:1 promised its end (30): worker:0 agrees on 30 at
+    # once and runs its last two steps, instead of waiting out the grace period and exiting
+    # without a checkpoint.
+    store = FakeStore()
+    a, b = _watchers(2, store, grace=30.0)
+    try:
+        assert not any(b.should_stop(step) for step in range(30))
+        assert not any(a.should_stop(step) for step in range(28))
+        b.close()                   # worker:1's training ended: its exit hook closes it
+        a.notice()
+        assert a.wait_for_agreement(10.0) == 30
+        assert not a.should_stop(28) and not a.should_stop(29)
+        assert a.should_stop(30)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_the_chief_saves_and_the_others_wait_for_it():

@@ -425,11 +425,32 @@ class PreemptionWatcher:
             self._grace_timer.cancel()
 
     def close(self) -> None:
-        """Stops listening (before the coordination service's client goes away)."""
+        """Stops listening (before the coordination service's client goes away).
+
+        A process that leaves (its training ended, the exit hook closes the watcher) starts no
+        step from its next one on, and says so: a notice that reached another process after
+        this one ended agrees on where this one stopped instead of waiting out the grace
+        period (TF's corner case of a notice at the end of training).
+        """
         self._closed.set()
         self._cancel_grace_timer()
+        self._promise_on_leaving()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * POLL_SECONDS + WAIT_PIECE_SECONDS + 1.0)
+
+
+    def _promise_on_leaving(self) -> None:
+        try:
+            peers = self._peers()
+            if peers is None:
+                return
+            with self._lock:
+                step = self._next if self._stop_at is None else self._stop_at
+            # a promise already made stays (the first writer wins)
+            peers.publish(f"{_PREFIX}promise/{peers.process_id}", str(step))
+        except Exception as e:  # noqa: BLE001 - the service is gone: nobody waits for it
+            log.info("preemption watcher: no promise on leaving: %s",
+                     str(e).splitlines()[0] if str(e) else e)
 
 
 class DispatchTimer:
