@@ -46,7 +46,7 @@ os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from devutil import require_devices, require_platform  # noqa: E402, F401
+from devutil import require_devices, require_platform, restore_environ  # noqa: E402, F401
 
 # Keras on the JAX backend for every test, also where TensorFlow (the tf.data tests' extra)
 # would be Keras's default: as in a user's program, importing jaxdist before keras selects it
@@ -124,5 +124,4 @@ def _restore_environment():
     and tokens there (as a real task has them), and those files go with their cluster."""
     saved = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
+    restore_environ(saved)

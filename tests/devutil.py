@@ -30,6 +30,20 @@ def xla_flags(devices: int | None = None) -> str:
     return " ".join(flags)
 
 
+def restore_environ(saved: dict[str, str]) -> None:
+    """Puts ``os.environ`` back to ``saved``, touching only the variables that differ.
+
+    Clearing and refilling it would unset and set every variable while C++ threads of this
+    process (XLA's, gRPC's) may read the environment: glibc's environment is not thread-safe,
+    and such a read during the rebuild can crash the process (seen once: a segfault in a pytest
+    process between two docstring modules)."""
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def require_devices(n: int) -> None:
     """Skips the calling test when the default backend has fewer than ``n`` devices."""
     have = len(jax.devices())

@@ -45,7 +45,7 @@ import warnings
 
 import jax
 import pytest
-from devutil import DocstringExamplesSkipped
+from devutil import DocstringExamplesSkipped, restore_environ
 
 import jaxdist
 import jaxdist._src.coordinator
@@ -137,8 +137,7 @@ def _run_module_examples(module_name: str, workdir) -> tuple[int, list[str], lis
         finally:
             jax.config.update("jax_traceback_filtering", saved_filtering)
             os.chdir(saved_cwd)
-            os.environ.clear()
-            os.environ.update(saved_env)
+            restore_environ(saved_env)
         ran += result.attempted
         if result.failed:
             failures.append(f"{_where(test)}:\n{''.join(report)}")
