@@ -570,11 +570,24 @@ def test_the_python_entry_point_starts_a_local_ray_without_an_address(tmp_path):
     reason = _unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
+    # Each task prints its TF_CONFIG task. The ps task runs until the training tasks end (then
+    # the launcher stops it), so the workers end only once it has printed (a file says so);
+    # otherwise a ps that starts last may be stopped before it prints.
+    task = tmp_path / "task.py"
+    task.write_text(
+        "import json, os, pathlib, sys, time\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
+        "print(task, flush=True)\n"
+        "here = pathlib.Path(sys.argv[1])\n"
+        "(here / f\"{task['type']}{task['index']}.up\").touch()\n"
+        "deadline = time.monotonic() + 60\n"
+        "while task['type'] == 'worker' and not (here / 'ps0.up').exists() \\\n"
+        "        and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n")
     code = (
         "import sys, jaxdist\n"
-        "status = jaxdist.ray.launch([sys.executable, '-c', 'import json, os; "
-        "print(json.loads(os.environ[\"TF_CONFIG\"])[\"task\"])'], workers=2, ps=1, "
-        "ps_runs_command=True, cpus_per_task=0.5, grace=3)\n"
+        f"status = jaxdist.ray.launch([sys.executable, {str(task)!r}, {str(tmp_path)!r}], "
+        "workers=2, ps=1, ps_runs_command=True, cpus_per_task=0.5, grace=3)\n"
         "import ray\n"
         "print('ray still up:', ray.is_initialized())\n"
         "sys.exit(status)\n")
