@@ -438,7 +438,6 @@ class PreemptionWatcher:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * POLL_SECONDS + WAIT_PIECE_SECONDS + 1.0)
 
-
     def _promise_on_leaving(self) -> None:
         try:
             peers = self._peers()
