@@ -471,20 +471,29 @@ def test_a_lost_actor_is_named_or_restarted_and_ctrl_c_stops_every_actor(ray_clu
              sys.executable, str(prog), str(tmp_path / case), "0", "0", "600"],
             cwd=str(tmp_path), env=ray_cluster.env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while not any("[worker:0] worker:0 run 1" in ln for ln in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
-        task_pid = int(re.search(r"worker:0 run 1 on pid (\d+)", "".join(lines)).group(1))
-        t0 = time.monotonic()
-        if case in ("lost", "restarted"):
-            actor_pid = int(re.search(r"worker:0 runs on node \S+ .*actor pid (\d+)\)",
-                                      "".join(lines)).group(1))
-            os.kill(actor_pid, signal.SIGKILL)
-        else:
-            proc.send_signal(signal.SIGINT)
-        out = "".join(lines) + proc.communicate(timeout=60)[0]
+        try:
+            lines: list[str] = []
+            deadline = time.monotonic() + 60
+            while not any("[worker:0] worker:0 run 1" in ln for ln in lines):
+                assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+                lines.append(proc.stdout.readline())
+            task_pid = int(re.search(r"worker:0 run 1 on pid (\d+)", "".join(lines)).group(1))
+            t0 = time.monotonic()
+            if case in ("lost", "restarted"):
+                actor_pid = int(re.search(r"worker:0 runs on node \S+ .*actor pid (\d+)\)",
+                                          "".join(lines)).group(1))
+                os.kill(actor_pid, signal.SIGKILL)
+            else:
+                proc.send_signal(signal.SIGINT)
+            out = "".join(lines) + proc.communicate(timeout=60)[0]
+        finally:  # a failed case must not leave its actors to the module's next test
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
         ended_after = time.monotonic() - t0
         if case == "lost":
             assert proc.returncode == 1, out[-3000:]

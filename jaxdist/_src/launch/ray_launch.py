@@ -368,13 +368,13 @@ class RayLauncher(Launcher):
         if self._poller is None:
             self._poller = threading.Thread(target=self._poll, name="ray-poll", daemon=True)
             self._poller.start()
-        for job, i in task_list(self.cluster):
-            self._start_task(job, i)
-        self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
-        for name in self.tasks:
+        for name in self.names:  # before any task runs: its output comes after its place
             w = self._where[name]
             self._say(f"{name} runs on node {w['address']} (Ray node {w['node_id']}, host "
                       f"{w['hostname']}, actor pid {w['pid']})")
+        for job, i in task_list(self.cluster):
+            self._start_task(job, i)
+        self._say(f"started {', '.join(self.tasks)} on {self.cluster}")
         if "ps" in self.cluster:
             self._say(f"ps tasks checkpoint under {self.checkpoint_root}")
 
