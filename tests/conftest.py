@@ -24,6 +24,8 @@ else runs on whatever devices exist:
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -53,6 +55,29 @@ from devutil import require_devices, require_platform, restore_environ  # noqa: 
 # (the suite sets no KERAS_BACKEND of its own; tests/test_keras_backend.py checks fresh
 # processes without one).
 import jaxdist  # noqa: E402, F401
+
+# The processes the tests start (trainers, cluster tasks, doc blocks: some 600 in a run, many
+# compiling the same programs) share one persistent compilation cache for the session, in a
+# temporary directory that the first pytest process makes and removes (the xdist processes
+# inherit it). The pytest processes themselves compile without it: tests there count
+# compilations. JAXDIST_TEST_COMPILE_CACHE=0 turns it off; a JAX_COMPILATION_CACHE_DIR of the
+# environment is used as it is.
+_CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
+_CACHE_OWNER_ENV = "JAXDIST_TEST_COMPILE_CACHE_OWNER"
+if os.environ.get("JAXDIST_TEST_COMPILE_CACHE", "1") != "0" and _CACHE_DIR_ENV not in os.environ:
+    os.environ[_CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="jaxdist-test-compile-cache-")
+    os.environ[_CACHE_OWNER_ENV] = str(os.getpid())
+    # every program, however quick to compile (level 0 compiles most in well under a second);
+    # a size bound turns on JAX's file lock, so no process reads an entry another is writing
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+jax.config.update("jax_compilation_cache_dir", None)
+
+
+def pytest_unconfigure(config):
+    if os.environ.get(_CACHE_OWNER_ENV) == str(os.getpid()):
+        shutil.rmtree(os.environ[_CACHE_DIR_ENV], ignore_errors=True)
 
 
 def pytest_configure(config):

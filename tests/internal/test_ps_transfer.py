@@ -22,8 +22,11 @@ MiB = 1 << 20
 @pytest.mark.parametrize("chunk", [1, 100, 4096, MiB])
 def test_chunks_never_exceed_the_limit_and_round_trip(chunk):
     rng = np.random.default_rng(0)
+    # three full chunks and a partial one at least (1-byte chunks of 3 MiB would be 3 million
+    # Python objects: seconds of CPU for nothing the smaller array misses)
+    big = 3 * max(chunk, 64 << 10) + 17
     arrays = {
-        "big": rng.integers(0, 256, 3 * MiB + 17, dtype=np.uint8),
+        "big": rng.integers(0, 256, big, dtype=np.uint8),
         "small": np.arange(5, dtype=ml_dtypes.bfloat16),
         "empty": np.zeros((0, 3), np.float32),
         "f": rng.normal(size=(300, 7)),
