@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 from collections.abc import Callable
@@ -38,6 +39,15 @@ class PerWorkerResources:
         self._resources: list[tuple[int, Callable, tuple]] = []
         self._broken: dict[int, BaseException] = {}
         self._lock = threading.Lock()
+        # ids released by finalizers, applied under the lock by the next call (see release)
+        self._released: collections.deque[int] = collections.deque()
+
+    def _apply_releases(self) -> None:
+        """Forgets the released resources (called with the lock held)."""
+        while self._released:
+            rid = self._released.popleft()
+            self._resources = [r for r in self._resources if r[0] != rid]
+            self._broken.pop(rid, None)
 
     def create(self, fn: Callable[..., Any], args: tuple, kind: str,
                num_workers: int) -> PerWorkerValues:
@@ -49,40 +59,49 @@ class PerWorkerResources:
         """
         rid = next(self._ids)
         with self._lock:
+            self._apply_releases()
             self._resources.append((rid, fn, args))
         return PerWorkerValues([WorkerResource(rid, i, kind) for i in range(num_workers)])
 
     def specs(self) -> list[tuple[int, Callable, tuple]]:
         """``(resource_id, fn, args)`` of every resource a worker should hold (not broken)."""
         with self._lock:
+            self._apply_releases()
             return [r for r in self._resources if r[0] not in self._broken]
 
     def mark_broken(self, rid: int, error: BaseException) -> None:
         """Resource ``rid`` failed to build with ``error`` (the first error is kept)."""
         with self._lock:
+            self._apply_releases()
             self._broken.setdefault(rid, error)
 
     def broken(self, rid: int) -> BaseException | None:
         """The error resource ``rid`` failed with (``None``: not broken)."""
         with self._lock:
+            self._apply_releases()
             return self._broken.get(rid)
 
     def release(self, rid: int) -> None:
-        """Forgets a resource nobody holds: restarted workers do not rebuild it."""
-        with self._lock:
-            self._resources = [r for r in self._resources if r[0] != rid]
-            self._broken.pop(rid, None)
+        """Forgets a resource nobody holds: restarted workers do not rebuild it.
+
+        Called by a finalizer (an iterator nobody holds), which the garbage collector runs in
+        whichever thread allocates, possibly inside one of this registry's own locked sections:
+        it takes no lock (the lock is not reentrant; taking it there would deadlock the
+        thread), it queues the id, and the next call applies it under the lock."""
+        self._released.append(rid)
 
     def live(self, kind: str | None = None) -> list[int]:
         """Ids of the resources (of ``kind``: ``"iterator"`` or another) restarted workers
         would rebuild."""
         with self._lock:
+            self._apply_releases()
             return [rid for rid, fn, _ in self._resources
                     if kind is None or (kind == "iterator") == (fn is make_iterator)]
 
     def broken_input(self, structure: Any, worker_index: int) -> ClosureInputError | None:
         """TF's ``InputError``: a per-worker resource in ``structure`` failed to build."""
         with self._lock:
+            self._apply_releases()
             if not self._broken:
                 return None
             broken = dict(self._broken)
