@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from devutil import first_devices
+from devutil import PRECISE, first_devices
 
 import jaxdist
 from jaxdist import Dataset, InputContext, InputOptions, PerReplica
@@ -387,3 +387,38 @@ def test_get_next_as_optional_is_tfs_optional(strategy, buffer):
         (), np.int32)
     with pytest.raises(ValueError, match="without an element_spec"):
         jaxdist.data.Optional().element_spec  # noqa: B018 - the property raises
+
+
+@pytest.mark.parametrize("precise", PRECISE)
+def test_dropping_an_iterator_does_not_wait_for_its_prefetch_thread(strategy, precise):
+    """An iterator nobody holds only tells its prefetch thread to stop (its finalizer runs
+    wherever the collector does, so it must not wait): a thread held by a blocking source
+    ends once the source gives its next element."""
+    import gc
+    import threading
+    import time
+
+    waiting, release = threading.Event(), threading.Event()
+
+    def source():
+        yield np.zeros((4, 1))
+        waiting.set()
+        assert release.wait(60), "the test never released the source"
+        yield np.ones((4, 1))
+
+    before = set(threading.enumerate())
+    it = iter(strategy.experimental_distribute_dataset(
+        source(), InputOptions(prefetch_thread=True)))
+    [thread] = [t for t in threading.enumerate() if t not in before]
+    assert thread.name == "jaxdist-prefetch"
+    assert waiting.wait(30), "the prefetch thread never asked for the second element"
+    t0 = time.monotonic()
+    del it
+    gc.collect()
+    dropped_in = time.monotonic() - t0
+    assert thread.is_alive()  # still held by the source
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive(), "the prefetch thread did not stop"
+    if precise:
+        assert dropped_in < 1.0, f"dropping the iterator waited {dropped_in:.1f} s"

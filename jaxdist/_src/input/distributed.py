@@ -384,9 +384,11 @@ class _Prefetcher:
             raise value
         return value
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stops the thread; with ``wait``, waits for it (at most 5 s)."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if wait:
+            self._thread.join(timeout=5.0)
 
 
 class DistributedIterator:
@@ -459,8 +461,16 @@ class DistributedIterator:
             self._prefetcher.close()
 
     def __del__(self):
+        # Only tells a prefetch thread to stop: a finalizer runs wherever the collector does,
+        # maybe while this thread holds a lock that the prefetch thread waits for, and a
+        # source that blocks (a stream waiting for data) holds the thread too: joining there
+        # stalls the program for the join's timeout. The thread ends at its next element, or
+        # within 0.1 s when its queue is full.
         try:
-            self.close()
+            if isinstance(self._prefetcher, _Prefetcher):
+                self._prefetcher.close(wait=False)
+            elif self._prefetcher is not None:
+                self._prefetcher.close()
         except Exception:  # noqa: BLE001
             pass
 
