@@ -175,7 +175,8 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
     deadline = time.monotonic() + timeout
 
     def drop(j: _Joiner) -> None:
-        pending.pop(j.fd, None)
+        if pending.get(j.fd) is j:  # its descriptor may already be another connection's
+            del pending[j.fd]
         try:
             sel.unregister(j.sock)
         except (KeyError, ValueError):
@@ -203,6 +204,11 @@ def serve_handshake(group: Any, token: str, timeout: float, bind_address: str | 
                     _accept(listener, ctx, sel, pending, drop, seconds, per_peer)
                     continue
                 j = sk.data
+                if pending.get(j.fd) is not j:
+                    # dropped earlier in this batch (pushed out by a connection accepted
+                    # above): its descriptor may now be that new connection's, which must
+                    # keep its place under the caps and its deadline
+                    continue
                 try:
                     done = j.advance(key, gdig, group)
                 except (OSError, ConnectionError, ssl.SSLError) as e:
