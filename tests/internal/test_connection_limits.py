@@ -390,3 +390,68 @@ def test_the_gate_closes_the_most_idle_first_and_established_ones_last():
                                                 for i in range(6)]
     names = {v[2] for v in ConnectionGate._victims(items, w)}  # noqa: SLF001
     assert "old" not in names and len(names) == 3
+
+
+class _GatedSelector(handshake.selectors.DefaultSelector):
+    """The handshake loop's selector, one batch of events per ``gate``, the listener's event
+    first: what a loaded machine gives at random (several events in one batch)."""
+
+    gate = threading.Event()
+    released = False
+
+    def select(self, timeout=None):
+        if not self.released:
+            self.gate.wait(10)
+            self.gate.clear()
+        events = super().select(0)
+        return sorted(events, key=lambda e: e[0].data is not None)
+
+
+def test_a_connection_accepted_in_a_pushed_out_ones_descriptor_stays_under_the_cap(monkeypatch):
+    """A flood connection pushed out by the per-address cap frees its descriptor; the one
+    accepted next may get it. The pushed-out one's event, later in the same batch, must not
+    take the new one out of the pending table (it then escaped the cap and the deadline and
+    stayed open)."""
+    from test_handshake import _group
+
+    monkeypatch.setattr(handshake, "MAX_PENDING_PER_PEER", 1)
+    monkeypatch.setattr(handshake, "HANDSHAKE_SECONDS", 60.0)  # only the cap closes them
+    monkeypatch.setattr(handshake.selectors, "DefaultSelector", _GatedSelector)
+    _GatedSelector.released = False
+    (port,) = pick_free_ports(1)
+    errors = []
+    chief = threading.Thread(target=_catch, args=(errors, serve_handshake, _group(0, port),
+                                                  TOKEN, 8), kwargs={"tls_material": None},
+                             daemon=True)
+    chief.start()
+
+    def batch():  # let the loop take what is ready now, in one batch
+        time.sleep(0.3)
+        _GatedSelector.gate.set()
+        time.sleep(0.3)
+
+    socks = []
+    try:
+        time.sleep(0.3)
+        [a] = flood(port, 1, b"JAX", source="127.0.0.2")
+        socks.append(a)
+        batch()  # a accepted
+        batch()  # a's first bytes read
+        a.send(b"DIST")
+        b, c = flood(port, 2, source="127.0.0.2")
+        socks += [b, c]
+        # one batch: b accepted (a pushed out: its descriptor freed), c accepted (maybe in a's
+        # descriptor; b pushed out), then a's event
+        batch()
+        assert not _open(a, 0.5) and not _open(b, 0.5), "the cap did not push out the oldest"
+        [d] = flood(port, 1, source="127.0.0.2")
+        socks.append(d)
+        batch()  # d accepted: c, the oldest of 127.0.0.2's, pushed out
+        assert not _open(c, 2.0), "a connection escaped the per-address cap"
+        assert _open(d, 0.2)
+    finally:
+        _GatedSelector.released = True
+        _GatedSelector.gate.set()
+        for s in socks:
+            s.close()
+        chief.join(30)
