@@ -17,9 +17,10 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -42,12 +43,15 @@ class PerWorkerResources:
         # ids released by finalizers, applied under the lock by the next call (see release)
         self._released: collections.deque[int] = collections.deque()
 
-    def _apply_releases(self) -> None:
-        """Forgets the released resources (called with the lock held)."""
-        while self._released:
-            rid = self._released.popleft()
-            self._resources = [r for r in self._resources if r[0] != rid]
-            self._broken.pop(rid, None)
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Holds the lock, with the released resources forgotten first."""
+        with self._lock:
+            while self._released:
+                rid = self._released.popleft()
+                self._resources = [r for r in self._resources if r[0] != rid]
+                self._broken.pop(rid, None)
+            yield
 
     def create(self, fn: Callable[..., Any], args: tuple, kind: str,
                num_workers: int) -> PerWorkerValues:
@@ -58,27 +62,23 @@ class PerWorkerResources:
             ...     make_iterator, (datasets,), "iterator", num_workers=2)
         """
         rid = next(self._ids)
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             self._resources.append((rid, fn, args))
         return PerWorkerValues([WorkerResource(rid, i, kind) for i in range(num_workers)])
 
     def specs(self) -> list[tuple[int, Callable, tuple]]:
         """``(resource_id, fn, args)`` of every resource a worker should hold (not broken)."""
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             return [r for r in self._resources if r[0] not in self._broken]
 
     def mark_broken(self, rid: int, error: BaseException) -> None:
         """Resource ``rid`` failed to build with ``error`` (the first error is kept)."""
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             self._broken.setdefault(rid, error)
 
     def broken(self, rid: int) -> BaseException | None:
         """The error resource ``rid`` failed with (``None``: not broken)."""
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             return self._broken.get(rid)
 
     def release(self, rid: int) -> None:
@@ -93,15 +93,13 @@ class PerWorkerResources:
     def live(self, kind: str | None = None) -> list[int]:
         """Ids of the resources (of ``kind``: ``"iterator"`` or another) restarted workers
         would rebuild."""
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             return [rid for rid, fn, _ in self._resources
                     if kind is None or (kind == "iterator") == (fn is make_iterator)]
 
     def broken_input(self, structure: Any, worker_index: int) -> ClosureInputError | None:
         """TF's ``InputError``: a per-worker resource in ``structure`` failed to build."""
-        with self._lock:
-            self._apply_releases()
+        with self._locked():
             if not self._broken:
                 return None
             broken = dict(self._broken)

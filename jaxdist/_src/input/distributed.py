@@ -327,7 +327,7 @@ class _AheadPrefetcher:
             raise value
         return value
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:  # no thread: nothing to wait for
         self._queue.clear()
         self._ended = True
         self._queue.append(("end", None))
@@ -467,10 +467,8 @@ class DistributedIterator:
         # stalls the program for the join's timeout. The thread ends at its next element, or
         # within 0.1 s when its queue is full.
         try:
-            if isinstance(self._prefetcher, _Prefetcher):
+            if self._prefetcher is not None:
                 self._prefetcher.close(wait=False)
-            elif self._prefetcher is not None:
-                self._prefetcher.close()
         except Exception:  # noqa: BLE001
             pass
 
